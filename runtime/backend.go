@@ -1,0 +1,94 @@
+// Package runtime is qtool's bundled inference engine: one forward pass for
+// the Llama/Qwen families written once over the Backend interface. The CPU
+// backend (runtime/cpu) is pure Go; the CUDA backend (runtime/cuda) drives a
+// GPU through the driver API. Calibration (GPTQ, AWQ, SmoothQuant) reuses
+// the same forward, layer by layer, with capture points at linear inputs.
+package runtime
+
+import "qtool/formats/model"
+
+// Buf is a backend-resident activation matrix [Rows, Cols], row-major.
+// Values have float32 semantics; a device backend may store a narrower type.
+type Buf interface {
+	Rows() int
+	Cols() int
+}
+
+// Linear is a weight [Out, In] uploaded to a backend in its stored form:
+// float (F32/F16/BF16), *model.Quantized (int8 per-group, int4/int3
+// asymmetric, msmodelslim W8A16 with offsets) or *model.W8A8. A backend never
+// keeps a pre-dequantized float copy of a quantized weight.
+type Linear interface {
+	Out() int
+	In() int
+}
+
+// Vector is an uploaded float vector (norm weights, biases).
+type Vector interface {
+	Len() int
+}
+
+// KVCache holds keys and values of every layer for up to MaxSeq positions.
+type KVCache interface {
+	MaxSeq() int
+}
+
+// Backend executes the operations of the forward pass. Methods panic only on
+// programmer errors (mismatched shapes); data errors are returned by the
+// Upload* methods. Unless noted, dst must not alias an input.
+type Backend interface {
+	// Name is "cpu" or "cuda" (with device details after a colon if wanted).
+	Name() string
+	Close() error
+
+	// UploadLinear uploads a linear weight (or embedding table) keeping its
+	// quantized form; it returns an error naming the scheme when the
+	// backend cannot run it.
+	UploadLinear(name string, t model.Tensor) (Linear, error)
+	// UploadVector uploads a 1-D float tensor.
+	UploadVector(name string, t model.Tensor) (Vector, error)
+
+	// Alloc returns a zeroed [rows, cols] activation buffer.
+	Alloc(rows, cols int) Buf
+	// Free releases b; it must not be used afterwards.
+	Free(b Buf)
+	// Upload copies src (rows*cols values) into dst.
+	Upload(dst Buf, src []float32)
+	// Download copies src into dst (rows*cols values).
+	Download(dst []float32, src Buf)
+	// NewKVCache allocates a cache for layers × maxSeq positions of kvDim
+	// keys and values.
+	NewKVCache(layers, maxSeq, kvDim int) KVCache
+
+	// Embed gathers rows ids of table into dst [len(ids), table.In()].
+	Embed(dst Buf, table Linear, ids []int)
+	// RMSNorm normalizes every row of x with weight w (and adds bias when
+	// not nil, for SmoothQuant-folded norms). dst may alias x.
+	RMSNorm(dst, x Buf, w, bias Vector, eps float32)
+	// RMSNormHeads normalizes each headDim-wide slice of every row of x in
+	// place with the shared weight w (Qwen3 q_norm/k_norm).
+	RMSNormHeads(x Buf, headDim int, w Vector, eps float32)
+	// MatMul computes dst[T, Out] = x[T, In] · Wᵀ.
+	MatMul(dst, x Buf, w Linear)
+	// AddBias adds b to every row of x in place.
+	AddBias(x Buf, b Vector)
+	// RoPE rotates x in place: row i is at position pos0+i and holds
+	// Cols/headDim heads.
+	RoPE(x Buf, headDim, pos0 int, theta float64, layout model.RopeLayout)
+	// StoreKV writes k and v (rows = positions pos0..) into the cache of layer.
+	StoreKV(c KVCache, layer, pos0 int, k, v Buf)
+	// Attention computes causal grouped-query attention of q (rows =
+	// positions pos0.., heads×headDim columns) over cache positions
+	// 0..pos0+row, writing dst [T, heads×headDim].
+	Attention(dst, q Buf, c KVCache, layer, pos0, heads, kvHeads, headDim int)
+	// SiLUMul sets dst = silu(gate) * up elementwise. dst may alias gate.
+	SiLUMul(dst, gate, up Buf)
+	// Add sets dst += x elementwise.
+	Add(dst, x Buf)
+
+	// NLL writes −log softmax(logits[i])[targets[i]] for each row i into
+	// out, computed in at least float32 with a float64-safe reduction.
+	NLL(out []float64, logits Buf, targets []int)
+	// Argmax returns the index of the largest logit of each row.
+	Argmax(logits Buf) []int
+}
