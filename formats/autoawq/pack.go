@@ -37,65 +37,15 @@ var ReverseOrder = [PackFactor]int{0, 4, 1, 5, 2, 6, 3, 7}
 // quantizers targeting AWQ formats should produce fp16-representable scales.
 // A scale that overflows fp16 is an error.
 func Pack(q *model.Quantized) (qweight, qzeros []int32, scales []uint16, err error) {
-	if q == nil {
-		return nil, nil, nil, fmt.Errorf("awq pack: nil tensor")
+	if err := checkPackable(q); err != nil {
+		return nil, nil, nil, err
 	}
-	if q.Bits != 4 {
-		return nil, nil, nil, fmt.Errorf("awq pack: %d-bit weights, AutoAWQ GEMM holds only 4-bit", q.Bits)
+	qweight = packWeight(q)
+	if qzeros, err = packZeros(q); err != nil {
+		return nil, nil, nil, err
 	}
-	if q.GroupSize <= 0 {
-		return nil, nil, nil, fmt.Errorf("awq pack: group size %d, AutoAWQ GEMM needs per-group scales (group size > 0)", q.GroupSize)
-	}
-	if q.GIdx != nil {
-		return nil, nil, nil, fmt.Errorf("awq pack: weight has a g_idx (act-order); AutoAWQ GEMM has no input permutation")
-	}
-	if err := q.Validate(); err != nil {
-		return nil, nil, nil, fmt.Errorf("awq pack: %w", err)
-	}
-	out, in, g := q.Rows, q.Cols, q.GroupSize
-	if out%PackFactor != 0 {
-		return nil, nil, nil, fmt.Errorf("awq pack: %d output features is not a multiple of %d", out, PackFactor)
-	}
-	G := in / g
-	ow := out / PackFactor
-	qweight = make([]int32, in*ow)
-	qzeros = make([]int32, G*ow)
-	scales = make([]uint16, G*out)
-	for k := 0; k < in; k++ {
-		row := qweight[k*ow : (k+1)*ow]
-		for c := range row {
-			var w uint32
-			for i, j := range Order {
-				u := uint32(int(q.Q[(PackFactor*c+j)*in+k]) + 8)
-				w |= u << (4 * i)
-			}
-			row[c] = int32(w)
-		}
-	}
-	for gi := 0; gi < G; gi++ {
-		for n := 0; n < out; n++ {
-			s := q.Scale[n*G+gi]
-			h := model.Float32ToF16(s)
-			if f := model.F16ToFloat32(h); math.IsInf(float64(f), 0) || math.IsNaN(float64(f)) {
-				return nil, nil, nil, fmt.Errorf("awq pack: scale %g of output %d, group %d is not representable in fp16", s, n, gi)
-			}
-			scales[gi*out+n] = h
-		}
-		for c := 0; c < ow; c++ {
-			var w uint32
-			for i, j := range Order {
-				z := 8
-				if q.Zero != nil {
-					zf := q.Zero[(PackFactor*c+j)*G+gi] + 8
-					if zf != float32(math.Round(float64(zf))) || zf < 0 || zf > 15 {
-						return nil, nil, nil, fmt.Errorf("awq pack: zero point %g of output %d, group %d is not an integer code in 0..15", zf, PackFactor*c+j, gi)
-					}
-					z = int(zf)
-				}
-				w |= uint32(z) << (4 * i)
-			}
-			qzeros[gi*ow+c] = int32(w)
-		}
+	if scales, err = packScales(q); err != nil {
+		return nil, nil, nil, err
 	}
 	return qweight, qzeros, scales, nil
 }
@@ -105,43 +55,38 @@ func Pack(q *model.Quantized) (qweight, qzeros []int32, scales []uint16, err err
 // lengths. The result always carries zero points (Zero = z − 8), since the
 // AutoAWQ layout cannot tell a symmetric weight from an asymmetric one.
 func Unpack(qweight, qzeros []int32, scales []uint16, in, out, group int) (*model.Quantized, error) {
-	if in <= 0 || out <= 0 {
-		return nil, fmt.Errorf("awq unpack: shape [out %d, in %d], want positive", out, in)
+	if err := checkLengths(len(qweight), len(qzeros), len(scales), in, out, group); err != nil {
+		return nil, fmt.Errorf("awq unpack: %w", err)
 	}
-	if out%PackFactor != 0 {
-		return nil, fmt.Errorf("awq unpack: %d output features is not a multiple of %d", out, PackFactor)
+	f := make([]float32, len(scales))
+	for i, h := range scales {
+		f[i] = model.F16ToFloat32(h)
 	}
-	if group <= 0 || in%group != 0 {
-		return nil, fmt.Errorf("awq unpack: group size %d does not divide %d input features", group, in)
-	}
-	if in > 1<<30 || out > 1<<30 || int64(in)*int64(out) > 1<<40 {
-		return nil, fmt.Errorf("awq unpack: shape [out %d, in %d] is implausibly large", out, in)
-	}
+	return unpack(qweight, qzeros, f, in, out, group), nil
+}
+
+// unpack does the work of Unpack once the lengths are checked; scales are
+// already widened to float32 [in/g, out].
+func unpack(qweight, qzeros []int32, scales []float32, in, out, group int) *model.Quantized {
 	G := in / group
 	ow := out / PackFactor
-	if len(qweight) != in*ow {
-		return nil, fmt.Errorf("awq unpack: qweight has %d words, want [%d, %d] = %d", len(qweight), in, ow, in*ow)
-	}
-	if len(qzeros) != G*ow {
-		return nil, fmt.Errorf("awq unpack: qzeros has %d words, want [%d, %d] = %d", len(qzeros), G, ow, G*ow)
-	}
-	if len(scales) != G*out {
-		return nil, fmt.Errorf("awq unpack: scales has %d values, want [%d, %d] = %d", len(scales), G, out, G*out)
-	}
 	q := &model.Quantized{Bits: 4, GroupSize: group, Rows: out, Cols: in,
 		Q: make([]int8, out*in), Scale: make([]float32, out*G), Zero: make([]float32, out*G)}
-	for k := 0; k < in; k++ {
-		row := qweight[k*ow : (k+1)*ow]
-		for c, w := range row {
-			u := uint32(w)
-			for i, j := range Order {
-				q.Q[(PackFactor*c+j)*in+k] = int8(int((u>>(4*i))&15) - 8)
+	var rows [PackFactor][]int8
+	for c := 0; c < ow; c++ {
+		for i, j := range Order {
+			rows[i] = q.Q[(PackFactor*c+j)*in : (PackFactor*c+j+1)*in]
+		}
+		for k := 0; k < in; k++ {
+			u := uint32(qweight[k*ow+c])
+			for i := range rows {
+				rows[i][k] = int8(int32((u>>(4*i))&15) - 8)
 			}
 		}
 	}
 	for gi := 0; gi < G; gi++ {
 		for n := 0; n < out; n++ {
-			q.Scale[n*G+gi] = model.F16ToFloat32(scales[gi*out+n])
+			q.Scale[n*G+gi] = scales[gi*out+n]
 		}
 		for c := 0; c < ow; c++ {
 			u := uint32(qzeros[gi*ow+c])
@@ -150,5 +95,136 @@ func Unpack(qweight, qzeros []int32, scales []uint16, in, out, group int) (*mode
 			}
 		}
 	}
-	return q, nil
+	return q
+}
+
+// checkLengths validates a layer's dimensions and the lengths of its packed
+// tensors (nw qweight words, nz qzeros words, ns scales).
+func checkLengths(nw, nz, ns, in, out, group int) error {
+	if in <= 0 || out <= 0 {
+		return fmt.Errorf("shape [out %d, in %d], want positive", out, in)
+	}
+	if out%PackFactor != 0 {
+		return fmt.Errorf("%d output features is not a multiple of %d", out, PackFactor)
+	}
+	if group <= 0 || in%group != 0 {
+		return fmt.Errorf("group size %d does not divide %d input features", group, in)
+	}
+	if in > 1<<30 || out > 1<<30 || int64(in)*int64(out) > 1<<40 {
+		return fmt.Errorf("shape [out %d, in %d] is implausibly large", out, in)
+	}
+	G := in / group
+	ow := out / PackFactor
+	if nw != in*ow {
+		return fmt.Errorf("qweight has %d words, want [%d, %d] = %d", nw, in, ow, in*ow)
+	}
+	if nz != G*ow {
+		return fmt.Errorf("qzeros has %d words, want [%d, %d] = %d", nz, G, ow, G*ow)
+	}
+	if ns != G*out {
+		return fmt.Errorf("scales has %d values, want [%d, %d] = %d", ns, G, out, G*out)
+	}
+	return nil
+}
+
+// checkPackable checks everything Pack needs: 4 bits, per-group scales, no
+// g_idx, a consistent tensor, the row count, integer zero points and
+// fp16-representable scales.
+func checkPackable(q *model.Quantized) error {
+	if q == nil {
+		return fmt.Errorf("awq pack: nil tensor")
+	}
+	if q.Bits != 4 {
+		return fmt.Errorf("awq pack: %d-bit weights, AutoAWQ GEMM holds only 4-bit", q.Bits)
+	}
+	if q.GroupSize <= 0 {
+		return fmt.Errorf("awq pack: group size %d, AutoAWQ GEMM needs per-group scales (group size > 0)", q.GroupSize)
+	}
+	if q.GIdx != nil {
+		return fmt.Errorf("awq pack: weight has a g_idx (act-order); AutoAWQ GEMM has no input permutation")
+	}
+	if err := q.Validate(); err != nil {
+		return fmt.Errorf("awq pack: %w", err)
+	}
+	if q.Rows%PackFactor != 0 {
+		return fmt.Errorf("awq pack: %d output features is not a multiple of %d", q.Rows, PackFactor)
+	}
+	G := q.Groups()
+	for i, s := range q.Scale {
+		if f := model.F16ToFloat32(model.Float32ToF16(s)); math.IsInf(float64(f), 0) || math.IsNaN(float64(f)) {
+			return fmt.Errorf("awq pack: scale %g of output %d, group %d is not representable in fp16", s, i/G, i%G)
+		}
+	}
+	for i, z := range q.Zero {
+		zf := z + 8
+		if zf != float32(math.Round(float64(zf))) || zf < 0 || zf > 15 {
+			return fmt.Errorf("awq pack: zero point %g of output %d, group %d is not an integer code in 0..15", zf, i/G, i%G)
+		}
+	}
+	return nil
+}
+
+// packWeight packs q.Q into qweight [in, out/8] (q already checked). It
+// walks eight output rows at a time so that the reads stay sequential.
+func packWeight(q *model.Quantized) []int32 {
+	out, in := q.Rows, q.Cols
+	ow := out / PackFactor
+	qweight := make([]int32, in*ow)
+	var rows [PackFactor][]int8
+	for c := 0; c < ow; c++ {
+		for i, j := range Order {
+			rows[i] = q.Q[(PackFactor*c+j)*in : (PackFactor*c+j+1)*in]
+		}
+		for k := 0; k < in; k++ {
+			var w uint32
+			for i := range rows {
+				w |= uint32(int32(rows[i][k])+8) << (4 * i)
+			}
+			qweight[k*ow+c] = int32(w)
+		}
+	}
+	return qweight
+}
+
+// packZeros packs the zero points into qzeros [in/g, out/8]; code 8 when
+// symmetric.
+func packZeros(q *model.Quantized) ([]int32, error) {
+	out, G := q.Rows, q.Groups()
+	ow := out / PackFactor
+	qzeros := make([]int32, G*ow)
+	for gi := 0; gi < G; gi++ {
+		for c := 0; c < ow; c++ {
+			var w uint32
+			for i, j := range Order {
+				z := 8
+				if q.Zero != nil {
+					zf := q.Zero[(PackFactor*c+j)*G+gi] + 8
+					if zf != float32(math.Round(float64(zf))) || zf < 0 || zf > 15 {
+						return nil, fmt.Errorf("awq pack: zero point %g of output %d, group %d is not an integer code in 0..15", zf, PackFactor*c+j, gi)
+					}
+					z = int(zf)
+				}
+				w |= uint32(z) << (4 * i)
+			}
+			qzeros[gi*ow+c] = int32(w)
+		}
+	}
+	return qzeros, nil
+}
+
+// packScales rounds the scales to fp16, transposed to [in/g, out].
+func packScales(q *model.Quantized) ([]uint16, error) {
+	out, G := q.Rows, q.Groups()
+	scales := make([]uint16, G*out)
+	for gi := 0; gi < G; gi++ {
+		for n := 0; n < out; n++ {
+			s := q.Scale[n*G+gi]
+			h := model.Float32ToF16(s)
+			if f := model.F16ToFloat32(h); math.IsInf(float64(f), 0) || math.IsNaN(float64(f)) {
+				return nil, fmt.Errorf("awq pack: scale %g of output %d, group %d is not representable in fp16", s, n, gi)
+			}
+			scales[gi*out+n] = h
+		}
+	}
+	return scales, nil
 }

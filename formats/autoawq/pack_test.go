@@ -211,3 +211,27 @@ func TestUnpackErrors(t *testing.T) {
 		})
 	}
 }
+
+func BenchmarkPack(b *testing.B) {
+	q := randomQuantized(rand.New(rand.NewPCG(5, 6)), 2048, 2048, 128)
+	b.SetBytes(int64(len(q.Q)))
+	for b.Loop() {
+		if _, _, _, err := Pack(q); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkUnpack(b *testing.B) {
+	q := randomQuantized(rand.New(rand.NewPCG(5, 6)), 2048, 2048, 128)
+	qw, qz, sc, err := Pack(q)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.SetBytes(int64(len(q.Q)))
+	for b.Loop() {
+		if _, err := Unpack(qw, qz, sc, 2048, 2048, 128); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

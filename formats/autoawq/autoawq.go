@@ -1,0 +1,257 @@
+package autoawq
+
+import (
+	"encoding/binary"
+	"encoding/json"
+
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"qtool/formats/hf"
+	"qtool/formats/model"
+	"qtool/formats/safetensors"
+)
+
+// Format is the model.Model.Format of models read by Open.
+const Format = "autoawq"
+
+// ReadQuantConfig returns the AutoAWQ quantization config of dir: the
+// "quantization_config" of config.json, or AutoAWQ's own quant_config.json
+// when config.json has none.
+func ReadQuantConfig(dir string, raw map[string]json.RawMessage) (QuantConfig, error) {
+	path := filepath.Join(dir, "config.json")
+	data, ok := raw["quantization_config"]
+	if !ok || strings.TrimSpace(string(data)) == "null" {
+		path = filepath.Join(dir, "quant_config.json")
+		var err error
+		data, err = os.ReadFile(path)
+		if err != nil {
+			return QuantConfig{}, fmt.Errorf("%s: config.json has no quantization_config and there is no quant_config.json: not an AutoAWQ checkpoint", dir)
+		}
+	}
+	qc, err := ParseQuantConfig(data)
+	if err != nil {
+		return QuantConfig{}, fmt.Errorf("%s: %w", path, err)
+	}
+	return qc, nil
+}
+
+// Open reads an AutoAWQ GEMM checkpoint directory: config.json with its
+// quantization_config, and model.safetensors or shards with an index. Each
+// decoder linear stored as qweight/qzeros/scales becomes a *model.Quantized
+// (4 bits, the config's group size, zero points always set); linears stored
+// as plain weights (modules_to_not_convert) and every other tensor stay
+// dense, aliasing the memory-mapped files until the model is closed.
+func Open(dir string) (*model.Model, error) {
+	cfg, raw, err := hf.ReadConfig(dir)
+	if err != nil {
+		return nil, err
+	}
+	qc, err := ReadQuantConfig(dir, raw)
+	if err != nil {
+		return nil, err
+	}
+	ck, err := safetensors.OpenCheckpoint(dir, "model")
+	if err != nil {
+		return nil, err
+	}
+	m := model.New(cfg)
+	m.Source, m.Format, m.TokenizerDir = dir, Format, dir
+	m.AddCloser(ck)
+	fail := func(err error) (*model.Model, error) {
+		m.Close()
+		return nil, err
+	}
+	claimed := map[string]bool{}
+	for l := 0; l < cfg.Layers; l++ {
+		for _, r := range model.Linears {
+			mod, _ := hf.Module(l, r)
+			names := [3]string{mod + ".qweight", mod + ".qzeros", mod + ".scales"}
+			n := 0
+			for _, s := range names {
+				if ck.Has(s) {
+					n++
+				}
+			}
+			if n == 0 {
+				continue // a float linear (or missing: CheckShapes says so)
+			}
+			if n != 3 {
+				return fail(fmt.Errorf("%s: %s has only some of qweight, qzeros, scales", ck.Path, mod))
+			}
+			if ck.Has(mod + ".weight") {
+				return fail(fmt.Errorf("%s: %s has both a quantized qweight and a float weight", ck.Path, mod))
+			}
+			q, err := readLinear(ck, mod, qc.GroupSize)
+			if err != nil {
+				return fail(err)
+			}
+			m.Set(model.Name(l, r), q)
+			for _, s := range names {
+				claimed[s] = true
+			}
+		}
+	}
+	if err := hf.LoadTensors(m, ck, func(n string) bool { return claimed[n] }); err != nil {
+		return fail(err)
+	}
+	if err := m.CheckShapes(); err != nil {
+		return fail(err)
+	}
+	return m, nil
+}
+
+// readLinear reads one module's qweight [in, out/8], qzeros [in/g, out/8]
+// and scales [in/g, out].
+func readLinear(ck *safetensors.Checkpoint, mod string, group int) (*model.Quantized, error) {
+	qw, err := ck.Tensor(mod + ".qweight")
+	if err != nil {
+		return nil, err
+	}
+	qz, err := ck.Tensor(mod + ".qzeros")
+	if err != nil {
+		return nil, err
+	}
+	sc, err := ck.Tensor(mod + ".scales")
+	if err != nil {
+		return nil, err
+	}
+	if qw.DType != model.I32 || qz.DType != model.I32 {
+		return nil, fmt.Errorf("%s: %s: qweight is %v and qzeros %v, want I32", ck.Path, mod, qw.DType, qz.DType)
+	}
+	if !sc.DType.IsFloat() {
+		return nil, fmt.Errorf("%s: %s.scales has dtype %v, want F16", ck.Path, mod, sc.DType)
+	}
+	if len(qw.Dims) != 2 || len(qz.Dims) != 2 || len(sc.Dims) != 2 {
+		return nil, fmt.Errorf("%s: %s: qweight %v, qzeros %v, scales %v must all be 2-D", ck.Path, mod, qw.Dims, qz.Dims, sc.Dims)
+	}
+	in, out := qw.Dims[0], sc.Dims[1]
+	if qw.Dims[1]*PackFactor != out || qz.Dims[1]*PackFactor != out || sc.Dims[0]*group != in || qz.Dims[0] != sc.Dims[0] {
+		return nil, fmt.Errorf("%s: %s: qweight %v, qzeros %v, scales %v do not fit one [in, out] layer with group size %d (want [in, out/8], [in/g, out/8], [in/g, out])",
+			ck.Path, mod, qw.Dims, qz.Dims, sc.Dims, group)
+	}
+	wv, _ := qw.Int32s()
+	zv, _ := qz.Int32s()
+	sv, err := sc.Float32()
+	if err != nil {
+		return nil, fmt.Errorf("%s: %s.scales: %w", ck.Path, mod, err)
+	}
+	if err := checkLengths(len(wv), len(zv), len(sv), in, out, group); err != nil {
+		return nil, fmt.Errorf("%s: %s: %w", ck.Path, mod, err)
+	}
+	return unpack(wv, zv, sv, in, out, group), nil
+}
+
+// WriteOptions controls Write.
+type WriteOptions struct {
+	// MaxShard splits the weights into shards of at most this many bytes
+	// plus model.safetensors.index.json (0: one model.safetensors).
+	MaxShard int64
+}
+
+// Write saves m as an AutoAWQ GEMM checkpoint in dir (created if needed).
+// Every *model.Quantized decoder linear must be 4-bit with one common group
+// size and no g_idx; its scales are rounded to fp16 (see Pack). Float decoder
+// linears are written as plain fp16 weights and listed in
+// modules_to_not_convert. Every other tensor is written as fp16 (quantized
+// ones dequantized first). config.json gets the quantization_config and the
+// tokenizer files of m.TokenizerDir are copied.
+func Write(m *model.Model, dir string, opt WriteOptions) error {
+	qc := QuantConfig{Bits: 4, ZeroPoint: true, Version: "gemm"}
+	var entries []safetensors.Entry
+	for _, canon := range m.SortedNames() {
+		t, _ := m.Lookup(canon)
+		layer, role, _ := model.ParseName(canon)
+		switch v := t.(type) {
+		case *model.W8A8:
+			return fmt.Errorf("write %s: tensor %q is W8A8 (activation-quantized); AutoAWQ holds only 4-bit weight-only linears", dir, canon)
+		case *model.Quantized:
+			if !model.IsLinear(role) || layer < 0 {
+				break // dequantized below
+			}
+			if err := checkPackable(v); err != nil {
+				return fmt.Errorf("write %s: tensor %q: %w", dir, canon, err)
+			}
+			if qc.GroupSize == 0 {
+				qc.GroupSize = v.GroupSize
+			} else if v.GroupSize != qc.GroupSize {
+				return fmt.Errorf("write %s: tensor %q has group size %d but others have %d; an AutoAWQ checkpoint has one group_size", dir, canon, v.GroupSize, qc.GroupSize)
+			}
+			mod, _ := hf.Module(layer, role)
+			entries = append(entries, quantEntries(mod, v)...)
+			continue
+		}
+		name, ok := hf.TensorName(canon)
+		if !ok {
+			return fmt.Errorf("write %s: tensor %q has no Hugging Face name", dir, canon)
+		}
+		if model.IsLinear(role) && layer >= 0 {
+			mod, _ := hf.Module(layer, role)
+			qc.ModulesToNotConvert = append(qc.ModulesToNotConvert, mod)
+		}
+		entries = append(entries, hf.FloatEntry(name, t, model.F16))
+	}
+	if qc.GroupSize == 0 {
+		return fmt.Errorf("write %s: model has no 4-bit quantized decoder linear; quantize it before writing AutoAWQ", dir)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	if err := safetensors.WriteCheckpoint(dir, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
+		return err
+	}
+	cfg := m.Config
+	cfg.DType = "float16"
+	js, err := hf.MarshalConfig(cfg, map[string]any{"quantization_config": qc.JSON()})
+	if err != nil {
+		return err
+	}
+	if err := hf.WriteFile(filepath.Join(dir, "config.json"), js); err != nil {
+		return err
+	}
+	return hf.CopyTokenizer(m.TokenizerDir, dir)
+}
+
+// quantEntries makes the three lazily packed tensors of one linear.
+func quantEntries(mod string, q *model.Quantized) []safetensors.Entry {
+	G := q.Groups()
+	ow := q.Rows / PackFactor
+	return []safetensors.Entry{
+		{Name: mod + ".qweight", DType: model.I32, Shape: []int{q.Cols, ow},
+			Data: func() ([]byte, error) { return int32Bytes(packWeight(q)), nil }},
+		{Name: mod + ".qzeros", DType: model.I32, Shape: []int{G, ow},
+			Data: func() ([]byte, error) {
+				z, err := packZeros(q)
+				if err != nil {
+					return nil, fmt.Errorf("%s: %w", mod, err)
+				}
+				return int32Bytes(z), nil
+			}},
+		{Name: mod + ".scales", DType: model.F16, Shape: []int{G, q.Rows},
+			Data: func() ([]byte, error) {
+				s, err := packScales(q)
+				if err != nil {
+					return nil, fmt.Errorf("%s: %w", mod, err)
+				}
+				return uint16Bytes(s), nil
+			}},
+	}
+}
+
+func int32Bytes(v []int32) []byte {
+	b := make([]byte, 4*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(b[4*i:], uint32(x))
+	}
+	return b
+}
+
+func uint16Bytes(v []uint16) []byte {
+	b := make([]byte, 2*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint16(b[2*i:], x)
+	}
+	return b
+}

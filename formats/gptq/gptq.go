@@ -1,0 +1,275 @@
+package gptq
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"qtool/formats/hf"
+	"qtool/formats/model"
+	"qtool/formats/safetensors"
+)
+
+// Format is the model.Model.Format of models read by Open.
+const Format = "gptq"
+
+// ReadQuantConfig returns the GPTQ quantization config of dir: the
+// "quantization_config" of config.json, or AutoGPTQ's quantize_config.json
+// when config.json has none.
+func ReadQuantConfig(dir string, raw map[string]json.RawMessage) (QuantConfig, error) {
+	path := filepath.Join(dir, "config.json")
+	data, ok := raw["quantization_config"]
+	if !ok || strings.TrimSpace(string(data)) == "null" {
+		path = filepath.Join(dir, "quantize_config.json")
+		var err error
+		data, err = os.ReadFile(path)
+		if err != nil {
+			return QuantConfig{}, fmt.Errorf("%s: config.json has no quantization_config and there is no quantize_config.json: not a GPTQ checkpoint", dir)
+		}
+	}
+	qc, err := ParseQuantConfig(data)
+	if err != nil {
+		return QuantConfig{}, fmt.Errorf("%s: %w", path, err)
+	}
+	return qc, nil
+}
+
+// Open reads a GPTQ checkpoint directory (checkpoint_format "gptq", or
+// "gptq_v2"): config.json with its quantization_config, and model.safetensors
+// or shards with an index. Each decoder linear stored as
+// qweight/qzeros/scales/g_idx becomes a *model.Quantized (Zero nil when all
+// zero points are 2^(bits−1); GIdx set when g_idx is not the default
+// c/group_size). Float linears and other tensors stay dense, aliasing the
+// memory-mapped files until the model is closed.
+func Open(dir string) (*model.Model, error) {
+	cfg, raw, err := hf.ReadConfig(dir)
+	if err != nil {
+		return nil, err
+	}
+	qc, err := ReadQuantConfig(dir, raw)
+	if err != nil {
+		return nil, err
+	}
+	ck, err := safetensors.OpenCheckpoint(dir, "model")
+	if err != nil {
+		return nil, err
+	}
+	m := model.New(cfg)
+	m.Source, m.Format, m.TokenizerDir = dir, Format, dir
+	m.AddCloser(ck)
+	fail := func(err error) (*model.Model, error) {
+		m.Close()
+		return nil, err
+	}
+	claimed := map[string]bool{}
+	for l := 0; l < cfg.Layers; l++ {
+		for _, r := range model.Linears {
+			mod, _ := hf.Module(l, r)
+			names := [3]string{mod + ".qweight", mod + ".qzeros", mod + ".scales"}
+			n := 0
+			for _, s := range names {
+				if ck.Has(s) {
+					n++
+				}
+			}
+			if n == 0 {
+				if ck.Has(mod + ".g_idx") {
+					return fail(fmt.Errorf("%s: %s has a g_idx but no qweight", ck.Path, mod))
+				}
+				continue // a float linear (or missing: CheckShapes says so)
+			}
+			if n != 3 {
+				return fail(fmt.Errorf("%s: %s has only some of qweight, qzeros, scales", ck.Path, mod))
+			}
+			if ck.Has(mod + ".weight") {
+				return fail(fmt.Errorf("%s: %s has both a quantized qweight and a float weight", ck.Path, mod))
+			}
+			q, err := readLinear(ck, mod, qc)
+			if err != nil {
+				return fail(err)
+			}
+			m.Set(model.Name(l, r), q)
+			for _, s := range names {
+				claimed[s] = true
+			}
+			claimed[mod+".g_idx"] = true
+		}
+	}
+	if err := hf.LoadTensors(m, ck, func(n string) bool { return claimed[n] }); err != nil {
+		return fail(err)
+	}
+	if err := m.CheckShapes(); err != nil {
+		return fail(err)
+	}
+	return m, nil
+}
+
+func readLinear(ck *safetensors.Checkpoint, mod string, qc QuantConfig) (*model.Quantized, error) {
+	get := func(suffix string) (*model.Dense, error) { return ck.Tensor(mod + suffix) }
+	qw, err := get(".qweight")
+	if err != nil {
+		return nil, err
+	}
+	qz, err := get(".qzeros")
+	if err != nil {
+		return nil, err
+	}
+	sc, err := get(".scales")
+	if err != nil {
+		return nil, err
+	}
+	if qw.DType != model.I32 || qz.DType != model.I32 {
+		return nil, fmt.Errorf("%s: %s: qweight is %v and qzeros %v, want I32", ck.Path, mod, qw.DType, qz.DType)
+	}
+	if !sc.DType.IsFloat() {
+		return nil, fmt.Errorf("%s: %s.scales has dtype %v, want F16", ck.Path, mod, sc.DType)
+	}
+	if len(qw.Dims) != 2 || len(qz.Dims) != 2 || len(sc.Dims) != 2 {
+		return nil, fmt.Errorf("%s: %s: qweight %v, qzeros %v, scales %v must all be 2-D", ck.Path, mod, qw.Dims, qz.Dims, sc.Dims)
+	}
+	l := Layer{In: qw.Dims[0] * 32 / qc.Bits, Out: qw.Dims[1], Bits: qc.Bits, Group: qc.GroupSize}
+	if qw.Dims[0]*32%qc.Bits != 0 || sc.Dims[1] != l.Out || qz.Dims[0] != sc.Dims[0] || qz.Dims[1]*32 != l.Out*qc.Bits ||
+		(l.Group > 0 && sc.Dims[0]*l.Group != l.In) || (l.Group <= 0 && sc.Dims[0] != 1) {
+		return nil, fmt.Errorf("%s: %s: qweight %v, qzeros %v, scales %v do not fit one layer with %d bits and group size %d (want [in·bits/32, out], [in/g, out·bits/32], [in/g, out])",
+			ck.Path, mod, qw.Dims, qz.Dims, sc.Dims, qc.Bits, qc.GroupSize)
+	}
+	var gIdx []int32
+	if ck.Has(mod + ".g_idx") {
+		gi, err := get(".g_idx")
+		if err != nil {
+			return nil, err
+		}
+		if gi.DType != model.I32 || len(gi.Dims) != 1 || gi.Dims[0] != l.In {
+			return nil, fmt.Errorf("%s: %s.g_idx is %v%v, want I32[%d]", ck.Path, mod, gi.DType, gi.Dims, l.In)
+		}
+		gIdx, _ = gi.Int32s()
+	} else if qc.DescAct {
+		return nil, fmt.Errorf("%s: %s has no g_idx but the config says desc_act = true (act-order needs g_idx)", ck.Path, mod)
+	}
+	wv, _ := qw.Int32s()
+	zv, _ := qz.Int32s()
+	sv, err := sc.Float32()
+	if err != nil {
+		return nil, fmt.Errorf("%s: %s.scales: %w", ck.Path, mod, err)
+	}
+	bias := 1
+	if qc.CheckpointFormat == "gptq_v2" {
+		bias = 0
+	}
+	q, err := unpack(wv, zv, sv, gIdx, l, bias)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %s: %w", ck.Path, mod, err)
+	}
+	return q, nil
+}
+
+// WriteOptions controls Write.
+type WriteOptions struct {
+	// MaxShard splits the weights into shards of at most this many bytes
+	// plus model.safetensors.index.json (0: one model.safetensors).
+	MaxShard int64
+}
+
+// Write saves m as a GPTQ v1 checkpoint (checkpoint_format "gptq") in dir.
+// Every *model.Quantized decoder linear must share one bit width (2, 3, 4 or
+// 8) and one group size (0 is written as group_size −1); their scales are
+// rounded to fp16 (see Pack). desc_act is true when some layer has a GIdx,
+// sym is true when no layer has zero points. Float decoder linears stay
+// plain fp16 weights; every other tensor is written as fp16 (quantized ones
+// dequantized). config.json gets the quantization_config and the tokenizer
+// files of m.TokenizerDir are copied.
+func Write(m *model.Model, dir string, opt WriteOptions) error {
+	qc := QuantConfig{Sym: true, CheckpointFormat: "gptq"}
+	var entries []safetensors.Entry
+	for _, canon := range m.SortedNames() {
+		t, _ := m.Lookup(canon)
+		layer, role, _ := model.ParseName(canon)
+		switch v := t.(type) {
+		case *model.W8A8:
+			return fmt.Errorf("write %s: tensor %q is W8A8 (activation-quantized); GPTQ holds only weight-only linears", dir, canon)
+		case *model.Quantized:
+			if !model.IsLinear(role) || layer < 0 {
+				break // dequantized below
+			}
+			if err := checkPackable(v); err != nil {
+				return fmt.Errorf("write %s: tensor %q: %w", dir, canon, err)
+			}
+			g := v.GroupSize
+			if g == 0 {
+				g = -1
+			}
+			if qc.Bits == 0 {
+				qc.Bits, qc.GroupSize = v.Bits, g
+			} else if v.Bits != qc.Bits || g != qc.GroupSize {
+				return fmt.Errorf("write %s: tensor %q has %d bits, group size %d, others %d bits, group size %d; a GPTQ checkpoint has one of each", dir, canon, v.Bits, g, qc.Bits, qc.GroupSize)
+			}
+			if v.GIdx != nil {
+				qc.DescAct = true
+			}
+			if v.Zero != nil {
+				qc.Sym = false
+			}
+			mod, _ := hf.Module(layer, role)
+			entries = append(entries, quantEntries(mod, v)...)
+			continue
+		}
+		name, ok := hf.TensorName(canon)
+		if !ok {
+			return fmt.Errorf("write %s: tensor %q has no Hugging Face name", dir, canon)
+		}
+		entries = append(entries, hf.FloatEntry(name, t, model.F16))
+	}
+	if qc.Bits == 0 {
+		return fmt.Errorf("write %s: model has no quantized decoder linear; quantize it before writing GPTQ", dir)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	if err := safetensors.WriteCheckpoint(dir, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
+		return err
+	}
+	cfg := m.Config
+	cfg.DType = "float16"
+	js, err := hf.MarshalConfig(cfg, map[string]any{"quantization_config": qc.JSON()})
+	if err != nil {
+		return err
+	}
+	if err := hf.WriteFile(filepath.Join(dir, "config.json"), js); err != nil {
+		return err
+	}
+	return hf.CopyTokenizer(m.TokenizerDir, dir)
+}
+
+// quantEntries makes the four lazily packed tensors of one linear.
+func quantEntries(mod string, q *model.Quantized) []safetensors.Entry {
+	G := q.Groups()
+	return []safetensors.Entry{
+		{Name: mod + ".qweight", DType: model.I32, Shape: []int{q.Cols * q.Bits / 32, q.Rows},
+			Data: func() ([]byte, error) { return int32Bytes(packWeight(q)), nil }},
+		{Name: mod + ".qzeros", DType: model.I32, Shape: []int{G, q.Rows * q.Bits / 32},
+			Data: func() ([]byte, error) { return int32Bytes(packZeros(q)), nil }},
+		{Name: mod + ".scales", DType: model.F16, Shape: []int{G, q.Rows},
+			Data: func() ([]byte, error) { return uint16Bytes(packScales(q)), nil }},
+		{Name: mod + ".g_idx", DType: model.I32, Shape: []int{q.Cols},
+			Data: func() ([]byte, error) { return int32Bytes(packGIdx(q)), nil }},
+	}
+}
+
+func int32Bytes(v []int32) []byte {
+	b := make([]byte, 4*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(b[4*i:], uint32(x))
+	}
+	return b
+}
+
+func uint16Bytes(v []uint16) []byte {
+	b := make([]byte, 2*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint16(b[2*i:], x)
+	}
+	return b
+}

@@ -1,0 +1,329 @@
+package msmodelslim
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+
+	"qtool/formats/hf"
+	"qtool/formats/model"
+	"qtool/formats/safetensors"
+)
+
+// WriteOptions controls Write.
+type WriteOptions struct {
+	// MaxShard splits the weights into shards of at most this many bytes
+	// plus an index (0: one file).
+	MaxShard int64
+	// V1Name writes quant_model_weights.safetensors (newer msmodelslim)
+	// instead of seed 001's quant_model_weight.safetensors.
+	V1Name bool
+	// DeqScaleInt64 writes W8A8 deq_scale as int64 (the fp32 bit pattern
+	// sign-extended, as msmodelslim does for fp16 models) instead of fp32.
+	DeqScaleInt64 bool
+}
+
+// Write saves m in the msmodelslim layout of seed 001: config.json,
+// quant_model_description.json and the weights file, plus the tokenizer
+// files of m.TokenizerDir.
+//
+//   - *model.Quantized decoder linears (8 bits → W8A16, 4 bits → W4A16; no
+//     GIdx) are written as weight int8 [n,k], weight_scale fp32 ([n] when
+//     GroupSize is 0, else [n, k/GroupSize]) and weight_offset (Zero, or
+//     zeros when symmetric).
+//   - *model.W8A8 linears are written as weight, input_scale and
+//     input_offset [1] (fp16 or bf16 when that holds both values exactly,
+//     else fp32), deq_scale [n] (fp32, or int64 with DeqScaleInt64),
+//     quant_bias int32 [n]. The weight scale is not part of the format: Open
+//     derives it as deq_scale / input_scale. A W8A8 with a separate Bias is
+//     refused: msmodelslim's quant_bias must already contain the bias.
+//   - A norm with a bias role (SmoothQuant-folded) is written as
+//     "<norm>.module.weight" and "<norm>.module.bias" (typed like the model)
+//     plus a FLOAT "<norm>.weight" holding the same folded weight: qtool does
+//     not keep the unsmoothed original that msmodelslim stores there.
+//   - Every other tensor is FLOAT in its own dtype (quantized non-linear
+//     tensors are dequantized to the model's float dtype).
+//
+// Open(Write(m)) reproduces every tensor of m exactly (W8A8 weight scales
+// exactly when they equal DeqScale / InputScale, as read ones do).
+func Write(m *model.Model, dir string, opt WriteOptions) error {
+	w := &writer{m: m, dir: dir, opt: opt, desc: &Description{Types: map[string]string{}}}
+	if err := w.collect(); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	base := WeightBaseV0
+	if opt.V1Name {
+		base = WeightBaseV1
+	}
+	if err := safetensors.WriteCheckpoint(dir, base, w.entries, nil, opt.MaxShard); err != nil {
+		return err
+	}
+	js, err := w.desc.Marshal(w.order)
+	if err != nil {
+		return err
+	}
+	if err := hf.WriteFile(filepath.Join(dir, DescriptionFile), js); err != nil {
+		return err
+	}
+	cj, err := hf.MarshalConfig(m.Config, nil)
+	if err != nil {
+		return err
+	}
+	if err := hf.WriteFile(filepath.Join(dir, "config.json"), cj); err != nil {
+		return err
+	}
+	return hf.CopyTokenizer(m.TokenizerDir, dir)
+}
+
+type writer struct {
+	m       *model.Model
+	dir     string
+	opt     WriteOptions
+	desc    *Description
+	entries []safetensors.Entry
+	order   []string
+	normTyp []string // names typed like the model, resolved once it is known
+	hasW8A8 bool
+	bits    map[int]bool
+}
+
+func (w *writer) add(e safetensors.Entry, typ string) {
+	w.entries = append(w.entries, e)
+	w.order = append(w.order, e.Name)
+	w.desc.Types[e.Name] = typ
+}
+
+func (w *writer) errorf(format string, args ...any) error {
+	return fmt.Errorf("write %s: "+format, append([]any{w.dir}, args...)...)
+}
+
+// floatDType is the model's float dtype for dequantized tensors.
+func (w *writer) floatDType() model.DType {
+	switch w.m.Config.DType {
+	case "float16":
+		return model.F16
+	case "bfloat16":
+		return model.BF16
+	}
+	return model.F32
+}
+
+func (w *writer) collect() error {
+	w.bits = map[int]bool{}
+	for _, canon := range w.m.SortedNames() {
+		t, _ := w.m.Lookup(canon)
+		layer, role, _ := model.ParseName(canon)
+		if role == model.AttnNormBias || role == model.MLPNormBias {
+			norm := model.AttnNorm
+			if role == model.MLPNormBias {
+				norm = model.MLPNorm
+			}
+			if _, ok := w.m.Lookup(model.Name(layer, norm)); !ok || layer < 0 {
+				return w.errorf("tensor %q has no norm weight %q beside it", canon, model.Name(layer, norm))
+			}
+			continue // written with its norm
+		}
+		linear := layer >= 0 && model.IsLinear(role)
+		mod, _ := hf.Module(layer, role)
+		switch v := t.(type) {
+		case *model.Quantized:
+			if linear {
+				if err := w.addWeightOnly(canon, mod, v); err != nil {
+					return err
+				}
+				continue
+			}
+		case *model.W8A8:
+			if !linear {
+				return w.errorf("tensor %q is W8A8 but not a decoder linear", canon)
+			}
+			if err := w.addW8A8(canon, mod, v); err != nil {
+				return err
+			}
+			continue
+		}
+		name, ok := hf.TensorName(canon)
+		if !ok {
+			return w.errorf("tensor %q has no Hugging Face name", canon)
+		}
+		if role == model.AttnNorm || role == model.MLPNorm {
+			bias := model.AttnNormBias
+			if role == model.MLPNorm {
+				bias = model.MLPNormBias
+			}
+			if bt, ok := w.m.Lookup(model.Name(layer, bias)); ok {
+				if err := w.addFoldedNorm(mod, t, bt); err != nil {
+					return err
+				}
+				continue
+			}
+		}
+		dt := model.DType(0)
+		if _, dense := t.(*model.Dense); !dense {
+			dt = w.floatDType()
+		}
+		w.add(hf.FloatEntry(name, t, dt), TypeFloat)
+	}
+	switch {
+	case w.hasW8A8:
+		w.desc.ModelQuantType = TypeW8A8
+	case w.bits[8]:
+		w.desc.ModelQuantType = TypeW8A16
+	case w.bits[4]:
+		w.desc.ModelQuantType = TypeW4A16
+	default:
+		return w.errorf("model has no quantized decoder linear; msmodelslim exports need W8A16, W4A16 or W8A8 linears")
+	}
+	for _, n := range w.normTyp {
+		w.desc.Types[n] = w.desc.ModelQuantType
+	}
+	return nil
+}
+
+func (w *writer) addWeightOnly(canon, mod string, q *model.Quantized) error {
+	if err := q.Validate(); err != nil {
+		return w.errorf("tensor %q: %w", canon, err)
+	}
+	typ := TypeW8A16
+	switch q.Bits {
+	case 8:
+	case 4:
+		typ = TypeW4A16
+	default:
+		return w.errorf("tensor %q has %d bits; msmodelslim weight-only linears are 8-bit (W8A16) or 4-bit (W4A16)", canon, q.Bits)
+	}
+	if q.GIdx != nil {
+		return w.errorf("tensor %q has a g_idx (act-order); msmodelslim has no input permutation", canon)
+	}
+	if q.GroupSize > 0 {
+		if w.desc.GroupSize != 0 && w.desc.GroupSize != q.GroupSize {
+			return w.errorf("tensor %q has group size %d, others %d; the description holds one group_size", canon, q.GroupSize, w.desc.GroupSize)
+		}
+		w.desc.GroupSize = q.GroupSize
+	}
+	w.bits[q.Bits] = true
+	n, G := q.Rows, q.Groups()
+	shape := []int{n}
+	if q.GroupSize > 0 {
+		shape = []int{n, G}
+	}
+	w.add(int8Entry(mod+".weight", q), typ)
+	w.add(safetensors.Entry{Name: mod + ".weight_scale", DType: model.F32, Shape: shape,
+		Data: func() ([]byte, error) { return hf.EncodeFloats(q.Scale, model.F32), nil }}, typ)
+	w.add(safetensors.Entry{Name: mod + ".weight_offset", DType: model.F32, Shape: shape,
+		Data: func() ([]byte, error) {
+			if q.Zero == nil {
+				return make([]byte, 4*n*G), nil
+			}
+			return hf.EncodeFloats(q.Zero, model.F32), nil
+		}}, typ)
+	return nil
+}
+
+func int8Entry(name string, q *model.Quantized) safetensors.Entry {
+	return safetensors.Entry{Name: name, DType: model.I8, Shape: []int{q.Rows, q.Cols},
+		Data: func() ([]byte, error) {
+			b := make([]byte, len(q.Q))
+			for i, v := range q.Q {
+				b[i] = byte(v)
+			}
+			return b, nil
+		}}
+}
+
+func (w *writer) addW8A8(canon, mod string, a *model.W8A8) error {
+	q := a.Weight
+	if q == nil {
+		return w.errorf("tensor %q: W8A8 without a weight", canon)
+	}
+	if err := q.Validate(); err != nil {
+		return w.errorf("tensor %q: %w", canon, err)
+	}
+	if q.Bits != 8 || q.Groups() != 1 || q.Zero != nil || q.GIdx != nil {
+		return w.errorf("tensor %q: W8A8 weights must be 8-bit, per-channel and symmetric (got %d bits, %d groups, zero points %v)", canon, q.Bits, q.Groups(), q.Zero != nil)
+	}
+	n := q.Rows
+	if len(a.DeqScale) != n || len(a.QuantBias) != n || (a.Bias != nil && len(a.Bias) != n) {
+		return w.errorf("tensor %q: W8A8 with %d rows has %d deq_scale, %d quant_bias, %d bias values", canon, n, len(a.DeqScale), len(a.QuantBias), len(a.Bias))
+	}
+	if a.Bias != nil {
+		return w.errorf("tensor %q: W8A8 has a separate float Bias; msmodelslim holds the bias inside quant_bias (fold round(Bias/DeqScale) into QuantBias first)", canon)
+	}
+	w.hasW8A8 = true
+	w.add(int8Entry(mod+".weight", q), TypeW8A8)
+	sdt := w.exactDType(a.InputScale, a.InputOffset)
+	w.add(safetensors.Entry{Name: mod + ".input_scale", DType: sdt, Shape: []int{1},
+		Data: func() ([]byte, error) { return hf.EncodeFloats([]float32{a.InputScale}, sdt), nil }}, TypeW8A8)
+	w.add(safetensors.Entry{Name: mod + ".input_offset", DType: sdt, Shape: []int{1},
+		Data: func() ([]byte, error) { return hf.EncodeFloats([]float32{a.InputOffset}, sdt), nil }}, TypeW8A8)
+	if w.opt.DeqScaleInt64 {
+		w.add(safetensors.Entry{Name: mod + ".deq_scale", DType: model.I64, Shape: []int{n},
+			Data: func() ([]byte, error) {
+				b := make([]byte, 8*n)
+				for i, d := range a.DeqScale {
+					binary.LittleEndian.PutUint64(b[8*i:], uint64(int64(int32(math.Float32bits(d)))))
+				}
+				return b, nil
+			}}, TypeW8A8)
+	} else {
+		w.add(safetensors.Entry{Name: mod + ".deq_scale", DType: model.F32, Shape: []int{n},
+			Data: func() ([]byte, error) { return hf.EncodeFloats(a.DeqScale, model.F32), nil }}, TypeW8A8)
+	}
+	w.add(safetensors.Entry{Name: mod + ".quant_bias", DType: model.I32, Shape: []int{n},
+		Data: func() ([]byte, error) {
+			b := make([]byte, 4*n)
+			for i, v := range a.QuantBias {
+				binary.LittleEndian.PutUint32(b[4*i:], uint32(v))
+			}
+			return b, nil
+		}}, TypeW8A8)
+	return nil
+}
+
+// exactDType picks the model's 16-bit float type when it holds every value
+// exactly, else the other 16-bit type, else F32.
+func (w *writer) exactDType(vs ...float32) model.DType {
+	cands := []model.DType{model.F16, model.BF16}
+	if w.floatDType() == model.BF16 {
+		cands = []model.DType{model.BF16, model.F16}
+	}
+	for _, dt := range cands {
+		ok := true
+		for _, v := range vs {
+			var back float32
+			if dt == model.F16 {
+				back = model.F16ToFloat32(model.Float32ToF16(v))
+			} else {
+				back = model.BF16ToFloat32(model.Float32ToBF16(v))
+			}
+			if back != v && !(math.IsNaN(float64(v)) && math.IsNaN(float64(back))) {
+				ok = false
+			}
+		}
+		if ok {
+			return dt
+		}
+	}
+	return model.F32
+}
+
+// addFoldedNorm writes a SmoothQuant-folded norm (see Write).
+func (w *writer) addFoldedNorm(base string, weight, bias model.Tensor) error {
+	wd, bd := model.DType(0), model.DType(0)
+	if _, ok := weight.(*model.Dense); !ok {
+		wd = w.floatDType()
+	}
+	if _, ok := bias.(*model.Dense); !ok {
+		bd = w.floatDType()
+	}
+	w.add(hf.FloatEntry(base+".weight", weight, wd), TypeFloat)
+	w.add(hf.FloatEntry(base+".module.weight", weight, wd), "")
+	w.add(hf.FloatEntry(base+".module.bias", bias, bd), "")
+	w.normTyp = append(w.normTyp, base+".module.weight", base+".module.bias")
+	return nil
+}
