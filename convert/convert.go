@@ -10,8 +10,11 @@ import (
 	"os"
 	"path/filepath"
 
+	"qtool/formats/autoawq"
+	"qtool/formats/gptq"
 	"qtool/formats/hf"
 	"qtool/formats/model"
+	"qtool/formats/msmodelslim"
 )
 
 // Open reads the model at path with the codec that recognises it.
@@ -23,6 +26,12 @@ func Open(path string) (*model.Model, error) {
 	switch kind {
 	case KindHF:
 		return hf.Open(path)
+	case KindAutoAWQ:
+		return autoawq.Open(path)
+	case KindGPTQ:
+		return gptq.Open(path)
+	case KindMsModelSlim:
+		return msmodelslim.Open(path)
 	}
 	return nil, fmt.Errorf("%s: %s models cannot be read yet", path, kind)
 }
