@@ -13,12 +13,24 @@ import (
 	"qtool/formats/autoawq"
 	"qtool/formats/gptq"
 	"qtool/formats/hf"
+	"qtool/formats/kuiper"
 	"qtool/formats/model"
 	"qtool/formats/msmodelslim"
 )
 
+// Options carries codec-specific settings for OpenWith.
+type Options struct {
+	// Kuiper overrides what a Kuiper/llama2.c file cannot say about itself
+	// (architecture, rope theta and layout, tokenizer location) when its
+	// sidecar JSON is absent.
+	Kuiper kuiper.OpenOptions
+}
+
 // Open reads the model at path with the codec that recognises it.
-func Open(path string) (*model.Model, error) {
+func Open(path string) (*model.Model, error) { return OpenWith(path, Options{}) }
+
+// OpenWith is Open with codec options.
+func OpenWith(path string, opt Options) (*model.Model, error) {
 	kind, err := Detect(path)
 	if err != nil {
 		return nil, err
@@ -32,6 +44,8 @@ func Open(path string) (*model.Model, error) {
 		return gptq.Open(path)
 	case KindMsModelSlim:
 		return msmodelslim.Open(path)
+	case KindKuiper:
+		return kuiper.Open(path, opt.Kuiper)
 	}
 	return nil, fmt.Errorf("%s: %s models cannot be read yet", path, kind)
 }

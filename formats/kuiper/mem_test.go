@@ -1,0 +1,7 @@
+package kuiper
+
+import "runtime"
+
+type runtimeMemStats = runtime.MemStats
+
+func readMem(m *runtime.MemStats) { runtime.ReadMemStats(m) }

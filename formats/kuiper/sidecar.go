@@ -1,0 +1,86 @@
+package kuiper
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+
+	"qtool/formats/model"
+)
+
+// Sidecar is the JSON file PATH.json that Write puts next to PATH. It
+// records what the binary formats cannot: architecture, rope theta, norm
+// epsilon, rope layout, head_dim and the tokenizer directory, so that a
+// qtool-written file reads back exactly.
+type Sidecar struct {
+	Writer     string     `json:"writer"` // "qtool"
+	Format     Format     `json:"format"`
+	Arch       model.Arch `json:"arch"`
+	RopeTheta  float64    `json:"rope_theta"`
+	NormEps    float64    `json:"rms_norm_eps"`
+	RopeLayout string     `json:"rope_layout"` // "half" or "interleaved"
+	// Tied says the source model's lm_head was its embedding. Int8 files
+	// still store a quantized classifier (always vocab = −V).
+	Tied      bool   `json:"tied"`
+	HeadDim   int    `json:"head_dim"`
+	QKNorm    bool   `json:"qk_norm"`
+	AttnBias  bool   `json:"attn_bias"`
+	GroupSize int    `json:"group_size,omitempty"`
+	MaxSeq    int    `json:"max_position_embeddings"`
+	BOS       int    `json:"bos_token_id"`
+	EOS       []int  `json:"eos_token_id"`
+	DType     string `json:"source_dtype,omitempty"`
+	// TokenizerDir is the absolute directory holding the tokenizer files.
+	TokenizerDir string `json:"tokenizer_dir,omitempty"`
+	// FileSize is the size of the binary file this sidecar describes.
+	FileSize int64 `json:"file_size"`
+	// Extension lists the tensors appended after the standard layout.
+	Extension []string `json:"extension_tensors,omitempty"`
+}
+
+// SidecarPath is the sidecar file of a model file.
+func SidecarPath(path string) string { return path + ".json" }
+
+// ReadSidecar reads PATH.json; it returns nil and no error when there is none.
+func ReadSidecar(path string) (*Sidecar, error) {
+	sp := SidecarPath(path)
+	data, err := os.ReadFile(sp)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return ParseSidecar(sp, data)
+}
+
+// ParseSidecar decodes sidecar JSON; name is used in errors.
+func ParseSidecar(name string, data []byte) (*Sidecar, error) {
+	var s Sidecar
+	if err := json.Unmarshal(data, &s); err != nil {
+		return nil, fmt.Errorf("%s: not a qtool kuiper sidecar: %w", name, err)
+	}
+	known := false
+	for _, f := range AllFormats() {
+		known = known || f == s.Format
+	}
+	if !known {
+		return nil, fmt.Errorf("%s: unknown format %q (supported: %v)", name, s.Format, AllFormats())
+	}
+	switch s.Arch {
+	case model.Llama, model.Qwen2, model.Qwen3:
+	default:
+		return nil, fmt.Errorf("%s: unknown architecture %q (supported: llama, qwen2, qwen3)", name, s.Arch)
+	}
+	switch s.RopeLayout {
+	case "", "half", "interleaved":
+	default:
+		return nil, fmt.Errorf("%s: rope_layout %q, want \"half\" or \"interleaved\"", name, s.RopeLayout)
+	}
+	if s.HeadDim < 0 || s.HeadDim > maxDim {
+		return nil, fmt.Errorf("%s: head_dim %d out of range", name, s.HeadDim)
+	}
+	return &s, nil
+}

@@ -1,0 +1,624 @@
+package kuiper
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+
+	"qtool/formats/autoawq"
+	"qtool/formats/internal/atomicfile"
+	"qtool/formats/model"
+	"qtool/quantize"
+)
+
+// WriteOptions controls Write.
+type WriteOptions struct {
+	Format Format
+	// GroupSize of Int8 and AK42V2 (default 64; for AK42V2 a default is halved
+	// until it divides dim, as llama2.c does) and AK48 (default 128).
+	GroupSize int
+	// Rope is the q/k row layout written to the file. RopeInterleaved applies
+	// the Meta permutation that Kuiper's default (Llama-2) build expects to an
+	// HF-layout model; the default RopeHalf keeps (or restores) HF layout.
+	// Only Llama models may be written interleaved.
+	Rope model.RopeLayout
+	// SeqLen is the header's seq_len (0: Config.MaxSeq). It sizes the fp32
+	// freqs block.
+	SeqLen int
+	// Progress, if set, is called after each tensor is written.
+	Progress func(done, total int, name string)
+	// NoSidecar skips PATH.json (and removes a stale one).
+	NoSidecar bool
+}
+
+// chunkElems is how many values the writer converts at a time: exporting
+// holds O(chunk) converted data, not O(tensor) (AK48's AWQ packing excepted:
+// it converts one whole tensor at a time).
+const chunkElems = 1 << 16
+
+// Write saves m to path in opt.Format, streaming tensor by tensor. The file
+// (and its sidecar) appear only when complete; on error nothing is left.
+// Float tensors are converted to the format's dtype; linears of the int8
+// formats are quantized with the Kuiper rule (quantize.Int8Sym) unless they
+// already are int8 with the same groups; AK48 linears must be 4-bit
+// *model.Quantized with the header's group size, or are RTN-quantized
+// (quantize.Int4Asym).
+func Write(m *model.Model, path string, opt WriteOptions) error {
+	plan, err := planWrite(m, path, opt)
+	if err != nil {
+		return err
+	}
+	out, err := atomicfile.Create(path)
+	if err != nil {
+		return err
+	}
+	defer out.Abort()
+	w := &writer{path: path, out: out, plan: plan}
+	if err := w.run(opt.Progress); err != nil {
+		return err
+	}
+	sp := SidecarPath(path)
+	if opt.NoSidecar {
+		if err := out.Commit(); err != nil {
+			return err
+		}
+		if err := os.Remove(sp); err != nil && !os.IsNotExist(err) {
+			return err
+		}
+		return nil
+	}
+	js, err := json.MarshalIndent(plan.side, "", "  ")
+	if err != nil {
+		return err
+	}
+	so, err := atomicfile.Create(sp)
+	if err != nil {
+		return err
+	}
+	defer so.Abort()
+	if _, err := so.Write(append(js, '\n')); err != nil {
+		return err
+	}
+	if err := out.Commit(); err != nil {
+		return err
+	}
+	if err := so.Commit(); err != nil {
+		os.Remove(path)
+		return err
+	}
+	return nil
+}
+
+type plan struct {
+	m      *model.Model
+	layout *Layout
+	side   *Sidecar
+	srcs   []model.Tensor // per layout entry (nil for freqs)
+	perms  [][]int        // per entry: file row i comes from source row perms[i] (nil: identity)
+	theta  float64
+}
+
+func planWrite(m *model.Model, path string, opt WriteOptions) (*plan, error) {
+	c := m.Config
+	switch c.Arch {
+	case model.Llama, model.Qwen2, model.Qwen3:
+	default:
+		return nil, fmt.Errorf("write %s: unknown architecture %q (supported: llama, qwen2, qwen3)", path, c.Arch)
+	}
+	if err := c.Validate(); err != nil {
+		return nil, fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := m.CheckShapes(); err != nil {
+		return nil, fmt.Errorf("write %s: %w", path, err)
+	}
+	if c.Rope != opt.Rope && (c.Arch != model.Llama || c.AttnBias) {
+		// q/k norms and biases would need permuting too; Kuiper's Qwen
+		// builds use the HF layout anyway.
+		return nil, fmt.Errorf("write %s: --rope %s: converting the q/k layout is supported for Llama models without q/k biases (Kuiper's Llama-2 build); this model is %s with %s layout", path, opt.Rope, c.Arch, c.Rope)
+	}
+	h := Header{Format: opt.Format, Dim: c.Hidden, FFN: c.Intermediate, Layers: c.Layers, Heads: c.Heads,
+		KVHeads: c.KVHeads, Vocab: c.Vocab, SeqLen: c.MaxSeq, Shared: c.Tied}
+	if opt.SeqLen > 0 {
+		h.SeqLen = opt.SeqLen
+	}
+	h.Magic, h.Version = magicVersion(opt.Format)
+	switch opt.Format {
+	case FP32, AK42V1, AK47:
+	case Int8:
+		// Kuiper's reader misreads a shared int8 classifier (§3.4): always
+		// write vocab = −V and a quantized classifier.
+		h.Shared = false
+		h.GroupSize = 64
+	case AK42V2:
+		h.GroupSize = 64
+		if opt.GroupSize == 0 {
+			for h.Dim%h.GroupSize != 0 && h.GroupSize > 1 {
+				h.GroupSize /= 2
+			}
+		}
+	case AK48:
+		h.GroupSize = 128
+	default:
+		return nil, fmt.Errorf("write %s: unknown format %q (supported: %v)", path, opt.Format, AllFormats())
+	}
+	if opt.GroupSize > 0 {
+		if h.GroupSize == 0 {
+			return nil, fmt.Errorf("write %s: %s has no group size", path, opt.Format)
+		}
+		h.GroupSize = opt.GroupSize
+	} else if opt.GroupSize < 0 {
+		return nil, fmt.Errorf("write %s: group size %d, want > 0", path, opt.GroupSize)
+	}
+	if opt.Format == AK47 || opt.Format == AK48 {
+		// OrinMLLM's loader sizes wq/wo as {dim, dim} and uses head_size =
+		// dim/n_heads, so it needs hidden_size == n_heads·head_dim (Qwen3
+		// 1.7B/8B/14B). qtool writes the true shapes and records head_dim
+		// in the header (and sidecar) so other sizes still round-trip.
+		if c.Arch != model.Qwen3 || c.AttnBias {
+			return nil, fmt.Errorf("write %s: %s holds Qwen3 models (q/k norms, no attention biases); this model is %s", path, opt.Format, c.Arch)
+		}
+		h.HeadDim = c.HeadDim
+	}
+	s := Shapes{HeadDim: c.HeadDim, QKNorm: c.QKNorm, AttnBias: c.AttnBias}
+	l, err := NewLayout(path, h, s, -1)
+	if err != nil {
+		return nil, err
+	}
+	p := &plan{m: m, layout: l, theta: c.RopeTheta}
+	used := map[string]bool{}
+	var ext []string
+	for _, e := range l.Entries {
+		if e.Kind == KindFreqs {
+			p.srcs = append(p.srcs, nil)
+			p.perms = append(p.perms, nil)
+			continue
+		}
+		src := e.Name
+		if e.Name == model.Name(-1, model.LMHead) && c.Tied {
+			src = model.Name(-1, model.Embed) // int8: the quantized embedding is the classifier
+		}
+		t, ok := m.Lookup(src)
+		if !ok {
+			return nil, errf(path, e.Name, "the %s layout needs it but the model has no tensor %q", h.Format, src)
+		}
+		if !equalShape(t.Shape(), e.Shape) {
+			return nil, errf(path, e.Name, "shape %v, the layout expects %v", t.Shape(), e.Shape)
+		}
+		if e.Kind == KindAWQ {
+			if q, ok := t.(*model.Quantized); ok && (q.Bits != 4 || q.GroupSize != h.GroupSize || q.GIdx != nil) {
+				return nil, errf(path, e.Name, "quantized as %d-bit, group %d; ak48 needs 4-bit AWQ with group size %d (no g_idx)", q.Bits, q.GroupSize, h.GroupSize)
+			}
+		}
+		used[src] = true
+		if e.Extension {
+			ext = append(ext, e.Name)
+		}
+		var perm []int
+		layer, role, _ := model.ParseName(e.Name)
+		if layer >= 0 && (role == model.Q || role == model.K) && c.Rope != opt.Rope {
+			heads := c.Heads
+			if role == model.K {
+				heads = c.KVHeads
+			}
+			perm = ropePerm(heads, c.HeadDim, opt.Rope == model.RopeInterleaved)
+		}
+		p.srcs = append(p.srcs, t)
+		p.perms = append(p.perms, perm)
+	}
+	for _, n := range m.Names() {
+		if !used[n] && !(n == model.Name(-1, model.LMHead) && c.Tied) {
+			return nil, errf(path, n, "has no place in a %s file", h.Format)
+		}
+	}
+	tok := m.TokenizerDir
+	if tok != "" {
+		if abs, err := filepath.Abs(tok); err == nil {
+			tok = abs
+		}
+	}
+	p.side = &Sidecar{Writer: "qtool", Format: h.Format, Arch: c.Arch, RopeTheta: c.RopeTheta, NormEps: c.NormEps,
+		RopeLayout: opt.Rope.String(), Tied: c.Tied, HeadDim: c.HeadDim, QKNorm: c.QKNorm, AttnBias: c.AttnBias,
+		GroupSize: h.GroupSize, MaxSeq: c.MaxSeq, BOS: c.BOS, EOS: c.EOS, DType: c.DType, TokenizerDir: tok,
+		FileSize: l.Size, Extension: ext}
+	return p, nil
+}
+
+func equalShape(a, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// ropePerm maps rows between the HF ("rotate half") and Meta (interleaved)
+// q/k layouts: HF row h·hd + half·hd/2 + j is Meta row h·hd + 2j + half.
+// With toMeta the result lists, for each Meta row, its HF source row;
+// otherwise, for each HF row, its Meta source row.
+func ropePerm(heads, hd int, toMeta bool) []int {
+	perm := make([]int, heads*hd)
+	for h := 0; h < heads; h++ {
+		for half := 0; half < 2; half++ {
+			for j := 0; j < hd/2; j++ {
+				hf, meta := h*hd+half*hd/2+j, h*hd+2*j+half
+				if toMeta {
+					perm[meta] = hf
+				} else {
+					perm[hf] = meta
+				}
+			}
+		}
+	}
+	return perm
+}
+
+type writer struct {
+	path string
+	out  *atomicfile.File
+	plan *plan
+	pos  int64
+	f    []float32 // conversion buffers, reused across tensors
+	b    []byte
+	q    []int8
+	sc   []float32
+}
+
+func (w *writer) write(b []byte) error {
+	n, err := w.out.Write(b)
+	w.pos += int64(n)
+	if err != nil {
+		return fmt.Errorf("write %s: %w", w.path, err)
+	}
+	return nil
+}
+
+func (w *writer) run(progress func(done, total int, name string)) error {
+	l := w.plan.layout
+	if err := w.write(l.Header.Encode()); err != nil {
+		return err
+	}
+	for i, e := range l.Entries {
+		if w.pos != e.Offset {
+			return errf(w.path, e.Name, "internal error: at byte %d, layout says %d", w.pos, e.Offset)
+		}
+		var err error
+		switch e.Kind {
+		case KindFreqs:
+			err = w.freqs(e)
+		case KindF32, KindF16:
+			err = w.floats(e, w.plan.srcs[i], w.plan.perms[i])
+		case KindQ8:
+			err = w.q8(e, w.plan.srcs[i], w.plan.perms[i])
+		case KindAWQ:
+			err = w.awq(e, w.plan.srcs[i])
+		}
+		if err != nil {
+			return err
+		}
+		if w.pos != e.Offset+e.Size {
+			return errf(w.path, e.Name, "internal error: wrote %d bytes, layout says %d", w.pos-e.Offset, e.Size)
+		}
+		if progress != nil {
+			progress(i+1, len(l.Entries), e.Name)
+		}
+	}
+	if w.pos != l.Size {
+		return errf(w.path, "", "internal error: wrote %d bytes, layout says %d", w.pos, l.Size)
+	}
+	return nil
+}
+
+// rows gives read access to the rows of a source tensor, converting only
+// the requested rows.
+type rows struct {
+	t    model.Tensor
+	q    *model.Quantized
+	d    *model.Dense
+	cols int
+	perm []int
+	full []float32 // fallback for other tensor types: converted once
+}
+
+// quantizer is implemented by lazily quantized tensors (quantize.Lazy).
+type quantizer interface {
+	Quantize() (*model.Quantized, error)
+}
+
+func newRows(t model.Tensor, shape []int, perm []int) (*rows, error) {
+	r := &rows{t: t, cols: shape[len(shape)-1], perm: perm}
+	switch v := t.(type) {
+	case *model.Dense:
+		r.d = v
+	case *model.Quantized:
+		r.q = v
+	case quantizer:
+		q, err := v.Quantize()
+		if err != nil {
+			return nil, err
+		}
+		r.q = q
+	default:
+		f, err := t.Float32()
+		if err != nil {
+			return nil, err
+		}
+		r.full = f
+	}
+	return r, nil
+}
+
+// read converts rows [r0, r1) into dst.
+func (r *rows) read(r0, r1 int, dst []float32) error {
+	if r.perm == nil {
+		return r.readSrc(r0, r1, dst)
+	}
+	for i := r0; i < r1; i++ {
+		if err := r.readSrc(r.perm[i], r.perm[i]+1, dst[(i-r0)*r.cols:(i-r0+1)*r.cols]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (r *rows) readSrc(r0, r1 int, dst []float32) error {
+	c := r.cols
+	switch {
+	case r.d != nil:
+		sz := r.d.DType.Size()
+		sub := &model.Dense{DType: r.d.DType, Dims: []int{(r1 - r0) * c}, Data: r.d.Data[r0*c*sz : r1*c*sz]}
+		return sub.Float32Into(dst)
+	case r.q != nil:
+		r.q.DequantizeRows(r0, r1, dst)
+		return nil
+	}
+	copy(dst, r.full[r0*c:r1*c])
+	return nil
+}
+
+func (w *writer) buf(n int) {
+	if cap(w.f) < n {
+		w.f = make([]float32, n)
+		w.b = make([]byte, 4*n)
+		w.q = make([]int8, n)
+	}
+}
+
+func (w *writer) floats(e Entry, t model.Tensor, perm []int) error {
+	want := model.F32
+	if e.Kind == KindF16 {
+		want = model.F16
+	}
+	if d, ok := t.(*model.Dense); ok && d.DType == want && perm == nil {
+		return w.write(d.Data)
+	}
+	r, err := newRows(t, e.Shape, perm)
+	if err != nil {
+		return errf(w.path, e.Name, "%v", err)
+	}
+	nrows := model.NumElements(e.Shape) / r.cols
+	step := max(1, chunkElems/r.cols)
+	w.buf(step * r.cols)
+	for r0 := 0; r0 < nrows; r0 += step {
+		r1 := min(nrows, r0+step)
+		f := w.f[:(r1-r0)*r.cols]
+		if err := r.read(r0, r1, f); err != nil {
+			return errf(w.path, e.Name, "%v", err)
+		}
+		if err := w.write(encode(f, want, w.b)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func encode(f []float32, dt model.DType, b []byte) []byte {
+	if dt == model.F16 {
+		b = b[:2*len(f)]
+		for i, x := range f {
+			binary.LittleEndian.PutUint16(b[2*i:], model.Float32ToF16(x))
+		}
+		return b
+	}
+	b = b[:4*len(f)]
+	for i, x := range f {
+		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
+	}
+	return b
+}
+
+func gcd(a, b int) int {
+	for b != 0 {
+		a, b = b, a%b
+	}
+	return a
+}
+
+func (w *writer) q8(e Entry, t model.Tensor, perm []int) error {
+	gs := w.plan.layout.Header.GroupSize
+	rows2, cols := e.Shape[0], e.Shape[1]
+	n := rows2 * cols
+	if cap(w.sc) < n/gs {
+		w.sc = make([]float32, n/gs)
+	}
+	sc := w.sc[:n/gs]
+	if lz, ok := t.(quantizer); ok {
+		q, err := lz.Quantize()
+		if err != nil {
+			return errf(w.path, e.Name, "%v", err)
+		}
+		t = q
+	}
+	if q, ok := passThroughQ8(t, gs); ok {
+		// Already int8 with the same per-row groups: write codes as they are.
+		G := cols / gs
+		row := make([]byte, cols)
+		for i := 0; i < rows2; i++ {
+			src := i
+			if perm != nil {
+				src = perm[i]
+			}
+			for c, v := range q.Q[src*cols : (src+1)*cols] {
+				row[c] = byte(v)
+			}
+			if err := w.write(row); err != nil {
+				return err
+			}
+			copy(sc[i*G:(i+1)*G], q.Scale[src*G:(src+1)*G])
+		}
+		return w.scales(sc)
+	}
+	r, err := newRows(t, e.Shape, perm)
+	if err != nil {
+		return errf(w.path, e.Name, "%v", err)
+	}
+	// A chunk of rows must hold whole groups (groups may cross rows).
+	unit := gs / gcd(cols, gs)
+	step := max(1, chunkElems/cols)
+	step = (step + unit - 1) / unit * unit
+	w.buf(step * cols)
+	p := quantize.Int8Sym(gs)
+	for r0 := 0; r0 < rows2; r0 += step {
+		r1 := min(rows2, r0+step)
+		k := (r1 - r0) * cols
+		f, q := w.f[:k], w.q[:k]
+		if err := r.read(r0, r1, f); err != nil {
+			return errf(w.path, e.Name, "%v", err)
+		}
+		g0 := r0 * cols / gs
+		if err := quantize.Groups(f, gs, p, q, sc[g0:g0+k/gs], nil); err != nil {
+			return errf(w.path, e.Name, "%v", err)
+		}
+		b := w.b[:k]
+		for i, v := range q {
+			b[i] = byte(v)
+		}
+		if err := w.write(b); err != nil {
+			return err
+		}
+	}
+	return w.scales(sc)
+}
+
+func passThroughQ8(t model.Tensor, gs int) (*model.Quantized, bool) {
+	q, ok := t.(*model.Quantized)
+	if !ok {
+		return nil, false
+	}
+	sameGroups := (q.GroupSize == gs && q.Cols%gs == 0) || (q.GroupSize == 0 && q.Cols == gs)
+	return q, q.Bits == 8 && q.Zero == nil && q.GIdx == nil && sameGroups
+}
+
+func (w *writer) scales(sc []float32) error {
+	for len(sc) > 0 {
+		k := min(len(sc), chunkElems)
+		w.buf(k)
+		if err := w.write(encode(sc[:k], model.F32, w.b)); err != nil {
+			return err
+		}
+		sc = sc[k:]
+	}
+	return nil
+}
+
+func (w *writer) awq(e Entry, t model.Tensor) error {
+	gs := w.plan.layout.Header.GroupSize
+	var q *model.Quantized
+	switch v := t.(type) {
+	case *model.Quantized:
+		q = v
+	case quantizer:
+		var err error
+		if q, err = v.Quantize(); err != nil {
+			return errf(w.path, e.Name, "%v", err)
+		}
+	default:
+		var err error
+		if q, err = quantize.Tensor(e.Name, t, quantize.Int4Asym(gs)); err != nil {
+			return fmt.Errorf("write %s: %w", w.path, err)
+		}
+	}
+	if q.Bits != 4 || q.GroupSize != gs || q.GIdx != nil {
+		return errf(w.path, e.Name, "quantized as %d-bit, group %d; ak48 needs 4-bit with group size %d (no g_idx)", q.Bits, q.GroupSize, gs)
+	}
+	if q.Zero == nil { // symmetric: AWQ GEMM stores zero code 8
+		c := *q
+		c.Zero = make([]float32, len(q.Scale))
+		q = &c
+	}
+	qw, qz, sc, err := autoawq.Pack(q)
+	if err != nil {
+		return errf(w.path, e.Name, "%v", err)
+	}
+	for _, words := range [][]int32{qw, qz} {
+		b := make([]byte, 4*len(words))
+		for i, v := range words {
+			binary.LittleEndian.PutUint32(b[4*i:], uint32(v))
+		}
+		if err := w.write(b); err != nil {
+			return err
+		}
+	}
+	b := make([]byte, 2*len(sc))
+	for i, v := range sc {
+		binary.LittleEndian.PutUint16(b[2*i:], v)
+	}
+	return w.write(b)
+}
+
+// freqs writes the legacy rope table: cos then sin of pos·θ^(−2i/hs) for
+// pos < seq_len, i < hs/2, hs = dim/n_heads (as llama2.c's export computes
+// it); readers skip it, only its size matters.
+func (w *writer) freqs(e Entry) error {
+	h := w.plan.layout.Header
+	hs := h.Dim / h.Heads
+	half := hs / 2
+	n := model.NumElements(e.Shape)
+	w.buf(min(n, chunkElems))
+	value := func(i int) float32 {
+		block := i / max(1, h.SeqLen*half)
+		if half == 0 || block > 1 {
+			return 0
+		}
+		k := i % (h.SeqLen * half)
+		pos, j := k/half, k%half
+		freq := 1 / math.Pow(w.plan.theta, float64(2*j)/float64(hs))
+		a := float64(pos) * float64(float32(freq))
+		if block == 0 {
+			return float32(math.Cos(a))
+		}
+		return float32(math.Sin(a))
+	}
+	for i0 := 0; i0 < n; i0 += chunkElems {
+		i1 := min(n, i0+chunkElems)
+		f := w.f[:i1-i0]
+		for i := range f {
+			f[i] = value(i0 + i)
+		}
+		if err := w.write(encode(f, model.F32, w.b)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// PermuteRope reorders the rows of a q or k weight [heads·headDim, cols]
+// (or a bias, cols = 1) between the HF ("rotate half") and Meta
+// (interleaved) layouts: toInterleaved maps HF to Meta, otherwise Meta to HF.
+func PermuteRope(w []float32, heads, headDim, cols int, toInterleaved bool) ([]float32, error) {
+	if heads <= 0 || headDim <= 0 || headDim%2 != 0 || cols <= 0 || len(w) != heads*headDim*cols {
+		return nil, fmt.Errorf("permute rope: %d values for %d heads × %d × %d columns", len(w), heads, headDim, cols)
+	}
+	perm := ropePerm(heads, headDim, toInterleaved)
+	out := make([]float32, len(w))
+	for dst, src := range perm {
+		copy(out[dst*cols:(dst+1)*cols], w[src*cols:(src+1)*cols])
+	}
+	return out, nil
+}
