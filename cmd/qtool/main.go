@@ -24,6 +24,7 @@ func newApp() *cli.App {
 			awqCommand(),
 			smoothquantCommand(),
 			benchCommand(),
+			shardCommand(),
 		},
 		EnableBashCompletion: true,
 	}

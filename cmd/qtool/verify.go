@@ -1,12 +1,364 @@
 package main
 
 import (
+	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
 
+	"github.com/schollz/progressbar/v3"
 	"github.com/urfave/cli/v2"
+	"golang.org/x/term"
+
+	"qtool/convert"
+	"qtool/formats/model"
+	"qtool/runtime"
+	"qtool/runtime/cpu"
+	"qtool/runtime/tokenizer"
 )
 
-// PLACEHOLDER: replaced by the owner of this command.
+// wikitextFile is the file `--ppl wikitext` resolves to.
+const wikitextFile = "wiki.test.raw"
+
+// defaultPrompt is generated from when neither --ppl nor --prompt is given.
+const defaultPrompt = "The"
+
 func verifyCommand() *cli.Command {
-	return &cli.Command{Name: "verify", Action: func(*cli.Context) error { return errors.New("verify: not built yet") }}
+	return &cli.Command{
+		Name:      "verify",
+		Usage:     "run a model in the bundled runtime: perplexity and/or generation",
+		ArgsUsage: "MODEL (an HF directory, an msmodelslim directory or a Kuiper file)",
+		Description: "Perplexity follows the GPTQ/AWQ protocol by default (disjoint chunks of --ctx tokens, the\n" +
+			"tail dropped, exp of the mean of per-chunk mean NLLs); --protocol llamacpp gives llama.cpp's\n" +
+			"(BOS replaces each chunk's first token, only the second half of each chunk is scored).\n" +
+			"--ppl wikitext reads " + wikitextFile + " from $QTOOL_DATA (default ~/.cache/qtool/datasets/wikitext-2-raw).\n" +
+			"Without --ppl or --prompt, a few tokens are generated from \"" + defaultPrompt + "\".",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "ppl", Usage: "measure perplexity on `FILE` (raw text), or on wikitext-2's test file with \"wikitext\""},
+			&cli.IntFlag{Name: "ctx", Value: runtime.DefaultCtx, Usage: "perplexity context length (512, or 2048 for the papers' wikitext2@2048)"},
+			&cli.IntFlag{Name: "max-chunks", Usage: "evaluate at most `N` chunks (0: all)"},
+			&cli.StringFlag{Name: "protocol", Value: runtime.ProtocolGPTQ, Usage: "perplexity protocol: gptq or llamacpp"},
+			&cli.StringFlag{Name: "prompt", Usage: "generate a continuation of `TEXT`"},
+			&cli.IntFlag{Name: "max-new", Value: 64, Usage: "generate at most `N` new tokens"},
+			&cli.Float64Flag{Name: "temperature", Usage: "sampling temperature (0: greedy)"},
+			&cli.IntFlag{Name: "top-k", Usage: "sample from the `K` most likely tokens (0: all)"},
+			&cli.Float64Flag{Name: "top-p", Usage: "nucleus sampling probability mass (0 or 1: off)"},
+			&cli.Uint64Flag{Name: "seed", Usage: "random seed for sampling"},
+			&cli.StringFlag{Name: "device", Value: "auto", Usage: "where to run: auto or cpu"},
+			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
+			&cli.StringFlag{Name: "tokenizer", Usage: "tokenizer `PATH` (a directory, tokenizer.json or tokenizer.model); default: beside the model"},
+			&cli.BoolFlag{Name: "json", Usage: "print the results as one JSON object"},
+			&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress bar"},
+		},
+		Action: runVerify,
+	}
+}
+
+// verifyResult is what --json prints.
+type verifyResult struct {
+	Model      string      `json:"model"`
+	PPL        *float64    `json:"ppl,omitempty"`
+	Tokens     int         `json:"tokens,omitempty"`
+	Chunks     int         `json:"chunks,omitempty"`
+	Ctx        int         `json:"ctx,omitempty"`
+	Protocol   string      `json:"protocol,omitempty"`
+	Scored     int         `json:"scored,omitempty"`
+	Seconds    float64     `json:"seconds,omitempty"`
+	TokensPerS float64     `json:"tokens_per_s,omitempty"`
+	Device     string      `json:"device"`
+	Generation *generation `json:"generation,omitempty"`
+}
+
+type generation struct {
+	Prompt     string  `json:"prompt"`
+	PromptIDs  []int   `json:"prompt_ids"`
+	IDs        []int   `json:"ids"` // new tokens only
+	Text       string  `json:"text"`
+	TokensPerS float64 `json:"tokens_per_s"`
+}
+
+func runVerify(c *cli.Context) error {
+	if c.NArg() != 1 {
+		for _, a := range c.Args().Slice()[min(1, c.NArg()):] {
+			if strings.HasPrefix(a, "-") {
+				return fmt.Errorf("verify: options must come before MODEL (%q follows it): qtool verify [options] MODEL", a)
+			}
+		}
+		return fmt.Errorf("verify: want exactly one MODEL argument, got %d (see `qtool verify --help`)", c.NArg())
+	}
+	path := c.Args().First()
+	stdout, stderr := c.App.Writer, c.App.ErrWriter
+	if stdout == nil {
+		stdout = os.Stdout
+	}
+	if stderr == nil {
+		stderr = os.Stderr
+	}
+	jsonOut := c.Bool("json")
+	logf := func(format string, a ...any) {
+		if !jsonOut {
+			fmt.Fprintf(stdout, format, a...)
+		}
+	}
+
+	// Validate the cheap options before reading anything big.
+	proto := c.String("protocol")
+	if proto != runtime.ProtocolGPTQ && proto != runtime.ProtocolLlamaCpp {
+		return fmt.Errorf("verify: --protocol %q: want %s or %s", proto, runtime.ProtocolGPTQ, runtime.ProtocolLlamaCpp)
+	}
+	if c.Int("ctx") < 2 {
+		return fmt.Errorf("verify: --ctx %d is too small", c.Int("ctx"))
+	}
+	var pplPath string
+	var text []byte
+	if p := c.String("ppl"); p != "" {
+		var err error
+		if pplPath, err = resolvePPLFile(p); err != nil {
+			return err
+		}
+		if text, err = os.ReadFile(pplPath); err != nil {
+			return fmt.Errorf("verify: --ppl: %w", err)
+		}
+		if len(strings.TrimSpace(string(text))) == 0 {
+			return fmt.Errorf("verify: --ppl %s is empty", pplPath)
+		}
+	}
+	prompt := c.String("prompt")
+	if pplPath == "" && prompt == "" {
+		prompt = defaultPrompt
+	}
+
+	mm, err := convert.Open(path)
+	if err != nil {
+		return fmt.Errorf("verify: %w", err)
+	}
+	defer mm.Close()
+	cfg := mm.Config
+	tok, err := loadTokenizer(c.String("tokenizer"), path, mm)
+	if err != nil {
+		return err
+	}
+	if err := checkTokenizer(tok, cfg); err != nil {
+		return err
+	}
+	be, err := newBackend(c.String("device"), c.Int("threads"))
+	if err != nil {
+		return err
+	}
+	defer be.Close()
+	m, err := runtime.Load(mm, be)
+	if err != nil {
+		return fmt.Errorf("verify: %w", err)
+	}
+	res := verifyResult{Model: path, Device: be.Name()}
+	logf("model   %s (%s, %s, %d layers, hidden %d, vocab %d)\n", path, mm.Format, cfg.Arch, cfg.Layers, cfg.Hidden, cfg.Vocab)
+	logf("device  %s\n", be.Name())
+
+	if pplPath != "" {
+		ids := tokenizer.EncodeWithBOS(tok, string(text))
+		ctx := c.Int("ctx")
+		if len(ids) < ctx {
+			return fmt.Errorf("verify: --ppl %s is too short: %d tokens, fewer than one chunk of --ctx %d", pplPath, len(ids), ctx)
+		}
+		opt := runtime.PPLOptions{Ctx: ctx, MaxChunks: c.Int("max-chunks"), Protocol: proto}
+		total := len(ids) / ctx
+		if opt.MaxChunks > 0 && opt.MaxChunks < total {
+			total = opt.MaxChunks
+		}
+		start := time.Now()
+		var bar *progressbar.ProgressBar
+		if !c.Bool("quiet") && isTerminal(stderr) {
+			bar = progressbar.NewOptions(total,
+				progressbar.OptionSetWriter(stderr),
+				progressbar.OptionSetDescription("perplexity"),
+				progressbar.OptionShowCount(),
+				progressbar.OptionSetWidth(30),
+				progressbar.OptionThrottle(200*time.Millisecond),
+				progressbar.OptionClearOnFinish())
+		}
+		opt.Progress = func(done, total int, running float64) {
+			if bar == nil {
+				return
+			}
+			tps := float64(done*ctx) / time.Since(start).Seconds()
+			bar.Describe(fmt.Sprintf("ppl %.4f, %.0f tok/s", running, tps))
+			_ = bar.Set(done)
+		}
+		r, err := runtime.Perplexity(m, ids, opt)
+		if bar != nil {
+			_ = bar.Finish()
+			fmt.Fprintln(stderr)
+		}
+		if err != nil {
+			return fmt.Errorf("verify: %s: %w", pplPath, err)
+		}
+		sec := time.Since(start).Seconds()
+		res.PPL, res.Tokens, res.Chunks, res.Ctx, res.Protocol, res.Scored = &r.PPL, r.Tokens, r.Chunks, r.Ctx, r.Protocol, r.Scored
+		res.Seconds, res.TokensPerS = sec, float64(r.Chunks*r.Ctx)/sec
+		logf("ppl     %.4f  (%s protocol, %s: %d tokens, %d chunks × ctx %d, %d scored; %.1f s, %.0f tokens/s)\n",
+			r.PPL, r.Protocol, filepath.Base(pplPath), r.Tokens, r.Chunks, r.Ctx, r.Scored, sec, res.TokensPerS)
+	}
+
+	if prompt != "" {
+		ids := tokenizer.EncodeWithBOS(tok, prompt)
+		if len(ids) == 0 {
+			return fmt.Errorf("verify: --prompt %q encodes to no tokens", prompt)
+		}
+		eos := tok.EOS()
+		for _, e := range cfg.EOS {
+			if !slices.Contains(eos, e) {
+				eos = append(eos, e)
+			}
+		}
+		if eos == nil {
+			eos = []int{}
+		}
+		maxNew := c.Int("max-new")
+		if cfg.MaxSeq > 0 && len(ids)+maxNew > cfg.MaxSeq {
+			maxNew = max(0, cfg.MaxSeq-len(ids))
+		}
+		var stream io.Writer
+		if !jsonOut {
+			stream = stdout
+			fmt.Fprintf(stdout, "prompt  %s", prompt)
+		}
+		start := time.Now()
+		out, err := runtime.Generate(m, ids, runtime.GenOptions{
+			MaxNew: maxNew, Temperature: c.Float64("temperature"), TopK: c.Int("top-k"), TopP: c.Float64("top-p"),
+			Seed: c.Uint64("seed"), EOS: eos,
+			OnToken: func(id int) {
+				if stream != nil {
+					fmt.Fprint(stream, tok.DecodeToken(id))
+				}
+			},
+		})
+		if err != nil {
+			return fmt.Errorf("verify: %w", err)
+		}
+		sec := time.Since(start).Seconds()
+		g := &generation{Prompt: prompt, PromptIDs: ids, IDs: out, Text: tok.Decode(out)}
+		if g.IDs == nil {
+			g.IDs = []int{}
+		}
+		if sec > 0 {
+			g.TokensPerS = float64(len(out)) / sec
+		}
+		res.Generation = g
+		logf("\n        (%d new tokens, %.1f tokens/s)\n", len(out), g.TokensPerS)
+	}
+	if jsonOut {
+		return json.NewEncoder(stdout).Encode(res)
+	}
+	return nil
+}
+
+// resolvePPLFile maps the --ppl argument to a readable file; "wikitext"
+// means wiki.test.raw in $QTOOL_DATA (default
+// ~/.cache/qtool/datasets/wikitext-2-raw).
+func resolvePPLFile(arg string) (string, error) {
+	if arg != "wikitext" {
+		fi, err := os.Stat(arg)
+		if err != nil {
+			return "", fmt.Errorf("verify: --ppl: %w", err)
+		}
+		if fi.IsDir() {
+			return "", fmt.Errorf("verify: --ppl %s is a directory; give a text file", arg)
+		}
+		return arg, nil
+	}
+	dir := os.Getenv("QTOOL_DATA")
+	if dir == "" {
+		home, err := os.UserHomeDir()
+		if err != nil {
+			return "", fmt.Errorf("verify: --ppl wikitext: no home directory to find the dataset in (set QTOOL_DATA): %w", err)
+		}
+		dir = filepath.Join(home, ".cache", "qtool", "datasets", "wikitext-2-raw")
+	}
+	candidates := []string{filepath.Join(dir, wikitextFile), filepath.Join(dir, "wikitext-2-raw", wikitextFile)}
+	for _, p := range candidates {
+		if fi, err := os.Stat(p); err == nil && !fi.IsDir() {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("verify: --ppl wikitext: %s not found. Download wikitext-2-raw-v1.zip "+
+		"(https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-2-raw-v1.zip), unzip it and put %s at %s "+
+		"(or set QTOOL_DATA to the directory holding %s)", candidates[0], wikitextFile, candidates[0], wikitextFile)
+}
+
+// loadTokenizer loads the tokenizer given by --tokenizer, or the one found
+// beside the model.
+func loadTokenizer(flag, modelPath string, mm *model.Model) (tokenizer.Tokenizer, error) {
+	if flag != "" {
+		fi, err := os.Stat(flag)
+		if err != nil {
+			return nil, fmt.Errorf("verify: --tokenizer: %w", err)
+		}
+		var t tokenizer.Tokenizer
+		if fi.IsDir() {
+			t, err = tokenizer.LoadDir(flag)
+		} else {
+			t, err = tokenizer.LoadFile(flag)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("verify: --tokenizer %s: %w", flag, err)
+		}
+		return t, nil
+	}
+	dir := mm.TokenizerDir
+	if dir == "" {
+		dir = modelPath
+		if fi, err := os.Stat(modelPath); err == nil && !fi.IsDir() {
+			dir = filepath.Dir(modelPath)
+		}
+	}
+	t, err := tokenizer.LoadDir(dir)
+	if errors.Is(err, tokenizer.ErrNoTokenizer) {
+		return nil, fmt.Errorf("verify: no tokenizer beside the model: %s has neither %s nor %s; copy the tokenizer files there or pass --tokenizer PATH",
+			dir, tokenizer.TokenizerJSONFile, tokenizer.SentencePieceFile)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("verify: %w", err)
+	}
+	return t, nil
+}
+
+// checkTokenizer rejects a tokenizer that cannot belong to the model: one
+// with more ids than the embedding table, or one whose end-of-sequence ids
+// share nothing with the model's.
+func checkTokenizer(t tokenizer.Tokenizer, cfg model.Config) error {
+	if err := tokenizer.CheckVocab(t, cfg.Vocab); err != nil {
+		return fmt.Errorf("verify: %w", err)
+	}
+	teos := t.EOS()
+	if len(teos) == 0 || len(cfg.EOS) == 0 {
+		return nil
+	}
+	for _, e := range teos {
+		if slices.Contains(cfg.EOS, e) {
+			return nil
+		}
+	}
+	return fmt.Errorf("verify: tokenizer does not match the model: its end-of-sequence ids %v share nothing with the model's eos_token_id %v (--tokenizer from another model?)", teos, cfg.EOS)
+}
+
+// newBackend returns the backend for --device.
+func newBackend(device string, threads int) (runtime.Backend, error) {
+	switch device {
+	case "auto", "cpu", "":
+		// The CUDA backend is chosen here for "auto" once it is wired in.
+		return cpu.New(threads), nil
+	}
+	return nil, fmt.Errorf("verify: --device %q: want auto or cpu", device)
+}
+
+// isTerminal reports whether w is a terminal (the progress bar is drawn
+// only there).
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	return ok && term.IsTerminal(int(f.Fd()))
 }

@@ -1,0 +1,179 @@
+package runtime
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+)
+
+// ErrEmptyPrompt is returned by Generate for an empty prompt.
+var ErrEmptyPrompt = errors.New("generate: empty prompt")
+
+// GenOptions controls Generate.
+type GenOptions struct {
+	// MaxNew is the number of tokens to generate at most.
+	MaxNew int
+	// Temperature 0 (or less) selects greedy decoding; otherwise logits are
+	// divided by it before sampling.
+	Temperature float64
+	// TopK keeps only the K most likely tokens when > 0.
+	TopK int
+	// TopP keeps the smallest set of most likely tokens whose probability
+	// reaches TopP when 0 < TopP < 1.
+	TopP float64
+	// Seed makes sampling reproducible.
+	Seed uint64
+	// EOS lists the ids that stop generation (the EOS token itself is not
+	// returned). Nil uses the model config's EOS.
+	EOS []int
+	// OnToken, when not nil, is called with every generated token as it is
+	// produced.
+	OnToken func(id int)
+}
+
+// Generate continues prompt and returns the new tokens only (without the
+// prompt and without a final EOS).
+func Generate(m *Model, prompt []int, opt GenOptions) ([]int, error) {
+	if len(prompt) == 0 {
+		return nil, ErrEmptyPrompt
+	}
+	cfg := m.Config()
+	if err := checkIDs(prompt, cfg.Vocab); err != nil {
+		return nil, fmt.Errorf("generate: %w", err)
+	}
+	if opt.MaxNew < 0 {
+		return nil, fmt.Errorf("generate: max new tokens %d is negative", opt.MaxNew)
+	}
+	if opt.TopP < 0 || opt.TopP > 1 || math.IsNaN(opt.TopP) {
+		return nil, fmt.Errorf("generate: top-p %g outside 0..1", opt.TopP)
+	}
+	if opt.TopK < 0 {
+		return nil, fmt.Errorf("generate: top-k %d is negative", opt.TopK)
+	}
+	if math.IsNaN(opt.Temperature) || math.IsInf(opt.Temperature, 0) {
+		return nil, fmt.Errorf("generate: temperature %g is not a finite number", opt.Temperature)
+	}
+	total := len(prompt) + opt.MaxNew
+	if cfg.MaxSeq > 0 && total > cfg.MaxSeq {
+		return nil, fmt.Errorf("generate: prompt (%d) + new tokens (%d) exceed the model's max_position_embeddings %d", len(prompt), opt.MaxNew, cfg.MaxSeq)
+	}
+	if opt.MaxNew == 0 {
+		return nil, nil
+	}
+	eos := opt.EOS
+	if eos == nil {
+		eos = cfg.EOS
+	}
+	be := m.Backend()
+	cache := m.NewCache(total)
+	s := sampler{opt: opt, rng: rand.New(rand.NewPCG(opt.Seed, opt.Seed^0x9e3779b97f4a7c15))}
+	logitsRow := make([]float32, cfg.Vocab)
+
+	x := m.Hidden(prompt, 0, cache)
+	last := x
+	if x.Rows() > 1 {
+		last = rowsOf(be, x, x.Rows()-1, x.Rows())
+		be.Free(x)
+	}
+	var out []int
+	pos := len(prompt)
+	for {
+		logits := m.Logits(last)
+		be.Free(last)
+		be.Download(logitsRow, logits)
+		be.Free(logits)
+		id := s.next(logitsRow)
+		if slices.Contains(eos, id) {
+			break
+		}
+		out = append(out, id)
+		if opt.OnToken != nil {
+			opt.OnToken(id)
+		}
+		if len(out) == opt.MaxNew {
+			break
+		}
+		last = m.Hidden([]int{id}, pos, cache)
+		pos++
+	}
+	return out, nil
+}
+
+// sampler picks the next token from a row of logits.
+type sampler struct {
+	opt  GenOptions
+	rng  *rand.Rand
+	idx  []int
+	prob []float64
+}
+
+func (s *sampler) next(logits []float32) int {
+	if s.opt.Temperature <= 0 {
+		return argmax(logits)
+	}
+	n := len(logits)
+	if cap(s.idx) < n {
+		s.idx = make([]int, n)
+		s.prob = make([]float64, n)
+	}
+	idx, prob := s.idx[:n], s.prob[:n]
+	for i := range idx {
+		idx[i] = i
+	}
+	// Sort candidates by logit, largest first (ties by id for determinism).
+	slices.SortFunc(idx, func(a, b int) int {
+		switch {
+		case logits[a] > logits[b]:
+			return -1
+		case logits[a] < logits[b]:
+			return 1
+		}
+		return a - b
+	})
+	k := n
+	if s.opt.TopK > 0 && s.opt.TopK < k {
+		k = s.opt.TopK
+	}
+	mx := float64(logits[idx[0]])
+	sum := 0.0
+	for i := 0; i < k; i++ {
+		p := math.Exp((float64(logits[idx[i]]) - mx) / s.opt.Temperature)
+		prob[i] = p
+		sum += p
+	}
+	if tp := s.opt.TopP; tp > 0 && tp < 1 {
+		acc := 0.0
+		for i := 0; i < k; i++ {
+			acc += prob[i] / sum
+			if acc >= tp {
+				k = i + 1
+				break
+			}
+		}
+		sum = 0
+		for i := 0; i < k; i++ {
+			sum += prob[i]
+		}
+	}
+	r := s.rng.Float64() * sum
+	for i := 0; i < k; i++ {
+		r -= prob[i]
+		if r < 0 {
+			return idx[i]
+		}
+	}
+	return idx[k-1]
+}
+
+// argmax returns the index of the largest value (the first on ties).
+func argmax(v []float32) int {
+	best := 0
+	for i, x := range v {
+		if x > v[best] {
+			best = i
+		}
+	}
+	return best
+}

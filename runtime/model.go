@@ -1,0 +1,442 @@
+package runtime
+
+import (
+	"fmt"
+	"math"
+
+	"qtool/formats/model"
+)
+
+// CapturePoint names the input of a group of linear layers inside a decoder
+// layer, as calibration (GPTQ, AWQ, SmoothQuant) needs them.
+type CapturePoint int
+
+// Capture points, in the order Layer reaches them.
+const (
+	// CaptureQKV is the attn_norm output: the input of q, k and v.
+	CaptureQKV CapturePoint = iota
+	// CaptureO is the attention output: the input of o.
+	CaptureO
+	// CaptureGateUp is the mlp_norm output: the input of gate and up.
+	CaptureGateUp
+	// CaptureDown is silu(gate)·up: the input of down.
+	CaptureDown
+)
+
+// String returns "qkv", "o", "gate_up" or "down".
+func (p CapturePoint) String() string {
+	switch p {
+	case CaptureQKV:
+		return "qkv"
+	case CaptureO:
+		return "o"
+	case CaptureGateUp:
+		return "gate_up"
+	case CaptureDown:
+		return "down"
+	}
+	return fmt.Sprintf("CapturePoint(%d)", int(p))
+}
+
+// Roles lists the linear roles that read the input captured at p.
+func (p CapturePoint) Roles() []model.Role {
+	switch p {
+	case CaptureQKV:
+		return []model.Role{model.Q, model.K, model.V}
+	case CaptureO:
+		return []model.Role{model.O}
+	case CaptureGateUp:
+		return []model.Role{model.Gate, model.Up}
+	case CaptureDown:
+		return []model.Role{model.Down}
+	}
+	return nil
+}
+
+// Capture receives the input x of the linear group p of layer, just before
+// the layer uses it. x belongs to the backend and is only valid during the
+// call; Download it to keep it. The callee must not modify x.
+type Capture func(layer int, p CapturePoint, x Buf)
+
+// layerWeights are the uploaded tensors of one decoder layer. Optional
+// vectors are nil when absent.
+type layerWeights struct {
+	attnNorm, attnNormBias Vector
+	q, k, v, o             Linear
+	qBias, kBias, vBias    Vector
+	qNorm, kNorm           Vector
+	mlpNorm, mlpNormBias   Vector
+	gate, up, down         Linear
+}
+
+// Model is a model.Model loaded onto a Backend: its weights uploaded in
+// their stored (possibly quantized) form. A Model is not safe for concurrent
+// use.
+type Model struct {
+	cfg    model.Config
+	be     Backend
+	embed  Linear
+	norm   Vector
+	head   Linear // the embedding table when tied
+	layers []layerWeights
+
+	// scratch is a one-layer KV cache reused by Layer when it is called
+	// without a cache.
+	scratch KVCache
+}
+
+// Load uploads the tensors of m onto be. It checks the shapes first and
+// reports the first tensor the backend cannot hold.
+func Load(m *model.Model, be Backend) (*Model, error) {
+	if m == nil || be == nil {
+		return nil, fmt.Errorf("runtime: Load needs a model and a backend")
+	}
+	cfg := m.Config
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("runtime: %w", err)
+	}
+	if err := m.CheckShapes(); err != nil {
+		return nil, fmt.Errorf("runtime: %w", err)
+	}
+	rm := &Model{cfg: cfg, be: be, layers: make([]layerWeights, cfg.Layers)}
+	lin := func(name string) (Linear, error) {
+		t, err := m.Get(name)
+		if err != nil {
+			return nil, err
+		}
+		l, err := be.UploadLinear(name, t)
+		if err != nil {
+			return nil, fmt.Errorf("runtime: upload %s: %w", name, err)
+		}
+		return l, nil
+	}
+	vec := func(name string, optional bool) (Vector, error) {
+		t, ok := m.Lookup(name)
+		if !ok {
+			if optional {
+				return nil, nil
+			}
+			_, err := m.Get(name)
+			return nil, err
+		}
+		v, err := be.UploadVector(name, t)
+		if err != nil {
+			return nil, fmt.Errorf("runtime: upload %s: %w", name, err)
+		}
+		return v, nil
+	}
+	var err error
+	if rm.embed, err = lin(model.Name(-1, model.Embed)); err != nil {
+		return nil, err
+	}
+	if rm.norm, err = vec(model.Name(-1, model.FinalNorm), false); err != nil {
+		return nil, err
+	}
+	if _, hasHead := m.Lookup(model.Name(-1, model.LMHead)); cfg.Tied && !hasHead {
+		rm.head = rm.embed
+	} else if rm.head, err = lin(model.Name(-1, model.LMHead)); err != nil {
+		return nil, err
+	}
+	for l := range rm.layers {
+		w := &rm.layers[l]
+		for _, f := range []struct {
+			r   model.Role
+			dst *Linear
+		}{{model.Q, &w.q}, {model.K, &w.k}, {model.V, &w.v}, {model.O, &w.o},
+			{model.Gate, &w.gate}, {model.Up, &w.up}, {model.Down, &w.down}} {
+			if *f.dst, err = lin(model.Name(l, f.r)); err != nil {
+				return nil, err
+			}
+		}
+		for _, f := range []struct {
+			r        model.Role
+			dst      *Vector
+			optional bool
+		}{{model.AttnNorm, &w.attnNorm, false}, {model.MLPNorm, &w.mlpNorm, false},
+			{model.AttnNormBias, &w.attnNormBias, true}, {model.MLPNormBias, &w.mlpNormBias, true},
+			{model.QBias, &w.qBias, !cfg.AttnBias}, {model.KBias, &w.kBias, !cfg.AttnBias}, {model.VBias, &w.vBias, !cfg.AttnBias},
+			{model.QNorm, &w.qNorm, !cfg.QKNorm}, {model.KNorm, &w.kNorm, !cfg.QKNorm}} {
+			if *f.dst, err = vec(model.Name(l, f.r), f.optional); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return rm, nil
+}
+
+// Config returns the model's architecture.
+func (m *Model) Config() model.Config { return m.cfg }
+
+// Backend returns the backend the model runs on.
+func (m *Model) Backend() Backend { return m.be }
+
+// NewCache allocates a KV cache for all layers and up to maxSeq positions.
+func (m *Model) NewCache(maxSeq int) KVCache {
+	return m.be.NewKVCache(m.cfg.Layers, maxSeq, m.cfg.KVDim())
+}
+
+// Embed returns the embeddings of ids, [len(ids), hidden]. Ids outside the
+// vocabulary are a programmer error (panic); check them first.
+func (m *Model) Embed(ids []int) Buf {
+	for i, id := range ids {
+		if id < 0 || id >= m.cfg.Vocab {
+			panic(fmt.Sprintf("runtime: token id %d at %d outside the vocabulary 0..%d", id, i, m.cfg.Vocab-1))
+		}
+	}
+	x := m.be.Alloc(len(ids), m.cfg.Hidden)
+	m.be.Embed(x, m.embed, ids)
+	return x
+}
+
+// Layer runs decoder layer l on the residual stream x (rows are positions
+// pos0, pos0+1, ...) in place. Keys and values go to cache; cache may be nil
+// when pos0 is 0, and then a scratch cache holds them for this call only.
+// capture, when not nil, sees the input of each linear group before use.
+func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
+	c := &m.cfg
+	w := &m.layers[l]
+	be := m.be
+	T := x.Rows()
+	cl := l
+	if cache == nil {
+		if pos0 != 0 {
+			panic("runtime: Layer without a cache needs pos0 = 0")
+		}
+		if m.scratch == nil || m.scratch.MaxSeq() < T {
+			m.scratch = be.NewKVCache(1, max(T, 512), c.KVDim())
+		}
+		cache, cl = m.scratch, 0
+	}
+	if pos0+T > cache.MaxSeq() {
+		panic(fmt.Sprintf("runtime: positions %d..%d exceed the KV cache of %d", pos0, pos0+T-1, cache.MaxSeq()))
+	}
+	eps := float32(c.NormEps)
+
+	h := be.Alloc(T, c.Hidden)
+	be.RMSNorm(h, x, w.attnNorm, w.attnNormBias, eps)
+	if capture != nil {
+		capture(l, CaptureQKV, h)
+	}
+	q := be.Alloc(T, c.QDim())
+	k := be.Alloc(T, c.KVDim())
+	v := be.Alloc(T, c.KVDim())
+	be.MatMul(q, h, w.q)
+	be.MatMul(k, h, w.k)
+	be.MatMul(v, h, w.v)
+	if w.qBias != nil {
+		be.AddBias(q, w.qBias)
+	}
+	if w.kBias != nil {
+		be.AddBias(k, w.kBias)
+	}
+	if w.vBias != nil {
+		be.AddBias(v, w.vBias)
+	}
+	if w.qNorm != nil {
+		be.RMSNormHeads(q, c.HeadDim, w.qNorm, eps)
+	}
+	if w.kNorm != nil {
+		be.RMSNormHeads(k, c.HeadDim, w.kNorm, eps)
+	}
+	be.RoPE(q, c.HeadDim, pos0, c.RopeTheta, c.Rope)
+	be.RoPE(k, c.HeadDim, pos0, c.RopeTheta, c.Rope)
+	be.StoreKV(cache, cl, pos0, k, v)
+	be.Free(k)
+	be.Free(v)
+	att := be.Alloc(T, c.QDim())
+	be.Attention(att, q, cache, cl, pos0, c.Heads, c.KVHeads, c.HeadDim)
+	be.Free(q)
+	if capture != nil {
+		capture(l, CaptureO, att)
+	}
+	be.MatMul(h, att, w.o)
+	be.Free(att)
+	be.Add(x, h)
+
+	be.RMSNorm(h, x, w.mlpNorm, w.mlpNormBias, eps)
+	if capture != nil {
+		capture(l, CaptureGateUp, h)
+	}
+	g := be.Alloc(T, c.Intermediate)
+	u := be.Alloc(T, c.Intermediate)
+	be.MatMul(g, h, w.gate)
+	be.MatMul(u, h, w.up)
+	be.SiLUMul(g, g, u)
+	be.Free(u)
+	if capture != nil {
+		capture(l, CaptureDown, g)
+	}
+	be.MatMul(h, g, w.down)
+	be.Free(g)
+	be.Add(x, h)
+	be.Free(h)
+}
+
+// Logits applies the final norm and the classifier to x, returning
+// [rows, vocab]. x is left unchanged.
+func (m *Model) Logits(x Buf) Buf {
+	h := m.be.Alloc(x.Rows(), m.cfg.Hidden)
+	m.be.RMSNorm(h, x, m.norm, nil, float32(m.cfg.NormEps))
+	out := m.be.Alloc(x.Rows(), m.cfg.Vocab)
+	m.be.MatMul(out, h, m.head)
+	m.be.Free(h)
+	return out
+}
+
+// Hidden runs the embedding and every decoder layer on ids at positions
+// pos0.. and returns the residual stream before the final norm.
+func (m *Model) Hidden(ids []int, pos0 int, cache KVCache) Buf {
+	x := m.Embed(ids)
+	for l := 0; l < m.cfg.Layers; l++ {
+		m.Layer(l, x, pos0, cache, nil)
+	}
+	return x
+}
+
+// Forward runs ids (at positions pos0..) through the whole model and returns
+// the logits [len(ids), vocab]. cache may be nil when pos0 is 0.
+func (m *Model) Forward(ids []int, pos0 int, cache KVCache) Buf {
+	x := m.Hidden(ids, pos0, cache)
+	out := m.Logits(x)
+	m.be.Free(x)
+	return out
+}
+
+// SetLinear replaces the linear weight (layer l, role r) with t, uploading
+// it in its stored form (for instance after quantizing it). The source
+// model.Model is not changed.
+func (m *Model) SetLinear(l int, r model.Role, t model.Tensor) error {
+	if t == nil {
+		return fmt.Errorf("runtime: SetLinear %s: nil tensor", model.Name(l, r))
+	}
+	var dst *Linear
+	var want []int
+	c := &m.cfg
+	if l < 0 {
+		switch r {
+		case model.Embed:
+			dst, want = &m.embed, []int{c.Vocab, c.Hidden}
+		case model.LMHead:
+			dst, want = &m.head, []int{c.Vocab, c.Hidden}
+		}
+	} else if l < len(m.layers) {
+		w := &m.layers[l]
+		switch r {
+		case model.Q:
+			dst, want = &w.q, []int{c.QDim(), c.Hidden}
+		case model.K:
+			dst, want = &w.k, []int{c.KVDim(), c.Hidden}
+		case model.V:
+			dst, want = &w.v, []int{c.KVDim(), c.Hidden}
+		case model.O:
+			dst, want = &w.o, []int{c.Hidden, c.QDim()}
+		case model.Gate:
+			dst, want = &w.gate, []int{c.Intermediate, c.Hidden}
+		case model.Up:
+			dst, want = &w.up, []int{c.Intermediate, c.Hidden}
+		case model.Down:
+			dst, want = &w.down, []int{c.Hidden, c.Intermediate}
+		}
+	}
+	name := model.Name(l, r)
+	if dst == nil {
+		return fmt.Errorf("runtime: SetLinear: %s is not a linear weight of this %d-layer model", name, c.Layers)
+	}
+	if s := t.Shape(); len(s) != 2 || s[0] != want[0] || s[1] != want[1] {
+		return fmt.Errorf("runtime: SetLinear %s: shape %v, want %v", name, s, want)
+	}
+	lin, err := m.be.UploadLinear(name, t)
+	if err != nil {
+		return fmt.Errorf("runtime: SetLinear %s: %w", name, err)
+	}
+	tiedHead := m.head == m.embed
+	*dst = lin
+	if r == model.Embed && tiedHead {
+		m.head = lin
+	}
+	return nil
+}
+
+// SetVector replaces (or adds) a norm weight or bias by canonical name:
+// "norm", "layers.N.attn_norm", "layers.N.attn_norm_bias", "layers.N.mlp_norm",
+// "layers.N.mlp_norm_bias", "layers.N.{q,k,v}_bias", "layers.N.{q,k}_norm".
+// Passing a nil tensor removes an optional bias.
+func (m *Model) SetVector(name string, t model.Tensor) error {
+	l, r, ok := model.ParseName(name)
+	if !ok {
+		return fmt.Errorf("runtime: SetVector: %q is not a canonical tensor name", name)
+	}
+	c := &m.cfg
+	var dst *Vector
+	var n int
+	optional := false
+	if l < 0 {
+		if r == model.FinalNorm {
+			dst, n = &m.norm, c.Hidden
+		}
+	} else if l < len(m.layers) {
+		w := &m.layers[l]
+		switch r {
+		case model.AttnNorm:
+			dst, n = &w.attnNorm, c.Hidden
+		case model.MLPNorm:
+			dst, n = &w.mlpNorm, c.Hidden
+		case model.AttnNormBias:
+			dst, n, optional = &w.attnNormBias, c.Hidden, true
+		case model.MLPNormBias:
+			dst, n, optional = &w.mlpNormBias, c.Hidden, true
+		case model.QBias:
+			dst, n, optional = &w.qBias, c.QDim(), true
+		case model.KBias:
+			dst, n, optional = &w.kBias, c.KVDim(), true
+		case model.VBias:
+			dst, n, optional = &w.vBias, c.KVDim(), true
+		case model.QNorm:
+			dst, n = &w.qNorm, c.HeadDim
+		case model.KNorm:
+			dst, n = &w.kNorm, c.HeadDim
+		}
+	}
+	if dst == nil {
+		return fmt.Errorf("runtime: SetVector: %q is not a norm or bias of this %d-layer model", name, c.Layers)
+	}
+	if t == nil {
+		if !optional {
+			return fmt.Errorf("runtime: SetVector %s: cannot remove a required vector", name)
+		}
+		*dst = nil
+		return nil
+	}
+	if s := t.Shape(); len(s) != 1 || s[0] != n {
+		return fmt.Errorf("runtime: SetVector %s: shape %v, want [%d]", name, s, n)
+	}
+	v, err := m.be.UploadVector(name, t)
+	if err != nil {
+		return fmt.Errorf("runtime: SetVector %s: %w", name, err)
+	}
+	*dst = v
+	return nil
+}
+
+// rowsOf copies rows [r0, r1) of x into a new buffer.
+func rowsOf(be Backend, x Buf, r0, r1 int) Buf {
+	cols := x.Cols()
+	all := make([]float32, x.Rows()*cols)
+	be.Download(all, x)
+	out := be.Alloc(r1-r0, cols)
+	be.Upload(out, all[r0*cols:r1*cols])
+	return out
+}
+
+// checkIDs reports the first id outside 0..vocab-1.
+func checkIDs(ids []int, vocab int) error {
+	for i, id := range ids {
+		if id < 0 || id >= vocab {
+			return fmt.Errorf("token id %d at position %d is outside the model vocabulary 0..%d (tokenizer and model do not match?)", id, i, vocab-1)
+		}
+	}
+	return nil
+}
+
+// finite reports whether v is neither NaN nor infinite.
+func finite(v float64) bool { return !math.IsNaN(v) && !math.IsInf(v, 0) }

@@ -1,0 +1,695 @@
+// Package tp runs the forward pass of package runtime tensor-parallel over
+// N ranks, Megatron style, without changing the forward pass: Backend
+// implements runtime.Backend by wrapping one runtime.Backend per rank (N CPU
+// backends, or N CUDA backends, one per device) and a Communicator for the
+// all-reduce and all-gather between them.
+//
+// Weights are split at upload by their canonical names with the rules of
+// package qtool/formats/shard (column-parallel q/k/v/gate/up, row-parallel
+// o/down, vocabulary-parallel embedding and lm_head, replicated norms), or
+// taken as they are from a shard directory (shard.OpenModel).
+//
+// Activation buffers are per-rank buffers with a layout: replicated (every
+// rank holds the whole matrix) or column-split (rank r holds a column
+// range). Each operation declares the layout it needs and converts its
+// inputs when they differ (a column-split buffer is all-gathered into a
+// replicated one; a replicated one is sliced locally); the layouts the
+// forward pass produces need no conversion except where Megatron
+// communicates:
+//
+//   - MatMul with a column-parallel weight: replicated input, column-split
+//     output (no communication);
+//   - MatMul with a row-parallel weight: column-split input, each rank's
+//     partial product all-reduced into a replicated output;
+//   - Embed: each rank looks up the ids of its vocabulary range (zero rows
+//     for the others), then all-reduce;
+//   - the classifier's output is vocabulary-split; NLL and Argmax all-gather
+//     it and run on rank 0;
+//   - RMSNorm and Add on replicated buffers run redundantly on every rank
+//     (cheaper than computing on rank 0 and broadcasting), keeping the
+//     replicas bit-identical because every rank sees identical inputs;
+//   - RoPE, RMSNormHeads, AddBias, SiLUMul, StoreKV and Attention act on
+//     each rank's local heads or columns; the KV cache is split by KV heads.
+//
+// The collectives of this package move data through host memory
+// (Download, Communicator, Upload), which is exact and backend-agnostic.
+// Ranks run concurrently, one goroutine each.
+package tp
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+
+	"qtool/formats/model"
+	"qtool/formats/shard"
+	"qtool/runtime"
+)
+
+// Backend is a tensor-parallel runtime.Backend over one backend per rank.
+// Like every backend it is not safe for concurrent use of the same buffers.
+type Backend struct {
+	cfg   model.Config
+	ranks []runtime.Backend
+	comm  Communicator
+	kv    [][2]int // KV-cache column range (by KV heads) of each rank
+}
+
+var _ runtime.Backend = (*Backend)(nil)
+
+// New returns a tensor-parallel backend for a model of config cfg over the
+// given rank backends (rank r runs on ranks[r]) and communicator. It checks
+// that len(ranks) divides the heads and KV heads. Close closes the rank
+// backends and the communicator.
+func New(cfg model.Config, ranks []runtime.Backend, comm Communicator) (*Backend, error) {
+	n := len(ranks)
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("tp: %w", err)
+	}
+	if err := shard.CheckTP(cfg, n); err != nil {
+		return nil, fmt.Errorf("tp: %w", err)
+	}
+	if comm == nil || comm.Size() != n {
+		return nil, fmt.Errorf("tp: %d rank backends need a communicator of %d ranks", n, n)
+	}
+	for r, be := range ranks {
+		if be == nil {
+			return nil, fmt.Errorf("tp: rank %d has no backend", r)
+		}
+	}
+	_, kv, err := shard.Layout(cfg, n, model.Name(0, model.K), []int{cfg.KVDim(), cfg.Hidden})
+	if err != nil {
+		return nil, fmt.Errorf("tp: %w", err)
+	}
+	return &Backend{cfg: cfg, ranks: ranks, comm: comm, kv: kv}, nil
+}
+
+// Size is the number of ranks.
+func (b *Backend) Size() int { return len(b.ranks) }
+
+// Rank returns the backend of rank r.
+func (b *Backend) Rank(r int) runtime.Backend { return b.ranks[r] }
+
+// Name implements runtime.Backend: "tp<N>", the communicator when it has
+// a name, and rank 0's name, e.g. "tp2(nccl 22803):cuda:NVIDIA H200".
+func (b *Backend) Name() string {
+	c := ""
+	if nc, ok := b.comm.(interface{ Name() string }); ok {
+		c = "(" + nc.Name() + ")"
+	}
+	return fmt.Sprintf("tp%d%s:%s", len(b.ranks), c, b.ranks[0].Name())
+}
+
+// Close implements runtime.Backend: it closes every rank backend and the
+// communicator.
+func (b *Backend) Close() error {
+	var errs []error
+	for _, be := range b.ranks {
+		errs = append(errs, be.Close())
+	}
+	errs = append(errs, b.comm.Close())
+	return errors.Join(errs...)
+}
+
+// each runs fn for every rank concurrently and re-raises a rank's panic in
+// the caller.
+func (b *Backend) each(fn func(r int)) {
+	n := len(b.ranks)
+	if n == 1 {
+		fn(0)
+		return
+	}
+	var wg sync.WaitGroup
+	panics := make([]any, n)
+	for r := 0; r < n; r++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { panics[r] = recover() }()
+			fn(r)
+		}()
+	}
+	wg.Wait()
+	for r, p := range panics {
+		if p != nil {
+			panic(fmt.Sprintf("tp rank %d: %v", r, p))
+		}
+	}
+}
+
+// Buf is the tensor-parallel activation buffer: one buffer per rank, with
+// a layout.
+type Buf struct {
+	rows, cols int
+	parts      []runtime.Buf // nil until an operation writes it (zeros)
+	split      [][2]int      // nil: replicated; else each rank's column range
+}
+
+// Rows implements runtime.Buf.
+func (x *Buf) Rows() int { return x.rows }
+
+// Cols implements runtime.Buf.
+func (x *Buf) Cols() int { return x.cols }
+
+// Replicated reports whether every rank holds the whole matrix.
+func (x *Buf) Replicated() bool { return x.split == nil }
+
+func bufOf(x runtime.Buf) *Buf {
+	t, ok := x.(*Buf)
+	if !ok {
+		panic(fmt.Sprintf("tp: buffer of type %T does not belong to the tensor-parallel backend", x))
+	}
+	return t
+}
+
+// Linear is an uploaded weight: one piece per rank.
+type Linear struct {
+	name    string
+	out, in int
+	split   shard.Split
+	ranges  [][2]int
+	parts   []runtime.Linear
+}
+
+// Out implements runtime.Linear.
+func (l *Linear) Out() int { return l.out }
+
+// In implements runtime.Linear.
+func (l *Linear) In() int { return l.in }
+
+func linearOf(w runtime.Linear) *Linear {
+	l, ok := w.(*Linear)
+	if !ok {
+		panic(fmt.Sprintf("tp: linear weight of type %T does not belong to the tensor-parallel backend", w))
+	}
+	return l
+}
+
+type vector struct {
+	n     int
+	split [][2]int // nil: replicated
+	parts []runtime.Vector
+}
+
+func (v *vector) Len() int { return v.n }
+
+func vectorOf(v runtime.Vector) *vector {
+	if v == nil {
+		return nil
+	}
+	x, ok := v.(*vector)
+	if !ok {
+		panic(fmt.Sprintf("tp: vector of type %T does not belong to the tensor-parallel backend", v))
+	}
+	return x
+}
+
+func (v *vector) part(r int) runtime.Vector {
+	if v == nil {
+		return nil
+	}
+	return v.parts[r]
+}
+
+type kvCache struct {
+	maxSeq int
+	parts  []runtime.KVCache
+}
+
+func (c *kvCache) MaxSeq() int { return c.maxSeq }
+
+// pieces returns the per-rank pieces of the tensor name: taken from a
+// *shard.Tensor (checking its split matches this backend's) or split now.
+func (b *Backend) pieces(name string, t model.Tensor) (shard.Split, [][2]int, []model.Tensor, error) {
+	n := len(b.ranks)
+	if st, ok := t.(*shard.Tensor); ok {
+		e := &st.Entry
+		if len(st.Parts) != n {
+			return "", nil, nil, fmt.Errorf("%s: sharded for %d ranks, the tensor-parallel backend has %d", name, len(st.Parts), n)
+		}
+		split, ranges, err := shard.Layout(b.cfg, n, name, e.Shape)
+		if err != nil {
+			return "", nil, nil, err
+		}
+		if split != e.Split || !slices.Equal(ranges, e.Ranges) {
+			return "", nil, nil, fmt.Errorf("%s: stored as a %s split %v, this backend splits it %s %v", name, e.Split, e.Ranges, split, ranges)
+		}
+		return split, ranges, st.Parts, nil
+	}
+	rt, err := shard.Resolve(name, t)
+	if err != nil {
+		return "", nil, nil, err
+	}
+	e, err := shard.Describe(b.cfg, n, name, rt)
+	if err != nil {
+		return "", nil, nil, err
+	}
+	parts, err := shard.SplitTensor(&e, rt)
+	if err != nil {
+		return "", nil, nil, err
+	}
+	return e.Split, e.Ranges, parts, nil
+}
+
+// UploadLinear implements runtime.Backend: the weight is split by the rule
+// for its canonical name and each piece uploaded to its rank.
+func (b *Backend) UploadLinear(name string, t model.Tensor) (runtime.Linear, error) {
+	if t == nil {
+		return nil, fmt.Errorf("%s: nil tensor", name)
+	}
+	s := t.Shape()
+	if len(s) != 2 {
+		return nil, fmt.Errorf("%s: linear weight has shape %v, want [out, in]", name, s)
+	}
+	split, ranges, parts, err := b.pieces(name, t)
+	if err != nil {
+		return nil, err
+	}
+	l := &Linear{name: name, out: s[0], in: s[1], split: split, ranges: ranges, parts: make([]runtime.Linear, len(b.ranks))}
+	errs := make([]error, len(b.ranks))
+	b.each(func(r int) {
+		p := parts[0]
+		if split != shard.Replicated {
+			p = parts[r]
+		}
+		if l.parts[r], errs[r] = b.ranks[r].UploadLinear(name, p); errs[r] != nil {
+			errs[r] = fmt.Errorf("rank %d: %w", r, errs[r])
+		}
+	})
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// UploadVector implements runtime.Backend: q/k/v biases are split with
+// their heads, everything else replicated.
+func (b *Backend) UploadVector(name string, t model.Tensor) (runtime.Vector, error) {
+	if t == nil {
+		return nil, fmt.Errorf("%s: nil tensor", name)
+	}
+	s := t.Shape()
+	if len(s) != 1 {
+		return nil, fmt.Errorf("%s: vector has shape %v, want one dimension", name, s)
+	}
+	split, ranges, parts, err := b.pieces(name, t)
+	if err != nil {
+		return nil, err
+	}
+	v := &vector{n: s[0], parts: make([]runtime.Vector, len(b.ranks))}
+	if split != shard.Replicated {
+		v.split = ranges
+	}
+	errs := make([]error, len(b.ranks))
+	b.each(func(r int) {
+		p := parts[0]
+		if split != shard.Replicated {
+			p = parts[r]
+		}
+		if v.parts[r], errs[r] = b.ranks[r].UploadVector(name, p); errs[r] != nil {
+			errs[r] = fmt.Errorf("rank %d: %w", r, errs[r])
+		}
+	})
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return v, nil
+}
+
+// Alloc implements runtime.Backend. Rank buffers are allocated by the
+// operation that first writes the buffer, in the layout it produces.
+func (b *Backend) Alloc(rows, cols int) runtime.Buf {
+	if rows < 0 || cols < 0 {
+		panic(fmt.Sprintf("tp.Alloc: negative shape [%d %d]", rows, cols))
+	}
+	return &Buf{rows: rows, cols: cols}
+}
+
+// Free implements runtime.Backend.
+func (b *Backend) Free(x runtime.Buf) {
+	t := bufOf(x)
+	b.release(t)
+}
+
+func (b *Backend) release(t *Buf) {
+	if t.parts == nil {
+		return
+	}
+	for r, p := range t.parts {
+		if p != nil {
+			b.ranks[r].Free(p)
+		}
+	}
+	t.parts, t.split = nil, nil
+}
+
+// width is the number of columns rank r holds in layout split.
+func width(cols int, split [][2]int, r int) int {
+	if split == nil {
+		return cols
+	}
+	return split[r][1] - split[r][0]
+}
+
+// layout makes t hold rank buffers of layout split, allocating fresh
+// (zeroed) ones when it has none or a different layout; the old contents
+// are discarded.
+func (b *Backend) layout(t *Buf, split [][2]int) {
+	if t.parts != nil && slices.Equal(t.split, split) {
+		return
+	}
+	b.release(t)
+	t.parts = make([]runtime.Buf, len(b.ranks))
+	t.split = split
+	for r, be := range b.ranks {
+		t.parts[r] = be.Alloc(t.rows, width(t.cols, split, r))
+	}
+}
+
+// replicate converts t to the replicated layout, all-gathering a split
+// buffer; an unwritten buffer becomes replicated zeros.
+func (b *Backend) replicate(t *Buf) {
+	if t.parts == nil {
+		b.layout(t, nil)
+		return
+	}
+	if t.split == nil {
+		return
+	}
+	n := len(b.ranks)
+	maxW := 0
+	for r := range n {
+		maxW = max(maxW, width(t.cols, t.split, r))
+	}
+	rows := t.rows
+	old, split := t.parts, t.split
+	full := make([]runtime.Buf, n)
+	b.each(func(r int) {
+		be := b.ranks[r]
+		w := width(t.cols, split, r)
+		send := make([]float32, rows*maxW) // padded: the collective needs equal counts
+		be.Download(send[:rows*w], old[r])
+		recv := make([]float32, n*rows*maxW)
+		if err := b.comm.AllGather(r, send, recv); err != nil {
+			panic(fmt.Sprintf("tp: all-gather: %v", err))
+		}
+		out := make([]float32, rows*t.cols)
+		for j := range n {
+			c0, wj := split[j][0], split[j][1]-split[j][0]
+			src := recv[j*rows*maxW:]
+			for i := 0; i < rows; i++ {
+				copy(out[i*t.cols+c0:i*t.cols+c0+wj], src[i*wj:(i+1)*wj])
+			}
+		}
+		be.Free(old[r])
+		full[r] = be.Alloc(rows, t.cols)
+		be.Upload(full[r], out)
+	})
+	t.parts, t.split = full, nil
+}
+
+// toSplit converts t to the column-split layout split.
+func (b *Backend) toSplit(t *Buf, split [][2]int) {
+	if t.parts == nil {
+		b.layout(t, split)
+		return
+	}
+	if slices.Equal(t.split, split) {
+		return
+	}
+	if t.split != nil {
+		b.replicate(t)
+	}
+	old := t.parts
+	parts := make([]runtime.Buf, len(b.ranks))
+	b.each(func(r int) {
+		be := b.ranks[r]
+		all := make([]float32, t.rows*t.cols)
+		be.Download(all, old[r])
+		c0, w := split[r][0], split[r][1]-split[r][0]
+		mine := make([]float32, t.rows*w)
+		for i := 0; i < t.rows; i++ {
+			copy(mine[i*w:(i+1)*w], all[i*t.cols+c0:i*t.cols+c0+w])
+		}
+		be.Free(old[r])
+		parts[r] = be.Alloc(t.rows, w)
+		be.Upload(parts[r], mine)
+	})
+	t.parts, t.split = parts, split
+}
+
+// allReduce sums the replicated-shape rank buffers of t over the ranks.
+func (b *Backend) allReduce(t *Buf) {
+	b.each(func(r int) {
+		be := b.ranks[r]
+		host := make([]float32, t.rows*t.cols)
+		be.Download(host, t.parts[r])
+		if err := b.comm.AllReduceSum(r, host); err != nil {
+			panic(fmt.Sprintf("tp: all-reduce: %v", err))
+		}
+		be.Upload(t.parts[r], host)
+	})
+}
+
+// Upload implements runtime.Backend: the values are replicated on every rank.
+func (b *Backend) Upload(dst runtime.Buf, src []float32) {
+	d := bufOf(dst)
+	if len(src) != d.rows*d.cols {
+		panic(fmt.Sprintf("tp.Upload: %d values into [%d %d]", len(src), d.rows, d.cols))
+	}
+	b.layout(d, nil)
+	b.each(func(r int) { b.ranks[r].Upload(d.parts[r], src) })
+}
+
+// Download implements runtime.Backend: rank 0's copy of a replicated
+// buffer, or the column pieces of a split one put together.
+func (b *Backend) Download(dst []float32, src runtime.Buf) {
+	s := bufOf(src)
+	if len(dst) != s.rows*s.cols {
+		panic(fmt.Sprintf("tp.Download: [%d %d] into %d values", s.rows, s.cols, len(dst)))
+	}
+	switch {
+	case s.parts == nil:
+		clear(dst)
+	case s.split == nil:
+		b.ranks[0].Download(dst, s.parts[0])
+	default:
+		for r, be := range b.ranks {
+			c0, w := s.split[r][0], s.split[r][1]-s.split[r][0]
+			tmp := make([]float32, s.rows*w)
+			be.Download(tmp, s.parts[r])
+			for i := 0; i < s.rows; i++ {
+				copy(dst[i*s.cols+c0:i*s.cols+c0+w], tmp[i*w:(i+1)*w])
+			}
+		}
+	}
+}
+
+// NewKVCache implements runtime.Backend: each rank caches its KV heads.
+func (b *Backend) NewKVCache(layers, maxSeq, kvDim int) runtime.KVCache {
+	if kvDim != b.cfg.KVDim() {
+		panic(fmt.Sprintf("tp.NewKVCache: kv dim %d, the model's is %d", kvDim, b.cfg.KVDim()))
+	}
+	c := &kvCache{maxSeq: maxSeq, parts: make([]runtime.KVCache, len(b.ranks))}
+	for r, be := range b.ranks {
+		c.parts[r] = be.NewKVCache(layers, maxSeq, b.kv[r][1]-b.kv[r][0])
+	}
+	return c
+}
+
+func cacheOf(c runtime.KVCache) *kvCache {
+	x, ok := c.(*kvCache)
+	if !ok {
+		panic(fmt.Sprintf("tp: KV cache of type %T does not belong to the tensor-parallel backend", c))
+	}
+	return x
+}
+
+// Embed implements runtime.Backend: vocabulary-parallel lookup (rank r
+// fills the rows of the ids in its range, zeros elsewhere) and all-reduce.
+func (b *Backend) Embed(dst runtime.Buf, table runtime.Linear, ids []int) {
+	d, tl := bufOf(dst), linearOf(table)
+	if d.rows != len(ids) || d.cols != tl.in {
+		panic(fmt.Sprintf("tp.Embed: %d ids into [%d %d], table width %d", len(ids), d.rows, d.cols, tl.in))
+	}
+	for i, id := range ids {
+		if id < 0 || id >= tl.out {
+			panic(fmt.Sprintf("tp.Embed: id %d at %d outside the table of %d rows", id, i, tl.out))
+		}
+	}
+	b.layout(d, nil)
+	if tl.split == shard.Replicated {
+		b.each(func(r int) { b.ranks[r].Embed(d.parts[r], tl.parts[r], ids) })
+		return
+	}
+	if tl.split != shard.Vocab {
+		panic(fmt.Sprintf("tp.Embed: table %s is split %s, want vocab or replicated", tl.name, tl.split))
+	}
+	b.each(func(r int) {
+		be := b.ranks[r]
+		lo, hi := tl.ranges[r][0], tl.ranges[r][1]
+		local := make([]int, len(ids))
+		for i, id := range ids {
+			if id >= lo && id < hi {
+				local[i] = id - lo
+			}
+		}
+		be.Embed(d.parts[r], tl.parts[r], local)
+		host := make([]float32, d.rows*d.cols)
+		be.Download(host, d.parts[r])
+		for i, id := range ids {
+			if id < lo || id >= hi {
+				clear(host[i*d.cols : (i+1)*d.cols])
+			}
+		}
+		if err := b.comm.AllReduceSum(r, host); err != nil {
+			panic(fmt.Sprintf("tp: all-reduce: %v", err))
+		}
+		be.Upload(d.parts[r], host)
+	})
+}
+
+// RMSNorm implements runtime.Backend on a replicated x, on every rank.
+func (b *Backend) RMSNorm(dst, x runtime.Buf, w, bias runtime.Vector, eps float32) {
+	d, s := bufOf(dst), bufOf(x)
+	wv, bv := vectorOf(w), vectorOf(bias)
+	if wv == nil || wv.split != nil || (bv != nil && bv.split != nil) {
+		panic("tp.RMSNorm: norm weight and bias must be replicated vectors")
+	}
+	b.replicate(s)
+	b.layout(d, nil)
+	b.each(func(r int) { b.ranks[r].RMSNorm(d.parts[r], s.parts[r], wv.parts[r], bv.part(r), eps) })
+}
+
+// RMSNormHeads implements runtime.Backend on each rank's local heads.
+func (b *Backend) RMSNormHeads(x runtime.Buf, headDim int, w runtime.Vector, eps float32) {
+	s, wv := bufOf(x), vectorOf(w)
+	if s.parts == nil {
+		b.replicate(s)
+	}
+	b.each(func(r int) { b.ranks[r].RMSNormHeads(s.parts[r], headDim, wv.parts[r], eps) })
+}
+
+// MatMul implements runtime.Backend; see the package documentation for the
+// layouts of each kind of weight.
+func (b *Backend) MatMul(dst, x runtime.Buf, w runtime.Linear) {
+	d, s, l := bufOf(dst), bufOf(x), linearOf(w)
+	if s.cols != l.in || d.cols != l.out || d.rows != s.rows {
+		panic(fmt.Sprintf("tp.MatMul: x [%d %d], dst [%d %d], weight %s [%d %d]", s.rows, s.cols, d.rows, d.cols, l.name, l.out, l.in))
+	}
+	switch l.split {
+	case shard.Column, shard.Vocab:
+		b.replicate(s)
+		b.layout(d, l.ranges)
+		b.each(func(r int) { b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r]) })
+	case shard.Row:
+		b.toSplit(s, l.ranges)
+		b.layout(d, nil)
+		b.each(func(r int) { b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r]) })
+		b.allReduce(d)
+	default:
+		b.replicate(s)
+		b.layout(d, nil)
+		b.each(func(r int) { b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r]) })
+	}
+}
+
+// AddBias implements runtime.Backend: a split bias (q/k/v) on the matching
+// column pieces, a replicated one on a replicated x.
+func (b *Backend) AddBias(x runtime.Buf, bias runtime.Vector) {
+	s, bv := bufOf(x), vectorOf(bias)
+	if bv.split != nil {
+		b.toSplit(s, bv.split)
+	} else {
+		b.replicate(s)
+	}
+	b.each(func(r int) { b.ranks[r].AddBias(s.parts[r], bv.parts[r]) })
+}
+
+// RoPE implements runtime.Backend on each rank's local heads.
+func (b *Backend) RoPE(x runtime.Buf, headDim, pos0 int, theta float64, layout model.RopeLayout) {
+	s := bufOf(x)
+	if s.parts == nil {
+		b.replicate(s)
+	}
+	b.each(func(r int) { b.ranks[r].RoPE(s.parts[r], headDim, pos0, theta, layout) })
+}
+
+// StoreKV implements runtime.Backend: each rank stores its KV heads.
+func (b *Backend) StoreKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf) {
+	kc, kb, vb := cacheOf(c), bufOf(k), bufOf(v)
+	b.toSplit(kb, b.kv)
+	b.toSplit(vb, b.kv)
+	b.each(func(r int) { b.ranks[r].StoreKV(kc.parts[r], layer, pos0, kb.parts[r], vb.parts[r]) })
+}
+
+// Attention implements runtime.Backend: each rank attends with its heads
+// over its KV heads.
+func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int) {
+	n := len(b.ranks)
+	if heads%n != 0 || kvHeads%n != 0 || kvHeads*headDim != b.cfg.KVDim() {
+		panic(fmt.Sprintf("tp.Attention: %d heads, %d KV heads × %d over %d ranks (model KV dim %d)", heads, kvHeads, headDim, n, b.cfg.KVDim()))
+	}
+	d, s, kc := bufOf(dst), bufOf(q), cacheOf(c)
+	split := make([][2]int, n)
+	per := heads / n * headDim
+	for r := range split {
+		split[r] = [2]int{r * per, (r + 1) * per}
+	}
+	b.toSplit(s, split)
+	b.layout(d, split)
+	b.each(func(r int) {
+		b.ranks[r].Attention(d.parts[r], s.parts[r], kc.parts[r], layer, pos0, heads/n, kvHeads/n, headDim)
+	})
+}
+
+// conform brings t to the layout of ref (replicated or the same split).
+func (b *Backend) conform(t, ref *Buf) {
+	if ref.split == nil {
+		b.replicate(t)
+	} else {
+		b.toSplit(t, ref.split)
+	}
+}
+
+// SiLUMul implements runtime.Backend on matching pieces.
+func (b *Backend) SiLUMul(dst, gate, up runtime.Buf) {
+	d, g, u := bufOf(dst), bufOf(gate), bufOf(up)
+	if g.parts == nil {
+		b.replicate(g)
+	}
+	b.conform(u, g)
+	if d != g {
+		b.layout(d, g.split)
+	}
+	b.each(func(r int) { b.ranks[r].SiLUMul(d.parts[r], g.parts[r], u.parts[r]) })
+}
+
+// Add implements runtime.Backend: on matching column pieces, else on
+// replicated buffers.
+func (b *Backend) Add(dst, x runtime.Buf) {
+	d, s := bufOf(dst), bufOf(x)
+	if d.parts != nil && d.split != nil && s.parts != nil && slices.Equal(d.split, s.split) {
+		// Both split alike: add piecewise.
+	} else {
+		b.replicate(d)
+		b.replicate(s)
+	}
+	b.each(func(r int) { b.ranks[r].Add(d.parts[r], s.parts[r]) })
+}
+
+// NLL implements runtime.Backend: the logits are all-gathered and rank 0
+// computes the NLL exactly as an unsplit backend would.
+func (b *Backend) NLL(out []float64, logits runtime.Buf, targets []int) {
+	l := bufOf(logits)
+	b.replicate(l)
+	b.ranks[0].NLL(out, l.parts[0], targets)
+}
+
+// Argmax implements runtime.Backend on the all-gathered logits.
+func (b *Backend) Argmax(logits runtime.Buf) []int {
+	l := bufOf(logits)
+	b.replicate(l)
+	return b.ranks[0].Argmax(l.parts[0])
+}

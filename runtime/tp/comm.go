@@ -1,0 +1,149 @@
+package tp
+
+import (
+	"fmt"
+	"sync"
+)
+
+// Communicator is the collective-communication layer between the ranks of
+// a tensor-parallel group. Every method is called by every rank, each from
+// its own goroutine (or process), with its own buffers; a call returns once
+// all ranks have taken part, like NCCL's collectives.
+type Communicator interface {
+	// Size is the number of ranks.
+	Size() int
+	// AllReduceSum replaces buf, on every rank, by the element-wise sum of
+	// all ranks' buf (all of the same length). Every rank ends with
+	// bit-identical values.
+	AllReduceSum(rank int, buf []float32) error
+	// AllGather copies every rank's send (all of the same length) into
+	// recv (len Size()·len(send)) in rank order.
+	AllGather(rank int, send, recv []float32) error
+	// Close releases the communicator.
+	Close() error
+}
+
+// InProcess is a Communicator for ranks that are goroutines of one process.
+// The sum is taken in rank order, so results are deterministic.
+type InProcess struct {
+	n int
+
+	mu      sync.Mutex
+	cond    *sync.Cond
+	arrived int
+	gen     uint64
+	send    [][]float32
+}
+
+var _ Communicator = (*InProcess)(nil)
+
+// NewInProcess returns an in-process communicator for n ranks.
+func NewInProcess(n int) (*InProcess, error) {
+	if n < 1 {
+		return nil, fmt.Errorf("tp: communicator for %d ranks", n)
+	}
+	c := &InProcess{n: n, send: make([][]float32, n)}
+	c.cond = sync.NewCond(&c.mu)
+	return c, nil
+}
+
+// Size implements Communicator.
+func (c *InProcess) Size() int { return c.n }
+
+// Close implements Communicator.
+func (c *InProcess) Close() error { return nil }
+
+// barrier blocks until all n ranks have called it.
+func (c *InProcess) barrier() {
+	c.mu.Lock()
+	g := c.gen
+	c.arrived++
+	if c.arrived == c.n {
+		c.arrived = 0
+		c.gen++
+		c.cond.Broadcast()
+	} else {
+		for g == c.gen {
+			c.cond.Wait()
+		}
+	}
+	c.mu.Unlock()
+}
+
+func (c *InProcess) checkRank(rank int) error {
+	if rank < 0 || rank >= c.n {
+		return fmt.Errorf("tp: rank %d outside 0..%d", rank, c.n-1)
+	}
+	return nil
+}
+
+// lengthsAgree reports whether every rank's buffer has the length of rank 0's.
+func lengthsAgree(bufs [][]float32) bool {
+	for _, b := range bufs {
+		if len(b) != len(bufs[0]) {
+			return false
+		}
+	}
+	return true
+}
+
+// AllReduceSum implements Communicator: a reduce-scatter in which each rank
+// sums its slice of the elements over all ranks (in rank order) and writes
+// the sum to every rank's buffer.
+func (c *InProcess) AllReduceSum(rank int, buf []float32) error {
+	if err := c.checkRank(rank); err != nil {
+		return err
+	}
+	if c.n == 1 {
+		return nil
+	}
+	c.send[rank] = buf
+	c.barrier()
+	ok := lengthsAgree(c.send)
+	if ok {
+		L := len(buf)
+		lo, hi := rank*L/c.n, (rank+1)*L/c.n
+		for i := lo; i < hi; i++ {
+			s := c.send[0][i]
+			for j := 1; j < c.n; j++ {
+				s += c.send[j][i]
+			}
+			for j := 0; j < c.n; j++ {
+				c.send[j][i] = s
+			}
+		}
+	}
+	c.barrier()
+	if !ok {
+		return fmt.Errorf("tp: all-reduce with buffers of different lengths (rank %d has %d)", rank, len(buf))
+	}
+	return nil
+}
+
+// AllGather implements Communicator.
+func (c *InProcess) AllGather(rank int, send, recv []float32) error {
+	if err := c.checkRank(rank); err != nil {
+		return err
+	}
+	if len(recv) != c.n*len(send) {
+		return fmt.Errorf("tp: all-gather of %d values per rank into %d", len(send), len(recv))
+	}
+	if c.n == 1 {
+		copy(recv, send)
+		return nil
+	}
+	c.send[rank] = send
+	c.barrier()
+	ok := lengthsAgree(c.send)
+	if ok {
+		L := len(send)
+		for j := 0; j < c.n; j++ {
+			copy(recv[j*L:(j+1)*L], c.send[j])
+		}
+	}
+	c.barrier()
+	if !ok {
+		return fmt.Errorf("tp: all-gather with buffers of different lengths (rank %d sends %d)", rank, len(send))
+	}
+	return nil
+}

@@ -1,0 +1,442 @@
+package tp
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	goruntime "runtime"
+	"sync"
+	"unsafe"
+
+	"github.com/ebitengine/purego"
+
+	"qtool/runtime/cuda/driver"
+)
+
+// ErrNoNCCL is wrapped by LoadNCCL when libnccl.so.2 cannot be loaded.
+var ErrNoNCCL = errors.New("no NCCL library found")
+
+// UniqueIDBytes is NCCL_UNIQUE_ID_BYTES.
+const UniqueIDBytes = 128
+
+// UniqueID is an ncclUniqueId: created by one rank (GetUniqueID) and handed
+// to every other rank out of band before they create the communicator.
+type UniqueID struct {
+	Internal [UniqueIDBytes]byte
+}
+
+// NCCL data types and reduction operations used here (ncclDataType_t,
+// ncclRedOp_t).
+const (
+	ncclFloat32 = 7
+	ncclSum     = 0
+)
+
+// NCCL is a loaded libnccl.so.2, bound at run time through purego (no cgo).
+// Its methods take device pointers and CUDA streams as plain integers.
+type NCCL struct {
+	// Path is the library that was loaded.
+	Path string
+
+	getVersion           func(v *int32) int32
+	getUniqueID          func(id *UniqueID) int32
+	commInitAll          func(comms *uintptr, ndev int32, devlist *int32) int32
+	commInitRankScalable func(comm *uintptr, nranks, myrank, nID int32, ids *UniqueID, config uintptr) int32
+	commDestroy          func(comm uintptr) int32
+	commCount            func(comm uintptr, n *int32) int32
+	commUserRank         func(comm uintptr, rank *int32) int32
+	allReduce            func(send, recv uintptr, count uint64, dtype, op int32, comm, stream uintptr) int32
+	allGather            func(send, recv uintptr, sendCount uint64, dtype int32, comm, stream uintptr) int32
+	groupStart           func() int32
+	groupEnd             func() int32
+	getErrorString       func(r int32) *byte
+}
+
+// ncclPaths lists where LoadNCCL looks after $QTOOL_NCCL: the dynamic
+// loader's search path, the usual system and CUDA directories, and the
+// nvidia-nccl Python wheels.
+func ncclPaths() []string {
+	paths := []string{"libnccl.so.2",
+		"/usr/lib/x86_64-linux-gnu/libnccl.so.2", "/usr/lib/aarch64-linux-gnu/libnccl.so.2",
+		"/usr/local/cuda/lib64/libnccl.so.2", "/usr/local/nccl/lib/libnccl.so.2", "/usr/lib64/libnccl.so.2"}
+	for _, g := range []string{
+		"/usr/local/lib/python3*/dist-packages/nvidia/nccl/lib/libnccl.so.2",
+		"/usr/local/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2",
+		"/usr/lib/python3/dist-packages/nvidia/nccl/lib/libnccl.so.2",
+		"/opt/conda/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2",
+	} {
+		m, _ := filepath.Glob(g)
+		paths = append(paths, m...)
+	}
+	return paths
+}
+
+// LoadNCCL loads libnccl.so.2: the file named by $QTOOL_NCCL when set (and
+// only it), else the first of the standard locations that loads.
+func LoadNCCL() (*NCCL, error) {
+	paths := ncclPaths()
+	if p := os.Getenv("QTOOL_NCCL"); p != "" {
+		paths = []string{p}
+	}
+	var lib uintptr
+	var path string
+	var firstErr error
+	for _, p := range paths {
+		h, err := purego.Dlopen(p, purego.RTLD_NOW|purego.RTLD_GLOBAL)
+		if err == nil {
+			lib, path = h, p
+			break
+		}
+		if firstErr == nil {
+			firstErr = err
+		}
+	}
+	if lib == 0 {
+		return nil, fmt.Errorf("%w (tried %s first: %v; set QTOOL_NCCL to the library's path)", ErrNoNCCL, paths[0], firstErr)
+	}
+	n := &NCCL{Path: path}
+	for _, s := range []struct {
+		fn       any
+		name     string
+		optional bool
+	}{
+		{&n.getVersion, "ncclGetVersion", false},
+		{&n.getUniqueID, "ncclGetUniqueId", false},
+		{&n.commInitAll, "ncclCommInitAll", false},
+		{&n.commInitRankScalable, "ncclCommInitRankScalable", true},
+		{&n.commDestroy, "ncclCommDestroy", false},
+		{&n.commCount, "ncclCommCount", false},
+		{&n.commUserRank, "ncclCommUserRank", false},
+		{&n.allReduce, "ncclAllReduce", false},
+		{&n.allGather, "ncclAllGather", false},
+		{&n.groupStart, "ncclGroupStart", false},
+		{&n.groupEnd, "ncclGroupEnd", false},
+		{&n.getErrorString, "ncclGetErrorString", false},
+	} {
+		sym, err := purego.Dlsym(lib, s.name)
+		if err != nil {
+			if s.optional {
+				continue
+			}
+			return nil, fmt.Errorf("nccl: %s lacks %s: %w", path, s.name, err)
+		}
+		purego.RegisterFunc(s.fn, sym)
+	}
+	return n, nil
+}
+
+// NCCLError is a failed NCCL call.
+type NCCLError struct {
+	Call string
+	Code int32
+	Msg  string
+}
+
+func (e *NCCLError) Error() string {
+	return fmt.Sprintf("nccl: %s: error %d: %s", e.Call, e.Code, e.Msg)
+}
+
+func cString(p *byte) string {
+	if p == nil {
+		return ""
+	}
+	var b []byte
+	for q := unsafe.Pointer(p); *(*byte)(q) != 0 && len(b) < 4096; q = unsafe.Add(q, 1) {
+		b = append(b, *(*byte)(q))
+	}
+	return string(b)
+}
+
+func (n *NCCL) check(call string, r int32) error {
+	if r == 0 {
+		return nil
+	}
+	return &NCCLError{Call: call, Code: r, Msg: cString(n.getErrorString(r))}
+}
+
+// Version is NCCL's version code (major·10000 + minor·100 + patch).
+func (n *NCCL) Version() (int, error) {
+	var v int32
+	err := n.check("ncclGetVersion", n.getVersion(&v))
+	return int(v), err
+}
+
+// GetUniqueID creates the id that rank 0 hands to the other ranks.
+func (n *NCCL) GetUniqueID() (UniqueID, error) {
+	var id UniqueID
+	return id, n.check("ncclGetUniqueId", n.getUniqueID(&id))
+}
+
+// Comm is an NCCL communicator handle (ncclComm_t).
+type Comm uintptr
+
+// CommInitAll creates one communicator per listed device of this process
+// (single-process tensor parallelism); comms[i] is rank i on devices[i].
+func (n *NCCL) CommInitAll(devices []int) ([]Comm, error) {
+	if len(devices) == 0 {
+		return nil, fmt.Errorf("nccl: CommInitAll with no devices")
+	}
+	comms := make([]uintptr, len(devices))
+	devs := make([]int32, len(devices))
+	for i, d := range devices {
+		devs[i] = int32(d)
+	}
+	if err := n.check("ncclCommInitAll", n.commInitAll(&comms[0], int32(len(devices)), &devs[0])); err != nil {
+		return nil, err
+	}
+	out := make([]Comm, len(comms))
+	for i, c := range comms {
+		out[i] = Comm(c)
+	}
+	return out, nil
+}
+
+// CommInitRank joins rank of an nranks-rank communicator named by id (the
+// multi-process and multi-machine path; the caller's current CUDA device is
+// used). It calls ncclCommInitRankScalable with one id, which takes the id
+// by pointer: ncclCommInitRank takes the 128-byte id by value, which
+// purego cannot pass on every platform. Needs NCCL 2.23 or later.
+func (n *NCCL) CommInitRank(nranks int, id UniqueID, rank int) (Comm, error) {
+	if n.commInitRankScalable == nil {
+		v, _ := n.Version()
+		return 0, fmt.Errorf("nccl: %s (version %d) has no ncclCommInitRankScalable; multi-process initialization needs NCCL 2.23 or later", n.Path, v)
+	}
+	if rank < 0 || rank >= nranks {
+		return 0, fmt.Errorf("nccl: rank %d outside 0..%d", rank, nranks-1)
+	}
+	var c uintptr
+	err := n.check("ncclCommInitRankScalable", n.commInitRankScalable(&c, int32(nranks), int32(rank), 1, &id, 0))
+	return Comm(c), err
+}
+
+// Destroy frees the communicator.
+func (n *NCCL) Destroy(c Comm) error { return n.check("ncclCommDestroy", n.commDestroy(uintptr(c))) }
+
+// CountAndRank returns the communicator's size and this rank.
+func (n *NCCL) CountAndRank(c Comm) (count, rank int, err error) {
+	var cnt, r int32
+	if err := n.check("ncclCommCount", n.commCount(uintptr(c), &cnt)); err != nil {
+		return 0, 0, err
+	}
+	err = n.check("ncclCommUserRank", n.commUserRank(uintptr(c), &r))
+	return int(cnt), int(r), err
+}
+
+// AllReduceSum enqueues a float32 sum all-reduce of count values from the
+// device pointer send into recv (they may be equal) on stream.
+func (n *NCCL) AllReduceSum(send, recv uint64, count int, c Comm, stream uintptr) error {
+	return n.check("ncclAllReduce", n.allReduce(uintptr(send), uintptr(recv), uint64(count), ncclFloat32, ncclSum, uintptr(c), stream))
+}
+
+// AllGather enqueues a float32 all-gather: every rank's count values at send
+// land in recv (count × ranks values) in rank order.
+func (n *NCCL) AllGather(send, recv uint64, count int, c Comm, stream uintptr) error {
+	return n.check("ncclAllGather", n.allGather(uintptr(send), uintptr(recv), uint64(count), ncclFloat32, uintptr(c), stream))
+}
+
+// GroupStart opens a group of NCCL calls (needed when one thread issues
+// the collectives of several ranks).
+func (n *NCCL) GroupStart() error { return n.check("ncclGroupStart", n.groupStart()) }
+
+// GroupEnd closes the group opened by GroupStart and launches its calls.
+func (n *NCCL) GroupEnd() error { return n.check("ncclGroupEnd", n.groupEnd()) }
+
+// NCCLCommunicator is a Communicator over NCCL for ranks that are
+// goroutines of one process, one GPU each (ncclCommInitAll). It works on
+// host slices like InProcess, staging them through a device buffer per
+// rank, so it plugs into Backend with any rank backends. A backend that
+// keeps activations on the GPU would call NCCL.AllReduceSum on its device
+// pointers directly instead.
+type NCCLCommunicator struct {
+	lib     *NCCL
+	drv     *driver.Driver
+	devices []driver.Device
+	ctxs    []driver.Context
+	comms   []Comm
+	streams []driver.Stream
+
+	mu   []sync.Mutex // per rank: the staging buffers
+	buf  []driver.DevicePtr
+	size []uint64
+}
+
+var _ Communicator = (*NCCLCommunicator)(nil)
+
+// NewNCCLCommunicator loads NCCL and the CUDA driver and creates a
+// communicator of one rank per listed GPU ordinal.
+func NewNCCLCommunicator(devices []int) (*NCCLCommunicator, error) {
+	lib, err := LoadNCCL()
+	if err != nil {
+		return nil, err
+	}
+	drv, err := driver.Open()
+	if err != nil {
+		return nil, err
+	}
+	cnt, err := drv.DeviceCount()
+	if err != nil {
+		return nil, err
+	}
+	n := len(devices)
+	c := &NCCLCommunicator{lib: lib, drv: drv, mu: make([]sync.Mutex, n), buf: make([]driver.DevicePtr, n), size: make([]uint64, n)}
+	for _, d := range devices {
+		if d < 0 || d >= cnt {
+			return nil, fmt.Errorf("nccl: GPU %d requested, %d present", d, cnt)
+		}
+		dev, err := drv.Device(d)
+		if err != nil {
+			return nil, err
+		}
+		ctx, err := drv.PrimaryCtxRetain(dev)
+		if err != nil {
+			c.Close()
+			return nil, err
+		}
+		c.devices, c.ctxs = append(c.devices, dev), append(c.ctxs, ctx)
+	}
+	if c.comms, err = lib.CommInitAll(devices); err != nil {
+		c.Close()
+		return nil, err
+	}
+	for r := range devices {
+		if err := c.onRank(r, func() error {
+			s, err := drv.StreamCreate(0)
+			c.streams = append(c.streams, s)
+			return err
+		}); err != nil {
+			c.Close()
+			return nil, err
+		}
+	}
+	return c, nil
+}
+
+// onRank runs fn on a locked OS thread with rank r's context current.
+func (c *NCCLCommunicator) onRank(r int, fn func() error) error {
+	goruntime.LockOSThread()
+	defer goruntime.UnlockOSThread()
+	if err := c.drv.SetCurrent(c.ctxs[r]); err != nil {
+		return err
+	}
+	return fn()
+}
+
+// staging returns rank r's device buffer of at least n bytes (context current).
+func (c *NCCLCommunicator) staging(r int, n uint64) (driver.DevicePtr, error) {
+	if c.size[r] >= n {
+		return c.buf[r], nil
+	}
+	if c.buf[r] != 0 {
+		if err := c.drv.MemFree(c.buf[r]); err != nil {
+			return 0, err
+		}
+		c.buf[r], c.size[r] = 0, 0
+	}
+	p, err := c.drv.MemAlloc(n)
+	if err != nil {
+		return 0, err
+	}
+	c.buf[r], c.size[r] = p, n
+	return p, nil
+}
+
+// Size implements Communicator.
+func (c *NCCLCommunicator) Size() int { return len(c.comms) }
+
+// Name is "nccl" and the library's version code.
+func (c *NCCLCommunicator) Name() string {
+	v, _ := c.lib.Version()
+	return fmt.Sprintf("nccl %d", v)
+}
+
+// AllReduceSum implements Communicator.
+func (c *NCCLCommunicator) AllReduceSum(rank int, buf []float32) error {
+	if rank < 0 || rank >= len(c.comms) {
+		return fmt.Errorf("nccl: rank %d outside 0..%d", rank, len(c.comms)-1)
+	}
+	if len(buf) == 0 {
+		return nil
+	}
+	c.mu[rank].Lock()
+	defer c.mu[rank].Unlock()
+	return c.onRank(rank, func() error {
+		nb := uint64(4 * len(buf))
+		d, err := c.staging(rank, nb)
+		if err != nil {
+			return err
+		}
+		if err := c.drv.MemcpyHtoD(d, unsafe.Pointer(&buf[0]), nb); err != nil {
+			return err
+		}
+		if err := c.lib.AllReduceSum(uint64(d), uint64(d), len(buf), c.comms[rank], uintptr(c.streams[rank])); err != nil {
+			return err
+		}
+		if err := c.drv.StreamSynchronize(c.streams[rank]); err != nil {
+			return err
+		}
+		return c.drv.MemcpyDtoH(unsafe.Pointer(&buf[0]), d, nb)
+	})
+}
+
+// AllGather implements Communicator.
+func (c *NCCLCommunicator) AllGather(rank int, send, recv []float32) error {
+	n := len(c.comms)
+	if rank < 0 || rank >= n {
+		return fmt.Errorf("nccl: rank %d outside 0..%d", rank, n-1)
+	}
+	if len(recv) != n*len(send) {
+		return fmt.Errorf("nccl: all-gather of %d values per rank into %d", len(send), len(recv))
+	}
+	if len(send) == 0 {
+		return nil
+	}
+	c.mu[rank].Lock()
+	defer c.mu[rank].Unlock()
+	return c.onRank(rank, func() error {
+		sb, rb := uint64(4*len(send)), uint64(4*len(recv))
+		d, err := c.staging(rank, sb+rb)
+		if err != nil {
+			return err
+		}
+		if err := c.drv.MemcpyHtoD(d, unsafe.Pointer(&send[0]), sb); err != nil {
+			return err
+		}
+		if err := c.lib.AllGather(uint64(d), uint64(d)+sb, len(send), c.comms[rank], uintptr(c.streams[rank])); err != nil {
+			return err
+		}
+		if err := c.drv.StreamSynchronize(c.streams[rank]); err != nil {
+			return err
+		}
+		return c.drv.MemcpyDtoH(unsafe.Pointer(&recv[0]), d+driver.DevicePtr(sb), rb)
+	})
+}
+
+// Close implements Communicator: it frees the staging buffers, streams and
+// communicators and releases the GPU contexts.
+func (c *NCCLCommunicator) Close() error {
+	var errs []error
+	for r := range c.ctxs {
+		errs = append(errs, c.onRank(r, func() error {
+			var es []error
+			if c.buf[r] != 0 {
+				es = append(es, c.drv.MemFree(c.buf[r]))
+				c.buf[r], c.size[r] = 0, 0
+			}
+			if r < len(c.streams) {
+				es = append(es, c.drv.StreamDestroy(c.streams[r]))
+			}
+			return errors.Join(es...)
+		}))
+	}
+	c.streams = nil
+	for _, cm := range c.comms {
+		errs = append(errs, c.lib.Destroy(cm))
+	}
+	c.comms = nil
+	for _, d := range c.devices {
+		errs = append(errs, c.drv.PrimaryCtxRelease(d))
+	}
+	c.devices, c.ctxs = nil, nil
+	return errors.Join(errs...)
+}

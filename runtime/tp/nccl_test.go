@@ -1,0 +1,215 @@
+package tp
+
+import (
+	"errors"
+	"fmt"
+	goruntime "runtime"
+	"slices"
+	"sync"
+	"testing"
+	"unsafe"
+
+	"qtool/runtime"
+	"qtool/runtime/cpu"
+	"qtool/runtime/cuda/driver"
+)
+
+func TestLoadNCCLMissing(t *testing.T) {
+	t.Setenv("QTOOL_NCCL", "/nonexistent/libnccl.so.2")
+	if _, err := LoadNCCL(); !errors.Is(err, ErrNoNCCL) {
+		t.Fatalf("err = %v, want ErrNoNCCL", err)
+	}
+}
+
+// ncclDevices returns up to want GPU ordinals, skipping the test when NCCL
+// or the CUDA driver is absent.
+func ncclDevices(t *testing.T, want int) []int {
+	t.Helper()
+	lib, err := LoadNCCL()
+	if err != nil {
+		t.Skipf("no NCCL: %v", err)
+	}
+	drv, err := driver.Open()
+	if err != nil {
+		t.Skipf("no CUDA driver: %v", err)
+	}
+	n, err := drv.DeviceCount()
+	if err != nil || n == 0 {
+		t.Skipf("no GPU (%v)", err)
+	}
+	v, _ := lib.Version()
+	t.Logf("NCCL %d from %s, %d GPUs", v, lib.Path, n)
+	devs := make([]int, min(n, want))
+	for i := range devs {
+		devs[i] = i
+	}
+	return devs
+}
+
+// TestNCCLCollectives runs the NCCL communicator's all-reduce and
+// all-gather with one goroutine per GPU against plain sums.
+func TestNCCLCollectives(t *testing.T) {
+	devs := ncclDevices(t, 8)
+	c, err := NewNCCLCommunicator(devs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	n, L := len(devs), 3000
+	bufs := make([][]float32, n)
+	want := make([]float32, L)
+	for r := range bufs {
+		bufs[r] = make([]float32, L)
+		for i := range bufs[r] {
+			bufs[r][i] = float32((i*7+r*13)%101) / 8 // exact in float32 sums
+			want[i] += bufs[r][i]
+		}
+	}
+	sends := make([][]float32, n)
+	recvs := make([][]float32, n)
+	errs := make([]error, 2*n)
+	var wg sync.WaitGroup
+	for r := 0; r < n; r++ {
+		sends[r] = slices.Clone(bufs[r][:5])
+		recvs[r] = make([]float32, 5*n)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[r] = c.AllReduceSum(r, bufs[r])
+			errs[n+r] = c.AllGather(r, sends[r], recvs[r])
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	for r := range bufs {
+		if !slices.Equal(bufs[r], want) {
+			t.Fatalf("rank %d: NCCL all-reduce differs from the sum", r)
+		}
+		if !slices.Equal(recvs[r], slices.Concat(sends...)) {
+			t.Fatalf("rank %d: NCCL all-gather %v", r, recvs[r])
+		}
+	}
+}
+
+// TestNCCLForward runs llama-mini at TP=2 with the collectives through NCCL
+// on two GPUs and compares the logits with the in-process communicator.
+func TestNCCLForward(t *testing.T) {
+	devs := ncclDevices(t, 2)
+	if len(devs) < 2 {
+		t.Skip("needs 2 GPUs")
+	}
+	comm, err := NewNCCLCommunicator(devs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := openHF(t, "llama-mini")
+	ref := loadRef(t, "llama-mini")
+	be, err := New(m.Config, []runtime.Backend{cpu.New(2), cpu.New(2)}, comm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	got := logits(load(t, m, be), ref.LogitsInputIDs)
+	want := logits(load(t, m, tpBackend(t, m, 2)), ref.LogitsInputIDs)
+	rel := maxRel(got, want)
+	t.Logf("NCCL TP=2 vs in-process TP=2: max rel %.3g (identical: %v)", rel, slices.Equal(got, want))
+	if rel > 1e-6 {
+		t.Errorf("NCCL TP=2 logits differ by %.3g", rel)
+	}
+}
+
+// TestNCCLCommInitRank exercises the multi-process rendezvous calls
+// (GetUniqueID once, CommInitRank on every rank with that id) with one
+// goroutine per GPU standing in for one process per GPU, and an all-reduce
+// on device memory.
+func TestNCCLCommInitRank(t *testing.T) {
+	devs := ncclDevices(t, 2)
+	lib, err := LoadNCCL()
+	if err != nil {
+		t.Fatal(err)
+	}
+	drv, err := driver.Open()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := lib.GetUniqueID()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := len(devs)
+	const L = 64
+	out := make([][]float32, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for r := 0; r < n; r++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[r] = func() error {
+				goruntime.LockOSThread()
+				defer goruntime.UnlockOSThread()
+				dev, err := drv.Device(devs[r])
+				if err != nil {
+					return err
+				}
+				ctx, err := drv.PrimaryCtxRetain(dev)
+				if err != nil {
+					return err
+				}
+				defer drv.PrimaryCtxRelease(dev)
+				if err := drv.SetCurrent(ctx); err != nil {
+					return err
+				}
+				comm, err := lib.CommInitRank(n, id, r)
+				if err != nil {
+					return err
+				}
+				defer lib.Destroy(comm)
+				cnt, rank, err := lib.CountAndRank(comm)
+				if err != nil {
+					return err
+				}
+				if cnt != n || rank != r {
+					return fmt.Errorf("communicator says rank %d of %d, want %d of %d", rank, cnt, r, n)
+				}
+				buf := make([]float32, L)
+				for i := range buf {
+					buf[i] = float32((r + 1) * i)
+				}
+				d, err := drv.MemAlloc(4 * L)
+				if err != nil {
+					return err
+				}
+				defer drv.MemFree(d)
+				if err := drv.MemcpyHtoD(d, unsafe.Pointer(&buf[0]), 4*L); err != nil {
+					return err
+				}
+				if err := lib.AllReduceSum(uint64(d), uint64(d), L, comm, 0); err != nil {
+					return err
+				}
+				if err := drv.CtxSynchronize(); err != nil {
+					return err
+				}
+				if err := drv.MemcpyDtoH(unsafe.Pointer(&buf[0]), d, 4*L); err != nil {
+					return err
+				}
+				out[r] = buf
+				return nil
+			}()
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	sum := n * (n + 1) / 2
+	for r := range out {
+		for i, v := range out[r] {
+			if v != float32(sum*i) {
+				t.Fatalf("rank %d: [%d] = %v, want %d", r, i, v, sum*i)
+			}
+		}
+	}
+}
