@@ -15,11 +15,11 @@ import (
 	"github.com/urfave/cli/v2"
 	"golang.org/x/term"
 
-	"qtool/convert"
 	"qtool/formats/model"
 	"qtool/runtime"
 	"qtool/runtime/cpu"
 	"qtool/runtime/tokenizer"
+	"qtool/runtime/tp"
 )
 
 // wikitextFile is the file `--ppl wikitext` resolves to.
@@ -51,6 +51,7 @@ func verifyCommand() *cli.Command {
 			&cli.Uint64Flag{Name: "seed", Usage: "random seed for sampling"},
 			&cli.StringFlag{Name: "device", Value: "auto", Usage: "where to run: auto or cpu"},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
+			&cli.IntFlag{Name: "tp", Usage: "run tensor-parallel over `N` ranks (a `qtool shard` directory runs on its own N)"},
 			&cli.StringFlag{Name: "tokenizer", Usage: "tokenizer `PATH` (a directory, tokenizer.json or tokenizer.model); default: beside the model"},
 			&cli.BoolFlag{Name: "json", Usage: "print the results as one JSON object"},
 			&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress bar"},
@@ -133,7 +134,7 @@ func runVerify(c *cli.Context) error {
 		prompt = defaultPrompt
 	}
 
-	mm, err := convert.Open(path)
+	mm, err := tp.OpenModel(path)
 	if err != nil {
 		return fmt.Errorf("verify: %w", err)
 	}
@@ -146,7 +147,7 @@ func runVerify(c *cli.Context) error {
 	if err := checkTokenizer(tok, cfg); err != nil {
 		return err
 	}
-	be, err := newBackend(c.String("device"), c.Int("threads"))
+	be, err := newBackend(c.String("device"), c.Int("threads"), c.Int("tp"), mm)
 	if err != nil {
 		return err
 	}
@@ -346,8 +347,18 @@ func checkTokenizer(t tokenizer.Tokenizer, cfg model.Config) error {
 	return fmt.Errorf("verify: tokenizer does not match the model: its end-of-sequence ids %v share nothing with the model's eos_token_id %v (--tokenizer from another model?)", teos, cfg.EOS)
 }
 
-// newBackend returns the backend for --device.
-func newBackend(device string, threads int) (runtime.Backend, error) {
+// newBackend returns the backend for --device, tensor-parallel over tpN
+// ranks when tpN > 1 or mm is a shard directory.
+func newBackend(device string, threads, tpN int, mm *model.Model) (runtime.Backend, error) {
+	if tpN < 0 {
+		return nil, fmt.Errorf("verify: --tp %d: want a positive rank count", tpN)
+	}
+	if tpN > 1 || tp.ShardedSize(mm) > 0 {
+		if device != "auto" && device != "cpu" && device != "" {
+			return nil, fmt.Errorf("verify: --tp runs on --device cpu only in this build")
+		}
+		return tp.NewCPU(mm, tpN, threads)
+	}
 	switch device {
 	case "auto", "cpu", "":
 		// The CUDA backend is chosen here for "auto" once it is wired in.
