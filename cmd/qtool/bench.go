@@ -1,12 +1,466 @@
 package main
 
 import (
+	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
 
 	"github.com/urfave/cli/v2"
+
+	"qtool/formats/model"
+	"qtool/runtime"
+	"qtool/runtime/cuda"
 )
 
-// PLACEHOLDER: replaced by the owner of this command.
 func benchCommand() *cli.Command {
-	return &cli.Command{Name: "bench", Action: func(*cli.Context) error { return errors.New("bench: not built yet") }}
+	return &cli.Command{
+		Name:      "bench",
+		Usage:     "measure GPU speed: kernels, prefill and decode of a model (CUDA only)",
+		ArgsUsage: "[MODEL]",
+		Description: "Measures, in one run on the GPU: device-to-device copy bandwidth and our fp16 tensor-core GEMM\n" +
+			"rate (the ceilings), per-kernel GEMV GB/s and GEMM TFLOP/s for each weight format, and for the\n" +
+			"model: GPU memory used, prefill tokens/s at --prompt tokens and batch-1 decode tokens/s (plain and\n" +
+			"CUDA-graph replay) against the bandwidth roofline. MODEL is any model qtool reads; with\n" +
+			"--synthetic llama2-7b a random-weight model of that shape is generated on the GPU in each --format.",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "synthetic", Usage: "random-weight model of this shape: llama2-7b, llama3-8b, tiny (none: kernels only)"},
+			&cli.StringFlag{Name: "format", Value: "w4a16,w8a16,fp16", Usage: "formats of the synthetic model (comma-separated: w4a16, w8a16, fp16)"},
+			&cli.IntFlag{Name: "prompt", Value: 512, Usage: "prefill length"},
+			&cli.IntFlag{Name: "decode", Value: 128, Usage: "decode steps"},
+			&cli.BoolFlag{Name: "kernels", Value: true, Usage: "run the per-kernel GEMV/GEMM microbenchmarks"},
+			&cli.StringFlag{Name: "json", Usage: "also write every number to this JSON file"},
+		},
+		Action: runBench,
+	}
+}
+
+// benchShapes are the [out, in] GEMV/GEMM shapes of the microbenchmarks.
+var benchShapes = [][2]int{{14336, 4096}, {4096, 14336}, {4096, 4096}, {11008, 4096}, {4096, 11008}}
+
+// syntheticConfigs are the shapes --synthetic knows.
+var syntheticConfigs = map[string]model.Config{
+	"llama2-7b": {Arch: model.Llama, Hidden: 4096, Intermediate: 11008, Layers: 32, Heads: 32, KVHeads: 32, HeadDim: 128,
+		Vocab: 32000, MaxSeq: 4096, RopeTheta: 10000, NormEps: 1e-5, BOS: 1, EOS: []int{2}},
+	"llama3-8b": {Arch: model.Llama, Hidden: 4096, Intermediate: 14336, Layers: 32, Heads: 32, KVHeads: 8, HeadDim: 128,
+		Vocab: 128256, MaxSeq: 8192, RopeTheta: 500000, NormEps: 1e-5, BOS: 128000, EOS: []int{128001}},
+	"tiny": {Arch: model.Llama, Hidden: 256, Intermediate: 768, Layers: 4, Heads: 4, KVHeads: 2, HeadDim: 64,
+		Vocab: 4096, MaxSeq: 2048, RopeTheta: 10000, NormEps: 1e-5, BOS: 1, EOS: []int{2}},
+}
+
+type benchReport struct {
+	Device      string             `json:"device"`
+	CopyGBs     float64            `json:"copy_GBps"`
+	GEMMF16     map[string]float64 `json:"gemm_f16_TFLOPs"`
+	Kernels     []kernelResult     `json:"kernels,omitempty"`
+	Models      []modelResult      `json:"models"`
+	MeasuredUTC string             `json:"measured_utc"`
+}
+
+type kernelResult struct {
+	Kernel   string  `json:"kernel"`
+	Format   string  `json:"format"`
+	Out, In  int     `json:"-"`
+	Shape    string  `json:"shape"`
+	M        int     `json:"m"`
+	Seconds  float64 `json:"seconds"`
+	GBs      float64 `json:"GBps,omitempty"`
+	TFLOPs   float64 `json:"TFLOPs,omitempty"`
+	RatioPct float64 `json:"ratio_pct"` // vs copy bandwidth (GEMV) or our fp16 GEMM (GEMM)
+}
+
+type modelResult struct {
+	Name           string         `json:"name"`
+	Format         string         `json:"format"`
+	WeightBytes    int64          `json:"weight_bytes"`
+	GPUMemBytes    uint64         `json:"gpu_mem_used_bytes"`
+	PrefillTokS    float64        `json:"prefill_tok_s"`
+	DecodeTokS     float64        `json:"decode_tok_s"`
+	DecodeGraphTok float64        `json:"decode_graph_tok_s"`
+	RooflineTokS   float64        `json:"roofline_tok_s"`
+	Linears        []kernelResult `json:"linears"`
+}
+
+func runBench(c *cli.Context) error {
+	syn := c.String("synthetic")
+	if syn == "" && c.NArg() != 1 {
+		return errors.New("bench: give a MODEL or --synthetic llama2-7b")
+	}
+	prompt, steps := c.Int("prompt"), c.Int("decode")
+	if prompt <= 0 || steps <= 0 {
+		return errors.New("bench: --prompt and --decode must be positive")
+	}
+	out := c.App.Writer
+	b, err := cuda.New()
+	if err != nil {
+		return fmt.Errorf("bench: %w", err)
+	}
+	rep := &benchReport{Device: b.Name(), GEMMF16: map[string]float64{}, MeasuredUTC: time.Now().UTC().Format(time.RFC3339)}
+	fmt.Fprintf(out, "device: %s\n", b.Name())
+	rep.CopyGBs = b.CopyBandwidth(1<<30) / 1e9
+	fmt.Fprintf(out, "device-to-device copy: %.0f GB/s (read + write)\n", rep.CopyGBs)
+	if c.Bool("kernels") {
+		if err := benchKernels(b, rep, out); err != nil {
+			b.Close()
+			return err
+		}
+	}
+	if err := b.Close(); err != nil {
+		return err
+	}
+	if syn == "none" {
+		return nil // kernels only
+	}
+	if syn != "" {
+		cfg, ok := syntheticConfigs[syn]
+		if !ok {
+			return fmt.Errorf("bench: unknown --synthetic %q (llama2-7b, llama3-8b, tiny)", syn)
+		}
+		for _, f := range strings.Split(c.String("format"), ",") {
+			m := syntheticModel(cfg, strings.TrimSpace(f))
+			r, err := benchModel(m, syn, strings.TrimSpace(f), prompt, steps, rep.CopyGBs, out)
+			if err != nil {
+				return err
+			}
+			rep.Models = append(rep.Models, r)
+		}
+		printSyntheticRatios(rep, out)
+	} else {
+		m, err := openAny(c.Args().First())
+		if err != nil {
+			return fmt.Errorf("bench: %w", err)
+		}
+		defer m.Close()
+		r, err := benchModel(m, c.Args().First(), m.Format, prompt, steps, rep.CopyGBs, out)
+		if err != nil {
+			return err
+		}
+		rep.Models = append(rep.Models, r)
+	}
+	if p := c.String("json"); p != "" {
+		data, err := json.MarshalIndent(rep, "", " ")
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(p, data, 0o644); err != nil {
+			return fmt.Errorf("bench: %w", err)
+		}
+	}
+	return nil
+}
+
+// synthetic makes a random weight tensor that the CUDA backend generates on the device.
+func syntheticModel(cfg model.Config, format string) *model.Model {
+	m := model.New(cfg)
+	seed := uint64(1)
+	lin := func(name string, out, in int) {
+		m.Set(name, &cuda.Synthetic{Format: format, Dims: []int{out, in}, GroupSize: 128, Seed: seed})
+		seed += 2
+	}
+	vec := func(name string, n int) {
+		m.Set(name, &cuda.Synthetic{Format: format, Dims: []int{n}, Seed: seed})
+		seed += 2
+	}
+	// The embedding table and the head stay fp16 in every format (as AWQ/GPTQ checkpoints keep them).
+	m.Set(model.Name(-1, model.Embed), &cuda.Synthetic{Format: "fp16", Dims: []int{cfg.Vocab, cfg.Hidden}, Seed: 99})
+	m.Set(model.Name(-1, model.LMHead), &cuda.Synthetic{Format: "fp16", Dims: []int{cfg.Vocab, cfg.Hidden}, Seed: 101})
+	vec(model.Name(-1, model.FinalNorm), cfg.Hidden)
+	for l := 0; l < cfg.Layers; l++ {
+		lin(model.Name(l, model.Q), cfg.QDim(), cfg.Hidden)
+		lin(model.Name(l, model.K), cfg.KVDim(), cfg.Hidden)
+		lin(model.Name(l, model.V), cfg.KVDim(), cfg.Hidden)
+		lin(model.Name(l, model.O), cfg.Hidden, cfg.QDim())
+		lin(model.Name(l, model.Gate), cfg.Intermediate, cfg.Hidden)
+		lin(model.Name(l, model.Up), cfg.Intermediate, cfg.Hidden)
+		lin(model.Name(l, model.Down), cfg.Hidden, cfg.Intermediate)
+		vec(model.Name(l, model.AttnNorm), cfg.Hidden)
+		vec(model.Name(l, model.MLPNorm), cfg.Hidden)
+	}
+	return m
+}
+
+func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
+	copyBps := rep.CopyGBs * 1e9
+	fmt.Fprintf(out, "\n(GEMV times are device time per call from a replayed CUDA graph of 20 calls)\n")
+	fmt.Fprintf(out, "%-8s %-14s %-12s %5s %10s %12s %9s\n", "kernel", "format", "shape", "M", "time(us)", "rate", "ratio")
+	seed := uint64(1000)
+	for _, sh := range benchShapes {
+		N, K := sh[0], sh[1]
+		var f16Rate float64
+		for _, f := range []string{"fp16", "w8a16", "w4a16"} {
+			w, err := b.UploadLinear("bench", &cuda.Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: seed})
+			if err != nil {
+				return err
+			}
+			seed++
+			wl := w.(*cuda.Linear)
+			// GEMV, M = 1, each compiled variant.
+			x1, y1 := b.Alloc(1, K), b.Alloc(1, N)
+			b.FillRandom(x1, seed, 1)
+			for _, v := range cuda.GEMVVariants(wl.Kind()) {
+				b.Options().GEMVVariant = v
+				t, err := b.TimeCaptured(20, func() { b.MatMul(y1, x1, w) })
+				if err != nil {
+					return err
+				}
+				bytes := float64(wl.Bytes() + int64(4*K+4*N))
+				kr := kernelResult{Kernel: "gemv", Format: f + "/" + v, Shape: fmt.Sprintf("%dx%d", N, K), M: 1, Seconds: t, GBs: bytes / t / 1e9}
+				kr.RatioPct = 100 * bytes / t / copyBps
+				rep.Kernels = append(rep.Kernels, kr)
+				fmt.Fprintf(out, "%-8s %-14s %-12s %5d %10.2f %8.0f GB/s %7.1f%% of copy\n", "gemv", kr.Format, kr.Shape, 1, t*1e6, kr.GBs, kr.RatioPct)
+			}
+			b.Options().GEMVVariant = ""
+			b.Free(x1)
+			b.Free(y1)
+			// GEMM, M = 512.
+			const M = 512
+			xm, ym := b.Alloc(M, K), b.Alloc(M, N)
+			b.FillRandom(xm, seed, 1)
+			t := b.Time(3, 20, func() { b.MatMul(ym, xm, w) })
+			flops := 2 * float64(M) * float64(N) * float64(K)
+			kr := kernelResult{Kernel: "gemm", Format: f, Shape: fmt.Sprintf("%dx%d", N, K), M: M, Seconds: t, TFLOPs: flops / t / 1e12}
+			if f == "fp16" {
+				f16Rate = kr.TFLOPs
+				rep.GEMMF16[kr.Shape] = f16Rate
+			}
+			kr.RatioPct = 100 * kr.TFLOPs / f16Rate
+			rep.Kernels = append(rep.Kernels, kr)
+			fmt.Fprintf(out, "%-8s %-14s %-12s %5d %10.1f %7.1f TFLOP/s %6.1f%% of our fp16 GEMM\n", "gemm", f, kr.Shape, M, t*1e6, kr.TFLOPs, kr.RatioPct)
+			b.Free(xm)
+			b.Free(ym)
+			b.FreeLinear(w)
+		}
+	}
+	return nil
+}
+
+func benchModel(m *model.Model, name, format string, prompt, steps int, copyGBs float64, out io.Writer) (modelResult, error) {
+	res := modelResult{Name: name, Format: format}
+	b, err := cuda.New()
+	if err != nil {
+		return res, err
+	}
+	defer b.Close()
+	free0, _ := b.MemInfo()
+	rm, err := runtime.Load(m, b)
+	if err != nil {
+		return res, fmt.Errorf("bench: %w", err)
+	}
+	cfg := rm.Config()
+	maxSeq := prompt + steps + 8
+	cache := rm.NewCache(maxSeq)
+	b.Sync()
+	free1, _ := b.MemInfo()
+	res.GPUMemBytes = free0 - free1
+	ids := make([]int, prompt)
+	for i := range ids {
+		ids[i] = (i*7919 + 13) % cfg.Vocab
+	}
+
+	// Prefill.
+	tp := b.Time(1, 3, func() {
+		lg := rm.Forward(ids, 0, cache)
+		b.Free(lg)
+	})
+	res.PrefillTokS = float64(prompt) / tp
+
+	// Decode, one token at a time with a host round trip (Argmax) per token.
+	lg := rm.Forward(ids, 0, cache)
+	next := b.Argmax(lg)[prompt-1]
+	b.Free(lg)
+	t0 := time.Now()
+	for i := 0; i < steps; i++ {
+		lg = rm.Forward([]int{next}, prompt+i, cache)
+		next = b.Argmax(lg)[0]
+		b.Free(lg)
+	}
+	res.DecodeTokS = float64(steps) / time.Since(t0).Seconds()
+
+	// Decode replayed as a CUDA graph.
+	if err := b.BeginCapture(prompt, maxSeq); err != nil {
+		return res, err
+	}
+	lg = rm.Forward([]int{0}, prompt, cache)
+	b.GreedyAdvance(lg)
+	b.Free(lg)
+	g, err := b.EndCapture()
+	if err != nil {
+		return res, err
+	}
+	b.SetDecodeState(next, prompt)
+	tg := b.Time(0, 1, func() {
+		for i := 0; i < steps; i++ {
+			g.Launch()
+		}
+	})
+	res.DecodeGraphTok = float64(steps) / tg
+	g.Destroy()
+
+	// Per-linear rates at M = 1 and M = prompt (layer 0 and the head), and
+	// the decode roofline: every weight read once per token (the embedding
+	// table only when it is also the head) plus the KV cache at the mean context.
+	var weightBytes int64
+	for n, by := range b.UploadedBytes() {
+		if n != model.Name(-1, model.Embed) || headIsEmbed(m) {
+			weightBytes += by
+		}
+	}
+	for _, r := range model.Linears {
+		t, err := m.Get(model.Name(0, r))
+		if err != nil {
+			return res, err
+		}
+		wl, err := b.UploadLinear("probe", t)
+		if err != nil {
+			return res, err
+		}
+		res.Linears = append(res.Linears, benchLinear(b, string(r), wl.(*cuda.Linear), prompt, copyGBs)...)
+		b.FreeLinear(wl)
+	}
+	head, err := b.UploadLinear("probe", headOf(m))
+	if err != nil {
+		return res, err
+	}
+	res.Linears = append(res.Linears, benchLinear(b, "lm_head", head.(*cuda.Linear), prompt, copyGBs)...)
+	b.FreeLinear(head)
+	res.WeightBytes = weightBytes
+	other, err := decodeBreakdown(b, m, cfg, prompt+steps/2, out)
+	if err != nil {
+		return res, err
+	}
+	var mm float64
+	for _, k := range res.Linears {
+		if k.M == 1 {
+			if k.Kernel == "lm_head" {
+				mm += k.Seconds
+			} else {
+				mm += k.Seconds * float64(cfg.Layers)
+			}
+		}
+	}
+	est := mm + other*float64(cfg.Layers)
+	fmt.Fprintf(out, "  decode step estimate from kernel times: matmuls %.0f us + other %.0f us = %.0f us (%.0f tok/s); graph measured %.0f us\n",
+		mm*1e6, other*float64(cfg.Layers)*1e6, est*1e6, 1/est, 1e6/res.DecodeGraphTok)
+	ctx := float64(prompt) + float64(steps)/2
+	kvBytes := 2 * float64(cfg.Layers) * ctx * float64(cfg.KVDim()) * 4
+	res.RooflineTokS = copyGBs * 1e9 / (float64(weightBytes) + kvBytes)
+
+	fmt.Fprintf(out, "\nmodel %s (%s): weights %.2f GB, GPU memory used %.2f GB (incl. KV cache of %d positions)\n",
+		name, format, float64(weightBytes)/1e9, float64(res.GPUMemBytes)/1e9, maxSeq)
+	fmt.Fprintf(out, "  prefill %d tokens: %.0f tok/s\n", prompt, res.PrefillTokS)
+	fmt.Fprintf(out, "  decode batch 1: %.1f tok/s plain, %.1f tok/s CUDA graph; roofline %.1f tok/s (%.0f%% reached)\n",
+		res.DecodeTokS, res.DecodeGraphTok, res.RooflineTokS, 100*res.DecodeGraphTok/res.RooflineTokS)
+	for _, k := range res.Linears {
+		if k.M == 1 {
+			fmt.Fprintf(out, "  %-8s %-12s M=1   %8.1f us %7.0f GB/s (%.0f%% of copy)\n", k.Kernel, k.Shape, k.Seconds*1e6, k.GBs, k.RatioPct)
+		} else {
+			fmt.Fprintf(out, "  %-8s %-12s M=%-3d %8.1f us %7.1f TFLOP/s\n", k.Kernel, k.Shape, k.M, k.Seconds*1e6, k.TFLOPs)
+		}
+	}
+	return res, nil
+}
+
+func headIsEmbed(m *model.Model) bool {
+	_, ok := m.Lookup(model.Name(-1, model.LMHead))
+	return !ok
+}
+
+func headOf(m *model.Model) model.Tensor {
+	if t, ok := m.Lookup(model.Name(-1, model.LMHead)); ok {
+		return t
+	}
+	t, _ := m.Lookup(model.Name(-1, model.Embed))
+	return t
+}
+
+func benchLinear(b *cuda.Backend, role string, w *cuda.Linear, M int, copyGBs float64) []kernelResult {
+	N, K := w.Out(), w.In()
+	x1, y1 := b.Alloc(1, K), b.Alloc(1, N)
+	b.FillRandom(x1, 5, 1)
+	t, err := b.TimeCaptured(20, func() { b.MatMul(y1, x1, w) })
+	if err != nil {
+		panic(err)
+	}
+	bytes := float64(w.Bytes() + int64(4*K+4*N))
+	r1 := kernelResult{Kernel: role, Format: w.Kind(), Shape: fmt.Sprintf("%dx%d", N, K), M: 1, Seconds: t, GBs: bytes / t / 1e9, RatioPct: 100 * bytes / t / 1e9 / copyGBs}
+	b.Free(x1)
+	b.Free(y1)
+	xm, ym := b.Alloc(M, K), b.Alloc(M, N)
+	b.FillRandom(xm, 6, 1)
+	t = b.Time(2, 10, func() { b.MatMul(ym, xm, w) })
+	r2 := kernelResult{Kernel: role, Format: w.Kind(), Shape: r1.Shape, M: M, Seconds: t, TFLOPs: 2 * float64(M) * float64(N) * float64(K) / t / 1e12}
+	b.Free(xm)
+	b.Free(ym)
+	return []kernelResult{r1, r2}
+}
+
+// decodeBreakdown times the non-matmul operations of one decode step at
+// context ctx (device time from replayed graphs) and returns them per layer.
+func decodeBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, ctx int, out io.Writer) (float64, error) {
+	h, q, k, v := b.Alloc(1, cfg.Hidden), b.Alloc(1, cfg.QDim()), b.Alloc(1, cfg.KVDim()), b.Alloc(1, cfg.KVDim())
+	g, u, att := b.Alloc(1, cfg.Intermediate), b.Alloc(1, cfg.Intermediate), b.Alloc(1, cfg.QDim())
+	for i, x := range []runtime.Buf{h, q, k, v, g, u} {
+		b.FillRandom(x, uint64(40+i), 1)
+	}
+	nt, _ := m.Get(model.Name(0, model.AttnNorm))
+	nw, err := b.UploadVector("probe_norm", nt)
+	if err != nil {
+		return 0, err
+	}
+	cache := b.NewKVCache(1, ctx+8, cfg.KVDim())
+	eps := float32(cfg.NormEps)
+	ops := []struct {
+		name  string
+		times int
+		f     func()
+	}{
+		{"rmsnorm", 2, func() { b.RMSNorm(h, h, nw, nil, eps) }},
+		{"rope q+k", 1, func() {
+			b.RoPE(q, cfg.HeadDim, ctx, cfg.RopeTheta, cfg.Rope)
+			b.RoPE(k, cfg.HeadDim, ctx, cfg.RopeTheta, cfg.Rope)
+		}},
+		{"store_kv", 1, func() { b.StoreKV(cache, 0, ctx, k, v) }},
+		{"attention", 1, func() { b.Attention(att, q, cache, 0, ctx, cfg.Heads, cfg.KVHeads, cfg.HeadDim) }},
+		{"silu_mul", 1, func() { b.SiLUMul(g, g, u) }},
+		{"add", 2, func() { b.Add(h, h) }},
+	}
+	var total float64
+	fmt.Fprintf(out, "  decode step, other kernels per layer at context %d (device time):\n", ctx)
+	for _, op := range ops {
+		t, err := b.TimeCaptured(20, op.f)
+		if err != nil {
+			return 0, err
+		}
+		total += t * float64(op.times)
+		fmt.Fprintf(out, "    %-10s x%d %7.2f us\n", op.name, op.times, t*1e6)
+	}
+	b.FreeKVCache(cache)
+	for _, x := range []runtime.Buf{h, q, k, v, g, u, att} {
+		b.Free(x)
+	}
+	return total, nil
+}
+
+func printSyntheticRatios(rep *benchReport, out io.Writer) {
+	by := map[string]modelResult{}
+	for _, r := range rep.Models {
+		by[r.Format] = r
+	}
+	f16, ok := by["fp16"]
+	if !ok {
+		return
+	}
+	fmt.Fprintf(out, "\nsame-run ratios against fp16:\n")
+	for _, f := range []string{"w4a16", "w8a16"} {
+		r, ok := by[f]
+		if !ok {
+			continue
+		}
+		fmt.Fprintf(out, "  %s: decode %.2fx fp16 (graph %.1f vs %.1f tok/s), %.0f%% of roofline; prefill %.0f%% of fp16 (%.0f vs %.0f tok/s)\n",
+			f, r.DecodeGraphTok/f16.DecodeGraphTok, r.DecodeGraphTok, f16.DecodeGraphTok, 100*r.DecodeGraphTok/r.RooflineTokS,
+			100*r.PrefillTokS/f16.PrefillTokS, r.PrefillTokS, f16.PrefillTokS)
+	}
 }

@@ -1,0 +1,54 @@
+// Package kernels embeds qtool's CUDA kernels: the CUDA C source (qtool.cu)
+// and the PTX that build.sh compiles from it with nvcc, for sm_80 (any GPU
+// from Ampere on, JIT-compiled by the driver) and sm_90 (Hopper). The PTX is
+// committed so that the Go build needs no CUDA toolkit; the first line of
+// each PTX file records the SHA-256 of the source it was built from.
+package kernels
+
+import (
+	"bytes"
+	"crypto/sha256"
+	_ "embed"
+	"encoding/hex"
+)
+
+//go:embed qtool.cu
+var source []byte
+
+//go:embed qtool_sm80.ptx
+var ptx80 []byte
+
+//go:embed qtool_sm90.ptx
+var ptx90 []byte
+
+// HashPrefix starts the first line of every committed PTX file.
+const HashPrefix = "// qtool-source-sha256: "
+
+// Source returns the CUDA C source.
+func Source() []byte { return bytes.Clone(source) }
+
+// SourceHash is the hex SHA-256 of the CUDA C source.
+func SourceHash() string {
+	h := sha256.Sum256(source)
+	return hex.EncodeToString(h[:])
+}
+
+// PTX returns the PTX best suited to a device of compute capability
+// major.minor and its name ("sm_90" or "sm_80"); nil for devices older than
+// sm_80.
+func PTX(major, minor int) ([]byte, string) {
+	switch {
+	case major >= 9:
+		return bytes.Clone(ptx90), "sm_90"
+	case major == 8:
+		return bytes.Clone(ptx80), "sm_80"
+	}
+	return nil, ""
+}
+
+// RecordedHash returns the source hash recorded in a PTX file's first line.
+func RecordedHash(ptx []byte) (string, bool) {
+	line, _, _ := bytes.Cut(ptx, []byte("\n"))
+	h, ok := bytes.CutPrefix(line, []byte(HashPrefix))
+	return string(bytes.TrimSpace(h)), ok
+}

@@ -1,0 +1,1119 @@
+// qtool CUDA kernels. Compiled to PTX by build.sh (sm_80 and sm_90), the PTX
+// is committed and embedded by package kernels, and loaded by runtime/cuda.
+//
+// Conventions:
+//   - activations are fp32, row-major [rows, cols];
+//   - dense weights are [N, K] row-major (nn.Linear), dtype 0=f32 1=f16 2=bf16;
+//   - q8 weights: int8 [N, K] codes (any bit width <= 8 stored unpacked),
+//     sz = float2 {scale, zero} per (row, group), value = (q - zero) * scale;
+//   - q4 weights: uint32 [N, K/8], 8 consecutive k per word, element e at bit
+//     ((e & 1) ? 16 : 0) + (e >> 1) * 4 (the order the LOP3 trick unpacks),
+//     unsigned codes u in 0..15; sz = float2 {scale, bits of half2(1024+z)};
+//     value = (u - z) * scale;
+//   - every kernel is extern "C" so the Go side can look it up by name.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define FULL 0xffffffffu
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+__device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
+    return v;
+}
+// block_sum for blockDim.x a multiple of 32, <= 1024; sh has 32 floats.
+__device__ float block_sum(float v, float* sh) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float r = lane < nw ? sh[lane] : 0.f;
+    return warp_sum(r);
+}
+__device__ double block_sum_d(double v, double* sh) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum_d(v);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    double r = lane < nw ? sh[lane] : 0.0;
+    return warp_sum_d(r);
+}
+__device__ float block_max(float v, float* sh) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float r = lane < nw ? sh[lane] : -INFINITY;
+    return warp_max(r);
+}
+
+__device__ __forceinline__ float bf16_to_f(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
+__device__ __forceinline__ float load_dense(const void* p, size_t i, int dt) {
+    if (dt == 1) return __half2float(((const __half*)p)[i]);
+    if (dt == 2) return bf16_to_f(((const uint16_t*)p)[i]);
+    return ((const float*)p)[i];
+}
+__device__ __forceinline__ int q4_shift(int e) { return ((e & 1) ? 16 : 0) + (e >> 1) * 4; }
+
+// ---------------------------------------------------------------------------
+// Elementwise and normalisation.
+
+extern "C" __global__ void embed_dense(float* __restrict__ dst, const void* __restrict__ table,
+                                       const int* __restrict__ ids, int cols, int dt) {
+    int r = blockIdx.x;
+    size_t base = (size_t)ids[r] * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[(size_t)r * cols + c] = load_dense(table, base + c, dt);
+}
+
+// Group of input column c for a q8 weight.
+__device__ __forceinline__ int q_group(int c, int gs, const int* gidx) {
+    return gidx ? gidx[c] : c / gs;
+}
+
+extern "C" __global__ void embed_q8(float* __restrict__ dst, const int8_t* __restrict__ q,
+                                    const float2* __restrict__ sz, const int* __restrict__ gidx,
+                                    const int* __restrict__ ids, int cols, int gs, int G) {
+    int r = blockIdx.x;
+    int id = ids[r];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float2 s = sz[(size_t)id * G + q_group(c, gs, gidx)];
+        dst[(size_t)r * cols + c] = ((float)q[(size_t)id * cols + c] - s.y) * s.x;
+    }
+}
+
+extern "C" __global__ void embed_q4(float* __restrict__ dst, const uint32_t* __restrict__ q,
+                                    const float2* __restrict__ sz, const int* __restrict__ ids,
+                                    int cols, int gs, int G) {
+    int r = blockIdx.x;
+    int id = ids[r];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float2 s = sz[(size_t)id * G + c / gs];
+        __half2 zh = *reinterpret_cast<__half2*>(&s.y);
+        float z = __low2float(zh) - 1024.f;
+        uint32_t w = q[((size_t)id * cols + c) >> 3];
+        float u = (float)((w >> q4_shift(c & 7)) & 15u);
+        dst[(size_t)r * cols + c] = (u - z) * s.x;
+    }
+}
+
+extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restrict__ x,
+                                   const float* __restrict__ w, const float* __restrict__ bias,
+                                   int cols, float eps) {
+    __shared__ float sh[32];
+    int r = blockIdx.x;
+    const float* xr = x + (size_t)r * cols;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
+    ss = block_sum(ss, sh);
+    float inv = rsqrtf(ss / (float)cols + eps);
+    float* d = dst + (size_t)r * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = xr[c] * inv * w[c];
+        if (bias) v += bias[c];
+        d[c] = v;
+    }
+}
+
+// rmsnorm_add: x += r (the residual), then dst = rmsnorm(x). Fused variant of
+// Add followed by RMSNorm; dst must not alias x.
+extern "C" __global__ void rmsnorm_add(float* __restrict__ dst, float* __restrict__ x,
+                                       const float* __restrict__ res, const float* __restrict__ w,
+                                       const float* __restrict__ bias, int cols, float eps) {
+    __shared__ float sh[32];
+    int r = blockIdx.x;
+    float* xr = x + (size_t)r * cols;
+    const float* rr = res + (size_t)r * cols;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = xr[c] + rr[c];
+        xr[c] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    float inv = rsqrtf(ss / (float)cols + eps);
+    float* d = dst + (size_t)r * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = xr[c] * inv * w[c];
+        if (bias) v += bias[c];
+        d[c] = v;
+    }
+}
+
+// One warp per head: grid (rows), block 32*warps.
+extern "C" __global__ void rmsnorm_heads(float* __restrict__ x, const float* __restrict__ w,
+                                         int cols, int hd, float eps) {
+    int r = blockIdx.x;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int heads = cols / hd;
+    for (int h = wid; h < heads; h += nw) {
+        float* p = x + (size_t)r * cols + (size_t)h * hd;
+        float ss = 0.f;
+        for (int d = lane; d < hd; d += 32) ss += p[d] * p[d];
+        ss = warp_sum(ss);
+        float inv = rsqrtf(ss / (float)hd + eps);
+        for (int d = lane; d < hd; d += 32) p[d] = p[d] * inv * w[d];
+    }
+}
+
+extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ b, int rows, int cols) {
+    size_t n = (size_t)rows * cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        x[i] += b[i % cols];
+}
+
+extern "C" __global__ void add_inplace(float* __restrict__ dst, const float* __restrict__ x, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] += x[i];
+}
+
+extern "C" __global__ void silu_mul(float* dst, const float* gate, const float* __restrict__ up, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float g = gate[i];
+        dst[i] = g / (1.f + expf(-g)) * up[i];
+    }
+}
+
+// Position of row t: pos0 + t, plus *dpos when dpos is set (CUDA graph replay).
+__device__ __forceinline__ int row_pos(int pos0, const int* dpos, int t) { return pos0 + (dpos ? *dpos : 0) + t; }
+
+// RoPE in place: x [rows, cols], cols = heads*hd. layout 0 = half (HF), 1 = interleaved.
+extern "C" __global__ void rope(float* __restrict__ x, int rows, int cols, int hd, int pos0,
+                                const int* __restrict__ dpos, double theta, int layout) {
+    int half = hd / 2;
+    long long pairs = (long long)rows * (cols / hd) * half;
+    for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < pairs; p += (long long)gridDim.x * blockDim.x) {
+        int i = (int)(p % half);
+        long long rh = p / half;
+        int h = (int)(rh % (cols / hd));
+        int r = (int)(rh / (cols / hd));
+        int pos = row_pos(pos0, dpos, r);
+        // Angle in double, reduced to [-pi, pi] in double, then a float sincos.
+        double inv = exp2(-2.0 * (double)i / (double)hd * log2(theta));
+        double ang = (double)pos * inv;
+        ang -= 6.283185307179586 * rint(ang * 0.15915494309189535);
+        float s, c;
+        sincosf((float)ang, &s, &c);
+        float* base = x + (size_t)r * cols + (size_t)h * hd;
+        int a = layout ? 2 * i : i;
+        int b = layout ? 2 * i + 1 : i + half;
+        float x0 = base[a], x1 = base[b];
+        base[a] = (float)(x0 * c - x1 * s);
+        base[b] = (float)(x0 * s + x1 * c);
+    }
+}
+
+// KV cache of one layer: kc, vc [maxSeq, kvDim] fp32.
+extern "C" __global__ void store_kv(float* __restrict__ kc, float* __restrict__ vc, const float* __restrict__ k,
+                                    const float* __restrict__ v, int rows, int kvDim, int pos0,
+                                    const int* __restrict__ dpos, int maxSeq) {
+    long long n = (long long)rows * kvDim;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        int r = (int)(i / kvDim), c = (int)(i % kvDim);
+        int pos = row_pos(pos0, dpos, r);
+        if (pos >= maxSeq) continue;
+        kc[(size_t)pos * kvDim + c] = k[i];
+        vc[(size_t)pos * kvDim + c] = v[i];
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Attention: causal GQA over the fp32 cache, flash-decoding style.
+// grid (heads, T, nsplit), block 128 (4 warps). Split s covers keys
+// [s*chunk, (s+1)*chunk) ∩ [0, pos_t]. With nsplit == 1 the kernel writes dst;
+// otherwise it writes partials (max, sum, acc[hd]) that attn_combine merges.
+#define ATT_WARPS 4
+extern "C" __global__ void __launch_bounds__(128) attention(
+    float* __restrict__ dst, const float* __restrict__ q, const float* __restrict__ kc,
+    const float* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
+    int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
+    int nsplit, int chunk) {
+    int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, T = gridDim.y;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int pos = row_pos(pos0, dpos, t);
+    int nkeys = pos + 1;
+    int j0 = s * chunk, j1 = min(nkeys, j0 + chunk);
+    int kvDim = kvHeads * hd;
+    int kvh = h / (heads / kvHeads);
+    int V = hd >> 5;  // values per lane, hd % 32 == 0, hd <= 256
+    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
+    __shared__ float sacc[ATT_WARPS][256];
+    float qr[8], acc[8];
+    const float* qp = q + (size_t)t * heads * hd + (size_t)h * hd + lane * V;
+#pragma unroll
+    for (int i = 0; i < 8; i++) { qr[i] = i < V ? qp[i] * scale : 0.f; acc[i] = 0.f; }
+    float m = -INFINITY, l = 0.f;
+    // Each warp takes 4 consecutive keys at a time (all loads first, for
+    // memory-level parallelism), warps interleaved by 4*ATT_WARPS keys.
+    for (int jb = j0 + 4 * w; jb < j1; jb += 4 * ATT_WARPS) {
+        float kr[4][8], d[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int j = min(jb + u, j1 - 1);
+            const float* kp = kc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
+#pragma unroll
+            for (int i = 0; i < 8; i++) kr[u][i] = i < V ? kp[i] : 0.f;
+        }
+        float vr[4][8];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int j = min(jb + u, j1 - 1);
+            const float* vp = vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
+#pragma unroll
+            for (int i = 0; i < 8; i++) vr[u][i] = i < V ? vp[i] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            float a = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) a += qr[i] * kr[u][i];
+            d[u] = a;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int u = 0; u < 4; u++) d[u] += __shfl_xor_sync(FULL, d[u], o);
+        }
+        float mn = m;
+#pragma unroll
+        for (int u = 0; u < 4; u++) if (jb + u < j1) mn = fmaxf(mn, d[u]);
+        float corr = __expf(m - mn);  // m = -inf at the start: corr = 0
+        l *= corr;
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[i] *= corr;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            if (jb + u < j1) {
+                float p = __expf(d[u] - mn);
+                l += p;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[i] = fmaf(p, vr[u][i], acc[i]);
+            }
+        }
+        m = mn;
+    }
+    if (lane == 0) { sm[w] = m; sl[w] = l; }
+#pragma unroll
+    for (int i = 0; i < 8; i++) if (i < V) sacc[w][lane * V + i] = acc[i];
+    __syncthreads();
+    float M = -INFINITY;
+    for (int i = 0; i < ATT_WARPS; i++) M = fmaxf(M, sm[i]);
+    float L = 0.f;
+    float f[ATT_WARPS];
+    for (int i = 0; i < ATT_WARPS; i++) {
+        f[i] = sm[i] == -INFINITY ? 0.f : __expf(sm[i] - M);
+        L += sl[i] * f[i];
+    }
+    if (nsplit == 1) {
+        float* out = dst + (size_t)t * heads * hd + (size_t)h * hd;
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float a = 0.f;
+            for (int i = 0; i < ATT_WARPS; i++) a += sacc[i][d] * f[i];
+            out[d] = a / L;
+        }
+    } else {
+        size_t pi = ((size_t)t * heads + h) * nsplit + s;
+        if (threadIdx.x == 0) { part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L; }
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float a = 0.f;
+            for (int i = 0; i < ATT_WARPS; i++) a += sacc[i][d] * f[i];
+            part_acc[pi * hd + d] = a;
+        }
+    }
+    (void)T;
+}
+
+// grid (heads, T), block >= 32.
+extern "C" __global__ void attn_combine(float* __restrict__ dst, const float* __restrict__ part_ml,
+                                        const float* __restrict__ part_acc, int heads, int hd, int pos0,
+                                        const int* __restrict__ dpos, int nsplit, int chunk) {
+    int h = blockIdx.x, t = blockIdx.y;
+    int nkeys = row_pos(pos0, dpos, t) + 1;
+    int ns = min(nsplit, (nkeys + chunk - 1) / chunk);
+    size_t pi0 = ((size_t)t * heads + h) * nsplit;
+    float M = -INFINITY;
+    for (int s = 0; s < ns; s++) M = fmaxf(M, part_ml[2 * (pi0 + s)]);
+    float L = 0.f;
+    for (int s = 0; s < ns; s++) {
+        float ms = part_ml[2 * (pi0 + s)];
+        if (ms != -INFINITY) L += part_ml[2 * (pi0 + s) + 1] * __expf(ms - M);
+    }
+    float* out = dst + (size_t)t * heads * hd + (size_t)h * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < ns; s++) {
+            float ms = part_ml[2 * (pi0 + s)];
+            if (ms != -INFINITY) a += part_acc[(pi0 + s) * hd + d] * __expf(ms - M);
+        }
+        out[d] = a / L;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// GEMV (few activation rows): y[m, n] = sum_k x[m, k] * W[n, k].
+// A block of 256 threads (8 warps) handles R output rows of one activation
+// row m = blockIdx.y; the threads split K in chunks of 8 consecutive k
+// (chunk c = it*256*U + u*256 + tid, so x loads are coalesced), reduce in
+// shared memory at the end. Each thread first issues the loads of U chunks x
+// R rows, then computes: R*U independent loads in flight per thread.
+#define GEMV_THREADS 256
+
+__device__ __forceinline__ void load_x8(const float* __restrict__ x, int k, float* xv) {
+    float4 a = *reinterpret_cast<const float4*>(x + k);
+    float4 b = *reinterpret_cast<const float4*>(x + k + 4);
+    xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
+    xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+}
+
+template <int R>
+__device__ __forceinline__ void gemv_finish(float (&acc)[R], float* __restrict__ y, int m, int N, int n0) {
+    __shared__ float red[GEMV_THREADS / 32][R];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float v = warp_sum(acc[r]);
+        if (lane == 0) red[w][r] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < R) {
+        int r = threadIdx.x;
+        float v = 0.f;
+#pragma unroll
+        for (int i = 0; i < GEMV_THREADS / 32; i++) v += red[i][r];
+        if (n0 + r < N) y[(size_t)m * N + n0 + r] = v;
+    }
+}
+
+enum { GF32 = 0, GF16 = 1, GBF16 = 2, GQ8 = 3, GQ4 = 4 };
+// 32-bit words of one chunk of 8 weights.
+template <int F> struct RawWords { static const int n = F == GF32 ? 8 : F == GQ8 ? 2 : F == GQ4 ? 1 : 4; };
+
+template <int F>
+__device__ __forceinline__ void gw_load(uint32_t* raw, const void* __restrict__ W, size_t n, int K, int c) {
+    if (F == GF32) {
+        const uint4* p = reinterpret_cast<const uint4*>((const float*)W + n * K + (size_t)c * 8);
+        uint4 a = p[0], b = p[1];
+        raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w; raw[4] = b.x; raw[5] = b.y; raw[6] = b.z; raw[7] = b.w;
+    } else if (F == GF16 || F == GBF16) {
+        uint4 a = *reinterpret_cast<const uint4*>((const uint16_t*)W + n * K + (size_t)c * 8);
+        raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w;
+    } else if (F == GQ8) {
+        uint2 a = *reinterpret_cast<const uint2*>((const int8_t*)W + n * K + (size_t)c * 8);
+        raw[0] = a.x; raw[1] = a.y;
+    } else {
+        raw[0] = __ldg((const uint32_t*)W + n * (K >> 3) + c);
+    }
+}
+
+// LOP3-style unpack of one q4 word: four half2 (u - z) pairs in k order.
+// Element pair j sits at bits 4j and 16+4j; (w >> 4j) & 0x000f000f | 0x6400
+// makes the halves 1024 + u, and subtracting half2(1024 + z) leaves u - z exactly.
+__device__ __forceinline__ void q4_dequant_uz(uint32_t w, __half2 z1024, __half2 (&out)[4]) {
+    constexpr uint32_t LO = 0x000f000fu, MAGIC = 0x64006400u;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        uint32_t h;
+        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h) : "r"(w >> (4 * j)), "n"(LO), "n"(MAGIC));
+        out[j] = __hsub2(*reinterpret_cast<__half2*>(&h), z1024);
+    }
+}
+
+template <int F, bool HACC>
+__device__ __forceinline__ float gw_dot(const uint32_t* raw, const float* xv, float xs, float2 s) {
+    if (F == GF32) {
+        float a = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) a = fmaf(xv[i], __uint_as_float(raw[i]), a);
+        return a;
+    } else if (F == GF16) {
+        float a = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw[i]));
+            a = fmaf(xv[2 * i], f.x, a);
+            a = fmaf(xv[2 * i + 1], f.y, a);
+        }
+        return a;
+    } else if (F == GBF16) {
+        float a = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            a = fmaf(xv[2 * i], __uint_as_float(raw[i] << 16), a);
+            a = fmaf(xv[2 * i + 1], __uint_as_float(raw[i] & 0xffff0000u), a);
+        }
+        return a;
+    } else if (F == GQ8) {
+        uint32_t wd[2] = {raw[0] ^ 0x80808080u, raw[1] ^ 0x80808080u};  // q + 128 as unsigned bytes
+        float p = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            // 2^23 + byte as a float, minus 2^23 + 128, is q exactly.
+            float q = __uint_as_float(__byte_perm(wd[i >> 2], 0x4B000000u, 0x7650 | (i & 3))) - 8388736.f;
+            p = fmaf(xv[i], q, p);
+        }
+        return s.x * (p - s.y * xs);
+    } else {
+        __half2 z1024 = *reinterpret_cast<const __half2*>(&s.y);
+        __half2 d[4];
+        q4_dequant_uz(raw[0], z1024, d);
+        if (HACC) {
+            __half2 xh[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) xh[i] = __floats2half2_rn(xv[2 * i], xv[2 * i + 1]);
+            __half2 p = __hmul2(xh[0], d[0]);
+            p = __hfma2(xh[1], d[1], p);
+            p = __hfma2(xh[2], d[2], p);
+            p = __hfma2(xh[3], d[3], p);
+            float2 pf = __half22float2(p);
+            return s.x * (pf.x + pf.y);
+        }
+        float p = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __half22float2(d[i]);
+            p = fmaf(xv[2 * i], f.x, p);
+            p = fmaf(xv[2 * i + 1], f.y, p);
+        }
+        return s.x * p;
+    }
+}
+
+template <int F, int R, int U, bool HACC>
+__device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
+                                          const float2* __restrict__ sz, const int* __restrict__ gidx, int N, int K,
+                                          int gs, int G) {
+    constexpr int NW = RawWords<F>::n;
+    int m = blockIdx.y, n0 = blockIdx.x * R;
+    const float* xr = x + (size_t)m * K;
+    int nc = K >> 3;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.f;
+    if (F == GQ8 && !(gidx == nullptr && (gs & 7) == 0)) {
+        // Slow path: per-element groups (act-order g_idx or odd group sizes).
+        for (int c = threadIdx.x; c < nc; c += GEMV_THREADS) {
+            float xv[8];
+            load_x8(xr, c * 8, xv);
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                int n = min(n0 + r, N - 1);
+                const int8_t* q = (const int8_t*)W + (size_t)n * K + c * 8;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    float2 s = sz[(size_t)n * G + q_group(c * 8 + i, gs, gidx)];
+                    acc[r] = fmaf(xv[i] * s.x, (float)q[i] - s.y, acc[r]);
+                }
+            }
+        }
+        gemv_finish<R>(acc, y, m, N, n0);
+        return;
+    }
+    for (int c0 = threadIdx.x; c0 < nc; c0 += GEMV_THREADS * U) {
+        uint32_t raw[U][R][NW];
+        float2 s[U][R];
+        float xv[U][8];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + u * GEMV_THREADS;
+            if (c < nc) {
+                load_x8(xr, c * 8, xv[u]);
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    size_t n = (size_t)min(n0 + r, N - 1);
+                    gw_load<F>(raw[u][r], W, n, K, c);
+                    if (F >= GQ8) s[u][r] = __ldg(sz + n * G + (c * 8) / gs);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + u * GEMV_THREADS;
+            if (c < nc) {
+                float xs = 0.f;
+                if (F == GQ8) {
+#pragma unroll
+                    for (int i = 0; i < 8; i++) xs += xv[u][i];
+                }
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[r] += gw_dot<F, HACC>(raw[u][r], xv[u], xs, s[u][r]);
+            }
+        }
+    }
+    gemv_finish<R>(acc, y, m, N, n0);
+}
+
+// gemv_<fmt>_r<R>u<U>[h](y, x, W, sz, gidx, N, K, gs, G); grid (ceil(N/R), M).
+#define GEMV_ENTRY(name, F, R, U, H)                                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) name(float* y, const float* x, const void* W,    \
+                                                                    const float2* sz, const int* gidx, int N,   \
+                                                                    int K, int gs, int G) {                     \
+        gemv_body<F, R, U, H>(y, x, W, sz, gidx, N, K, gs, G);                                                  \
+    }
+GEMV_ENTRY(gemv_f32_r4u1, GF32, 4, 1, false)
+GEMV_ENTRY(gemv_f16_r4u1, GF16, 4, 1, false)
+GEMV_ENTRY(gemv_f16_r4u2, GF16, 4, 2, false)
+GEMV_ENTRY(gemv_bf16_r4u1, GBF16, 4, 1, false)
+GEMV_ENTRY(gemv_bf16_r4u2, GBF16, 4, 2, false)
+GEMV_ENTRY(gemv_q8_r4u1, GQ8, 4, 1, false)
+GEMV_ENTRY(gemv_q8_r8u1, GQ8, 8, 1, false)
+GEMV_ENTRY(gemv_q8_r4u2, GQ8, 4, 2, false)
+GEMV_ENTRY(gemv_q4_r4u1, GQ4, 4, 1, false)
+GEMV_ENTRY(gemv_q4_r8u2, GQ4, 8, 2, false)
+GEMV_ENTRY(gemv_q4_r8u2h, GQ4, 8, 2, true)
+
+// Split-K GEMV for quantized weights. A block covers 64 output rows (8 warps
+// x 8 rows) and one K slice of 32 lanes x KL k (KL = 32 for q4: one 16-byte
+// word quad per lane and row; 16 for q8). The slice of x is staged in shared
+// memory (float4-swizzled so that each lane's contiguous read is
+// conflict-free) and held in registers across the 8 rows; every lane issues
+// its 8 rows' 16-byte loads at once. Partial sums go to part[ks][m][n]; the
+// last block of each (row tile, m) to finish (counted in cnt, which it resets)
+// adds them in a fixed order, so results are deterministic.
+// grid (ceil(N/(8R)), ceil(K/(32*KL)), M), block 256; R rows per warp.
+template <int F, bool HACC, int R>
+__device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
+                                           const float2* __restrict__ sz, float* __restrict__ part, int* __restrict__ cnt,
+                                           int N, int K, int gs, int G) {
+    constexpr int P = F == GQ4 ? 8 : 4;  // float4 of x per lane
+    constexpr int KL = 4 * P;            // k per lane
+    constexpr int KS = 32 * KL;          // k per block
+    __shared__ float4 xs[KS / 4];
+    __shared__ int last;
+    int m = blockIdx.z, ks = blockIdx.y, nks = gridDim.y, M = gridDim.z;
+    int k0 = ks * KS;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* xr = x + (size_t)m * K;
+    for (int f = tid; f < KS / 4; f += blockDim.x) {
+        int k = k0 + 4 * f;
+        float4 v = k < K ? *reinterpret_cast<const float4*>(xr + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        xs[f ^ ((f >> 3) & 7)] = v;
+    }
+    __syncthreads();
+    int kl = k0 + lane * KL;
+    bool act = kl < K;
+    int n0 = (blockIdx.x * 8 + warp) * R;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.f;
+    if (act) {
+        uint4 raw[R];
+        float2 s[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            size_t n = (size_t)min(n0 + r, N - 1);
+            if (F == GQ4) raw[r] = __ldg(reinterpret_cast<const uint4*>((const uint32_t*)W + n * (K >> 3) + (kl >> 3)));
+            else raw[r] = __ldg(reinterpret_cast<const uint4*>((const int8_t*)W + n * K + kl));
+            s[r] = __ldg(sz + n * G + kl / gs);
+        }
+        float xv[KL];
+#pragma unroll
+        for (int j = 0; j < P; j++) {
+            int f = lane * P + j;
+            float4 v = xs[f ^ ((f >> 3) & 7)];
+            xv[4 * j] = v.x; xv[4 * j + 1] = v.y; xv[4 * j + 2] = v.z; xv[4 * j + 3] = v.w;
+        }
+        float xsum = 0.f;
+        if (F == GQ8) {
+#pragma unroll
+            for (int i = 0; i < KL; i++) xsum += xv[i];
+        }
+        // Half-precision path: x as half2 pairs once for all rows; the odd
+        // pairs of each word come out of the LOP3 as 1024 + 16u, so their x
+        // is pre-scaled by 1/16 (exact) instead of shifting the word.
+        __half2 xh[16];
+        if (F == GQ4 && HACC) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                xh[4 * j] = __floats2half2_rn(xv[8 * j], xv[8 * j + 1]);
+                xh[4 * j + 1] = __floats2half2_rn(xv[8 * j + 2] * 0.0625f, xv[8 * j + 3] * 0.0625f);
+                xh[4 * j + 2] = __floats2half2_rn(xv[8 * j + 4], xv[8 * j + 5]);
+                xh[4 * j + 3] = __floats2half2_rn(xv[8 * j + 6] * 0.0625f, xv[8 * j + 7] * 0.0625f);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            uint32_t w4[4] = {raw[r].x, raw[r].y, raw[r].z, raw[r].w};
+            if (F == GQ4 && HACC) {
+                constexpr uint32_t LO = 0x000f000fu, HI = 0x00f000f0u, MAGIC = 0x64006400u;
+                __half2 z1024 = *reinterpret_cast<const __half2*>(&s[r].y);
+                // (1024 + z) * 16 - 15360 = 1024 + 16 z, exact in fp16.
+                __half2 z16 = __hfma2(z1024, __float2half2_rn(16.f), __float2half2_rn(-15360.f));
+                float p = 0.f;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    uint32_t w = w4[j], w8 = w4[j] >> 8, h0, h1, h2, h3;
+                    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h0) : "r"(w), "n"(LO), "n"(MAGIC));
+                    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h1) : "r"(w), "n"(HI), "n"(MAGIC));
+                    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h2) : "r"(w8), "n"(LO), "n"(MAGIC));
+                    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h3) : "r"(w8), "n"(HI), "n"(MAGIC));
+                    __half2 a = __hmul2(xh[4 * j], __hsub2(*reinterpret_cast<__half2*>(&h0), z1024));
+                    a = __hfma2(xh[4 * j + 1], __hsub2(*reinterpret_cast<__half2*>(&h1), z16), a);
+                    a = __hfma2(xh[4 * j + 2], __hsub2(*reinterpret_cast<__half2*>(&h2), z1024), a);
+                    a = __hfma2(xh[4 * j + 3], __hsub2(*reinterpret_cast<__half2*>(&h3), z16), a);
+                    float2 af = __half22float2(a);
+                    p += af.x + af.y;
+                }
+                acc[r] = s[r].x * p;
+            } else if (F == GQ4) {
+                __half2 z1024 = *reinterpret_cast<const __half2*>(&s[r].y);
+                float p = 0.f;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    __half2 d[4];
+                    q4_dequant_uz(w4[j], z1024, d);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        float2 f2 = __half22float2(d[i]);
+                        p = fmaf(xv[8 * j + 2 * i], f2.x, p);
+                        p = fmaf(xv[8 * j + 2 * i + 1], f2.y, p);
+                    }
+                }
+                acc[r] = s[r].x * p;
+            } else {
+                float p = 0.f;
+#pragma unroll
+                for (int i = 0; i < 16; i++) {
+                    uint32_t b = __byte_perm(w4[i >> 2] ^ 0x80808080u, 0x4B000000u, 0x7650 | (i & 3));
+                    p = fmaf(xv[i], __uint_as_float(b) - 8388736.f, p);
+                }
+                acc[r] = s[r].x * (p - s[r].y * xsum);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
+    float mine = acc[0];
+#pragma unroll
+    for (int r = 1; r < R; r++) if (lane == r) mine = acc[r];
+    if (nks == 1) {
+        if (lane < R && n0 + lane < N) y[(size_t)m * N + n0 + lane] = mine;
+        return;
+    }
+    if (lane < R && n0 + lane < N) part[((size_t)ks * M + m) * N + n0 + lane] = mine;
+    __threadfence();
+    __syncthreads();
+    int ci = m * gridDim.x + blockIdx.x;
+    if (tid == 0) last = atomicAdd(&cnt[ci], 1) == nks - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    int n = blockIdx.x * 8 * R + tid;
+    if (tid < 8 * R && n < N) {
+        float v = 0.f;
+        for (int k2 = 0; k2 < nks; k2++) v += __ldcg(part + ((size_t)k2 * M + m) * N + n);
+        y[(size_t)m * N + n] = v;
+    }
+    if (tid == 0) cnt[ci] = 0;
+}
+
+#define GEMVS_ENTRY(name, F, H, R, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(float* y, const float* x, const void* W,          \
+                                                                 const float2* sz, float* part, int* cnt, int N,  \
+                                                                 int K, int gs, int G) {                          \
+        gemvs_body<F, H, R>(y, x, W, sz, part, cnt, N, K, gs, G);                                                 \
+    }
+GEMVS_ENTRY(gemv_q4_s, GQ4, false, 8, 1)
+GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
+GEMVS_ENTRY(gemv_q4_shb, GQ4, true, 8, 4)
+GEMVS_ENTRY(gemv_q4_sh4, GQ4, true, 4, 1)
+GEMVS_ENTRY(gemv_q8_s, GQ8, false, 8, 1)
+GEMVS_ENTRY(gemv_q8_sb, GQ8, false, 8, 4)
+
+// ---------------------------------------------------------------------------
+// Tensor-core GEMM: C[M, N] = A[M, K] (fp32, rounded to fp16) · W[N, K]ᵀ with
+// W dequantized to fp16 in registers on its way to shared memory.
+// mma.sync m16n8k16, fp32 accumulate. Tile 128x128x32, 256 threads (8 warps
+// as 2 (M) x 4 (N), each 64x32). K % 32 == 0.
+#define BM 128
+#define BN 128
+#define BK 32
+#define SPAD 40  // halfs per smem row (32 + 8 padding)
+
+enum { WF32 = 0, WF16 = 1, WBF16 = 2, WQ8 = 3, WQ4 = 4 };
+
+struct WArgs {
+    const void* W;
+    const float2* sz;
+    const int* gidx;
+    int gs, G;
+};
+
+// Raw registers of one thread's B slice: row n = tid/2, k offset (tid%2)*16.
+struct BRaw {
+    uint4 a, b, c, d;
+    float2 s;
+};
+
+template <int WT>
+__device__ __forceinline__ void b_load(BRaw& r, const WArgs& wa, int n, int N, int K, int k) {
+    if (n >= N) return;
+    if (WT == WF16 || WT == WBF16) {
+        const uint4* p = reinterpret_cast<const uint4*>((const uint16_t*)wa.W + (size_t)n * K + k);
+        r.a = p[0]; r.b = p[1];
+    } else if (WT == WF32) {
+        const uint4* p = reinterpret_cast<const uint4*>((const float*)wa.W + (size_t)n * K + k);
+        r.a = p[0]; r.b = p[1]; r.c = p[2]; r.d = p[3];
+    } else if (WT == WQ8) {
+        r.a = *reinterpret_cast<const uint4*>((const int8_t*)wa.W + (size_t)n * K + k);
+        if (wa.gidx == nullptr && (wa.gs & 15) == 0) r.s = wa.sz[(size_t)n * wa.G + k / wa.gs];
+    } else {  // WQ4: 16 codes = 2 words
+        uint2 u = *reinterpret_cast<const uint2*>((const uint32_t*)wa.W + ((size_t)n * K + k) / 8);
+        r.a.x = u.x; r.a.y = u.y;
+        r.s = wa.sz[(size_t)n * wa.G + k / wa.gs];
+    }
+}
+
+__device__ __forceinline__ uint32_t pack_h2(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Convert to 16 halfs (two uint4) for smem.
+template <int WT>
+__device__ __forceinline__ void b_convert(const BRaw& r, const WArgs& wa, int n, int N, int k, uint4& o0, uint4& o1) {
+    if (n >= N) { o0 = make_uint4(0, 0, 0, 0); o1 = o0; return; }
+    if (WT == WF16) { o0 = r.a; o1 = r.b; return; }
+    uint32_t o[8];
+    if (WT == WBF16) {
+        uint32_t in[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[i] = pack_h2(__uint_as_float(in[i] << 16), __uint_as_float(in[i] & 0xffff0000u));
+    } else if (WT == WF32) {
+        const float* f0 = reinterpret_cast<const float*>(&r.a);
+        const float* f1 = reinterpret_cast<const float*>(&r.b);
+        const float* f2 = reinterpret_cast<const float*>(&r.c);
+        const float* f3 = reinterpret_cast<const float*>(&r.d);
+        o[0] = pack_h2(f0[0], f0[1]); o[1] = pack_h2(f0[2], f0[3]);
+        o[2] = pack_h2(f1[0], f1[1]); o[3] = pack_h2(f1[2], f1[3]);
+        o[4] = pack_h2(f2[0], f2[1]); o[5] = pack_h2(f2[2], f2[3]);
+        o[6] = pack_h2(f3[0], f3[1]); o[7] = pack_h2(f3[2], f3[3]);
+    } else if (WT == WQ8) {
+        uint32_t in[4] = {r.a.x ^ 0x80808080u, r.a.y ^ 0x80808080u, r.a.z ^ 0x80808080u, r.a.w ^ 0x80808080u};
+        bool fast = wa.gidx == nullptr && (wa.gs & 15) == 0;
+        float qv[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) qv[i] = __uint_as_float(__byte_perm(in[i >> 2], 0x4B000000u, 0x7650 | (i & 3))) - 8388736.f;
+        if (fast) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[i] = pack_h2((qv[2 * i] - r.s.y) * r.s.x, (qv[2 * i + 1] - r.s.y) * r.s.x);
+        } else {
+            float v[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                float2 s = wa.sz[(size_t)n * wa.G + q_group(k + i, wa.gs, wa.gidx)];
+                v[i] = (qv[i] - s.y) * s.x;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[i] = pack_h2(v[2 * i], v[2 * i + 1]);
+        }
+    } else {  // WQ4
+        __half2 z1024 = *reinterpret_cast<const __half2*>(&r.s.y);
+        __half2 sc = __float2half2_rn(r.s.x);
+        __half2 d[4];
+        q4_dequant_uz(r.a.x, z1024, d);
+#pragma unroll
+        for (int i = 0; i < 4; i++) { __half2 v = __hmul2(d[i], sc); o[i] = *reinterpret_cast<uint32_t*>(&v); }
+        q4_dequant_uz(r.a.y, z1024, d);
+#pragma unroll
+        for (int i = 0; i < 4; i++) { __half2 v = __hmul2(d[i], sc); o[4 + i] = *reinterpret_cast<uint32_t*>(&v); }
+    }
+    o0 = make_uint4(o[0], o[1], o[2], o[3]);
+    o1 = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int WT>
+__device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __restrict__ A, WArgs wa,
+                                          int M, int N, int K) {
+    __shared__ __align__(16) __half As[2][BM][SPAD];
+    __shared__ __align__(16) __half Bs[2][BN][SPAD];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int wm = warp >> 2, wn = warp & 3;  // 2 x 4 warps
+    int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    int lr = tid >> 1, lk = (tid & 1) * 16;  // loader row and k offset
+    int am = m0 + lr, bn = n0 + lr;
+
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+
+    float4 ar[4];
+    BRaw br;
+    auto load = [&](int k0) {
+        if (am < M) {
+            const float4* p = reinterpret_cast<const float4*>(A + (size_t)am * K + k0 + lk);
+#pragma unroll
+            for (int i = 0; i < 4; i++) ar[i] = p[i];
+        }
+        b_load<WT>(br, wa, bn, N, K, k0 + lk);
+    };
+    auto store = [&](int buf, int k0) {
+        uint4 a0, a1;
+        if (am < M) {
+            a0 = make_uint4(pack_h2(ar[0].x, ar[0].y), pack_h2(ar[0].z, ar[0].w), pack_h2(ar[1].x, ar[1].y), pack_h2(ar[1].z, ar[1].w));
+            a1 = make_uint4(pack_h2(ar[2].x, ar[2].y), pack_h2(ar[2].z, ar[2].w), pack_h2(ar[3].x, ar[3].y), pack_h2(ar[3].z, ar[3].w));
+        } else {
+            a0 = make_uint4(0, 0, 0, 0); a1 = a0;
+        }
+        *reinterpret_cast<uint4*>(&As[buf][lr][lk]) = a0;
+        *reinterpret_cast<uint4*>(&As[buf][lr][lk + 8]) = a1;
+        uint4 b0, b1;
+        b_convert<WT>(br, wa, bn, N, k0 + lk, b0, b1);
+        *reinterpret_cast<uint4*>(&Bs[buf][lr][lk]) = b0;
+        *reinterpret_cast<uint4*>(&Bs[buf][lr][lk + 8]) = b1;
+    };
+
+    int nk = K / BK;
+    load(0);
+    store(0, 0);
+    __syncthreads();
+    for (int kt = 0; kt < nk; kt++) {
+        int cur = kt & 1;
+        if (kt + 1 < nk) load((kt + 1) * BK);
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            uint32_t af[4][4], bf[2][4];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                ldmatrix_x4(af[i], &As[cur][wm * 64 + i * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+                ldmatrix_x4(bf[j], &Bs[cur][wn * 32 + j * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    mma16816(acc[i][j], af[i], bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
+        }
+        if (kt + 1 < nk) store(cur ^ 1, (kt + 1) * BK);
+        __syncthreads();
+    }
+    int gid = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int n = n0 + wn * 32 + j * 8 + tq * 2;
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                int m = m0 + wm * 64 + i * 16 + gid + hh * 8;
+                if (m >= M) continue;
+                float* cp = C + (size_t)m * N + n;
+                if (n + 1 < N && (N & 1) == 0) {
+                    *reinterpret_cast<float2*>(cp) = make_float2(acc[i][j][2 * hh], acc[i][j][2 * hh + 1]);
+                } else {
+                    if (n < N) cp[0] = acc[i][j][2 * hh];
+                    if (n + 1 < N) cp[1] = acc[i][j][2 * hh + 1];
+                }
+            }
+        }
+}
+
+#define GEMM_ENTRY(name, WT)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) name(float* C, const float* A, const void* W,              \
+                                                           const float2* sz, const int* gidx, int M, int N,      \
+                                                           int K, int gs, int G) {                               \
+        WArgs wa{W, sz, gidx, gs, G};                                                                            \
+        gemm_body<WT>(C, A, wa, M, N, K);                                                                        \
+    }
+GEMM_ENTRY(gemm_f32, WF32)
+GEMM_ENTRY(gemm_f16, WF16)
+GEMM_ENTRY(gemm_bf16, WBF16)
+GEMM_ENTRY(gemm_q8, WQ8)
+GEMM_ENTRY(gemm_q4, WQ4)
+
+// ---------------------------------------------------------------------------
+// W8A8 (msmodelslim static): quantize activations, integer dot, dequantize.
+extern "C" __global__ void quant_act(int8_t* __restrict__ xq, const float* __restrict__ x, long long n,
+                                     float scale, float offset) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = roundf(__fdiv_rn(x[i], scale) + offset);
+        v = fminf(fmaxf(v, -128.f), 127.f);
+        xq[i] = (int8_t)v;
+    }
+}
+
+// grid (ceil(N/8), M), block 256: one warp per output. K % 16 == 0.
+extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
+    float* __restrict__ y, const int8_t* __restrict__ xq, const int8_t* __restrict__ W,
+    const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias, int N, int K) {
+    int lane = threadIdx.x & 31;
+    int n = blockIdx.x * 8 + (threadIdx.x >> 5), m = blockIdx.y;
+    if (n >= N) return;
+    const int4* xp = reinterpret_cast<const int4*>(xq + (size_t)m * K);
+    const int4* wp = reinterpret_cast<const int4*>(W + (size_t)n * K);
+    int acc = 0;
+    for (int c = lane; c < K / 16; c += 32) {
+        int4 a = xp[c], b = wp[c];
+        acc = __dp4a(a.x, b.x, acc);
+        acc = __dp4a(a.y, b.y, acc);
+        acc = __dp4a(a.z, b.z, acc);
+        acc = __dp4a(a.w, b.w, acc);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL, acc, o);
+    if (lane == 0) {
+        float v = (float)(acc + qbias[n]) * deq[n];
+        if (bias) v += bias[n];
+        y[(size_t)m * N + n] = v;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Logits: NLL, argmax, sampling.
+
+// out[r] = logsumexp(logits[r]) - logits[r][target[r]], sums in double.
+extern "C" __global__ void nll(double* __restrict__ out, const float* __restrict__ logits,
+                               const int* __restrict__ targets, int cols) {
+    __shared__ float shf[32];
+    __shared__ double shd[32];
+    int r = blockIdx.x;
+    const float* l = logits + (size_t)r * cols;
+    float mx = -INFINITY;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) mx = fmaxf(mx, l[c]);
+    mx = block_max(mx, shf);
+    double s = 0.0;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += exp((double)l[c] - (double)mx);
+    s = block_sum_d(s, shd);
+    if (threadIdx.x == 0) out[r] = log(s) + (double)mx - (double)l[targets[r]];
+}
+
+// Largest logit of each row (lowest index on ties). out[r]; if dpos and
+// hist are set also appends it to hist[*dpos + 1] and to ids[0] (graph decode).
+extern "C" __global__ void argmax(int* __restrict__ out, const float* __restrict__ logits, int cols) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    int r = blockIdx.x;
+    const float* l = logits + (size_t)r * cols;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = l[c];
+        if (v > bv || (v == bv && c < bi)) { bv = v; bi = c; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(FULL, bv, o);
+        int oi = __shfl_xor_sync(FULL, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) { sv[w] = bv; si[w] = bi; }
+    __syncthreads();
+    if (w == 0) {
+        bv = lane < nw ? sv[lane] : -INFINITY;
+        bi = lane < nw ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(FULL, bv, o);
+            int oi = __shfl_xor_sync(FULL, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) out[r] = bi == 0x7fffffff ? 0 : bi;
+    }
+}
+
+// Graph-decode bookkeeping: after argmax wrote next[0], record it and advance
+// the position: hist[*dpos] = next[0]; ids[0] = next[0]; *dpos += 1.
+extern "C" __global__ void decode_advance(int* __restrict__ dpos, int* __restrict__ ids,
+                                          const int* __restrict__ next, int* __restrict__ hist, int histLen) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        int p = *dpos;
+        if (p < histLen) hist[p] = next[0];
+        ids[0] = next[0];
+        *dpos = p + 1;
+    }
+}
+
+// Temperature sampling: out[r] = smallest i with cdf(i) > u[r], where cdf is
+// the softmax of logits/temp. One block of 1024 threads per row.
+extern "C" __global__ void __launch_bounds__(1024) sample(int* __restrict__ out, const float* __restrict__ logits,
+                                                          const float* __restrict__ u, int cols, float temp) {
+    __shared__ float shf[32];
+    __shared__ double shd[32];
+    __shared__ double part[1024];
+    int r = blockIdx.x;
+    const float* l = logits + (size_t)r * cols;
+    float mx = -INFINITY;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) mx = fmaxf(mx, l[c]);
+    mx = block_max(mx, shf);
+    int per = (cols + blockDim.x - 1) / blockDim.x;
+    int c0 = threadIdx.x * per, c1 = min(cols, c0 + per);
+    double s = 0.0;
+    for (int c = c0; c < c1; c++) s += exp(((double)l[c] - mx) / temp);
+    part[threadIdx.x] = s;
+    double tot = block_sum_d(s, shd);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double target = (double)u[r] * tot, run = 0.0;
+        int t = 0;
+        for (; t < (int)blockDim.x - 1; t++) {
+            if (run + part[t] > target) break;
+            run += part[t];
+        }
+        int a = t * per, b = min(cols, a + per);
+        int pick = b - 1;
+        for (int c = a; c < b; c++) {
+            run += exp(((double)l[c] - mx) / temp);
+            if (run > target) { pick = c; break; }
+        }
+        out[r] = max(0, min(cols - 1, pick));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Synthetic weights for benchmarks, generated in place from a hash.
+__device__ __forceinline__ uint32_t hash32(uint64_t x) {
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;
+    return (uint32_t)x;
+}
+__device__ __forceinline__ float unif(uint64_t seed, uint64_t i) {  // [-1, 1)
+    return (float)(hash32(seed * 0x9E3779B97F4A7C15ull + i) >> 8) * (2.f / 16777216.f) - 1.f;
+}
+// mode 0: n random 32-bit words; 1: n halfs uniform(-a, a); 2: n floats
+// uniform(-a, a); 3: n q4 {scale, half2(1024+z)} pairs with scale ~ a and z in
+// 0..15; 4: n q8 {scale, 0} pairs with scale ~ a; 5: n floats 1 + a*uniform.
+extern "C" __global__ void fill_random(void* p, long long n, unsigned long long seed, int mode, float a) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        switch (mode) {
+        case 0: ((uint32_t*)p)[i] = hash32(seed * 0x9E3779B97F4A7C15ull + i); break;
+        case 1: ((__half*)p)[i] = __float2half(a * unif(seed, i)); break;
+        case 2: ((float*)p)[i] = a * unif(seed, i); break;
+        case 3: {
+            float z = (float)(hash32(seed + 77 * i) & 15u);
+            __half2 zh = __float2half2_rn(1024.f + z);
+            ((float2*)p)[i] = make_float2(a * (1.5f + 0.5f * unif(seed, i)), *reinterpret_cast<float*>(&zh));
+            break;
+        }
+        case 4: ((float2*)p)[i] = make_float2(a * (1.5f + 0.5f * unif(seed, i)), 0.f); break;
+        case 5: ((float*)p)[i] = 1.f + a * unif(seed, i); break;
+        }
+    }
+}

@@ -1,0 +1,791 @@
+// Package cuda is qtool's GPU backend: runtime.Backend over the CUDA driver
+// API (package driver, bound through purego without cgo) and the kernels of
+// package qtool/kernels, loaded from embedded PTX.
+//
+// Weights stay in their stored form on the device: f16/bf16/f32 dense,
+// 4-bit weights packed 8 per word (repacked at upload in the order the
+// LOP3 unpack wants), other quantized weights as int8 codes with per-group
+// {scale, zero} pairs, W8A8 as int8 with its quant_bias/deq_scale.
+// Activations and the KV cache are fp32; the matrix kernels accumulate in
+// fp32 and feed the tensor cores fp16.
+//
+// A Backend is not safe for concurrent use. Each call binds the device's
+// primary context to the calling OS thread, so it may be used from any
+// goroutine.
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	goruntime "runtime"
+	"unsafe"
+
+	"qtool/formats/model"
+	"qtool/kernels"
+	"qtool/runtime"
+	"qtool/runtime/cuda/driver"
+)
+
+// ErrNoDriver is wrapped by New when the CUDA driver cannot be loaded.
+var ErrNoDriver = driver.ErrNoDriver
+
+var _ runtime.Backend = (*Backend)(nil)
+
+// Options tune a Backend.
+type Options struct {
+	// Device is the CUDA device ordinal.
+	Device int
+	// GEMVMaxRows: matrix products with at most this many activation rows use
+	// the GEMV kernels, larger ones the tensor-core GEMM (default 4).
+	GEMVMaxRows int
+	// Q4HalfAccumulate selects the half-precision 4-bit GEMV (the default
+	// kernel already is one: activations rounded to fp16, each 8 products
+	// summed in fp16, then fp32).
+	Q4HalfAccumulate bool
+	// Q4FullPrecision selects the fp32-arithmetic 4-bit GEMV (slower).
+	Q4FullPrecision bool
+	// GEMVVariant selects a GEMV kernel variant ("r8u2", see GEMVVariants)
+	// where the weight kind has it; empty means each kind's default.
+	GEMVVariant string
+	// PTXPath, when set, loads the kernels from this PTX file instead of the
+	// embedded ones (kernel development). New sets it from $QTOOL_CUDA_PTX.
+	PTXPath string
+}
+
+// Backend runs the forward pass on one CUDA device.
+type Backend struct {
+	drv    *driver.Driver
+	dev    driver.Device
+	ctx    driver.Context
+	mod    driver.Module
+	stream driver.Stream
+	name   string
+	sms    int
+	cc     [2]int
+	opt    Options
+	fn     map[string]driver.Function
+
+	// Kernel argument slots: ptrs[i] points at slots[i].
+	slots [32]uint64
+	ptrs  [32]unsafe.Pointer
+
+	pool   map[int][]driver.DevicePtr // freed activation buffers by byte size
+	owned  map[driver.DevicePtr]int   // every live allocation and its size
+	graphs []*Graph
+
+	scratch map[string]scratch
+
+	uploaded map[string]int64 // device bytes of each uploaded linear, by name
+
+	// CUDA graph capture of decode steps.
+	capturing bool
+	capPos    bool // a decode-step capture: positions and ids come from the device
+	capBase   int
+	capAllocs map[driver.DevicePtr]bool
+	dstate    driver.DevicePtr // int32 [4]: pos, next id, ...
+	hist      driver.DevicePtr
+	histLen   int
+}
+
+type scratch struct {
+	p driver.DevicePtr
+	n int
+}
+
+// New opens the first CUDA device with default options. Without a driver
+// the error wraps ErrNoDriver ("no CUDA driver found").
+func New() (*Backend, error) {
+	return NewWithOptions(Options{PTXPath: os.Getenv("QTOOL_CUDA_PTX")})
+}
+
+// NewWithOptions opens a CUDA device.
+func NewWithOptions(opt Options) (b *Backend, err error) {
+	if opt.GEMVMaxRows <= 0 {
+		opt.GEMVMaxRows = 4
+	}
+	drv, err := driver.Open()
+	if err != nil {
+		return nil, err
+	}
+	goruntime.LockOSThread()
+	defer goruntime.UnlockOSThread()
+	n, err := drv.DeviceCount()
+	if err != nil {
+		return nil, err
+	}
+	if opt.Device < 0 || opt.Device >= n {
+		return nil, fmt.Errorf("cuda: device %d requested, %d present: %w", opt.Device, n, ErrNoDriver)
+	}
+	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, pool: map[int][]driver.DevicePtr{},
+		owned: map[driver.DevicePtr]int{}, scratch: map[string]scratch{}, uploaded: map[string]int64{}}
+	for i := range b.slots {
+		b.ptrs[i] = unsafe.Pointer(&b.slots[i])
+	}
+	if b.dev, err = drv.Device(opt.Device); err != nil {
+		return nil, err
+	}
+	if b.ctx, err = drv.PrimaryCtxRetain(b.dev); err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			b.Close()
+			b = nil
+		}
+	}()
+	if err = drv.SetCurrent(b.ctx); err != nil {
+		return nil, err
+	}
+	devName, err := drv.DeviceName(b.dev)
+	if err != nil {
+		return nil, err
+	}
+	for i, a := range []int{driver.AttrComputeMajor, driver.AttrComputeMinor} {
+		if b.cc[i], err = drv.Attribute(b.dev, a); err != nil {
+			return nil, err
+		}
+	}
+	if b.sms, err = drv.Attribute(b.dev, driver.AttrMultiprocessorCount); err != nil {
+		return nil, err
+	}
+	ptx, arch := kernels.PTX(b.cc[0], b.cc[1])
+	if opt.PTXPath != "" {
+		if ptx, err = os.ReadFile(opt.PTXPath); err != nil {
+			return nil, fmt.Errorf("cuda: %w", err)
+		}
+		arch = opt.PTXPath
+	}
+	if ptx == nil {
+		return nil, fmt.Errorf("cuda: %s has compute capability %d.%d; qtool's kernels need 8.0 or newer", devName, b.cc[0], b.cc[1])
+	}
+	if b.mod, err = drv.ModuleLoadData(ptx); err != nil {
+		return nil, fmt.Errorf("cuda: loading %s kernels: %w", arch, err)
+	}
+	for _, k := range kernelNames() {
+		if b.fn[k], err = drv.Function(b.mod, k); err != nil {
+			return nil, err
+		}
+	}
+	if b.stream, err = drv.StreamCreate(0); err != nil {
+		return nil, err
+	}
+	b.name = fmt.Sprintf("cuda:%s (sm_%d%d, %d SMs, %s PTX)", devName, b.cc[0], b.cc[1], b.sms, arch)
+	return b, nil
+}
+
+// kernelNames lists every kernel the backend looks up.
+func kernelNames() []string {
+	names := []string{
+		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_add", "rmsnorm_heads", "add_bias", "add_inplace",
+		"silu_mul", "rope", "store_kv", "attention", "attn_combine",
+		"gemm_f32", "gemm_f16", "gemm_bf16", "gemm_q8", "gemm_q4",
+		"quant_act", "w8a8_gemm", "nll", "argmax", "decode_advance", "sample", "fill_random",
+	}
+	for k, vs := range gemvVariants {
+		for _, v := range vs {
+			names = append(names, "gemv_"+kindNames[k]+"_"+v)
+		}
+	}
+	return names
+}
+
+// enter binds the context to the calling thread; call the result when done.
+func (b *Backend) enter() func() {
+	goruntime.LockOSThread()
+	b.must(b.drv.SetCurrent(b.ctx))
+	return goruntime.UnlockOSThread
+}
+
+func (b *Backend) must(err error) {
+	if err != nil {
+		panic(fmt.Sprintf("cuda backend: %v", err))
+	}
+}
+
+// Name implements runtime.Backend.
+func (b *Backend) Name() string { return b.name }
+
+// Close frees every device allocation and releases the context.
+func (b *Backend) Close() error {
+	if b == nil || b.drv == nil {
+		return nil
+	}
+	goruntime.LockOSThread()
+	defer goruntime.UnlockOSThread()
+	var errs []error
+	if b.ctx != 0 {
+		errs = append(errs, b.drv.SetCurrent(b.ctx))
+		if b.stream != 0 {
+			errs = append(errs, b.drv.StreamSynchronize(b.stream))
+		}
+		for _, g := range b.graphs {
+			g.destroy()
+		}
+		b.graphs = nil
+		for p := range b.owned {
+			errs = append(errs, b.drv.MemFree(p))
+		}
+		b.owned = map[driver.DevicePtr]int{}
+		b.pool = map[int][]driver.DevicePtr{}
+		b.scratch = map[string]scratch{}
+		if b.stream != 0 {
+			errs = append(errs, b.drv.StreamDestroy(b.stream))
+			b.stream = 0
+		}
+		if b.mod != 0 {
+			errs = append(errs, b.drv.ModuleUnload(b.mod))
+			b.mod = 0
+		}
+		errs = append(errs, b.drv.PrimaryCtxRelease(b.dev))
+		b.ctx = 0
+	}
+	return errors.Join(errs...)
+}
+
+// ---------------------------------------------------------------------------
+// Memory.
+
+func (b *Backend) alloc(bytes int) driver.DevicePtr {
+	if bytes <= 0 {
+		bytes = 4
+	}
+	if l := b.pool[bytes]; len(l) > 0 {
+		p := l[len(l)-1]
+		b.pool[bytes] = l[:len(l)-1]
+		if b.capturing {
+			b.capAllocs[p] = true
+		}
+		return p
+	}
+	p, err := b.drv.MemAlloc(uint64(bytes))
+	b.must(err)
+	b.owned[p] = bytes
+	if b.capturing {
+		b.capAllocs[p] = true
+	}
+	return p
+}
+
+// release returns p to the pool.
+func (b *Backend) release(p driver.DevicePtr) {
+	n, ok := b.owned[p]
+	if !ok {
+		panic("cuda backend: freeing a buffer this backend does not own")
+	}
+	b.pool[n] = append(b.pool[n], p)
+}
+
+func (b *Backend) upload(p driver.DevicePtr, src unsafe.Pointer, n int) {
+	if n == 0 {
+		return
+	}
+	b.must(b.drv.MemcpyHtoD(p, src, uint64(n)))
+}
+
+func (b *Backend) uploadBytes(data []byte) driver.DevicePtr {
+	p := b.alloc(len(data))
+	if len(data) > 0 {
+		b.upload(p, unsafe.Pointer(&data[0]), len(data))
+	}
+	return p
+}
+
+func uploadSlice[T any](b *Backend, v []T) driver.DevicePtr {
+	var z T
+	n := len(v) * int(unsafe.Sizeof(z))
+	p := b.alloc(n)
+	if n > 0 {
+		b.upload(p, unsafe.Pointer(&v[0]), n)
+	}
+	goruntime.KeepAlive(v)
+	return p
+}
+
+// scratchBuf returns a device buffer of at least bytes for a named use.
+func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
+	s := b.scratch[name]
+	if s.n >= bytes {
+		return s.p
+	}
+	if s.p != 0 && !b.capturing { // during a capture the old area stays allocated until Close
+		b.must(b.drv.StreamSynchronize(b.stream))
+		b.must(b.drv.MemFree(s.p))
+		delete(b.owned, s.p)
+	}
+	n := max(bytes, 2*s.n, 1024)
+	p, err := b.drv.MemAlloc(uint64(n))
+	b.must(err)
+	b.owned[p] = -1 // never pooled
+	b.scratch[name] = scratch{p, n}
+	return p
+}
+
+// Buf is a device activation matrix of fp32 values.
+type Buf struct {
+	p          driver.DevicePtr
+	rows, cols int
+}
+
+// Rows implements runtime.Buf.
+func (x *Buf) Rows() int { return x.rows }
+
+// Cols implements runtime.Buf.
+func (x *Buf) Cols() int { return x.cols }
+
+// Ptr is the device address of the first value.
+func (x *Buf) Ptr() uint64 { return uint64(x.p) }
+
+func (x *Buf) n() int { return x.rows * x.cols }
+
+func buf(x runtime.Buf) *Buf {
+	d, ok := x.(*Buf)
+	if !ok || d == nil || d.p == 0 {
+		panic(fmt.Sprintf("cuda backend: buffer %T is not a live CUDA buffer", x))
+	}
+	return d
+}
+
+// Alloc implements runtime.Backend.
+func (b *Backend) Alloc(rows, cols int) runtime.Buf {
+	if rows < 0 || cols < 0 {
+		panic(fmt.Sprintf("cuda backend: Alloc(%d, %d)", rows, cols))
+	}
+	defer b.enter()()
+	x := &Buf{p: b.alloc(4 * rows * cols), rows: rows, cols: cols}
+	// Buffers allocated inside a graph capture are not zeroed: the forward
+	// pass writes every activation before reading it, and a memset node per
+	// buffer would cost a graph node each.
+	if rows*cols > 0 && !b.capturing {
+		b.must(b.drv.MemsetD32Async(x.p, 0, uint64(rows*cols), b.stream))
+	}
+	return x
+}
+
+// Free implements runtime.Backend.
+func (b *Backend) Free(x runtime.Buf) {
+	d := buf(x)
+	b.release(d.p)
+	d.p = 0
+}
+
+// Upload implements runtime.Backend.
+func (b *Backend) Upload(dst runtime.Buf, src []float32) {
+	d := buf(dst)
+	if len(src) != d.n() {
+		panic(fmt.Sprintf("cuda backend: Upload of %d values into [%d %d]", len(src), d.rows, d.cols))
+	}
+	defer b.enter()()
+	if len(src) > 0 {
+		b.upload(d.p, unsafe.Pointer(&src[0]), 4*len(src))
+	}
+}
+
+// Download implements runtime.Backend.
+func (b *Backend) Download(dst []float32, src runtime.Buf) {
+	s := buf(src)
+	if len(dst) != s.n() {
+		panic(fmt.Sprintf("cuda backend: Download of [%d %d] into %d values", s.rows, s.cols, len(dst)))
+	}
+	defer b.enter()()
+	if len(dst) > 0 {
+		b.must(b.drv.MemcpyDtoH(unsafe.Pointer(&dst[0]), s.p, uint64(4*len(dst))))
+	}
+}
+
+// Vector is an uploaded fp32 vector.
+type Vector struct {
+	p driver.DevicePtr
+	n int
+}
+
+// Len implements runtime.Vector.
+func (v *Vector) Len() int { return v.n }
+
+// UploadVector implements runtime.Backend.
+func (b *Backend) UploadVector(name string, t model.Tensor) (runtime.Vector, error) {
+	if t == nil {
+		return nil, fmt.Errorf("cuda: vector %s: nil tensor", name)
+	}
+	shape := t.Shape()
+	if len(shape) != 1 {
+		return nil, fmt.Errorf("cuda: vector %s has shape %v, want 1-D", name, shape)
+	}
+	defer b.enter()()
+	if s, ok := t.(*Synthetic); ok {
+		p := b.alloc(4 * shape[0])
+		b.fill(p, shape[0], s.Seed, 5, 0.1)
+		return &Vector{p, shape[0]}, nil
+	}
+	v, err := t.Float32()
+	if err != nil {
+		return nil, fmt.Errorf("cuda: vector %s: %w", name, err)
+	}
+	return &Vector{uploadSlice(b, v), len(v)}, nil
+}
+
+func vec(v runtime.Vector) *Vector {
+	d, ok := v.(*Vector)
+	if !ok || d == nil {
+		panic(fmt.Sprintf("cuda backend: vector %T is not a CUDA vector", v))
+	}
+	return d
+}
+
+func vecPtr(v runtime.Vector) driver.DevicePtr {
+	if v == nil {
+		return 0
+	}
+	if d, ok := v.(*Vector); ok && d == nil {
+		return 0
+	}
+	return vec(v).p
+}
+
+// ---------------------------------------------------------------------------
+// Launching.
+
+func (b *Backend) launch(name string, grid, block [3]uint32, args ...any) {
+	f, ok := b.fn[name]
+	if !ok {
+		panic("cuda backend: unknown kernel " + name)
+	}
+	if len(args) > len(b.slots) {
+		panic("cuda backend: too many kernel arguments")
+	}
+	for i, a := range args {
+		switch v := a.(type) {
+		case driver.DevicePtr:
+			b.slots[i] = uint64(v)
+		case int:
+			b.slots[i] = uint64(int64(v))
+		case int64:
+			b.slots[i] = uint64(v)
+		case uint64:
+			b.slots[i] = v
+		case float32:
+			b.slots[i] = uint64(math.Float32bits(v))
+		case float64:
+			b.slots[i] = math.Float64bits(v)
+		default:
+			panic(fmt.Sprintf("cuda backend: kernel %s argument %d has type %T", name, i, a))
+		}
+	}
+	for _, d := range grid {
+		if d == 0 {
+			return // nothing to do
+		}
+	}
+	b.must(b.drv.Launch(f, grid, block, 0, b.stream, &b.ptrs[0]))
+}
+
+func g1(n int) [3]uint32 { return [3]uint32{uint32(n), 1, 1} }
+
+// gridFor is a grid-stride grid of 256-thread blocks for n elements.
+func (b *Backend) gridFor(n int) [3]uint32 {
+	return g1(max(1, min((n+255)/256, 32*b.sms)))
+}
+
+var block256 = [3]uint32{256, 1, 1}
+
+func (b *Backend) fill(p driver.DevicePtr, n int, seed uint64, mode int, a float32) {
+	b.launch("fill_random", b.gridFor(n), block256, p, int64(n), seed, mode, a)
+}
+
+// ---------------------------------------------------------------------------
+// Elementwise operations.
+
+// Embed implements runtime.Backend.
+func (b *Backend) Embed(dst runtime.Buf, table runtime.Linear, ids []int) {
+	d, w := buf(dst), lin(table)
+	if d.rows != len(ids) || d.cols != w.in {
+		panic(fmt.Sprintf("cuda backend: Embed of %d ids into [%d %d] from a table of width %d", len(ids), d.rows, d.cols, w.in))
+	}
+	if w.kind == kindW8A8 {
+		panic("cuda backend: a W8A8 weight cannot be an embedding table")
+	}
+	defer b.enter()()
+	var idp driver.DevicePtr
+	if b.capturing && !b.capPos {
+		panic("cuda backend: Embed inside TimeCaptured")
+	}
+	if b.capturing {
+		if len(ids) != 1 {
+			panic("cuda backend: graph capture supports single-token steps only")
+		}
+		idp = b.dstate + 4
+	} else {
+		ids32 := make([]int32, len(ids))
+		for i, id := range ids {
+			if id < 0 || id >= w.out {
+				panic(fmt.Sprintf("cuda backend: token id %d outside the table of %d rows", id, w.out))
+			}
+			ids32[i] = int32(id)
+		}
+		idp = b.scratchBuf("ids", 4*len(ids))
+		if len(ids) > 0 {
+			b.upload(idp, unsafe.Pointer(&ids32[0]), 4*len(ids))
+		}
+	}
+	switch w.kind {
+	case kindQ4:
+		b.launch("embed_q4", g1(len(ids)), block256, d.p, w.w, w.sz, idp, w.in, w.gs, w.groups)
+	case kindQ8:
+		b.launch("embed_q8", g1(len(ids)), block256, d.p, w.w, w.sz, w.gidx, idp, w.in, w.gs, w.groups)
+	default:
+		b.launch("embed_dense", g1(len(ids)), block256, d.p, w.w, idp, w.in, w.kind)
+	}
+}
+
+// RMSNorm implements runtime.Backend.
+func (b *Backend) RMSNorm(dst, x runtime.Buf, w, bias runtime.Vector, eps float32) {
+	d, s := buf(dst), buf(x)
+	if d.rows != s.rows || d.cols != s.cols || vec(w).n != s.cols {
+		panic(fmt.Sprintf("cuda backend: RMSNorm shapes [%d %d] <- [%d %d], weight %d", d.rows, d.cols, s.rows, s.cols, vec(w).n))
+	}
+	defer b.enter()()
+	b.launch("rmsnorm", g1(s.rows), b.rowBlock(s.rows, s.cols), d.p, s.p, vec(w).p, vecPtr(bias), s.cols, eps)
+}
+
+// rowBlock is the block size of a one-block-per-row kernel: wide blocks
+// when there are few rows (decode), 256 threads otherwise.
+func (b *Backend) rowBlock(rows, cols int) [3]uint32 {
+	if rows < b.sms && cols >= 4096 {
+		return [3]uint32{1024, 1, 1}
+	}
+	return block256
+}
+
+// RMSNormAdd adds res to x in place and writes rmsnorm(x) into dst (the
+// residual add fused with the next norm).
+func (b *Backend) RMSNormAdd(dst, x, res runtime.Buf, w, bias runtime.Vector, eps float32) {
+	d, s, r := buf(dst), buf(x), buf(res)
+	if d.rows != s.rows || d.cols != s.cols || r.rows != s.rows || r.cols != s.cols || vec(w).n != s.cols || d.p == s.p {
+		panic("cuda backend: RMSNormAdd shapes or aliasing")
+	}
+	defer b.enter()()
+	b.launch("rmsnorm_add", g1(s.rows), b.rowBlock(s.rows, s.cols), d.p, s.p, r.p, vec(w).p, vecPtr(bias), s.cols, eps)
+}
+
+// RMSNormHeads implements runtime.Backend.
+func (b *Backend) RMSNormHeads(x runtime.Buf, headDim int, w runtime.Vector, eps float32) {
+	s := buf(x)
+	if headDim <= 0 || s.cols%headDim != 0 || vec(w).n != headDim {
+		panic(fmt.Sprintf("cuda backend: RMSNormHeads of width %d, head %d, weight %d", s.cols, headDim, vec(w).n))
+	}
+	defer b.enter()()
+	warps := min(8, s.cols/headDim)
+	b.launch("rmsnorm_heads", g1(s.rows), [3]uint32{uint32(32 * warps), 1, 1}, s.p, vec(w).p, s.cols, headDim, eps)
+}
+
+// AddBias implements runtime.Backend.
+func (b *Backend) AddBias(x runtime.Buf, bias runtime.Vector) {
+	s := buf(x)
+	if vec(bias).n != s.cols {
+		panic("cuda backend: AddBias width mismatch")
+	}
+	defer b.enter()()
+	b.launch("add_bias", b.gridFor(s.n()), block256, s.p, vec(bias).p, s.rows, s.cols)
+}
+
+// Add implements runtime.Backend.
+func (b *Backend) Add(dst, x runtime.Buf) {
+	d, s := buf(dst), buf(x)
+	if d.rows != s.rows || d.cols != s.cols {
+		panic("cuda backend: Add shape mismatch")
+	}
+	defer b.enter()()
+	b.launch("add_inplace", b.gridFor(d.n()), block256, d.p, s.p, int64(d.n()))
+}
+
+// SiLUMul implements runtime.Backend.
+func (b *Backend) SiLUMul(dst, gate, up runtime.Buf) {
+	d, g, u := buf(dst), buf(gate), buf(up)
+	if d.n() != g.n() || d.n() != u.n() || d.cols != g.cols {
+		panic("cuda backend: SiLUMul shape mismatch")
+	}
+	defer b.enter()()
+	b.launch("silu_mul", b.gridFor(d.n()), block256, d.p, g.p, u.p, int64(d.n()))
+}
+
+// posArgs returns the (pos0, dpos) kernel arguments for a step at pos0.
+func (b *Backend) posArgs(pos0 int) (int, driver.DevicePtr) {
+	if b.capturing && b.capPos {
+		return pos0 - b.capBase, b.dstate
+	}
+	return pos0, 0
+}
+
+// RoPE implements runtime.Backend.
+func (b *Backend) RoPE(x runtime.Buf, headDim, pos0 int, theta float64, layout model.RopeLayout) {
+	s := buf(x)
+	if headDim <= 0 || headDim%2 != 0 || s.cols%headDim != 0 {
+		panic(fmt.Sprintf("cuda backend: RoPE of width %d with head %d", s.cols, headDim))
+	}
+	defer b.enter()()
+	p, dp := b.posArgs(pos0)
+	b.launch("rope", b.gridFor(s.n()/2), block256, s.p, s.rows, s.cols, headDim, p, dp, theta, int(layout))
+}
+
+// KVCache is a device cache of fp32 keys and values, [layers][maxSeq][kvDim].
+type KVCache struct {
+	k, v                  driver.DevicePtr
+	layers, maxSeq, kvDim int
+}
+
+// MaxSeq implements runtime.KVCache.
+func (c *KVCache) MaxSeq() int { return c.maxSeq }
+
+// NewKVCache implements runtime.Backend.
+func (b *Backend) NewKVCache(layers, maxSeq, kvDim int) runtime.KVCache {
+	defer b.enter()()
+	n := layers * maxSeq * kvDim
+	c := &KVCache{k: b.alloc(4 * n), v: b.alloc(4 * n), layers: layers, maxSeq: maxSeq, kvDim: kvDim}
+	b.must(b.drv.MemsetD32Async(c.k, 0, uint64(n), b.stream))
+	b.must(b.drv.MemsetD32Async(c.v, 0, uint64(n), b.stream))
+	return c
+}
+
+func cache(c runtime.KVCache) *KVCache {
+	d, ok := c.(*KVCache)
+	if !ok || d == nil {
+		panic(fmt.Sprintf("cuda backend: cache %T is not a CUDA cache", c))
+	}
+	return d
+}
+
+// FreeKVCache releases a cache made by NewKVCache.
+func (b *Backend) FreeKVCache(c runtime.KVCache) {
+	d := cache(c)
+	b.release(d.k)
+	b.release(d.v)
+	d.k, d.v = 0, 0
+}
+
+func (c *KVCache) layerOff(layer int) driver.DevicePtr {
+	return driver.DevicePtr(4 * layer * c.maxSeq * c.kvDim)
+}
+
+// StoreKV implements runtime.Backend.
+func (b *Backend) StoreKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf) {
+	kc, kb, vb := cache(c), buf(k), buf(v)
+	if kb.cols != kc.kvDim || vb.cols != kc.kvDim || kb.rows != vb.rows || layer < 0 || layer >= kc.layers {
+		panic("cuda backend: StoreKV shape mismatch")
+	}
+	if !b.capPos && (pos0 < 0 || pos0+kb.rows > kc.maxSeq) {
+		panic(fmt.Sprintf("cuda backend: positions %d..%d outside the cache of %d", pos0, pos0+kb.rows-1, kc.maxSeq))
+	}
+	defer b.enter()()
+	off := kc.layerOff(layer)
+	p, dp := b.posArgs(pos0)
+	b.launch("store_kv", b.gridFor(kb.n()), block256, kc.k+off, kc.v+off, kb.p, vb.p, kb.rows, kc.kvDim, p, dp, kc.maxSeq)
+}
+
+// attnChunk is the number of keys per split in graph-captured decode steps.
+const attnChunk = 32
+
+// Attention implements runtime.Backend.
+func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int) {
+	d, qb, kc := buf(dst), buf(q), cache(c)
+	T := qb.rows
+	if qb.cols != heads*headDim || d.cols != qb.cols || d.rows != T || kvHeads <= 0 || heads%kvHeads != 0 ||
+		kvHeads*headDim != kc.kvDim || headDim%32 != 0 || headDim > 256 || layer < 0 || layer >= kc.layers {
+		panic(fmt.Sprintf("cuda backend: Attention shapes q [%d %d], heads %d/%d, head %d, cache width %d", qb.rows, qb.cols, heads, kvHeads, headDim, kc.kvDim))
+	}
+	if !b.capPos && pos0+T > kc.maxSeq {
+		panic("cuda backend: Attention beyond the cache")
+	}
+	defer b.enter()()
+	var nsplit, chunk int
+	if b.capturing && b.capPos {
+		chunk = attnChunk
+		nsplit = (kc.maxSeq + chunk - 1) / chunk
+	} else {
+		nk := pos0 + T
+		want := (4*b.sms + T*heads - 1) / (T * heads)
+		chunk = max(32, (nk+want-1)/want)
+		chunk = (chunk + 31) / 32 * 32
+		nsplit = (nk + chunk - 1) / chunk
+	}
+	var ml, acc driver.DevicePtr
+	if nsplit > 1 {
+		ml = b.scratchBuf("att_ml", 8*T*heads*nsplit)
+		acc = b.scratchBuf("att_acc", 4*T*heads*nsplit*headDim)
+	}
+	off := kc.layerOff(layer)
+	p, dp := b.posArgs(pos0)
+	scale := float32(1 / math.Sqrt(float64(headDim)))
+	b.launch("attention", [3]uint32{uint32(heads), uint32(T), uint32(nsplit)}, [3]uint32{128, 1, 1},
+		d.p, qb.p, kc.k+off, kc.v+off, ml, acc, heads, kvHeads, headDim, p, dp, scale, nsplit, chunk)
+	if nsplit > 1 {
+		b.launch("attn_combine", [3]uint32{uint32(heads), uint32(T), 1}, [3]uint32{uint32(min(headDim, 256)), 1, 1},
+			d.p, ml, acc, heads, headDim, p, dp, nsplit, chunk)
+	}
+}
+
+// NLL implements runtime.Backend.
+func (b *Backend) NLL(out []float64, logits runtime.Buf, targets []int) {
+	l := buf(logits)
+	if len(out) != l.rows || len(targets) != l.rows {
+		panic("cuda backend: NLL length mismatch")
+	}
+	if l.rows == 0 {
+		return
+	}
+	t32 := make([]int32, len(targets))
+	for i, t := range targets {
+		if t < 0 || t >= l.cols {
+			panic(fmt.Sprintf("cuda backend: NLL target %d outside 0..%d", t, l.cols-1))
+		}
+		t32[i] = int32(t)
+	}
+	defer b.enter()()
+	tp := b.scratchBuf("targets", 4*len(t32))
+	b.upload(tp, unsafe.Pointer(&t32[0]), 4*len(t32))
+	op := b.scratchBuf("nll", 8*l.rows)
+	b.launch("nll", g1(l.rows), [3]uint32{512, 1, 1}, op, l.p, tp, l.cols)
+	b.must(b.drv.MemcpyDtoH(unsafe.Pointer(&out[0]), op, uint64(8*l.rows)))
+}
+
+// Argmax implements runtime.Backend.
+func (b *Backend) Argmax(logits runtime.Buf) []int {
+	l := buf(logits)
+	if l.rows == 0 {
+		return nil
+	}
+	defer b.enter()()
+	op := b.scratchBuf("argmax", 4*l.rows)
+	b.launch("argmax", g1(l.rows), [3]uint32{512, 1, 1}, op, l.p, l.cols)
+	r := make([]int32, l.rows)
+	b.must(b.drv.MemcpyDtoH(unsafe.Pointer(&r[0]), op, uint64(4*l.rows)))
+	out := make([]int, l.rows)
+	for i, v := range r {
+		out[i] = int(v)
+	}
+	return out
+}
+
+// Sample draws one id per row from softmax(logits/temp), using u[i] in
+// [0, 1) as the row's uniform random number (inverse-CDF sampling).
+func (b *Backend) Sample(logits runtime.Buf, temp float32, u []float32) []int {
+	l := buf(logits)
+	if len(u) != l.rows || temp <= 0 {
+		panic("cuda backend: Sample needs one uniform per row and temp > 0")
+	}
+	if l.rows == 0 {
+		return nil
+	}
+	defer b.enter()()
+	up := b.scratchBuf("sample_u", 4*l.rows)
+	b.upload(up, unsafe.Pointer(&u[0]), 4*len(u))
+	op := b.scratchBuf("sample", 4*l.rows)
+	b.launch("sample", g1(l.rows), [3]uint32{1024, 1, 1}, op, l.p, up, l.cols, temp)
+	r := make([]int32, l.rows)
+	b.must(b.drv.MemcpyDtoH(unsafe.Pointer(&r[0]), op, uint64(4*l.rows)))
+	out := make([]int, l.rows)
+	for i, v := range r {
+		out[i] = int(v)
+	}
+	return out
+}

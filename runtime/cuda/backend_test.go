@@ -1,0 +1,639 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"strings"
+	"testing"
+
+	"qtool/formats/model"
+	"qtool/kernels"
+	"qtool/runtime"
+)
+
+// newTestBackend opens the GPU or skips the test.
+func newTestBackend(t *testing.T) *Backend {
+	t.Helper()
+	b, err := New()
+	if errors.Is(err, ErrNoDriver) {
+		t.Skip("no CUDA driver found: skipping GPU kernel tests")
+	}
+	if err != nil {
+		t.Fatalf("cuda.New: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := b.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	t.Logf("device: %s", b.Name())
+	return b
+}
+
+func TestNoDriverError(t *testing.T) {
+	_, err := New()
+	if err == nil {
+		t.Skip("a CUDA driver is present")
+	}
+	if errors.Is(err, ErrNoDriver) && !strings.HasPrefix(err.Error(), "no CUDA driver found") {
+		t.Errorf("error %q does not start with %q", err, "no CUDA driver found")
+	}
+}
+
+// poisoned allocates a buffer filled with NaN, so unwritten outputs show.
+func poisoned(b *Backend, rows, cols int) *Buf {
+	x := b.Alloc(rows, cols).(*Buf)
+	defer b.enter()()
+	if rows*cols > 0 {
+		b.must(b.drv.MemsetD32Async(x.p, 0x7fc00000, uint64(rows*cols), b.stream))
+	}
+	return x
+}
+
+func upload(b *Backend, rows, cols int, v []float32) *Buf {
+	x := b.Alloc(rows, cols).(*Buf)
+	b.Upload(x, v)
+	return x
+}
+
+func download(b *Backend, x runtime.Buf) []float32 {
+	out := make([]float32, x.Rows()*x.Cols())
+	b.Download(out, x)
+	return out
+}
+
+func randVec(r *rand.Rand, n int, a float64) []float32 {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = float32((2*r.Float64() - 1) * a)
+	}
+	return v
+}
+
+// relErr is ‖got − want‖ / ‖want‖; any non-finite output is an error.
+func relErr(got []float32, want []float64) (float64, error) {
+	if len(got) != len(want) {
+		return 0, fmt.Errorf("%d values, want %d", len(got), len(want))
+	}
+	var num, den float64
+	for i, g := range got {
+		if math.IsNaN(float64(g)) || math.IsInf(float64(g), 0) {
+			return 0, fmt.Errorf("element %d = %v (not written or overflowed)", i, g)
+		}
+		d := float64(g) - want[i]
+		num += d * d
+		den += want[i] * want[i]
+	}
+	if den == 0 {
+		return math.Sqrt(num), nil
+	}
+	return math.Sqrt(num / den), nil
+}
+
+func checkClose(t *testing.T, what string, got []float32, want []float64, tol float64) {
+	t.Helper()
+	e, err := relErr(got, want)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	if e > tol {
+		t.Errorf("%s: relative error %.3g > %.3g", what, e, tol)
+	} else {
+		t.Logf("%s: relative error %.3g (tol %.1g)", what, e, tol)
+	}
+}
+
+// weightCase builds a random weight and its float64 dequantized values.
+type weightCase struct {
+	name string
+	k    int // input features this case needs (0: default)
+	make func(r *rand.Rand, n, k int) (model.Tensor, []float64)
+}
+
+func denseCase(dt model.DType) func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
+	return func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
+		v := randVec(r, n*k, 0.5)
+		want := make([]float64, n*k)
+		data := make([]byte, n*k*dt.Size())
+		for i, x := range v {
+			switch dt {
+			case model.F16:
+				h := model.Float32ToF16(x)
+				data[2*i], data[2*i+1] = byte(h), byte(h>>8)
+				want[i] = float64(model.F16ToFloat32(h))
+			case model.BF16:
+				h := model.Float32ToBF16(x)
+				data[2*i], data[2*i+1] = byte(h), byte(h>>8)
+				want[i] = float64(model.BF16ToFloat32(h))
+			default:
+				u := math.Float32bits(x)
+				data[4*i], data[4*i+1], data[4*i+2], data[4*i+3] = byte(u), byte(u>>8), byte(u>>16), byte(u>>24)
+				want[i] = float64(x)
+			}
+		}
+		d, err := model.NewDense(dt, []int{n, k}, data)
+		if err != nil {
+			panic(err)
+		}
+		return d, want
+	}
+}
+
+// quantCase makes a random *model.Quantized. zero: 0 none, 1 integer, 2 fractional.
+func quantCase(bits, gs, zero int, gidx bool) func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
+	return func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
+		q := &model.Quantized{Bits: bits, GroupSize: gs, Rows: n, Cols: k, Q: make([]int8, n*k)}
+		G := q.Groups()
+		off := q.Offset()
+		lo := -off
+		if zero == 0 && bits == 8 {
+			lo = -127 // Kuiper symmetric int8
+		}
+		for i := range q.Q {
+			q.Q[i] = int8(lo + r.IntN(off-lo))
+		}
+		q.Scale = make([]float32, n*G)
+		for i := range q.Scale {
+			q.Scale[i] = float32(0.01 + 0.02*r.Float64())
+		}
+		if zero > 0 {
+			q.Zero = make([]float32, n*G)
+			for i := range q.Zero {
+				if zero == 1 {
+					q.Zero[i] = float32(-off + r.IntN(2*off))
+				} else {
+					q.Zero[i] = float32((2*r.Float64() - 1) * 3)
+				}
+			}
+		}
+		if gidx {
+			q.GIdx = make([]int32, k)
+			for c := range q.GIdx {
+				q.GIdx[c] = int32(c / gs)
+			}
+			r.Shuffle(k, func(i, j int) { q.GIdx[i], q.GIdx[j] = q.GIdx[j], q.GIdx[i] })
+		}
+		f, err := q.Float32()
+		if err != nil {
+			panic(err)
+		}
+		want := make([]float64, len(f))
+		for i, x := range f {
+			want[i] = float64(x)
+		}
+		return q, want
+	}
+}
+
+var weightCases = []weightCase{
+	{"f32", 0, denseCase(model.F32)},
+	{"f16", 0, denseCase(model.F16)},
+	{"bf16", 0, denseCase(model.BF16)},
+	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false)},
+	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false)},
+	{"w8-g128-offset", 0, quantCase(8, 128, 2, false)},
+	{"awq-int4-asym-g128", 0, quantCase(4, 128, 1, false)},
+	{"int4-sym-g32", 0, quantCase(4, 32, 0, false)},
+	{"gptq-int4-actorder-g64", 0, quantCase(4, 64, 1, true)},
+	{"int3-asym-g64", 0, quantCase(3, 64, 1, false)},
+	{"int4-g48-fallback", 384, quantCase(4, 48, 1, false)},
+	{"awq-int4-g128-splitk", 2560, quantCase(4, 128, 1, false)},
+	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false)},
+}
+
+func TestMatMul(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(1, 2))
+	const N = 200
+	for _, wc := range weightCases {
+		K := 256
+		if wc.k > 0 {
+			K = wc.k
+		}
+		w, wf := wc.make(r, N, K)
+		lw, err := b.UploadLinear(wc.name, w)
+		if err != nil {
+			t.Fatalf("%s: upload: %v", wc.name, err)
+		}
+		for _, M := range []int{1, 3, 5, 37, 130} {
+			variants := []string{""}
+			if M <= b.opt.GEMVMaxRows {
+				variants = GEMVVariants(lin(lw).Kind())
+			}
+			for _, v := range variants {
+				name := fmt.Sprintf("%s/%s/M=%d", wc.name, lin(lw).Kind(), M)
+				if v != "" {
+					name += "/" + v
+				}
+				t.Run(name, func(t *testing.T) {
+					x := randVec(r, M*K, 1)
+					want := make([]float64, M*N)
+					for m := 0; m < M; m++ {
+						for n := 0; n < N; n++ {
+							var s float64
+							for k := 0; k < K; k++ {
+								s += float64(x[m*K+k]) * wf[n*K+k]
+							}
+							want[m*N+n] = s
+						}
+					}
+					xb := upload(b, M, K, x)
+					y := poisoned(b, M, N)
+					b.opt.GEMVVariant = v
+					b.MatMul(y, xb, lw)
+					b.opt.GEMVVariant = ""
+					tol := 1e-5 // fp32 GEMV
+					if M > b.opt.GEMVMaxRows || strings.Contains(v, "h") {
+						tol = 3e-3 // fp16 operands on the tensor cores / half sums
+					}
+					checkClose(t, name, download(b, y), want, tol)
+					b.Free(xb)
+					b.Free(y)
+				})
+			}
+		}
+	}
+}
+
+func TestW8A8(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(3, 4))
+	const N, K = 136, 256
+	q := &model.Quantized{Bits: 8, Rows: N, Cols: K, Q: make([]int8, N*K), Scale: make([]float32, N)}
+	for i := range q.Q {
+		q.Q[i] = int8(r.IntN(255) - 127)
+	}
+	w := &model.W8A8{Weight: q, InputScale: 0.013, InputOffset: 3, DeqScale: make([]float32, N), QuantBias: make([]int32, N), Bias: make([]float32, N)}
+	for n := 0; n < N; n++ {
+		q.Scale[n] = float32(0.001 + 0.01*r.Float64())
+		w.DeqScale[n] = w.InputScale * q.Scale[n]
+		w.QuantBias[n] = int32(r.IntN(2000) - 1000)
+		w.Bias[n] = float32(r.Float64() - 0.5)
+	}
+	lw, err := b.UploadLinear("w8a8", w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, M := range []int{1, 7, 64} {
+		x := randVec(r, M*K, 2)
+		want := make([]float64, M*N)
+		for m := 0; m < M; m++ {
+			xq := make([]int32, K)
+			for k := 0; k < K; k++ {
+				v := math.Round(float64(x[m*K+k]/w.InputScale + w.InputOffset))
+				xq[k] = int32(math.Max(-128, math.Min(127, v)))
+			}
+			for n := 0; n < N; n++ {
+				var acc int32
+				for k := 0; k < K; k++ {
+					acc += xq[k] * int32(q.Q[n*K+k])
+				}
+				want[m*N+n] = float64(float32(acc+w.QuantBias[n])*w.DeqScale[n] + w.Bias[n])
+			}
+		}
+		xb := upload(b, M, K, x)
+		y := poisoned(b, M, N)
+		b.MatMul(y, xb, lw)
+		checkClose(t, fmt.Sprintf("w8a8 M=%d", M), download(b, y), want, 1e-6)
+	}
+}
+
+func TestEmbed(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(5, 6))
+	const V, D = 300, 256
+	for _, wc := range weightCases {
+		t.Run(wc.name, func(t *testing.T) {
+			D := D
+			if wc.k > 0 {
+				D = wc.k
+			}
+			w, wf := wc.make(r, V, D)
+			lw, err := b.UploadLinear(wc.name, w)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ids := []int{0, 299, 17, 17, 150, 3}
+			want := make([]float64, len(ids)*D)
+			for i, id := range ids {
+				copy(want[i*D:], wf[id*D:(id+1)*D])
+			}
+			y := poisoned(b, len(ids), D)
+			b.Embed(y, lw, ids)
+			checkClose(t, "embed "+wc.name, download(b, y), want, 1e-6)
+		})
+	}
+}
+
+func rmsRef(x []float64, w, bias []float32, eps float64) []float64 {
+	var ss float64
+	for _, v := range x {
+		ss += v * v
+	}
+	inv := 1 / math.Sqrt(ss/float64(len(x))+eps)
+	out := make([]float64, len(x))
+	for i, v := range x {
+		out[i] = v * inv * float64(w[i])
+		if bias != nil {
+			out[i] += float64(bias[i])
+		}
+	}
+	return out
+}
+
+func f64(v []float32) []float64 {
+	out := make([]float64, len(v))
+	for i, x := range v {
+		out[i] = float64(x)
+	}
+	return out
+}
+
+func TestNorms(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(7, 8))
+	const rows, cols, hd = 5, 512, 64
+	x := randVec(r, rows*cols, 3)
+	w := randVec(r, cols, 1)
+	bias := randVec(r, cols, 1)
+	wv, _ := b.UploadVector("w", model.FromFloat32([]int{cols}, w))
+	bv, _ := b.UploadVector("b", model.FromFloat32([]int{cols}, bias))
+	for _, tc := range []struct {
+		name      string
+		bias      []float32
+		biasV     runtime.Vector
+		aliasDest bool
+	}{{"plain", nil, nil, false}, {"bias", bias, bv, false}, {"in-place", nil, nil, true}} {
+		t.Run("rmsnorm/"+tc.name, func(t *testing.T) {
+			want := make([]float64, 0, rows*cols)
+			for i := 0; i < rows; i++ {
+				want = append(want, rmsRef(f64(x[i*cols:(i+1)*cols]), w, tc.bias, 1e-5)...)
+			}
+			xb := upload(b, rows, cols, x)
+			dst := xb
+			if !tc.aliasDest {
+				dst = poisoned(b, rows, cols)
+			}
+			b.RMSNorm(dst, xb, wv, tc.biasV, 1e-5)
+			checkClose(t, "rmsnorm "+tc.name, download(b, dst), want, 1e-6)
+		})
+	}
+	t.Run("rmsnorm-add", func(t *testing.T) {
+		res := randVec(r, rows*cols, 1)
+		sum := make([]float64, rows*cols)
+		for i := range sum {
+			sum[i] = float64(x[i] + res[i])
+		}
+		want := make([]float64, 0, rows*cols)
+		for i := 0; i < rows; i++ {
+			want = append(want, rmsRef(sum[i*cols:(i+1)*cols], w, bias, 1e-6)...)
+		}
+		xb, rb, dst := upload(b, rows, cols, x), upload(b, rows, cols, res), poisoned(b, rows, cols)
+		b.RMSNormAdd(dst, xb, rb, wv, bv, 1e-6)
+		checkClose(t, "rmsnorm-add out", download(b, dst), want, 1e-6)
+		checkClose(t, "rmsnorm-add residual", download(b, xb), sum, 1e-7)
+	})
+	t.Run("rmsnorm-heads", func(t *testing.T) {
+		hw := randVec(r, hd, 1)
+		hv, _ := b.UploadVector("hw", model.FromFloat32([]int{hd}, hw))
+		want := make([]float64, 0, rows*cols)
+		for i := 0; i < rows*cols/hd; i++ {
+			want = append(want, rmsRef(f64(x[i*hd:(i+1)*hd]), hw, nil, 1e-6)...)
+		}
+		xb := upload(b, rows, cols, x)
+		b.RMSNormHeads(xb, hd, hv, 1e-6)
+		checkClose(t, "rmsnorm-heads", download(b, xb), want, 1e-6)
+	})
+}
+
+func TestElementwise(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(9, 10))
+	const rows, cols = 7, 300
+	g, u := randVec(r, rows*cols, 4), randVec(r, rows*cols, 2)
+	bias := randVec(r, cols, 1)
+	t.Run("silu-mul", func(t *testing.T) {
+		want := make([]float64, len(g))
+		for i := range g {
+			x := float64(g[i])
+			want[i] = x / (1 + math.Exp(-x)) * float64(u[i])
+		}
+		gb, ub, d := upload(b, rows, cols, g), upload(b, rows, cols, u), poisoned(b, rows, cols)
+		b.SiLUMul(d, gb, ub)
+		checkClose(t, "silu-mul", download(b, d), want, 1e-6)
+		b.SiLUMul(gb, gb, ub) // dst aliases gate
+		checkClose(t, "silu-mul in place", download(b, gb), want, 1e-6)
+	})
+	t.Run("add", func(t *testing.T) {
+		want := make([]float64, len(g))
+		for i := range g {
+			want[i] = float64(g[i] + u[i])
+		}
+		gb, ub := upload(b, rows, cols, g), upload(b, rows, cols, u)
+		b.Add(gb, ub)
+		checkClose(t, "add", download(b, gb), want, 1e-7)
+	})
+	t.Run("add-bias", func(t *testing.T) {
+		want := make([]float64, len(g))
+		for i := range g {
+			want[i] = float64(g[i] + bias[i%cols])
+		}
+		gb := upload(b, rows, cols, g)
+		bv, _ := b.UploadVector("bias", model.FromFloat32([]int{cols}, bias))
+		b.AddBias(gb, bv)
+		checkClose(t, "add-bias", download(b, gb), want, 1e-7)
+	})
+}
+
+func TestRoPE(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(11, 12))
+	const rows, hd, heads, pos0 = 4, 64, 3, 1000
+	cols := hd * heads
+	for _, layout := range []model.RopeLayout{model.RopeHalf, model.RopeInterleaved} {
+		for _, theta := range []float64{10000, 1e6} {
+			t.Run(fmt.Sprintf("%v/theta=%g", layout, theta), func(t *testing.T) {
+				x := randVec(r, rows*cols, 1)
+				want := f64(x)
+				for row := 0; row < rows; row++ {
+					for h := 0; h < heads; h++ {
+						base := row*cols + h*hd
+						for i := 0; i < hd/2; i++ {
+							a, c := base+i, base+i+hd/2
+							if layout == model.RopeInterleaved {
+								a, c = base+2*i, base+2*i+1
+							}
+							ang := float64(pos0+row) * math.Pow(theta, -2*float64(i)/hd)
+							x0, x1 := float64(x[a]), float64(x[c])
+							want[a] = x0*math.Cos(ang) - x1*math.Sin(ang)
+							want[c] = x0*math.Sin(ang) + x1*math.Cos(ang)
+						}
+					}
+				}
+				xb := upload(b, rows, cols, x)
+				b.RoPE(xb, hd, pos0, theta, layout)
+				checkClose(t, "rope", download(b, xb), want, 1e-6)
+			})
+		}
+	}
+}
+
+func TestAttention(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(13, 14))
+	const heads, kvHeads, maxSeq, layers = 8, 2, 400, 2
+	for _, hd := range []int{64, 128} {
+		kvDim := kvHeads * hd
+		c := b.NewKVCache(layers, maxSeq, kvDim)
+		const filled = 350
+		keys, vals := randVec(r, filled*kvDim, 1), randVec(r, filled*kvDim, 1)
+		kb, vb := upload(b, filled, kvDim, keys), upload(b, filled, kvDim, vals)
+		b.StoreKV(c, 1, 0, kb, vb)
+		for _, tc := range []struct{ T, pos0 int }{{9, 0}, {1, 0}, {1, 299}, {3, 297}, {1, 349}, {50, 300}} {
+			t.Run(fmt.Sprintf("hd=%d/T=%d/pos0=%d", hd, tc.T, tc.pos0), func(t *testing.T) {
+				q := randVec(r, tc.T*heads*hd, 1)
+				want := make([]float64, tc.T*heads*hd)
+				scale := 1 / math.Sqrt(float64(hd))
+				for ti := 0; ti < tc.T; ti++ {
+					n := tc.pos0 + ti + 1
+					for h := 0; h < heads; h++ {
+						kh := h / (heads / kvHeads)
+						s := make([]float64, n)
+						mx := math.Inf(-1)
+						for j := 0; j < n; j++ {
+							var d float64
+							for e := 0; e < hd; e++ {
+								d += float64(q[(ti*heads+h)*hd+e]) * float64(keys[j*kvDim+kh*hd+e])
+							}
+							s[j] = d * scale
+							mx = math.Max(mx, s[j])
+						}
+						var sum float64
+						for j := range s {
+							s[j] = math.Exp(s[j] - mx)
+							sum += s[j]
+						}
+						for e := 0; e < hd; e++ {
+							var a float64
+							for j := 0; j < n; j++ {
+								a += s[j] * float64(vals[j*kvDim+kh*hd+e])
+							}
+							want[(ti*heads+h)*hd+e] = a / sum
+						}
+					}
+				}
+				qb, d := upload(b, tc.T, heads*hd, q), poisoned(b, tc.T, heads*hd)
+				b.Attention(d, qb, c, 1, tc.pos0, heads, kvHeads, hd)
+				checkClose(t, "attention", download(b, d), want, 1e-5)
+			})
+		}
+	}
+}
+
+func TestLogitOps(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(15, 16))
+	const rows, cols = 6, 5003
+	l := randVec(r, rows*cols, 8)
+	lb := upload(b, rows, cols, l)
+	t.Run("nll", func(t *testing.T) {
+		targets := make([]int, rows)
+		for i := range targets {
+			targets[i] = r.IntN(cols)
+		}
+		out := make([]float64, rows)
+		b.NLL(out, lb, targets)
+		for i := 0; i < rows; i++ {
+			mx := math.Inf(-1)
+			for c := 0; c < cols; c++ {
+				mx = math.Max(mx, float64(l[i*cols+c]))
+			}
+			var s float64
+			for c := 0; c < cols; c++ {
+				s += math.Exp(float64(l[i*cols+c]) - mx)
+			}
+			want := math.Log(s) + mx - float64(l[i*cols+targets[i]])
+			if math.Abs(out[i]-want) > 1e-9*math.Max(1, math.Abs(want)) {
+				t.Errorf("row %d: nll %.12g, want %.12g", i, out[i], want)
+			}
+		}
+	})
+	t.Run("argmax", func(t *testing.T) {
+		got := b.Argmax(lb)
+		for i := 0; i < rows; i++ {
+			best := 0
+			for c := 1; c < cols; c++ {
+				if l[i*cols+c] > l[i*cols+best] {
+					best = c
+				}
+			}
+			if got[i] != best {
+				t.Errorf("row %d: argmax %d, want %d", i, got[i], best)
+			}
+		}
+	})
+	t.Run("sample", func(t *testing.T) {
+		u := make([]float32, rows)
+		for i := range u {
+			u[i] = float32(r.Float64())
+		}
+		const temp = 0.7
+		got := b.Sample(lb, temp, u)
+		for i := 0; i < rows; i++ {
+			mx := math.Inf(-1)
+			for c := 0; c < cols; c++ {
+				mx = math.Max(mx, float64(l[i*cols+c]))
+			}
+			p := make([]float64, cols)
+			var s float64
+			for c := range p {
+				p[c] = math.Exp((float64(l[i*cols+c]) - mx) / temp)
+				s += p[c]
+			}
+			target, run, want := float64(u[i])*s, 0.0, cols-1
+			for c := range p {
+				run += p[c]
+				if run > target {
+					want = c
+					break
+				}
+			}
+			if got[i] != want {
+				t.Errorf("row %d: sampled %d, want %d", i, got[i], want)
+			}
+		}
+	})
+}
+
+// TestPoolReuse checks that Alloc hands out zeroed buffers also when it
+// reuses a freed one.
+func TestPoolReuse(t *testing.T) {
+	b := newTestBackend(t)
+	x := upload(b, 3, 40, randVec(rand.New(rand.NewPCG(1, 1)), 120, 1))
+	p := x.p
+	b.Free(x)
+	y := b.Alloc(3, 40).(*Buf)
+	if y.p != p {
+		t.Logf("pool did not reuse the buffer (fine, but unexpected)")
+	}
+	for i, v := range download(b, y) {
+		if v != 0 {
+			t.Fatalf("reused buffer element %d = %v, want 0", i, v)
+		}
+	}
+}
+
+// TestKernelNamesInPTX checks (without a GPU) that every kernel the backend
+// looks up is in both embedded PTX files.
+func TestKernelNamesInPTX(t *testing.T) {
+	for _, cc := range [][2]int{{8, 0}, {9, 0}} {
+		ptx, arch := kernels.PTX(cc[0], cc[1])
+		for _, k := range kernelNames() {
+			if !strings.Contains(string(ptx), ".entry "+k+"(") {
+				t.Errorf("%s PTX lacks kernel %s", arch, k)
+			}
+		}
+	}
+}

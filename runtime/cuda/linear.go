@@ -1,0 +1,431 @@
+package cuda
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"unsafe"
+
+	"qtool/formats/model"
+	"qtool/runtime"
+	"qtool/runtime/cuda/driver"
+)
+
+// Weight kinds on the device. The first three match the kernels' dtype codes.
+const (
+	kindF32 = iota
+	kindF16
+	kindBF16
+	kindQ8   // int8 codes, {scale, zero} per group, optional g_idx
+	kindQ4   // packed 4-bit, {scale, half2(1024+z)} per group
+	kindW8A8 // int8 weight, int8 activations
+)
+
+var kindNames = [...]string{"f32", "f16", "bf16", "q8", "q4", "w8a8"}
+
+// Linear is an uploaded weight [Out, In].
+type Linear struct {
+	kind      int
+	out, in   int
+	w, sz     driver.DevicePtr
+	gidx      driver.DevicePtr
+	gs        int
+	groups    int
+	qbias     driver.DevicePtr
+	deq, bias driver.DevicePtr
+	inScale   float32
+	inOffset  float32
+	bytes     int64 // device bytes of the weight and its scales
+}
+
+// Out implements runtime.Linear.
+func (l *Linear) Out() int { return l.out }
+
+// In implements runtime.Linear.
+func (l *Linear) In() int { return l.in }
+
+// Kind names the device storage ("f16", "q4", ...).
+func (l *Linear) Kind() string { return kindNames[l.kind] }
+
+// Bytes is the device memory the weight occupies (codes plus scales).
+func (l *Linear) Bytes() int64 { return l.bytes }
+
+func lin(w runtime.Linear) *Linear {
+	d, ok := w.(*Linear)
+	if !ok || d == nil {
+		panic(fmt.Sprintf("cuda backend: weight %T is not a CUDA weight", w))
+	}
+	return d
+}
+
+// Synthetic is a random weight or vector generated directly on the device
+// at upload, for benchmarks at real scale without host copies. Format is
+// "fp16", "w8a16" (int8, per-group) or "w4a16" (4-bit, per-group); vectors
+// (1-D) are 1 ± 0.1 noise whatever the format.
+type Synthetic struct {
+	Format    string
+	Dims      []int
+	GroupSize int
+	Seed      uint64
+}
+
+// Shape implements model.Tensor.
+func (s *Synthetic) Shape() []int { return s.Dims }
+
+// Float32 implements model.Tensor; synthetic values exist only on the GPU.
+func (s *Synthetic) Float32() ([]float32, error) {
+	return nil, errors.New("synthetic tensor: values exist only on the GPU")
+}
+
+// UploadLinear implements runtime.Backend.
+func (b *Backend) UploadLinear(name string, t model.Tensor) (runtime.Linear, error) {
+	if t == nil {
+		return nil, fmt.Errorf("cuda: %s: nil tensor", name)
+	}
+	shape := t.Shape()
+	if len(shape) != 2 || shape[0] <= 0 || shape[1] <= 0 {
+		return nil, fmt.Errorf("cuda: %s has shape %v, want [out in]", name, shape)
+	}
+	in := shape[1]
+	if in%8 != 0 {
+		return nil, fmt.Errorf("cuda: %s has %d input features; the CUDA kernels need a multiple of 8", name, in)
+	}
+	defer b.enter()()
+	var l *Linear
+	var err error
+	switch w := t.(type) {
+	case *Synthetic:
+		l, err = b.uploadSynthetic(name, w)
+	case *model.Dense:
+		l, err = b.uploadDense(name, w)
+	case *model.Quantized:
+		l, err = b.uploadQuantized(name, w)
+	case *model.W8A8:
+		l, err = b.uploadW8A8(name, w)
+	default:
+		return nil, fmt.Errorf("cuda: %s: tensor type %T is not supported", name, t)
+	}
+	if err != nil {
+		return nil, err
+	}
+	b.uploaded[name] += l.bytes
+	return l, nil
+}
+
+// UploadedBytes returns the device bytes of every linear uploaded so far, by
+// name (codes plus scales).
+func (b *Backend) UploadedBytes() map[string]int64 {
+	out := make(map[string]int64, len(b.uploaded))
+	for k, v := range b.uploaded {
+		out[k] = v
+	}
+	return out
+}
+
+// FreeLinear releases the device memory of an uploaded weight.
+func (b *Backend) FreeLinear(w runtime.Linear) {
+	l := lin(w)
+	defer b.enter()()
+	b.must(b.drv.StreamSynchronize(b.stream))
+	for _, p := range []*driver.DevicePtr{&l.w, &l.sz, &l.gidx, &l.qbias, &l.deq, &l.bias} {
+		if *p != 0 {
+			b.must(b.drv.MemFree(*p))
+			delete(b.owned, *p)
+			*p = 0
+		}
+	}
+}
+
+func (b *Backend) uploadDense(name string, d *model.Dense) (*Linear, error) {
+	out, in := d.Dims[0], d.Dims[1]
+	l := &Linear{out: out, in: in}
+	switch d.DType {
+	case model.F16:
+		l.kind = kindF16
+		l.w = b.uploadBytes(d.Data)
+	case model.BF16:
+		l.kind = kindBF16
+		l.w = b.uploadBytes(d.Data)
+	case model.F32:
+		l.kind = kindF32
+		l.w = b.uploadBytes(d.Data)
+	default:
+		v, err := d.Float32()
+		if err != nil {
+			return nil, fmt.Errorf("cuda: %s: %w", name, err)
+		}
+		l.kind = kindF32
+		l.w = uploadSlice(b, v)
+	}
+	l.bytes = int64(out) * int64(in) * int64([]int{4, 2, 2}[l.kind])
+	return l, nil
+}
+
+// q4Shift is the bit position of element e (0..7) inside a packed word.
+func q4Shift(e int) uint { return uint((e&1)*16 + (e>>1)*4) }
+
+func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, error) {
+	if err := q.Validate(); err != nil {
+		return nil, fmt.Errorf("cuda: %s: %w", name, err)
+	}
+	out, in := q.Rows, q.Cols
+	gs := q.GroupSize
+	if gs <= 0 {
+		gs = in
+	}
+	G := q.Groups()
+	l := &Linear{out: out, in: in, gs: gs, groups: G}
+	fast4 := q.Bits == 4 && q.GIdx == nil && gs%32 == 0 && in%32 == 0
+	if fast4 && q.Zero != nil {
+		for _, z := range q.Zero {
+			if z != float32(math.Round(float64(z))) || z < -8 || z > 7 {
+				fast4 = false
+				break
+			}
+		}
+	}
+	sz := make([]float32, 2*out*G)
+	if fast4 {
+		l.kind = kindQ4
+		words := make([]uint32, out*in/8)
+		for r := 0; r < out; r++ {
+			row := q.Q[r*in : (r+1)*in]
+			for c := 0; c < in/8; c++ {
+				var w uint32
+				for e := 0; e < 8; e++ {
+					w |= uint32(int(row[8*c+e])+8) << q4Shift(e)
+				}
+				words[r*(in/8)+c] = w
+			}
+		}
+		for i := 0; i < out*G; i++ {
+			z := float32(8)
+			if q.Zero != nil {
+				z = q.Zero[i] + 8
+			}
+			h := uint32(model.Float32ToF16(1024 + z))
+			sz[2*i] = q.Scale[i]
+			sz[2*i+1] = math.Float32frombits(h | h<<16)
+		}
+		l.w = uploadSlice(b, words)
+		l.bytes = int64(4 * len(words))
+	} else {
+		l.kind = kindQ8
+		for i := 0; i < out*G; i++ {
+			sz[2*i] = q.Scale[i]
+			if q.Zero != nil {
+				sz[2*i+1] = q.Zero[i]
+			}
+		}
+		codes := unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(q.Q))), len(q.Q))
+		l.w = b.uploadBytes(codes)
+		l.bytes = int64(len(codes))
+		if q.GIdx != nil {
+			l.gidx = uploadSlice(b, q.GIdx)
+			l.bytes += int64(4 * len(q.GIdx))
+		}
+	}
+	l.sz = uploadSlice(b, sz)
+	l.bytes += int64(4 * len(sz))
+	return l, nil
+}
+
+func (b *Backend) uploadW8A8(name string, w *model.W8A8) (*Linear, error) {
+	q := w.Weight
+	if q == nil {
+		return nil, fmt.Errorf("cuda: %s: W8A8 without a weight", name)
+	}
+	if err := q.Validate(); err != nil {
+		return nil, fmt.Errorf("cuda: %s: %w", name, err)
+	}
+	if q.Bits != 8 || q.Zero != nil {
+		return nil, fmt.Errorf("cuda: %s: W8A8 weight must be symmetric 8-bit, got %d-bit (zero points %v)", name, q.Bits, q.Zero != nil)
+	}
+	if q.Cols%16 != 0 {
+		return nil, fmt.Errorf("cuda: %s: W8A8 needs input features a multiple of 16, have %d", name, q.Cols)
+	}
+	if len(w.DeqScale) != q.Rows || len(w.QuantBias) != q.Rows || (w.Bias != nil && len(w.Bias) != q.Rows) {
+		return nil, fmt.Errorf("cuda: %s: W8A8 deq_scale %d, quant_bias %d, bias %d entries for %d rows", name, len(w.DeqScale), len(w.QuantBias), len(w.Bias), q.Rows)
+	}
+	if w.InputScale == 0 || math.IsNaN(float64(w.InputScale)) {
+		return nil, fmt.Errorf("cuda: %s: W8A8 input scale %g", name, w.InputScale)
+	}
+	l := &Linear{kind: kindW8A8, out: q.Rows, in: q.Cols, inScale: w.InputScale, inOffset: w.InputOffset}
+	l.w = b.uploadBytes(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(q.Q))), len(q.Q)))
+	l.qbias = uploadSlice(b, w.QuantBias)
+	l.deq = uploadSlice(b, w.DeqScale)
+	if w.Bias != nil {
+		l.bias = uploadSlice(b, w.Bias)
+	}
+	l.bytes = int64(len(q.Q) + 12*q.Rows)
+	return l, nil
+}
+
+func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
+	out, in := s.Dims[0], s.Dims[1]
+	gs := s.GroupSize
+	if gs <= 0 {
+		gs = 128
+	}
+	if in%gs != 0 {
+		return nil, fmt.Errorf("cuda: synthetic %s: group %d does not divide %d", name, gs, in)
+	}
+	G := in / gs
+	l := &Linear{out: out, in: in, gs: gs, groups: G}
+	n := out * in
+	a := float32(1 / math.Sqrt(float64(in)))
+	switch s.Format {
+	case "fp16", "f16":
+		l.kind = kindF16
+		l.w = b.alloc(2 * n)
+		b.fill(l.w, n, s.Seed, 1, a)
+		l.bytes = int64(2 * n)
+	case "w8a16", "q8":
+		l.kind = kindQ8
+		l.w = b.alloc(n)
+		b.fill(l.w, n/4, s.Seed, 0, 0)
+		l.sz = b.alloc(8 * out * G)
+		b.fill(l.sz, out*G, s.Seed+1, 4, a/128)
+		l.bytes = int64(n + 8*out*G)
+	case "w4a16", "q4":
+		if gs%32 != 0 || in%32 != 0 {
+			return nil, fmt.Errorf("cuda: synthetic %s: 4-bit needs group size and width multiples of 32", name)
+		}
+		l.kind = kindQ4
+		l.w = b.alloc(n / 2)
+		b.fill(l.w, n/8, s.Seed, 0, 0)
+		l.sz = b.alloc(8 * out * G)
+		b.fill(l.sz, out*G, s.Seed+1, 3, a/8)
+		l.bytes = int64(n/2 + 8*out*G)
+	default:
+		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, w8a16 or w4a16)", name, s.Format)
+	}
+	return l, nil
+}
+
+// MatMul implements runtime.Backend.
+func (b *Backend) MatMul(dst, x runtime.Buf, w runtime.Linear) {
+	d, s, l := buf(dst), buf(x), lin(w)
+	if s.cols != l.in || d.cols != l.out || d.rows != s.rows {
+		panic(fmt.Sprintf("cuda backend: MatMul [%d %d] <- [%d %d] x [%d %d]ᵀ", d.rows, d.cols, s.rows, s.cols, l.out, l.in))
+	}
+	if d.p == s.p {
+		panic("cuda backend: MatMul dst aliases x")
+	}
+	if s.rows == 0 {
+		return
+	}
+	defer b.enter()()
+	b.matmul(d, s, l, false)
+}
+
+// matmul dispatches; forceGEMM picks the tensor-core path whatever M is.
+func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
+	M, N, K := s.rows, l.out, l.in
+	if l.kind == kindW8A8 {
+		xq := b.scratchBuf("xq", M*K)
+		b.launch("quant_act", b.gridFor(M*K), block256, xq, s.p, int64(M*K), l.inScale, l.inOffset)
+		b.launch("w8a8_gemm", [3]uint32{uint32((N + 7) / 8), uint32(M), 1}, block256, d.p, xq, l.w, l.qbias, l.deq, l.bias, N, K)
+		return
+	}
+	if (M > b.opt.GEMVMaxRows || forceGEMM) && K%32 == 0 {
+		grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
+		name := [...]string{"gemm_f32", "gemm_f16", "gemm_bf16", "gemm_q8", "gemm_q4"}[l.kind]
+		b.launch(name, grid, block256, d.p, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
+		return
+	}
+	name, R := b.gemvKernel(l)
+	if R <= 0 { // split-K kernel with -R rows per warp
+		kl := 32
+		if l.kind == kindQ8 {
+			kl = 16
+		}
+		nks := (K + 32*kl - 1) / (32 * kl)
+		tiles := (N + 8*(-R) - 1) / (8 * (-R))
+		part := b.scratchBuf("gemv_part", 4*nks*M*N)
+		cnt := b.counters("gemv_cnt", tiles*M)
+		b.launch(name, [3]uint32{uint32(tiles), uint32(nks), uint32(M)}, block256, d.p, s.p, l.w, l.sz, part, cnt, N, K, l.gs, l.groups)
+		return
+	}
+	grid := [3]uint32{uint32((N + R - 1) / R), uint32(M), 1}
+	b.launch(name, grid, block256, d.p, s.p, l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
+}
+
+// counters returns a zeroed int32 scratch array of at least n entries
+// (kernels that use it leave it zeroed).
+func (b *Backend) counters(name string, n int) driver.DevicePtr {
+	old := b.scratch[name].p
+	p := b.scratchBuf(name, 4*n)
+	if p != old {
+		b.must(b.drv.MemsetD32Async(p, 0, uint64(b.scratch[name].n/4), b.stream))
+	}
+	return p
+}
+
+// gemvVariants lists the compiled GEMV kernels of each weight kind as
+// r<rows per block>u<chunks in flight per thread>[h]; the first is the default.
+var gemvVariants = [...][]string{
+	kindF32:  {"r4u1"},
+	kindF16:  {"r4u2", "r4u1"},
+	kindBF16: {"r4u2", "r4u1"},
+	kindQ8:   {"r4u1", "s", "sb", "r8u1", "r4u2"},
+	kindQ4:   {"sh", "shb", "sh4", "s", "r8u2", "r8u2h", "r4u1"},
+}
+
+// GEMVVariants returns the GEMV kernel variants compiled for a weight kind
+// ("f16", "q8", "q4", ...), default first.
+func GEMVVariants(kind string) []string {
+	for k, n := range kindNames[:kindW8A8] {
+		if n == kind {
+			return append([]string(nil), gemvVariants[k]...)
+		}
+	}
+	return nil
+}
+
+// gemvKernel picks the kernel name and its rows per block (minus the rows
+// per warp for the split-K kernels).
+func (b *Backend) gemvKernel(l *Linear) (string, int) {
+	kind := l.kind
+	v := gemvVariants[kind][0]
+	want := b.opt.GEMVVariant
+	if b.opt.Q4HalfAccumulate && kind == kindQ4 {
+		want = "sh"
+	}
+	if b.opt.Q4FullPrecision && kind == kindQ4 && want == "" {
+		want = "s"
+	}
+	for _, c := range gemvVariants[kind] {
+		if c == want {
+			v = c
+		}
+	}
+	if kind == kindQ8 && v[0] == 's' && (l.gidx != 0 || l.gs%16 != 0) {
+		v = "r4u1" // per-element groups: the split kernel needs 16-aligned groups
+	}
+	if v[0] == 's' { // split-K: rows per warp 8, or 4 for the "…4" variants
+		r := -8
+		if v[len(v)-1] == '4' {
+			r = -4
+		}
+		return "gemv_" + kindNames[kind] + "_" + v, r
+	}
+	r := 0
+	for _, ch := range v[1:] {
+		if ch < '0' || ch > '9' {
+			break
+		}
+		r = 10*r + int(ch-'0')
+	}
+	return "gemv_" + kindNames[kind] + "_" + v, r
+}
+
+// f16bits is used by tests and benchmarks to build fp16 tensors.
+func f16bits(v []float32) []byte {
+	out := make([]byte, 2*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint16(out[2*i:], model.Float32ToF16(x))
+	}
+	return out
+}

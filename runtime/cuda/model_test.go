@@ -1,0 +1,135 @@
+package cuda
+
+import (
+	"encoding/json"
+	"math"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"qtool/formats/hf"
+	"qtool/runtime"
+)
+
+type reference struct {
+	LogitsInputIDs  []int     `json:"logits_input_ids"`
+	LogitsLast      []float64 `json:"logits_last"`
+	GreedyPromptIDs []int     `json:"greedy_prompt_ids"`
+	GreedyIDs       []int     `json:"greedy_ids"`
+	PPLFirst20      float64   `json:"ppl_fp32_first20/sotu-test.raw"`
+	PPLFull         float64   `json:"ppl_fp32/sotu-test.raw"`
+}
+
+func readJSON(t *testing.T, path string, v any) {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("reading %s: %v", path, err)
+	}
+	if err := json.Unmarshal(data, v); err != nil {
+		t.Fatalf("parsing %s: %v", path, err)
+	}
+}
+
+// TestModels runs the float test models end to end on the GPU through the
+// shared forward pass and checks them against reference.json (HF fp32):
+// last-position logits, greedy ids (plain and CUDA-graph decode) and the
+// perplexity of the first 20 chunks of sotu-test (all chunks with
+// QTOOL_GPU_LONG=1) within 0.1 %.
+func TestModels(t *testing.T) {
+	b := newTestBackend(t)
+	for _, name := range []string{"llama-mini", "qwen3-mini"} {
+		t.Run(name, func(t *testing.T) {
+			dir := filepath.Join("..", "..", "testdata", name)
+			var ref reference
+			readJSON(t, filepath.Join(dir, "reference.json"), &ref)
+			m, err := hf.Open(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Close()
+			rm, err := runtime.Load(m, b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			vocab := rm.Config().Vocab
+
+			// Logits of the last position.
+			lg := rm.Forward(ref.LogitsInputIDs, 0, nil)
+			all := download(b, lg)
+			b.Free(lg)
+			last := all[len(all)-vocab:]
+			checkClose(t, "last logits vs HF fp32", last, ref.LogitsLast, 2e-3)
+
+			// Greedy decoding, token by token.
+			cache := rm.NewCache(256)
+			prompt := ref.GreedyPromptIDs
+			want := ref.GreedyIDs[len(prompt):]
+			lg = rm.Forward(prompt, 0, cache)
+			next := b.Argmax(lg)[len(prompt)-1]
+			b.Free(lg)
+			got := []int{next}
+			for len(got) < len(want) {
+				pos := len(prompt) + len(got) - 1
+				lg = rm.Forward([]int{next}, pos, cache)
+				next = b.Argmax(lg)[0]
+				b.Free(lg)
+				got = append(got, next)
+			}
+			same := 0
+			for same < len(want) && got[same] == want[same] {
+				same++
+			}
+			if same < len(want) {
+				t.Errorf("greedy ids differ from HF at %d: got %v, want %v", same, got, want)
+			} else {
+				t.Logf("greedy: %d ids equal HF", len(want))
+			}
+
+			// The same decode replayed as a CUDA graph.
+			pos := len(prompt)
+			lg = rm.Forward([]int{got[0]}, pos, cache) // warm-up step: buffers and scratch
+			b.Free(lg)
+			if err := b.BeginCapture(pos, 256); err != nil {
+				t.Fatal(err)
+			}
+			lg = rm.Forward([]int{0}, pos, cache)
+			b.GreedyAdvance(lg)
+			b.Free(lg)
+			g, err := b.EndCapture()
+			if err != nil {
+				t.Fatal(err)
+			}
+			b.SetDecodeState(got[0], pos)
+			for i := 1; i < len(want); i++ {
+				g.Launch()
+			}
+			hist := b.History(pos, pos+len(want)-1)
+			for i, id := range hist {
+				if id != want[i+1] {
+					t.Errorf("graph decode: id %d = %d, want %d (all: %v)", i+1, id, want[i+1], hist)
+					break
+				}
+			}
+			g.Destroy()
+			b.FreeKVCache(cache)
+
+			// Perplexity.
+			var ids []int
+			readJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
+			opt, wantPPL := runtime.PPLOptions{MaxChunks: 20}, ref.PPLFirst20
+			if os.Getenv("QTOOL_GPU_LONG") != "" {
+				opt.MaxChunks, wantPPL = 0, ref.PPLFull
+			}
+			res, err := runtime.Perplexity(rm, ids, opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rel := math.Abs(res.PPL-wantPPL) / wantPPL
+			t.Logf("%s: %v; reference %.4f; relative difference %.2e", name, res, wantPPL, rel)
+			if rel > 1e-3 {
+				t.Errorf("perplexity %.4f differs from the reference %.4f by %.3g%% (> 0.1%%)", res.PPL, wantPPL, 100*rel)
+			}
+		})
+	}
+}

@@ -1,0 +1,163 @@
+// Package gputest runs the tensor-parallel backend over CUDA rank backends,
+// one GPU each, with NCCL; it skips without two GPUs. It is a separate
+// package so that package tp does not depend on the CUDA backend.
+package gputest
+
+import (
+	"encoding/json"
+	"math"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"qtool/formats/hf"
+	"qtool/formats/shard"
+	"qtool/runtime"
+	"qtool/runtime/cuda"
+	"qtool/runtime/cuda/driver"
+	"qtool/runtime/tp"
+)
+
+const testdata = "../../../testdata"
+
+type reference struct {
+	LogitsInputIDs []int     `json:"logits_input_ids"`
+	LogitsLast     []float64 `json:"logits_last"`
+}
+
+func readJSON(t *testing.T, path string, v any) {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(data, v); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func needGPUs(t *testing.T, n int) {
+	t.Helper()
+	drv, err := driver.Open()
+	if err != nil {
+		t.Skipf("no CUDA driver: %v", err)
+	}
+	if c, err := drv.DeviceCount(); err != nil || c < n {
+		t.Skipf("needs %d GPUs (have %d, %v)", n, c, err)
+	}
+}
+
+func newRank(d int) (runtime.Backend, error) {
+	return cuda.NewWithOptions(cuda.Options{Device: d, PTXPath: os.Getenv("QTOOL_CUDA_PTX")})
+}
+
+func forward(t *testing.T, rm *runtime.Model, ids []int) []float32 {
+	be := rm.Backend()
+	out := rm.Forward(ids, 0, nil)
+	all := make([]float32, out.Rows()*out.Cols())
+	be.Download(all, out)
+	be.Free(out)
+	return all
+}
+
+func maxRel(got []float32, want []float64) float64 {
+	num, den := 0.0, 0.0
+	for i := range want {
+		num = max(num, math.Abs(float64(got[i])-want[i]))
+		den = max(den, math.Abs(want[i]))
+	}
+	return num / den
+}
+
+func widen(v []float32) []float64 {
+	out := make([]float64, len(v))
+	for i, x := range v {
+		out[i] = float64(x)
+	}
+	return out
+}
+
+// TestCUDATP2 compares TP=2 over two GPUs (in memory and from a shard
+// directory) with one GPU: logits and the perplexity of 4 chunks.
+func TestCUDATP2(t *testing.T) {
+	needGPUs(t, 2)
+	for _, name := range []string{"llama-mini", "qwen3-mini"} {
+		t.Run(name, func(t *testing.T) {
+			dir := filepath.Join(testdata, name)
+			var ref reference
+			readJSON(t, filepath.Join(dir, "reference.json"), &ref)
+			var ids []int
+			readJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
+			m, err := hf.Open(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Close()
+			one, err := newRank(0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer one.Close()
+			rm1, err := runtime.Load(m, one)
+			if err != nil {
+				t.Fatal(err)
+			}
+			be, err := tp.NewGPU(m, 2, newRank)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer be.Close()
+			t.Logf("backend %s", be.Name())
+			rm2, err := runtime.Load(m, be)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := forward(t, rm1, ref.LogitsInputIDs)
+			got := forward(t, rm2, ref.LogitsInputIDs)
+			V := m.Config.Vocab
+			rel := maxRel(got, widen(want))
+			relRef := maxRel(got[len(got)-V:], ref.LogitsLast)
+			t.Logf("TP=2 vs 1 GPU: max rel %.3g; TP=2 last logits vs reference.json: max rel %.3g", rel, relRef)
+			if rel > 2e-3 || relRef > 2e-3 {
+				t.Errorf("TP=2 logits off: %.3g vs one GPU, %.3g vs reference", rel, relRef)
+			}
+			opt := runtime.PPLOptions{MaxChunks: 4}
+			p1, err := runtime.Perplexity(rm1, ids, opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p2, err := runtime.Perplexity(rm2, ids, opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			d := math.Abs(p2.PPL-p1.PPL) / p1.PPL
+			t.Logf("ppl 4 chunks: TP=2 %.5f, 1 GPU %.5f, rel %.2e", p2.PPL, p1.PPL, d)
+			if d > 1e-3 {
+				t.Errorf("TP=2 ppl %.5f vs %.5f", p2.PPL, p1.PPL)
+			}
+
+			sd := t.TempDir()
+			if _, err := shard.Write(m, 2, sd); err != nil {
+				t.Fatal(err)
+			}
+			sm, err := tp.OpenModel(sd)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer sm.Close()
+			be2, err := tp.NewGPU(sm, 0, newRank)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer be2.Close()
+			rm3, err := runtime.Load(sm, be2)
+			if err != nil {
+				t.Fatal(err)
+			}
+			fromDir := forward(t, rm3, ref.LogitsInputIDs)
+			if r := maxRel(fromDir, widen(got)); r > 1e-6 {
+				t.Errorf("TP=2 from the shard directory differs by %.3g", r)
+			}
+		})
+	}
+}
