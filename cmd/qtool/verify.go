@@ -18,6 +18,7 @@ import (
 	"qtool/formats/model"
 	"qtool/runtime"
 	"qtool/runtime/cpu"
+	"qtool/runtime/cuda"
 	"qtool/runtime/tokenizer"
 	"qtool/runtime/tp"
 )
@@ -49,7 +50,7 @@ func verifyCommand() *cli.Command {
 			&cli.IntFlag{Name: "top-k", Usage: "sample from the `K` most likely tokens (0: all)"},
 			&cli.Float64Flag{Name: "top-p", Usage: "nucleus sampling probability mass (0 or 1: off)"},
 			&cli.Uint64Flag{Name: "seed", Usage: "random seed for sampling"},
-			&cli.StringFlag{Name: "device", Value: "auto", Usage: "where to run: auto or cpu"},
+			&cli.StringFlag{Name: "device", Value: "auto", Usage: "where to run: auto (CUDA when a GPU and driver are present, else CPU), cuda or cpu"},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
 			&cli.IntFlag{Name: "tp", Usage: "run tensor-parallel over `N` ranks (a `qtool shard` directory runs on its own N)"},
 			&cli.StringFlag{Name: "tokenizer", Usage: "tokenizer `PATH` (a directory, tokenizer.json or tokenizer.model); default: beside the model"},
@@ -360,11 +361,21 @@ func newBackend(device string, threads, tpN int, mm *model.Model) (runtime.Backe
 		return tp.NewCPU(mm, tpN, threads)
 	}
 	switch device {
-	case "auto", "cpu", "":
-		// The CUDA backend is chosen here for "auto" once it is wired in.
+	case "cpu":
 		return cpu.New(threads), nil
+	case "auto", "", "cuda":
+		be, err := cuda.New()
+		switch {
+		case err == nil:
+			return be, nil
+		case device != "cuda" && errors.Is(err, cuda.ErrNoDriver):
+			fmt.Fprintf(os.Stderr, "qtool: %v; running on the CPU\n", err)
+			return cpu.New(threads), nil
+		default:
+			return nil, fmt.Errorf("verify: --device %s: %w", device, err)
+		}
 	}
-	return nil, fmt.Errorf("verify: --device %q: want auto or cpu", device)
+	return nil, fmt.Errorf("verify: --device %q: want auto, cpu or cuda", device)
 }
 
 // isTerminal reports whether w is a terminal (the progress bar is drawn
