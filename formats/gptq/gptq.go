@@ -53,58 +53,14 @@ func Open(dir string) (*model.Model, error) {
 	if err != nil {
 		return nil, err
 	}
-	ck, err := safetensors.OpenCheckpoint(dir, "model")
-	if err != nil {
-		return nil, err
-	}
-	m := model.New(cfg)
-	m.Source, m.Format, m.TokenizerDir = dir, Format, dir
-	m.AddCloser(ck)
-	fail := func(err error) (*model.Model, error) {
-		m.Close()
-		return nil, err
-	}
-	claimed := map[string]bool{}
-	for l := 0; l < cfg.Layers; l++ {
-		for _, r := range model.Linears {
-			mod, _ := hf.Module(l, r)
-			names := [3]string{mod + ".qweight", mod + ".qzeros", mod + ".scales"}
-			n := 0
-			for _, s := range names {
-				if ck.Has(s) {
-					n++
-				}
-			}
-			if n == 0 {
-				if ck.Has(mod + ".g_idx") {
-					return fail(fmt.Errorf("%s: %s has a g_idx but no qweight", ck.Path, mod))
-				}
-				continue // a float linear (or missing: CheckShapes says so)
-			}
-			if n != 3 {
-				return fail(fmt.Errorf("%s: %s has only some of qweight, qzeros, scales", ck.Path, mod))
-			}
-			if ck.Has(mod + ".weight") {
-				return fail(fmt.Errorf("%s: %s has both a quantized qweight and a float weight", ck.Path, mod))
-			}
-			q, err := readLinear(ck, mod, qc)
-			if err != nil {
-				return fail(err)
-			}
-			m.Set(model.Name(l, r), q)
-			for _, s := range names {
-				claimed[s] = true
-			}
-			claimed[mod+".g_idx"] = true
-		}
-	}
-	if err := hf.LoadTensors(m, ck, func(n string) bool { return claimed[n] }); err != nil {
-		return fail(err)
-	}
-	if err := m.CheckShapes(); err != nil {
-		return fail(err)
-	}
-	return m, nil
+	return hf.OpenQuantized(dir, cfg, hf.QuantizedLayout{
+		Format: Format,
+		Parts:  []string{".qweight", ".qzeros", ".scales"},
+		Extra:  []string{".g_idx"},
+		Read: func(ck *safetensors.Checkpoint, mod string) (model.Tensor, error) {
+			return readLinear(ck, mod, qc)
+		},
+	})
 }
 
 func readLinear(ck *safetensors.Checkpoint, mod string, qc QuantConfig) (*model.Quantized, error) {
