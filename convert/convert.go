@@ -2,6 +2,12 @@
 // (an HF directory, float or AutoAWQ/GPTQ quantized; an msmodelslim
 // directory; a Kuiper or llama2.c file), the way image.Decode sniffs image
 // formats — but with an explicit table instead of global registration.
+//
+// Save writes a model in any format qtool writes, by name, without
+// re-quantizing weights that are already quantized; CanHold and Holders say
+// beforehand which formats can hold a model. Open followed by Save converts
+// between formats (AutoAWQ → OrinMLLM ak48, GPTQ/AutoAWQ → msmodelslim
+// W4A16, msmodelslim W8A16 → GPTQ 8-bit, ...).
 package convert
 
 import (

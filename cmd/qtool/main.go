@@ -25,6 +25,7 @@ func newApp() *cli.App {
 			smoothquantCommand(),
 			benchCommand(),
 			shardCommand(),
+			convertCommand(),
 		},
 		EnableBashCompletion: true,
 	}

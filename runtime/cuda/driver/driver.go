@@ -18,7 +18,8 @@ import (
 	"github.com/ebitengine/purego"
 )
 
-// ErrNoDriver is wrapped by Open when libcuda.so.1 cannot be loaded.
+// ErrNoDriver is wrapped by Open when libcuda.so.1 cannot be loaded, lacks
+// entry points, or finds no usable GPU (cuInit fails).
 var ErrNoDriver = errors.New("no CUDA driver found")
 
 // Result is a CUresult.
@@ -89,6 +90,7 @@ type Driver struct {
 	cuModuleUnload              func(m Module) Result
 	cuModuleGetFunction         func(f *Function, m Module, name string) Result
 	cuFuncSetAttribute          func(f Function, attr int32, v int32) Result
+	cuOccupancyMaxBlocks        func(n *int32, f Function, blockSize int32, dynSmem uint64) Result
 	cuLaunchKernel              func(f Function, gx, gy, gz, bx, by, bz, shmem uint32, s Stream, params *unsafe.Pointer, extra *unsafe.Pointer) Result
 	cuMemAlloc                  func(p *DevicePtr, n uint64) Result
 	cuMemFree                   func(p DevicePtr) Result
@@ -159,6 +161,7 @@ func Open() (*Driver, error) {
 		{&d.cuModuleUnload, "cuModuleUnload"},
 		{&d.cuModuleGetFunction, "cuModuleGetFunction"},
 		{&d.cuFuncSetAttribute, "cuFuncSetAttribute"},
+		{&d.cuOccupancyMaxBlocks, "cuOccupancyMaxActiveBlocksPerMultiprocessor"},
 		{&d.cuLaunchKernel, "cuLaunchKernel"},
 		{&d.cuMemAlloc, "cuMemAlloc_v2"},
 		{&d.cuMemFree, "cuMemFree_v2"},
@@ -191,12 +194,14 @@ func Open() (*Driver, error) {
 	for _, s := range syms {
 		sym, err := purego.Dlsym(lib, s.name)
 		if err != nil {
-			return nil, fmt.Errorf("cuda: libcuda.so.1 lacks %s: %w", s.name, err)
+			return nil, fmt.Errorf("%w (libcuda.so.1 lacks %s, driver too old: %v)", ErrNoDriver, s.name, err)
 		}
 		purego.RegisterFunc(s.fn, sym)
 	}
 	if err := d.check("cuInit", d.cuInit(0)); err != nil {
-		return nil, err
+		// A driver library without a usable GPU (a container without the
+		// device, a CUDA toolkit's stub) is the same as no driver to callers.
+		return nil, fmt.Errorf("%w (libcuda.so.1 loaded, but %v)", ErrNoDriver, err)
 	}
 	return d, nil
 }
@@ -340,6 +345,16 @@ func (d *Driver) Function(m Module, name string) (Function, error) {
 // SetFuncAttribute sets a kernel attribute.
 func (d *Driver) SetFuncAttribute(f Function, attr, v int) error {
 	return d.check("cuFuncSetAttribute", d.cuFuncSetAttribute(f, int32(attr), int32(v)))
+}
+
+// MaxActiveBlocks returns how many blocks of blockSize threads of f fit on
+// one multiprocessor at once (registers, shared memory, threads).
+func (d *Driver) MaxActiveBlocks(f Function, blockSize int) (int, error) {
+	var n int32
+	if err := d.check("cuOccupancyMaxActiveBlocksPerMultiprocessor", d.cuOccupancyMaxBlocks(&n, f, int32(blockSize), 0)); err != nil {
+		return 0, err
+	}
+	return int(n), nil
 }
 
 // Launch starts f; params points at an array of pointers to the argument
