@@ -733,6 +733,218 @@ GEMVS_ENTRY(gemv_q8_s, GQ8, false, 8, 1)
 GEMVS_ENTRY(gemv_q8_sb, GQ8, false, 8, 4)
 
 // ---------------------------------------------------------------------------
+// Tensor-core GEMV for quantized weights (variants "m", "m4"), M <= 8.
+// The activation rows are the 8 columns of an mma.sync m16n8k16 B operand;
+// a warp multiplies a tile of 16 weight rows by one K block (q4: 128 k, each
+// of the 4 lanes of a quad holding one 16-byte word quad = 32 k of a row;
+// q8: 64 k, 16 k per lane). The mma's k order is a permutation of the real
+// k (the same for A and B), chosen so that the codes of a register unpack
+// straight into A fragments without shuffling:
+//   q4: LOP3 with 0x6400 gives half2(1024+u) for the low nibble pairs and
+//       1024+16u for the high ones (whose x is pre-scaled by 1/16, exact);
+//   q8: PRMT with 0x64 gives half2(1024+u), u = q+128.
+// The zero point is removed by a second mma with A = -(1024+z) (q4 high
+// pairs -(1024+16z), q8 -(1152+zero)), all exact in fp16, accumulated in the
+// same fp32 registers right after the weight mma, so no per-element
+// subtraction is needed; the per-(row, group) scale multiplies each K block's
+// fp32 result (groups are multiples of the K block).
+// The activations are staged once per block in dynamic shared memory as
+// fp16 (M*K halves, q4 high pairs pre-scaled by 1/16), so a K block's B
+// fragments are shared-memory loads, off the global-latency path.
+// Weights and scales stream through a per-thread cp.async ring of S stages
+// in shared memory (no barriers: each thread reads back what it copied), so
+// S-1 K blocks are in flight while one is computed. The grid is persistent:
+// block b handles row tiles b, b+grid, ...; its WARPS warps split each
+// tile's K blocks (warp w takes w, w+WARPS, ...) and add their partial sums
+// in shared memory in a fixed order (deterministic).
+// Args (y, x, W, sz, N, K, gs, G, M); block 32*WARPS, dynamic shared memory
+// M*K*2 bytes; K % KB == 0, gs % KB == 0.
+
+__device__ __forceinline__ void cp_async16(void* s, const void* g) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* s, const void* g) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(a), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void mma_h(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ uint32_t lop_or(uint32_t w, uint32_t mask) {
+    uint32_t h;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h) : "r"(w), "r"(mask), "r"(0x64006400u));
+    return h;
+}
+
+template <int F, int WARPS, int S, bool CONTIG>
+__device__ __forceinline__ void gemvm_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
+                                           const float2* __restrict__ sz, int N, int K, int gs, int G, int M) {
+    constexpr int KB = F == GQ4 ? 128 : 64;  // k per K block
+    constexpr int KT = KB / 4;               // k per lane
+    constexpr int WPB = F == GQ4 ? 16 : 16;  // 32-bit words per row and K block
+    __shared__ __align__(16) uint4 rw[WARPS][S][2][32];
+    __shared__ __align__(16) float2 rs[WARPS][S][2][32];
+    __shared__ float red[WARPS][16][8];
+    extern __shared__ __align__(16) uint4 xsm[];  // M*K halves
+    int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    int gid = lane >> 2, tq = lane & 3;
+    int nkb = K / KB;
+    // K blocks of this warp per tile: w, w+WARPS, ... or (CONTIG) a
+    // contiguous run w*nkc, w*nkc+1, ...
+    int nkc = (nkb + WARPS - 1) / WARPS;
+    int nkw = CONTIG ? max(0, min(nkc, nkb - w * nkc)) : (nkb > w ? (nkb - w + WARPS - 1) / WARPS : 0);
+    int ntiles = (N + 15) / 16;
+    int ntm = (int)blockIdx.x < ntiles ? (ntiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    int total = ntm * nkw;
+    int xm = min(gid, M - 1);
+    const __half* xr = reinterpret_cast<const __half*>(xsm) + (size_t)xm * K + tq * KT;
+    size_t rowWords = (size_t)nkb * WPB;
+    float ginv = (float)KB / (float)gs;  // K block -> group: floor((kb + 0.5) * KB / gs)
+    const uint32_t* Wp = (const uint32_t*)W + tq * 4;
+
+    // Producer state: next stage's tile, K block index (within the warp's
+    // list), ring slot, stages issued.
+    // Row offsets are 32-bit (weights up to 2^31 words, checked by the host).
+    int pt = blockIdx.x, pj = 0, ps = 0, pn = 0;
+    uint32_t ra = min(pt * 16 + gid, N - 1), rb = min(pt * 16 + gid + 8, N - 1);
+    auto issue = [&]() {
+        if (pn < total) {
+            int kb = CONTIG ? w * nkc + pj : w + pj * WARPS;
+            cp_async16(&rw[w][ps][0][lane], Wp + (ra * (uint32_t)rowWords + kb * WPB));
+            cp_async16(&rw[w][ps][1][lane], Wp + (rb * (uint32_t)rowWords + kb * WPB));
+            int g = __float2int_rz(((float)kb + 0.5f) * ginv);
+            cp_async8(&rs[w][ps][0][lane], sz + (ra * (uint32_t)G + g));
+            cp_async8(&rs[w][ps][1][lane], sz + (rb * (uint32_t)G + g));
+            pn++;
+            if (++pj == nkw) {
+                pj = 0;
+                pt += gridDim.x;
+                ra = min(pt * 16 + gid, N - 1);
+                rb = min(pt * 16 + gid + 8, N - 1);
+            }
+        }
+        ps = ps + 1 == S ? 0 : ps + 1;
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int q = 0; q < S - 1; q++) issue();
+    // Stage x while the first K blocks are in flight (every warp of a block
+    // with work takes part, including warps without K blocks).
+    if (ntm > 0) {
+        int n8 = M * (K >> 3);
+        for (int e = tid; e < n8; e += 32 * WARPS) {
+            const float4* p = reinterpret_cast<const float4*>(x + (size_t)e * 8);
+            float4 a = p[0], b = p[1];
+            __half2 h0 = __floats2half2_rn(a.x, a.y), h1 = __floats2half2_rn(a.z, a.w);
+            __half2 h2 = __floats2half2_rn(b.x, b.y), h3 = __floats2half2_rn(b.z, b.w);
+            if (F == GQ4) {
+                const __half2 sixteenth = __float2half2_rn(0.0625f);
+                h1 = __hmul2(h1, sixteenth);
+                h3 = __hmul2(h3, sixteenth);
+            }
+            xsm[e] = make_uint4(h2u(h0), h2u(h1), h2u(h2), h2u(h3));
+        }
+    }
+    __syncthreads();
+
+    int cs = 0;  // consumer slot
+    for (int it = 0; it < ntm; it++) {
+        int tile = blockIdx.x + it * gridDim.x;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int j = 0; j < nkw; j++) {
+            issue();
+            const uint4* xp = reinterpret_cast<const uint4*>(xr + (CONTIG ? w * nkc + j : w + j * WARPS) * KB);
+            float cl[4] = {0.f, 0.f, 0.f, 0.f}, ch[4] = {0.f, 0.f, 0.f, 0.f};
+            if (F == GQ4) {
+                cp_async_wait<S - 1>();
+                uint4 wa = rw[w][cs][0][lane], wb = rw[w][cs][1][lane];
+                float2 sa = rs[w][cs][0][lane], sb = rs[w][cs][1][lane];
+                __half2 za = *reinterpret_cast<const __half2*>(&sa.y), zb = *reinterpret_cast<const __half2*>(&sb.y);
+                const __half2 h16 = __float2half2_rn(16.f), hoff = __float2half2_rn(-15360.f);
+                uint32_t zla = h2u(__hneg2(za)), zlb = h2u(__hneg2(zb));
+                uint32_t zha = h2u(__hneg2(__hfma2(za, h16, hoff))), zhb = h2u(__hneg2(__hfma2(zb, h16, hoff)));
+                uint32_t wav[4] = {wa.x, wa.y, wa.z, wa.w}, wbv[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    uint4 xh = xp[i];  // k 8i..8i+7 as half2 pairs, (2,3) and (6,7) pre-scaled
+                    uint32_t bl0 = xh.x, bh0 = xh.y, bl1 = xh.z, bh1 = xh.w;
+                    uint32_t a = wav[i], b = wbv[i], a8 = a >> 8, b8 = b >> 8;
+                    mma_h(cl, lop_or(a, 0x000f000fu), lop_or(b, 0x000f000fu), lop_or(a8, 0x000f000fu), lop_or(b8, 0x000f000fu), bl0, bl1);
+                    mma_h(ch, lop_or(a, 0x00f000f0u), lop_or(b, 0x00f000f0u), lop_or(a8, 0x00f000f0u), lop_or(b8, 0x00f000f0u), bh0, bh1);
+                    mma_h(cl, zla, zlb, zla, zlb, bl0, bl1);
+                    mma_h(ch, zha, zhb, zha, zhb, bh0, bh1);
+                }
+                acc[0] = fmaf(sa.x, cl[0] + ch[0], acc[0]);
+                acc[1] = fmaf(sa.x, cl[1] + ch[1], acc[1]);
+                acc[2] = fmaf(sb.x, cl[2] + ch[2], acc[2]);
+                acc[3] = fmaf(sb.x, cl[3] + ch[3], acc[3]);
+            } else {
+                uint4 xv[2] = {xp[0], xp[1]};
+                cp_async_wait<S - 1>();
+                uint4 wa = rw[w][cs][0][lane], wb = rw[w][cs][1][lane];
+                float2 sa = rs[w][cs][0][lane], sb = rs[w][cs][1][lane];
+                uint32_t za = h2u(__float2half2_rn(-(1152.f + sa.y))), zb = h2u(__float2half2_rn(-(1152.f + sb.y)));
+                uint32_t wav[4] = {wa.x ^ 0x80808080u, wa.y ^ 0x80808080u, wa.z ^ 0x80808080u, wa.w ^ 0x80808080u};
+                uint32_t wbv[4] = {wb.x ^ 0x80808080u, wb.y ^ 0x80808080u, wb.z ^ 0x80808080u, wb.w ^ 0x80808080u};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    uint32_t b0 = (i & 1) ? ((i >> 1) ? xv[1].z : xv[0].z) : ((i >> 1) ? xv[1].x : xv[0].x);
+                    uint32_t b1 = (i & 1) ? ((i >> 1) ? xv[1].w : xv[0].w) : ((i >> 1) ? xv[1].y : xv[0].y);
+                    float (&c)[4] = (i & 1) ? ch : cl;
+                    mma_h(c, __byte_perm(wav[i], 0x64646464u, 0x4140), __byte_perm(wbv[i], 0x64646464u, 0x4140),
+                          __byte_perm(wav[i], 0x64646464u, 0x4342), __byte_perm(wbv[i], 0x64646464u, 0x4342), b0, b1);
+                    mma_h(c, za, zb, za, zb, b0, b1);
+                }
+                acc[0] = fmaf(sa.x, cl[0] + ch[0], acc[0]);
+                acc[1] = fmaf(sa.x, cl[1] + ch[1], acc[1]);
+                acc[2] = fmaf(sb.x, cl[2] + ch[2], acc[2]);
+                acc[3] = fmaf(sb.x, cl[3] + ch[3], acc[3]);
+            }
+            cs = cs + 1 == S ? 0 : cs + 1;
+        }
+        // Rows gid and gid+8, columns (activation rows) 2tq and 2tq+1.
+        red[w][gid][2 * tq] = acc[0];
+        red[w][gid][2 * tq + 1] = acc[1];
+        red[w][gid + 8][2 * tq] = acc[2];
+        red[w][gid + 8][2 * tq + 1] = acc[3];
+        __syncthreads();
+        for (int o = tid; o < 16 * M; o += 32 * WARPS) {
+            int r = o / M, m = o - r * M;
+            float v = 0.f;
+#pragma unroll
+            for (int i = 0; i < WARPS; i++) v += red[i][r][m];
+            int n = tile * 16 + r;
+            if (n < N) y[(size_t)m * N + n] = v;
+        }
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+}
+
+#define GEMVM_ENTRY(name, F, WARPS, S, MINB, CONTIG)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) name(float* y, const float* x, const void* W, \
+                                                                        const float2* sz, int N, int K, int gs,  \
+                                                                        int G, int M) {                          \
+        gemvm_body<F, WARPS, S, CONTIG>(y, x, W, sz, N, K, gs, G, M);                                            \
+    }
+GEMVM_ENTRY(gemv_q4_m, GQ4, 8, 3, 3, false)
+GEMVM_ENTRY(gemv_q4_m4, GQ4, 4, 4, 6, false)
+GEMVM_ENTRY(gemv_q8_m, GQ8, 8, 3, 3, false)
+GEMVM_ENTRY(gemv_q8_m4, GQ8, 4, 4, 6, false)
+GEMVM_ENTRY(gemv_q4_m6, GQ4, 4, 6, 5, false)
+GEMVM_ENTRY(gemv_q8_m6, GQ8, 4, 6, 5, false)
+GEMVM_ENTRY(gemv_q4_mc, GQ4, 8, 3, 3, true)
+GEMVM_ENTRY(gemv_q8_mc, GQ8, 8, 3, 3, true)
+
+// ---------------------------------------------------------------------------
 // Tensor-core GEMM: C[M, N] = A[M, K] (fp32, rounded to fp16) · W[N, K]ᵀ with
 // W dequantized to fp16 in registers on its way to shared memory.
 // mma.sync m16n8k16, fp32 accumulate. Tile 128x128x32, 256 threads (8 warps

@@ -47,7 +47,9 @@ type Options struct {
 	// Q4FullPrecision selects the fp32-arithmetic 4-bit GEMV (slower).
 	Q4FullPrecision bool
 	// GEMVVariant selects a GEMV kernel variant ("r8u2", see GEMVVariants)
-	// where the weight kind has it; empty means each kind's default.
+	// where the weight kind has it; a comma-separated list gives each kind
+	// the first listed variant it has; empty means each kind's default.
+	// New sets it from $QTOOL_GEMV_VARIANT.
 	GEMVVariant string
 	// PTXPath, when set, loads the kernels from this PTX file instead of the
 	// embedded ones (kernel development). New sets it from $QTOOL_CUDA_PTX.
@@ -66,6 +68,11 @@ type Backend struct {
 	cc     [2]int
 	opt    Options
 	fn     map[string]driver.Function
+	// occupancy caches resident blocks per multiprocessor by kernel and
+	// dynamic shared memory; dynSmem the dynamic shared memory limit set
+	// on each kernel that needed more than the default.
+	occupancy map[occKey]int
+	dynSmem   map[string]int
 
 	// Kernel argument slots: ptrs[i] points at slots[i].
 	slots [32]uint64
@@ -97,7 +104,7 @@ type scratch struct {
 // New opens the first CUDA device with default options. Without a driver
 // the error wraps ErrNoDriver ("no CUDA driver found").
 func New() (*Backend, error) {
-	return NewWithOptions(Options{PTXPath: os.Getenv("QTOOL_CUDA_PTX")})
+	return NewWithOptions(Options{PTXPath: os.Getenv("QTOOL_CUDA_PTX"), GEMVVariant: os.Getenv("QTOOL_GEMV_VARIANT")})
 }
 
 // NewWithOptions opens a CUDA device.
@@ -118,7 +125,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 	if opt.Device < 0 || opt.Device >= n {
 		return nil, fmt.Errorf("cuda: device %d requested, %d present: %w", opt.Device, n, ErrNoDriver)
 	}
-	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, pool: map[int][]driver.DevicePtr{},
+	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, occupancy: map[occKey]int{}, dynSmem: map[string]int{}, pool: map[int][]driver.DevicePtr{},
 		owned: map[driver.DevicePtr]int{}, scratch: map[string]scratch{}, uploaded: map[string]int64{}}
 	for i := range b.slots {
 		b.ptrs[i] = unsafe.Pointer(&b.slots[i])
@@ -447,6 +454,11 @@ func vecPtr(v runtime.Vector) driver.DevicePtr {
 // Launching.
 
 func (b *Backend) launch(name string, grid, block [3]uint32, args ...any) {
+	b.launchShm(name, grid, block, 0, args...)
+}
+
+// launchShm launches with shm bytes of dynamic shared memory.
+func (b *Backend) launchShm(name string, grid, block [3]uint32, shm int, args ...any) {
 	f, ok := b.fn[name]
 	if !ok {
 		panic("cuda backend: unknown kernel " + name)
@@ -477,7 +489,7 @@ func (b *Backend) launch(name string, grid, block [3]uint32, args ...any) {
 			return // nothing to do
 		}
 	}
-	b.must(b.drv.Launch(f, grid, block, 0, b.stream, &b.ptrs[0]))
+	b.must(b.drv.Launch(f, grid, block, uint32(shm), b.stream, &b.ptrs[0]))
 }
 
 func g1(n int) [3]uint32 { return [3]uint32{uint32(n), 1, 1} }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"unsafe"
 
 	"qtool/formats/model"
@@ -37,6 +38,11 @@ type Linear struct {
 	inScale   float32
 	inOffset  float32
 	bytes     int64 // device bytes of the weight and its scales
+	// mma: the tensor-core GEMV ("m" variants) can run this weight: groups
+	// and width are multiples of its K block (q4 128, q8 64), no g_idx, q8
+	// zero points are integers in [-128, 127] (exact in its fp16 offset)
+	// and the weight has fewer than 2^31 32-bit words (its row offsets).
+	mma bool
 }
 
 // Out implements runtime.Linear.
@@ -210,8 +216,16 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 		}
 		l.w = uploadSlice(b, words)
 		l.bytes = int64(4 * len(words))
+		l.mma = gs%128 == 0 && in%128 == 0 && int64(out)*int64(in)/8 < 1<<31
 	} else {
 		l.kind = kindQ8
+		l.mma = q.GIdx == nil && gs%64 == 0 && in%64 == 0 && int64(out)*int64(in)/4 < 1<<31
+		for _, z := range q.Zero {
+			if z != float32(math.Round(float64(z))) || z < -128 || z > 127 {
+				l.mma = false
+				break
+			}
+		}
 		for i := 0; i < out*G; i++ {
 			sz[2*i] = q.Scale[i]
 			if q.Zero != nil {
@@ -288,6 +302,7 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		l.sz = b.alloc(8 * out * G)
 		b.fill(l.sz, out*G, s.Seed+1, 4, a/128)
 		l.bytes = int64(n + 8*out*G)
+		l.mma = gs%64 == 0 && in%64 == 0 && int64(n)/4 < 1<<31
 	case "w4a16", "q4":
 		if gs%32 != 0 || in%32 != 0 {
 			return nil, fmt.Errorf("cuda: synthetic %s: 4-bit needs group size and width multiples of 32", name)
@@ -298,6 +313,7 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		l.sz = b.alloc(8 * out * G)
 		b.fill(l.sz, out*G, s.Seed+1, 3, a/8)
 		l.bytes = int64(n/2 + 8*out*G)
+		l.mma = gs%128 == 0 && in%128 == 0 && int64(n)/8 < 1<<31
 	default:
 		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, w8a16 or w4a16)", name, s.Format)
 	}
@@ -335,7 +351,18 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		b.launch(name, grid, block256, d.p, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
 		return
 	}
-	name, R := b.gemvKernel(l)
+	name, R := b.gemvKernel(l, M)
+	if R == gemvMMA {
+		warps := 4 // "m4", "m6": 4 warps per block
+		if strings.HasSuffix(name, "_m") || strings.HasSuffix(name, "_mc") {
+			warps = 8
+		}
+		tiles := (N + 15) / 16
+		shm := 2 * M * K // x as fp16
+		grid := min(tiles, b.sms*b.residentBlocks(name, 32*warps, shm))
+		b.launchShm(name, g1(grid), [3]uint32{uint32(32 * warps), 1, 1}, shm, d.p, s.p, l.w, l.sz, N, K, l.gs, l.groups, M)
+		return
+	}
 	if R <= 0 { // split-K kernel with -R rows per warp
 		kl := 32
 		if l.kind == kindQ8 {
@@ -352,6 +379,46 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 	b.launch(name, grid, block256, d.p, s.p, l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
 }
 
+// residentBlocks is how many blocks of a kernel with shm bytes of dynamic
+// shared memory fit on one multiprocessor (at least 1), from the driver's
+// occupancy calculator, cached per kernel and size. It raises the kernel's
+// dynamic shared memory limit first where shm needs it.
+func (b *Backend) residentBlocks(name string, threads, shm int) int {
+	key := occKey{name, shm}
+	if n, ok := b.occupancy[key]; ok {
+		return n
+	}
+	b.raiseSmem(name, shm)
+	n, err := b.drv.MaxActiveBlocks(b.fn[name], threads, shm)
+	b.must(err)
+	n = max(n, 1)
+	b.occupancy[key] = n
+	return n
+}
+
+// occKey names a kernel and its dynamic shared memory size.
+type occKey struct {
+	name string
+	shm  int
+}
+
+// attrMaxDynSmem is CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
+const attrMaxDynSmem = 8
+
+// raiseSmem lets kernel name use shm bytes of dynamic shared memory (the
+// driver's default limit is 48 KB minus the kernel's static shared memory).
+func (b *Backend) raiseSmem(name string, shm int) {
+	if b.dynSmem[name] >= shm {
+		return
+	}
+	b.must(b.drv.SetFuncAttribute(b.fn[name], attrMaxDynSmem, shm))
+	b.dynSmem[name] = shm
+}
+
+// gemvMMAMaxSmem bounds the tensor-core GEMV's staged activations (2*M*K
+// bytes); larger inputs take the other kernels.
+const gemvMMAMaxSmem = 160 << 10
+
 // counters returns a zeroed int32 scratch array of at least n entries
 // (kernels that use it leave it zeroed).
 func (b *Backend) counters(name string, n int) driver.DevicePtr {
@@ -364,14 +431,27 @@ func (b *Backend) counters(name string, n int) driver.DevicePtr {
 }
 
 // gemvVariants lists the compiled GEMV kernels of each weight kind as
-// r<rows per block>u<chunks in flight per thread>[h]; the first is the default.
+// r<rows per block>u<chunks in flight per thread>[h], s… (split-K) or m…
+// (tensor-core, persistent, cp.async ring: "m" 8 warps per block and 3
+// stages, "m4" 4 warps and 4 stages, "m6" 4 warps and 6 stages, "mc" as
+// "m" with each warp taking a contiguous run of K blocks);
+// the first is the default (the m kernels measured slower on the H200 so
+// far: kernels/NOTES.md). Weights or row counts the m kernels cannot run
+// fall back to the first other variant.
 var gemvVariants = [...][]string{
 	kindF32:  {"r4u1"},
 	kindF16:  {"r4u2", "r4u1"},
 	kindBF16: {"r4u2", "r4u1"},
-	kindQ8:   {"r4u1", "s", "sb", "r8u1", "r4u2"},
-	kindQ4:   {"sh", "shb", "sh4", "s", "r8u2", "r8u2h", "r4u1"},
+	kindQ8:   {"r4u1", "s", "sb", "r8u1", "r4u2", "m", "m4", "m6", "mc"},
+	kindQ4:   {"sh", "shb", "sh4", "s", "r8u2", "r8u2h", "r4u1", "m", "m4", "m6", "mc"},
 }
+
+// gemvMMA is gemvKernel's rows-per-block answer for the tensor-core kernels.
+const gemvMMA = 1 << 30
+
+// gemvMMAMaxRows is the most activation rows the tensor-core GEMV takes (the
+// 8 columns of its mma).
+const gemvMMAMaxRows = 8
 
 // GEMVVariants returns the GEMV kernel variants compiled for a weight kind
 // ("f16", "q8", "q4", ...), default first.
@@ -384,9 +464,10 @@ func GEMVVariants(kind string) []string {
 	return nil
 }
 
-// gemvKernel picks the kernel name and its rows per block (minus the rows
-// per warp for the split-K kernels).
-func (b *Backend) gemvKernel(l *Linear) (string, int) {
+// gemvKernel picks the kernel name for M activation rows and its rows per
+// block (minus the rows per warp for the split-K kernels, gemvMMA for the
+// tensor-core ones).
+func (b *Backend) gemvKernel(l *Linear, M int) (string, int) {
 	kind := l.kind
 	v := gemvVariants[kind][0]
 	want := b.opt.GEMVVariant
@@ -396,10 +477,26 @@ func (b *Backend) gemvKernel(l *Linear) (string, int) {
 	if b.opt.Q4FullPrecision && kind == kindQ4 && want == "" {
 		want = "s"
 	}
-	for _, c := range gemvVariants[kind] {
-		if c == want {
-			v = c
+	// want may list several variants (comma-separated): the first one this
+	// kind has wins.
+	found := false
+	for _, wv := range strings.Split(want, ",") {
+		for _, c := range gemvVariants[kind] {
+			if c == wv && !found {
+				v, found = c, true
+			}
 		}
+	}
+	if v[0] == 'm' && (!l.mma || M > gemvMMAMaxRows || 2*M*l.in > gemvMMAMaxSmem) {
+		for _, c := range gemvVariants[kind] {
+			if c[0] != 'm' {
+				v = c
+				break
+			}
+		}
+	}
+	if v[0] == 'm' {
+		return "gemv_" + kindNames[kind] + "_" + v, gemvMMA
 	}
 	if kind == kindQ8 && v[0] == 's' && (l.gidx != 0 || l.gs%16 != 0) {
 		v = "r4u1" // per-element groups: the split kernel needs 16-aligned groups

@@ -347,11 +347,12 @@ func (d *Driver) SetFuncAttribute(f Function, attr, v int) error {
 	return d.check("cuFuncSetAttribute", d.cuFuncSetAttribute(f, int32(attr), int32(v)))
 }
 
-// MaxActiveBlocks returns how many blocks of blockSize threads of f fit on
-// one multiprocessor at once (registers, shared memory, threads).
-func (d *Driver) MaxActiveBlocks(f Function, blockSize int) (int, error) {
+// MaxActiveBlocks returns how many blocks of blockSize threads of f, each
+// with dynSmem bytes of dynamic shared memory, fit on one multiprocessor at
+// once (registers, shared memory, threads).
+func (d *Driver) MaxActiveBlocks(f Function, blockSize, dynSmem int) (int, error) {
 	var n int32
-	if err := d.check("cuOccupancyMaxActiveBlocksPerMultiprocessor", d.cuOccupancyMaxBlocks(&n, f, int32(blockSize), 0)); err != nil {
+	if err := d.check("cuOccupancyMaxActiveBlocksPerMultiprocessor", d.cuOccupancyMaxBlocks(&n, f, int32(blockSize), uint64(dynSmem))); err != nil {
 		return 0, err
 	}
 	return int(n), nil
