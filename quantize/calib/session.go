@@ -170,8 +170,10 @@ func (s *Session) SetVector(l int, r model.Role, v []float32) error {
 }
 
 // Step is called by Layer with the input x ([rows, in], row-major, owned by
-// the session, valid during the call; the callee may modify it) of each
-// linear group of layer l, in order QKV, O, GateUp, Down. It must install
+// the session, valid during the call) of each linear group of layer l, in
+// order QKV, O, GateUp, Down. The callee may modify x at QKV and GateUp (the
+// session recomputes those inputs from the installed norms), not at O and
+// Down. It must install
 // the weights the following groups should see (SetLinear, SetVector) before
 // returning.
 type Step func(l int, p runtime.CapturePoint, x []float32, rows int) error
@@ -198,16 +200,14 @@ func (s *Session) Layer(l int, step Step) error {
 	if err != nil {
 		return err
 	}
-	if err := step(l, runtime.CaptureO, append([]float32(nil), att...), n); err != nil {
-		return err
-	}
-	wo, err := s.Weight(l, model.O)
-	if err != nil {
+	if err := step(l, runtime.CaptureO, att, n); err != nil {
 		return err
 	}
 	mid := make([]float32, n*H)
 	copy(mid, s.x)
-	s.MatMulAcc(mid, att, wo, n, H, c.QDim())
+	if err := s.linearAcc(l, model.O, mid, att, n, H, c.QDim()); err != nil {
+		return err
+	}
 	att = nil
 
 	// 3. gate/up: input is mlp_norm(x + o(att)).
@@ -230,15 +230,12 @@ func (s *Session) Layer(l int, step Step) error {
 	h2 = nil
 
 	// 4. down: input is silu(gate)·up with the installed gate/up.
-	dcopy := append([]float32(nil), d...)
-	if err := step(l, runtime.CaptureDown, dcopy, n); err != nil {
+	if err := step(l, runtime.CaptureDown, d, n); err != nil {
 		return err
 	}
-	wd, err := s.Weight(l, model.Down)
-	if err != nil {
+	if err := s.linearAcc(l, model.Down, mid, d, n, H, c.Intermediate); err != nil {
 		return err
 	}
-	s.MatMulAcc(mid, d, wd, n, H, c.Intermediate)
 	for i, v := range mid {
 		if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
 			return fmt.Errorf("calibration: layer %d output (token %d, channel %d) is %g: the quantized layer overflows", l, i/H, i%H, v)
@@ -396,18 +393,64 @@ func (s *Session) ResidualRows(windows []int) []float32 {
 	return out
 }
 
-// MLPHidden returns silu(x·Gateᵀ)·(x·Upᵀ) with the current gate/up weights
-// of layer l, [rows, Intermediate].
+// MLPHidden returns silu(x·Gateᵀ)·(x·Upᵀ) with the installed gate/up
+// weights of layer l, [rows, Intermediate].
 func (s *Session) MLPHidden(l int, x []float32, rows int) ([]float32, error) {
-	wg, err := s.Weight(l, model.Gate)
-	if err != nil {
-		return nil, err
+	I, H := s.Cfg.Intermediate, s.Cfg.Hidden
+	out := make([]float32, rows*I)
+	const chunk = 4096 // rows per step: bounds the up temporary
+	up := make([]float32, min(rows, chunk)*I)
+	for r0 := 0; r0 < rows; r0 += chunk {
+		r1 := min(r0+chunk, rows)
+		g, u := out[r0*I:r1*I], up[:(r1-r0)*I]
+		clear(u)
+		if err := s.linearAcc(l, model.Gate, g, x[r0*H:r1*H], r1-r0, I, H); err != nil {
+			return nil, err
+		}
+		if err := s.linearAcc(l, model.Up, u, x[r0*H:r1*H], r1-r0, I, H); err != nil {
+			return nil, err
+		}
+		s.parallel(len(g), func(lo, hi int) { siluMul(g[lo:hi], u[lo:hi]) })
 	}
-	wu, err := s.Weight(l, model.Up)
-	if err != nil {
-		return nil, err
+	return out, nil
+}
+
+// linearAcc adds the output of the installed linear (l, r) on x to dst.
+// A *model.W8A8 quantizes x first, exactly as the runtime does.
+func (s *Session) linearAcc(l int, r model.Role, dst, x []float32, rows, out, in int) error {
+	t, _ := s.Out.Lookup(model.Name(l, r))
+	if w8, ok := t.(*model.W8A8); ok {
+		xq := make([]float32, len(x))
+		for i, v := range x {
+			q := math.RoundToEven(float64(v/w8.InputScale + w8.InputOffset))
+			xq[i] = float32(min(max(q, -128), 127))
+		}
+		wq := make([]float32, len(w8.Weight.Q))
+		for i, v := range w8.Weight.Q {
+			wq[i] = float32(v)
+		}
+		y := make([]float32, rows*out)
+		gemm.MatMulNT(rows, out, in, xq, in, wq, in, y, out, false, s.threads)
+		for i := 0; i < rows; i++ {
+			for j := 0; j < out; j++ {
+				v := (y[i*out+j] + float32(w8.QuantBias[j])) * w8.DeqScale[j]
+				if w8.Bias != nil {
+					v += w8.Bias[j]
+				}
+				dst[i*out+j] += v
+			}
+		}
+		return nil
 	}
-	return MLPHidden(x, rows, s.Cfg.Hidden, s.Cfg.Intermediate, wg, wu, s.threads), nil
+	w, err := s.Weight(l, r)
+	if err != nil {
+		return err
+	}
+	if w == nil {
+		return fmt.Errorf("calibration: %s is missing", model.Name(l, r))
+	}
+	gemm.MatMulNT(rows, out, in, x, in, w, in, dst, out, true, s.threads)
+	return nil
 }
 
 // MLPHidden is silu(x·gᵀ)·(x·uᵀ) for x [rows, in] and g, u [inter, in].
@@ -416,10 +459,36 @@ func MLPHidden(x []float32, rows, in, inter int, g, u []float32, threads int) []
 	up := make([]float32, rows*inter)
 	gemm.MatMulNT(rows, inter, in, x, in, g, in, gate, inter, false, threads)
 	gemm.MatMulNT(rows, inter, in, x, in, u, in, up, inter, false, threads)
-	for i, v := range gate {
-		gate[i] = v / (1 + float32(math.Exp(float64(-v)))) * up[i]
+	t := max(1, min(threads, len(gate)/(1<<14)))
+	var wg sync.WaitGroup
+	for i := 0; i < t; i++ {
+		lo, hi := i*len(gate)/t, (i+1)*len(gate)/t
+		wg.Add(1)
+		go func() { defer wg.Done(); siluMul(gate[lo:hi], up[lo:hi]) }()
 	}
+	wg.Wait()
 	return gate
+}
+
+// siluMul sets g = silu(g)·u.
+func siluMul(g, u []float32) {
+	for i, v := range g {
+		g[i] = v / (1 + expf(-v)) * u[i]
+	}
+}
+
+// expf is exp for float32 arguments: 2^(x·log2 e) split into an integer
+// power (built from the exponent bits) and a degree-7 polynomial on
+// [−ln2/2, ln2/2]; relative error below 1e-7.
+func expf(x float32) float32 {
+	if !(x > -87 && x < 88) {
+		return float32(math.Exp(float64(x)))
+	}
+	t := float64(x) * math.Log2E
+	n := math.Floor(t + 0.5)
+	f := (t - n) * math.Ln2
+	p := 1 + f*(1+f*(1.0/2+f*(1.0/6+f*(1.0/24+f*(1.0/120+f*(1.0/720+f/5040))))))
+	return float32(p * math.Float64frombits(uint64(int64(n)+1023)<<52))
 }
 
 // MatMulAcc adds x·wᵀ to dst ([rows, out]) for x [rows, in] and w [out, in].

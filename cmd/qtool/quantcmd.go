@@ -1,0 +1,352 @@
+package main
+
+// Shared plumbing of the calibration commands (qtool gptq, awq, smoothquant):
+// flags, output-format checks, calibration loading, progress bars, the
+// per-module table, writing, --verify and --json.
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	goruntime "runtime"
+	"strings"
+	"time"
+
+	"github.com/schollz/progressbar/v3"
+	"github.com/urfave/cli/v2"
+
+	"qtool/formats/autoawq"
+	"qtool/formats/gptq"
+	"qtool/formats/hf"
+	"qtool/formats/kuiper"
+	"qtool/formats/model"
+	"qtool/formats/msmodelslim"
+	"qtool/quantize/calib"
+	"qtool/runtime"
+	"qtool/runtime/cpu"
+	"qtool/runtime/tokenizer"
+)
+
+// Output formats of the calibration commands.
+const (
+	fmtKuiperV5    = "kuiper-v5"   // OrinMLLM ak48: Qwen3, int4 asym per group (AWQ layout)
+	fmtKuiperV4    = "kuiper-v4"   // OrinMLLM ak47: Qwen3 fp16 — holds no quantized linears
+	fmtKuiperInt8  = "kuiper-int8" // Kuiper int8 (export.py v3): int8 symmetric per group
+	fmtMsModelSlim = "msmodelslim" // W8A16/W4A16 weight-only, or W8A8 static
+	fmtAutoAWQ     = "autoawq"     // HF AutoAWQ GEMM: 4-bit
+	fmtGPTQ        = "gptq"        // HF GPTQ v1: 2/3/4/8-bit
+)
+
+var formatAliases = map[string]string{
+	"ak48": fmtKuiperV5, "kuiper-v5": fmtKuiperV5, "ak47": fmtKuiperV4, "kuiper-v4": fmtKuiperV4,
+	"kuiper-int8": fmtKuiperInt8, "q8": fmtKuiperInt8, "int8": fmtKuiperInt8,
+	"msmodelslim": fmtMsModelSlim, "autoawq": fmtAutoAWQ, "awq": fmtAutoAWQ, "gptq": fmtGPTQ,
+}
+
+var allFormats = []string{fmtKuiperV5, fmtKuiperV4, fmtKuiperInt8, fmtMsModelSlim, fmtAutoAWQ, fmtGPTQ}
+
+// resultKind describes what a quantization run will produce, enough to know
+// which formats can hold it before any work is done.
+type resultKind struct {
+	bits  int
+	group int // 0: per row
+	sym   bool
+	w8a8  bool
+	arch  model.Arch
+	bias  bool // attention biases (Qwen2)
+}
+
+func (k resultKind) String() string {
+	if k.w8a8 {
+		return "W8A8 (int8 per-channel weights, static int8 activations)"
+	}
+	g := "per-channel"
+	if k.group > 0 {
+		g = fmt.Sprintf("group %d", k.group)
+	}
+	s := "asymmetric"
+	if k.sym {
+		s = "symmetric"
+	}
+	return fmt.Sprintf("%d-bit %s %s weights", k.bits, s, g)
+}
+
+// canHold reports why format cannot hold k (nil when it can).
+func canHold(format string, k resultKind) error {
+	switch format {
+	case fmtKuiperV5:
+		switch {
+		case k.arch != model.Qwen3 || k.bias:
+			return fmt.Errorf("kuiper-v5 (ak48) holds Qwen3 models only, this one is %s", k.arch)
+		case k.w8a8 || k.bits != 4 || k.sym || k.group <= 0:
+			return errors.New("kuiper-v5 (ak48) holds 4-bit asymmetric per-group weights only")
+		}
+	case fmtKuiperV4:
+		return errors.New("kuiper-v4 (ak47) is an fp16 format and holds no quantized weights")
+	case fmtKuiperInt8:
+		if k.w8a8 || k.bits != 8 || !k.sym || k.group <= 0 {
+			return errors.New("kuiper-int8 holds 8-bit symmetric per-group weights only")
+		}
+	case fmtMsModelSlim:
+		if !k.w8a8 && k.bits != 8 && k.bits != 4 {
+			return errors.New("msmodelslim holds W8A8, W8A16 or W4A16 only")
+		}
+	case fmtAutoAWQ:
+		if k.w8a8 || k.bits != 4 || k.group <= 0 {
+			return errors.New("AutoAWQ holds 4-bit per-group weights only")
+		}
+	case fmtGPTQ:
+		if k.w8a8 {
+			return errors.New("GPTQ holds weight-only results only")
+		}
+	default:
+		return fmt.Errorf("unknown format (known: %s)", strings.Join(allFormats, ", "))
+	}
+	return nil
+}
+
+// checkFormat refuses a format that cannot hold k, naming those that can.
+func checkFormat(cmd, format string, k resultKind) (string, error) {
+	f, ok := formatAliases[strings.ToLower(format)]
+	if !ok {
+		return "", fmt.Errorf("%s: --format %q: unknown (known: %s; aliases ak48, ak47, q8, awq)", cmd, format, strings.Join(allFormats, ", "))
+	}
+	if err := canHold(f, k); err != nil {
+		var can []string
+		for _, g := range allFormats {
+			if canHold(g, k) == nil {
+				can = append(can, g)
+			}
+		}
+		alt := "none of the formats"
+		if len(can) > 0 {
+			alt = strings.Join(can, ", ")
+		}
+		return "", fmt.Errorf("%s: --format %s cannot hold this result (%s): %v; formats that can: %s", cmd, f, k, err, alt)
+	}
+	return f, nil
+}
+
+// quantFlags are the flags every calibration command shares; defBits and
+// defGroup differ per method.
+func quantFlags(defBits, defGroup int, defFormat string) []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "hf", Usage: "Hugging Face checkpoint `DIR` to quantize (float weights)", Required: true, TakesFile: true},
+		&cli.StringFlag{Name: "calib", Usage: "calibration `FILE`: UTF-8 text, or JSONL with one {\"text\": ...} per line", Required: true, TakesFile: true},
+		&cli.IntFlag{Name: "nsamples", Value: calib.DefaultNSamples, Usage: "calibration windows"},
+		&cli.IntFlag{Name: "seqlen", Value: calib.DefaultSeqLen, Usage: "tokens per calibration window"},
+		&cli.IntFlag{Name: "bits", Value: defBits, Usage: "weight bits"},
+		&cli.IntFlag{Name: "group", Value: defGroup, Usage: "input columns per scale group (0: per channel)"},
+		&cli.StringFlag{Name: "out", Aliases: []string{"o"}, Usage: "output `PATH` (a directory, or a file for Kuiper formats)", Required: true, TakesFile: true},
+		&cli.StringFlag{Name: "format", Value: defFormat, Usage: "output format: " + strings.Join(allFormats, ", ")},
+		&cli.StringFlag{Name: "verify", Usage: "after writing, print the perplexity of the written model on `FILE`", TakesFile: true},
+		&cli.IntFlag{Name: "verify-chunks", Usage: "evaluate at most `N` chunks of 512 tokens with --verify (0: all)"},
+		&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
+		&cli.BoolFlag{Name: "json", Usage: "print a JSON summary instead of the table"},
+		&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress bars"},
+	}
+}
+
+// quantJob is one run of a calibration command.
+type quantJob struct {
+	cmd    string
+	kind   resultKind
+	format string
+	loss   string // name of the table's loss column
+	// run quantizes the session's model.
+	run func(s *calib.Session, progress calib.Progress) ([]calib.ModuleStat, error)
+}
+
+// quantSummary is what --json prints.
+type quantSummary struct {
+	Method      string             `json:"method"`
+	Model       string             `json:"model"`
+	Out         string             `json:"out"`
+	Format      string             `json:"format"`
+	Scheme      string             `json:"scheme"`
+	NSamples    int                `json:"nsamples"`
+	SeqLen      int                `json:"seqlen"`
+	CalibTokens int                `json:"calib_tokens"`
+	Seconds     float64            `json:"seconds"`
+	Modules     []calib.ModuleStat `json:"modules"`
+	Verify      *verifySummary     `json:"verify,omitempty"`
+}
+
+type verifySummary struct {
+	File   string  `json:"file"`
+	PPL    float64 `json:"ppl"`
+	Tokens int     `json:"tokens"`
+	Chunks int     `json:"chunks"`
+	Ctx    int     `json:"ctx"`
+}
+
+// runQuant executes job with the shared flags of c.
+func runQuant(c *cli.Context, job quantJob) error {
+	if c.NArg() > 0 {
+		return fmt.Errorf("%s: unexpected arguments %q", job.cmd, c.Args().Slice())
+	}
+	stdout := c.App.Writer
+	if stdout == nil {
+		stdout = os.Stdout
+	}
+	stderr := c.App.ErrWriter
+	if stderr == nil {
+		stderr = os.Stderr
+	}
+	dir, out := c.String("hf"), c.String("out")
+	ns, sl := c.Int("nsamples"), c.Int("seqlen")
+	if ns <= 0 || sl < 2 {
+		return fmt.Errorf("%s: --nsamples %d --seqlen %d: want > 0 and >= 2", job.cmd, ns, sl)
+	}
+	if _, err := os.Stat(out); err == nil {
+		return fmt.Errorf("%s: %s already exists; remove it or choose another --out", job.cmd, out)
+	}
+	verifyFile := c.String("verify")
+	if verifyFile != "" {
+		if _, err := os.Stat(verifyFile); err != nil {
+			return fmt.Errorf("%s: --verify: %w", job.cmd, err)
+		}
+	}
+	threads := c.Int("threads")
+	if threads <= 0 {
+		threads = max(1, goruntime.NumCPU())
+	}
+	start := time.Now()
+	m, err := hf.Open(dir)
+	if err != nil {
+		return fmt.Errorf("%s: %w", job.cmd, err)
+	}
+	defer m.Close()
+	job.kind.arch, job.kind.bias = m.Config.Arch, m.Config.AttnBias
+	format, err := checkFormat(job.cmd, c.String("format"), job.kind)
+	if err != nil {
+		return err
+	}
+	job.format = format
+	tokDir := m.TokenizerDir
+	if tokDir == "" {
+		tokDir = dir
+	}
+	tok, err := tokenizer.LoadDir(tokDir)
+	if err != nil {
+		return fmt.Errorf("%s: %w", job.cmd, err)
+	}
+	if err := tokenizer.CheckVocab(tok, m.Config.Vocab); err != nil {
+		return fmt.Errorf("%s: %w", job.cmd, err)
+	}
+	windows, ntok, err := calib.Load(c.String("calib"), tok, ns, sl)
+	if err != nil {
+		return fmt.Errorf("%s: %w", job.cmd, err)
+	}
+	s, err := calib.NewSession(m, cpu.New(threads), windows, threads)
+	if err != nil {
+		return fmt.Errorf("%s: %w", job.cmd, err)
+	}
+	quiet := c.Bool("quiet") || c.Bool("json")
+	var bar *progressbar.ProgressBar
+	progress := func(l int, r model.Role, done bool) {
+		if quiet {
+			return
+		}
+		if !done {
+			if bar != nil {
+				_ = bar.Finish()
+			}
+			bar = progressbar.NewOptions(len(model.Linears), progressbar.OptionSetWriter(stderr),
+				progressbar.OptionSetDescription(fmt.Sprintf("%s layer %d/%d", job.cmd, l+1, s.Cfg.Layers)),
+				progressbar.OptionShowCount(), progressbar.OptionShowElapsedTimeOnFinish(),
+				progressbar.OptionThrottle(50*time.Millisecond))
+			return
+		}
+		bar.Describe(fmt.Sprintf("%s layer %d/%d %s", job.cmd, l+1, s.Cfg.Layers, r))
+		_ = bar.Add(1)
+	}
+	stats, err := job.run(s, progress)
+	if bar != nil {
+		_ = bar.Finish()
+		fmt.Fprintln(stderr)
+	}
+	if err != nil {
+		return fmt.Errorf("%s: %w", job.cmd, err)
+	}
+	if err := writeResult(s.Out, out, format, job.kind); err != nil {
+		return fmt.Errorf("%s: %w", job.cmd, err)
+	}
+	sum := quantSummary{Method: job.cmd, Model: dir, Out: out, Format: format, Scheme: job.kind.String(),
+		NSamples: ns, SeqLen: sl, CalibTokens: ntok, Seconds: time.Since(start).Seconds(), Modules: stats}
+	if !c.Bool("json") {
+		if err := calib.WriteTable(stdout, stats, job.loss); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "wrote %s (%s, %s) in %.1f s; calibration %d × %d tokens from %s (%d tokens)\n",
+			out, format, job.kind, sum.Seconds, ns, sl, c.String("calib"), ntok)
+	}
+	if verifyFile != "" {
+		v, err := verifyWritten(out, dir, verifyFile, c.Int("verify-chunks"), threads)
+		if err != nil {
+			return fmt.Errorf("%s: --verify: %w", job.cmd, err)
+		}
+		sum.Verify = v
+		if !c.Bool("json") {
+			fmt.Fprintf(stdout, "verify %s: ppl %.4f (gptq protocol, ctx %d, %d chunks, %d tokens) read back from %s\n",
+				filepath.Base(verifyFile), v.PPL, v.Ctx, v.Chunks, v.Tokens, out)
+		}
+	}
+	if c.Bool("json") {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(sum)
+	}
+	return nil
+}
+
+// writeResult writes m to out in format.
+func writeResult(m *model.Model, out, format string, k resultKind) error {
+	switch format {
+	case fmtKuiperV5:
+		return kuiper.Write(m, out, kuiper.WriteOptions{Format: kuiper.AK48, GroupSize: k.group})
+	case fmtKuiperInt8:
+		return kuiper.Write(m, out, kuiper.WriteOptions{Format: kuiper.Int8, GroupSize: k.group})
+	case fmtMsModelSlim:
+		return msmodelslim.Write(m, out, msmodelslim.WriteOptions{})
+	case fmtAutoAWQ:
+		return autoawq.Write(m, out, autoawq.WriteOptions{})
+	case fmtGPTQ:
+		return gptq.Write(m, out, gptq.WriteOptions{})
+	}
+	return fmt.Errorf("format %s cannot be written", format)
+}
+
+// verifyWritten reads the written model back and measures the perplexity of
+// textFile under the GPTQ protocol (ctx 512).
+func verifyWritten(out, hfDir, textFile string, maxChunks, threads int) (*verifySummary, error) {
+	mm, err := openAny(out)
+	if err != nil {
+		return nil, err
+	}
+	defer mm.Close()
+	// Prefer the tokenizer the output carries (or points to); fall back to
+	// the source checkpoint's.
+	tok, err := loadTokenizer("", out, mm)
+	if err != nil {
+		if tok, err = loadTokenizer(hfDir, out, mm); err != nil {
+			return nil, err
+		}
+	}
+	text, err := os.ReadFile(textFile)
+	if err != nil {
+		return nil, err
+	}
+	ids := tokenizer.EncodeWithBOS(tok, string(text))
+	rt, err := runtime.Load(mm, cpu.New(threads))
+	if err != nil {
+		return nil, err
+	}
+	r, err := runtime.Perplexity(rt, ids, runtime.PPLOptions{MaxChunks: maxChunks})
+	if err != nil {
+		return nil, err
+	}
+	return &verifySummary{File: textFile, PPL: r.PPL, Tokens: r.Tokens, Chunks: r.Chunks, Ctx: r.Ctx}, nil
+}

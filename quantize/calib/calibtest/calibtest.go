@@ -1,0 +1,147 @@
+// Package calibtest holds helpers for the long end-to-end tests of the
+// calibration methods (GPTQ, AWQ, SmoothQuant): the protocol's 128 × 512
+// windows of train.txt, the reference tokenization of sotu-test.raw, and a
+// perplexity run of a result model. Tests use it behind QTOOL_LONG=1.
+package calibtest
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"qtool/formats/hf"
+	"qtool/formats/model"
+	"qtool/quantize/calib"
+	"qtool/runtime"
+	"qtool/runtime/cpu"
+	"qtool/runtime/tokenizer"
+)
+
+// TrainText is the calibration corpus of the protocol.
+const TrainText = "/work/shared/corpus/train.txt"
+
+// Long skips t unless QTOOL_LONG is set.
+func Long(t testing.TB) {
+	t.Helper()
+	if os.Getenv("QTOOL_LONG") == "" {
+		t.Skip("long end-to-end run: set QTOOL_LONG=1")
+	}
+	if _, err := os.Stat(TrainText); err != nil {
+		t.Skip("no " + TrainText)
+	}
+}
+
+// EnvInt reads an integer environment variable with a default.
+func EnvInt(name string, def int) int {
+	if v, err := strconv.Atoi(os.Getenv(name)); err == nil {
+		return v
+	}
+	return def
+}
+
+// Session opens the HF model in dir and a calibration session over
+// nsamples × seqlen windows of train.txt (tokenized once per model and
+// cached in the OS temp dir).
+func Session(t testing.TB, dir string, nsamples, seqlen int) *calib.Session {
+	t.Helper()
+	tok, err := tokenizer.LoadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cache := filepath.Join(os.TempDir(), "qtool-calibtest-"+filepath.Base(dir)+".ids")
+	var ids []int
+	if b, err := os.ReadFile(cache); err == nil {
+		ids = make([]int, len(b)/4)
+		for i := range ids {
+			ids[i] = int(binary.LittleEndian.Uint32(b[4*i:]))
+		}
+	} else {
+		text, err := calib.ReadText(TrainText)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = tokenizer.EncodeWithBOS(tok, text)
+		b := make([]byte, 4*len(ids))
+		for i, id := range ids {
+			binary.LittleEndian.PutUint32(b[4*i:], uint32(id))
+		}
+		_ = os.WriteFile(cache, b, 0o644)
+	}
+	win, err := calib.Windows(ids, nsamples, seqlen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := hf.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := calib.NewSession(m, cpu.New(2), win, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// Perplexity evaluates m on the reference ids of sotu-test.raw in dir (all
+// chunks when chunks is 0).
+func Perplexity(t testing.TB, m *model.Model, dir string, chunks int) runtime.PPLResult {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, "ids-sotu-test.raw.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []int
+	if err := json.Unmarshal(b, &ids); err != nil {
+		t.Fatal(err)
+	}
+	rt, err := runtime.Load(m, cpu.New(2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := runtime.Perplexity(rt, ids, runtime.PPLOptions{MaxChunks: chunks})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// PeakRSSMiB returns the process's peak resident set size (VmHWM) in MiB,
+// or 0 where /proc is unavailable.
+func PeakRSSMiB() float64 {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			f := strings.Fields(rest)
+			if len(f) > 0 {
+				kb, _ := strconv.ParseFloat(f[0], 64)
+				return kb / 1024
+			}
+		}
+	}
+	return 0
+}
+
+// Bench runs quantize b.N times over fresh sessions of the protocol's
+// 128 × 512 windows (tokenization cached, not timed) and reports the peak
+// RSS. It skips without train.txt.
+func Bench(b *testing.B, dir string, quantize func(s *calib.Session) error) {
+	if _, err := os.Stat(TrainText); err != nil {
+		b.Skip("no " + TrainText)
+	}
+	Session(b, dir, 1, 512) // warm the token cache
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		s := Session(b, dir, EnvInt("NSAMPLES", 128), 512)
+		if err := quantize(s); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(PeakRSSMiB(), "peakRSS-MiB")
+}

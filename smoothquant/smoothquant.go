@@ -1,0 +1,408 @@
+// Package smoothquant implements SmoothQuant (Xiao et al., 2022) for W8A8:
+// activation outliers are migrated into the weights with per-channel scales
+// s_j = max|X_j|^α / max|W_j|^(1−α), folded into the RMSNorm before q/k/v
+// and gate/up; every decoder linear then gets per-channel symmetric int8
+// weights and a static per-tensor asymmetric int8 activation quantizer
+// (msmodelslim W8A8), calibrated on the same data.
+package smoothquant
+
+import (
+	"fmt"
+	"math"
+
+	"qtool/formats/model"
+	"qtool/quantize"
+	"qtool/quantize/calib"
+	"qtool/runtime"
+	"qtool/runtime/cpu/gemm"
+)
+
+// Options are the knobs of SmoothQuant.
+type Options struct {
+	// Alpha is the migration strength (default 0.5).
+	Alpha float64
+	// AutoAlpha searches α ∈ {0.30, 0.35, …, 0.90} per scale group for the
+	// smallest output error of the W8A8 linears on the calibration tokens.
+	AutoAlpha bool
+	// ClipSearch searches, per linear group, a shrink of the activation
+	// range [min, max] (1, 0.95, … 0.3) minimising the output error;
+	// otherwise the plain calibration min/max is used.
+	ClipSearch bool
+	// SmoothDown also migrates the outliers of down_proj's input into its
+	// weights, folding the scales into up_proj's rows (exact: up's
+	// per-channel weight scales absorb them).
+	SmoothDown bool
+	// SearchTokens bounds the tokens used by the searches (default 4096).
+	SearchTokens int
+	Threads      int
+}
+
+// WithDefaults fills zero fields.
+func (o Options) WithDefaults() Options {
+	if o.Alpha == 0 {
+		o.Alpha = 0.5
+	}
+	if o.SearchTokens == 0 {
+		o.SearchTokens = 4096
+	}
+	if o.Threads <= 0 {
+		o.Threads = 1
+	}
+	return o
+}
+
+// Scales returns s_j = max(actMax_j^α / wMax_j^(1−α), 1e-5) where wMax_j is
+// the largest |w| of input column j over all weights ws ([rows_i, cols]).
+func Scales(actMax []float32, ws [][]float32, alpha float64) []float32 {
+	cols := len(actMax)
+	wMax := make([]float64, cols)
+	for _, w := range ws {
+		for i, v := range w {
+			c := i % cols
+			wMax[c] = math.Max(wMax[c], math.Abs(float64(v)))
+		}
+	}
+	s := make([]float32, cols)
+	for j := range s {
+		v := math.Pow(float64(actMax[j]), alpha) / math.Pow(math.Max(wMax[j], 1e-5), 1-alpha)
+		s[j] = float32(math.Max(v, 1e-5))
+	}
+	return s
+}
+
+// AbsMax returns max |x| per column of x ([rows, cols]).
+func AbsMax(x []float32, rows, cols int) []float32 {
+	out := make([]float32, cols)
+	for r := 0; r < rows; r++ {
+		for c, v := range x[r*cols : (r+1)*cols] {
+			out[c] = max(out[c], float32(math.Abs(float64(v))))
+		}
+	}
+	return out
+}
+
+// ActRange returns the per-tensor input quantizer for values in [lo, hi]
+// (the range always includes 0): x_q = clamp(round(x/scale + offset),
+// −128, 127) with offset an integer, so that 0 is exact.
+func ActRange(lo, hi float32) (scale, offset float32) {
+	lo, hi = min(lo, 0), max(hi, 0)
+	if hi-lo == 0 {
+		return 1, 0
+	}
+	scale = (hi - lo) / 255
+	offset = float32(math.RoundToEven(float64(-128 - lo/scale)))
+	return scale, offset
+}
+
+// MinMax returns the smallest and largest value of x.
+func MinMax(x []float32) (lo, hi float32) {
+	for _, v := range x {
+		lo, hi = min(lo, v), max(hi, v)
+	}
+	return lo, hi
+}
+
+// W8A8 builds the msmodelslim W8A8 linear of a float weight w ([rows, cols])
+// with per-channel symmetric int8 weights (qtool/quantize SymZero, per row)
+// and the given activation quantizer; bias (may be nil) is folded into
+// QuantBias. QuantBias also carries −offset·Σ_k W_q, so that
+// y = (Σ x_q·W_q + QuantBias)·DeqScale.
+func W8A8(w []float32, rows, cols int, bias []float32, inScale, inOffset float32) (*model.W8A8, error) {
+	q, err := quantize.RTN(w, rows, cols, quantize.Params{Bits: 8, Group: 0, Rule: quantize.SymZero})
+	if err != nil {
+		return nil, err
+	}
+	out := &model.W8A8{Weight: q, InputScale: inScale, InputOffset: inOffset,
+		DeqScale: make([]float32, rows), QuantBias: make([]int32, rows)}
+	for r := 0; r < rows; r++ {
+		d := inScale * q.Scale[r]
+		out.DeqScale[r] = d
+		sum := int64(0)
+		for _, v := range q.Q[r*cols : (r+1)*cols] {
+			sum += int64(v)
+		}
+		qb := -float64(inOffset) * float64(sum)
+		if bias != nil && d != 0 {
+			qb += float64(bias[r] / d)
+		}
+		out.QuantBias[r] = int32(math.RoundToEven(qb))
+	}
+	return out, nil
+}
+
+// fakeW8A8 returns x_sub·Ŵᵀ for the W8A8 linear, computed like the runtime.
+func fakeW8A8(x []float32, n, cols int, w *model.W8A8, threads int) []float32 {
+	rows := w.Weight.Rows
+	xq := make([]float32, len(x))
+	for i, v := range x {
+		q := math.RoundToEven(float64(v/w.InputScale + w.InputOffset))
+		xq[i] = float32(min(max(q, -128), 127))
+	}
+	wq := make([]float32, len(w.Weight.Q))
+	for i, v := range w.Weight.Q {
+		wq[i] = float32(v)
+	}
+	y := make([]float32, n*rows)
+	gemm.MatMulNT(n, rows, cols, xq, cols, wq, cols, y, rows, false, threads)
+	for i := 0; i < n; i++ {
+		for j := 0; j < rows; j++ {
+			y[i*rows+j] = (y[i*rows+j] + float32(w.QuantBias[j])) * w.DeqScale[j]
+		}
+	}
+	return y
+}
+
+// QuantizeModel smooths and W8A8-quantizes every decoder linear of the
+// session's model layer by layer (true-sequential), installing the results
+// and the rescaled norms in the session; the result model is s.Out.
+func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]calib.ModuleStat, error) {
+	opt = opt.WithDefaults()
+	opt.Threads = s.Threads()
+	var stats []calib.ModuleStat
+	step := func(l int, p runtime.CapturePoint, x []float32, rows int) error {
+		t := calib.StartTimer()
+		in := len(x) / rows
+		roles := p.Roles()
+		ws := make([][]float32, len(roles))
+		outs := make([]int, len(roles))
+		biases := make([][]float32, len(roles))
+		for i, r := range roles {
+			w, err := s.Weight(l, r)
+			if err != nil {
+				return err
+			}
+			if w == nil {
+				return fmt.Errorf("%s is missing", model.Name(l, r))
+			}
+			ws[i] = append([]float32(nil), w...)
+			outs[i] = len(w) / in
+			if br := biasRole(r); br != "" {
+				b, err := s.Weight(l, br)
+				if err != nil {
+					return err
+				}
+				biases[i] = b
+			}
+		}
+		for i, v := range x {
+			if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+				return fmt.Errorf("%s input (token %d, channel %d) is %g: calibration activations must be finite", p, i/in, i%in, v)
+			}
+		}
+		sub, ns := calib.Subsample(x, rows, in, opt.SearchTokens)
+		sub = append([]float32(nil), sub...)
+		if p == runtime.CaptureGateUp && opt.SmoothDown {
+			if err := smoothDown(s, l, sub, ns, in, ws, outs[0], opt); err != nil {
+				return err
+			}
+		}
+		refs := make([][]float32, len(roles))
+		for i := range roles {
+			refs[i] = matMul(sub, ws[i], ns, outs[i], in, opt.Threads)
+			if biases[i] != nil {
+				addBias(refs[i], biases[i])
+			}
+		}
+		note := ""
+		smooth := p == runtime.CaptureQKV || p == runtime.CaptureGateUp
+		type smoothed struct {
+			sc     []float32
+			xs     []float32
+			wsc    [][]float32
+			lo, hi float32
+		}
+		var actMax []float32
+		if smooth {
+			actMax = AbsMax(x, rows, in)
+		}
+		cache := map[float64]*smoothed{}
+		smoothFor := func(alpha float64) *smoothed {
+			if sm, ok := cache[alpha]; ok {
+				return sm
+			}
+			sm := &smoothed{xs: sub, wsc: ws}
+			if smooth {
+				sm.sc = Scales(actMax, ws, alpha)
+				sm.xs = scaledCopy(sub, ns, in, sm.sc, true)
+				sm.wsc = make([][]float32, len(ws))
+				for i := range ws {
+					sm.wsc[i] = scaledCopy(ws[i], outs[i], in, sm.sc, false)
+				}
+				sm.lo, sm.hi = minMaxScaled(x, rows, in, sm.sc)
+			} else {
+				sm.lo, sm.hi = MinMax(x)
+			}
+			cache[alpha] = sm
+			return sm
+		}
+		build := func(alpha float64, clip float32, apply bool) ([]*model.W8A8, float64, []float32, error) {
+			sm := smoothFor(alpha)
+			xs, wsc, sc, lo, hi := sm.xs, sm.wsc, sm.sc, sm.lo, sm.hi
+			scale, off := ActRange(lo*clip, hi*clip)
+			var lins []*model.W8A8
+			e, norm := 0.0, 0.0
+			for i := range roles {
+				w8, err := W8A8(wsc[i], outs[i], in, biases[i], scale, off)
+				if err != nil {
+					return nil, 0, nil, err
+				}
+				lins = append(lins, w8)
+				y := fakeW8A8(xs, ns, in, w8, opt.Threads)
+				for k := range y {
+					d := float64(y[k] - refs[i][k])
+					e += d * d
+					norm += float64(refs[i][k]) * float64(refs[i][k])
+				}
+			}
+			return lins, e / norm, sc, nil
+		}
+		alpha := opt.Alpha
+		if smooth && opt.AutoAlpha {
+			best := math.Inf(1)
+			for a := 0.30; a < 0.9001; a += 0.05 {
+				_, e, _, err := build(a, 1, false)
+				if err != nil {
+					return err
+				}
+				if e < best {
+					best, alpha = e, a
+				}
+			}
+		}
+		clip := float32(1)
+		if opt.ClipSearch {
+			best := math.Inf(1)
+			for c := float32(1); c > 0.299; c -= 0.05 {
+				_, e, _, err := build(alpha, c, false)
+				if err != nil {
+					return err
+				}
+				if e < best {
+					best, clip = e, c
+				}
+			}
+		}
+		lins, rel, sc, err := build(alpha, clip, true)
+		if err != nil {
+			return err
+		}
+		if smooth {
+			nr, br := model.AttnNorm, model.AttnNormBias
+			if p == runtime.CaptureGateUp {
+				nr, br = model.MLPNorm, model.MLPNormBias
+			}
+			for _, r := range []model.Role{nr, br} {
+				v, err := s.Weight(l, r)
+				if err != nil {
+					return err
+				}
+				if v == nil {
+					continue
+				}
+				nv := append([]float32(nil), v...)
+				for j := range nv {
+					nv[j] /= sc[j]
+				}
+				if err := s.SetVector(l, r, nv); err != nil {
+					return err
+				}
+			}
+			note = fmt.Sprintf("alpha %.2f", alpha)
+		}
+		if clip != 1 {
+			if note != "" {
+				note += ", "
+			}
+			note += fmt.Sprintf("act clip %.2f", clip)
+		}
+		for i, r := range roles {
+			if err := s.SetLinear(l, r, lins[i]); err != nil {
+				return err
+			}
+			if br := biasRole(r); br != "" && biases[i] != nil {
+				// the bias now lives in quant_bias
+				if err := s.SetVector(l, br, nil); err != nil {
+					return err
+				}
+			}
+			stats = append(stats, calib.ModuleStat{Layer: l, Role: r, Loss: rel, RelErr: rel, Seconds: t.Seconds(), Note: note})
+			if progress != nil {
+				progress(l, r, true)
+			}
+		}
+		return nil
+	}
+	if err := s.Run(step, progress); err != nil {
+		return stats, fmt.Errorf("smoothquant: %w", err)
+	}
+	return stats, nil
+}
+
+// smoothDown picks down_proj input scales from the float MLP hidden state of
+// the tokens x ([n, hidden]), divides up's rows (ws[1]) by them and installs
+// down with its columns multiplied.
+func smoothDown(s *calib.Session, l int, x []float32, n, in int, ws [][]float32, inter int, opt Options) error {
+	wd, err := s.Weight(l, model.Down)
+	if err != nil {
+		return err
+	}
+	d := calib.MLPHidden(x, n, in, inter, ws[0], ws[1], opt.Threads)
+	sd := Scales(AbsMax(d, n, inter), [][]float32{wd}, opt.Alpha)
+	for r := 0; r < inter; r++ {
+		for c := 0; c < in; c++ {
+			ws[1][r*in+c] /= sd[r]
+		}
+	}
+	nd := scaledCopy(wd, len(wd)/inter, inter, sd, false)
+	return s.SetLinear(l, model.Down, model.FromFloat32([]int{len(wd) / inter, inter}, nd))
+}
+
+func biasRole(r model.Role) model.Role {
+	switch r {
+	case model.Q:
+		return model.QBias
+	case model.K:
+		return model.KBias
+	case model.V:
+		return model.VBias
+	}
+	return ""
+}
+
+func matMul(x, w []float32, rows, out, in, threads int) []float32 {
+	y := make([]float32, rows*out)
+	gemm.MatMulNT(rows, out, in, x, in, w, in, y, out, false, threads)
+	return y
+}
+
+func addBias(y, b []float32) {
+	n := len(b)
+	for i := range y {
+		y[i] += b[i%n]
+	}
+}
+
+// scaledCopy divides (div) or multiplies the columns of x [rows, cols] by s.
+func scaledCopy(x []float32, rows, cols int, s []float32, div bool) []float32 {
+	out := make([]float32, len(x))
+	for r := 0; r < rows; r++ {
+		for c := 0; c < cols; c++ {
+			if div {
+				out[r*cols+c] = x[r*cols+c] / s[c]
+			} else {
+				out[r*cols+c] = x[r*cols+c] * s[c]
+			}
+		}
+	}
+	return out
+}
+
+func minMaxScaled(x []float32, rows, cols int, s []float32) (lo, hi float32) {
+	for r := 0; r < rows; r++ {
+		for c := 0; c < cols; c++ {
+			v := x[r*cols+c] / s[c]
+			lo, hi = min(lo, v), max(hi, v)
+		}
+	}
+	return lo, hi
+}
