@@ -103,7 +103,7 @@ func runExport(c *cli.Context) error {
 		opt.GroupSize = g
 	}
 	var bar *progressbar.ProgressBar
-	if !c.Bool("quiet") {
+	if !c.Bool("quiet") && isTerminal(os.Stderr) {
 		opt.Progress = func(done, total int, name string) {
 			if bar == nil {
 				bar = progressbar.NewOptions(total, progressbar.OptionSetDescription("export "+string(format)),

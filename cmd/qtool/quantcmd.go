@@ -244,7 +244,7 @@ func runQuant(c *cli.Context, job quantJob) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
-	quiet := c.Bool("quiet") || c.Bool("json")
+	quiet := c.Bool("quiet") || c.Bool("json") || !isTerminal(stderr)
 	var bar *progressbar.ProgressBar
 	progress := func(l int, r model.Role, done bool) {
 		if quiet {
