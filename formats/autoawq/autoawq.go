@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 
 	"qtool/formats/hf"
 	"qtool/formats/model"
@@ -21,15 +20,9 @@ const Format = "autoawq"
 // "quantization_config" of config.json, or AutoAWQ's own quant_config.json
 // when config.json has none.
 func ReadQuantConfig(dir string, raw map[string]json.RawMessage) (QuantConfig, error) {
-	path := filepath.Join(dir, "config.json")
-	data, ok := raw["quantization_config"]
-	if !ok || strings.TrimSpace(string(data)) == "null" {
-		path = filepath.Join(dir, "quant_config.json")
-		var err error
-		data, err = os.ReadFile(path)
-		if err != nil {
-			return QuantConfig{}, fmt.Errorf("%s: config.json has no quantization_config and there is no quant_config.json: not an AutoAWQ checkpoint", dir)
-		}
+	data, path, err := hf.QuantizationConfig(dir, raw, "quant_config.json", "an AutoAWQ")
+	if err != nil {
+		return QuantConfig{}, err
 	}
 	qc, err := ParseQuantConfig(data)
 	if err != nil {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 
 	"qtool/formats/hf"
 	"qtool/formats/model"
@@ -20,15 +19,9 @@ const Format = "gptq"
 // "quantization_config" of config.json, or AutoGPTQ's quantize_config.json
 // when config.json has none.
 func ReadQuantConfig(dir string, raw map[string]json.RawMessage) (QuantConfig, error) {
-	path := filepath.Join(dir, "config.json")
-	data, ok := raw["quantization_config"]
-	if !ok || strings.TrimSpace(string(data)) == "null" {
-		path = filepath.Join(dir, "quantize_config.json")
-		var err error
-		data, err = os.ReadFile(path)
-		if err != nil {
-			return QuantConfig{}, fmt.Errorf("%s: config.json has no quantization_config and there is no quantize_config.json: not a GPTQ checkpoint", dir)
-		}
+	data, path, err := hf.QuantizationConfig(dir, raw, "quantize_config.json", "a GPTQ")
+	if err != nil {
+		return QuantConfig{}, err
 	}
 	qc, err := ParseQuantConfig(data)
 	if err != nil {

@@ -1,7 +1,10 @@
 package hf
 
 import (
+	"encoding/json"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 
 	"qtool/formats/model"
@@ -80,4 +83,22 @@ func OpenQuantized(dir string, cfg model.Config, ql QuantizedLayout) (*model.Mod
 		return fail(err)
 	}
 	return m, nil
+}
+
+// QuantizationConfig returns the JSON of a quantized checkpoint's
+// quantization_config from the parsed config.json (raw), or, when it has
+// none, the contents of the codec's own file dir/fallback (AutoAWQ's
+// quant_config.json, AutoGPTQ's quantize_config.json), with the path it came
+// from for error messages. codec names the checkpoint kind in the error.
+func QuantizationConfig(dir string, raw map[string]json.RawMessage, fallback, codec string) (data []byte, path string, err error) {
+	path = filepath.Join(dir, "config.json")
+	data, ok := raw["quantization_config"]
+	if ok && strings.TrimSpace(string(data)) != "null" {
+		return data, path, nil
+	}
+	path = filepath.Join(dir, fallback)
+	if data, err = os.ReadFile(path); err != nil {
+		return nil, "", fmt.Errorf("%s: config.json has no quantization_config and there is no %s: not %s checkpoint", dir, fallback, codec)
+	}
+	return data, path, nil
 }
