@@ -47,6 +47,25 @@ type Index struct {
 	WeightMap map[string]string `json:"weight_map"`
 }
 
+// ParseIndex parses the JSON of an index file (path names it in errors) and
+// checks that it maps at least one tensor and that every shard is a plain
+// file name in the index's own directory.
+func ParseIndex(path string, data []byte) (Index, error) {
+	var idx Index
+	if err := json.Unmarshal(data, &idx); err != nil {
+		return Index{}, fmt.Errorf("%s: not a safetensors index: %w", path, err)
+	}
+	if len(idx.WeightMap) == 0 {
+		return Index{}, fmt.Errorf("%s: weight_map is empty", path)
+	}
+	for name, s := range idx.WeightMap {
+		if s == "" || s != filepath.Base(s) || strings.HasPrefix(s, ".") {
+			return Index{}, fmt.Errorf("%s: tensor %q: shard name %q must be a plain file name in the same directory", path, name, s)
+		}
+	}
+	return idx, nil
+}
+
 // OpenIndex opens every shard an index file names and checks that each shard
 // holds the tensors the index assigns to it.
 func OpenIndex(indexPath string) (*Checkpoint, error) {
@@ -54,12 +73,9 @@ func OpenIndex(indexPath string) (*Checkpoint, error) {
 	if err != nil {
 		return nil, err
 	}
-	var idx Index
-	if err := json.Unmarshal(data, &idx); err != nil {
-		return nil, fmt.Errorf("%s: not a safetensors index: %w", indexPath, err)
-	}
-	if len(idx.WeightMap) == 0 {
-		return nil, fmt.Errorf("%s: weight_map is empty", indexPath)
+	idx, err := ParseIndex(indexPath, data)
+	if err != nil {
+		return nil, err
 	}
 	dir := filepath.Dir(indexPath)
 	shards := map[string]*File{}
@@ -78,10 +94,6 @@ func OpenIndex(indexPath string) (*Checkpoint, error) {
 	}
 	sort.Strings(shardNames)
 	for _, s := range shardNames {
-		if s != filepath.Base(s) || strings.HasPrefix(s, ".") {
-			closeAll()
-			return nil, fmt.Errorf("%s: shard name %q must be a plain file name in the same directory", indexPath, s)
-		}
 		f, err := Open(filepath.Join(dir, s))
 		if err != nil {
 			closeAll()

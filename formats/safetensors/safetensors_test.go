@@ -250,3 +250,20 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
+
+func FuzzParseIndex(f *testing.F) {
+	f.Add([]byte(`{"metadata":{"total_size":8},"weight_map":{"a":"model-00001-of-00002.safetensors","b":"model-00002-of-00002.safetensors"}}`))
+	f.Add([]byte(`{"weight_map":{"a":"../x.safetensors"}}`))
+	f.Add([]byte(`{"weight_map":{}}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		idx, err := ParseIndex("fuzz.index.json", data)
+		if err != nil {
+			return
+		}
+		for name, s := range idx.WeightMap {
+			if s != filepath.Base(s) || strings.HasPrefix(s, ".") || s == "" {
+				t.Fatalf("tensor %q: accepted shard name %q", name, s)
+			}
+		}
+	})
+}
