@@ -205,3 +205,15 @@ func FuzzDecode(f *testing.F) {
 		}
 	})
 }
+
+func FuzzParseSidecar(f *testing.F) {
+	f.Add([]byte(`{"writer":"qtool","format":"int8","arch":"llama","rope_theta":10000,"rms_norm_eps":1e-5,"rope_layout":"half","head_dim":64}`))
+	f.Add([]byte(`{"arch":"qwen3","tied":true}`))
+	f.Add([]byte(`{`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		s, err := ParseSidecar("fuzz.json", data)
+		if err == nil && s == nil {
+			t.Fatal("nil sidecar without an error")
+		}
+	})
+}
