@@ -31,9 +31,14 @@
 //   - RoPE, RMSNormHeads, AddBias, SiLUMul, StoreKV and Attention act on
 //     each rank's local heads or columns; the KV cache is split by KV heads.
 //
-// The collectives of this package move data through host memory
-// (Download, Communicator, Upload), which is exact and backend-agnostic.
-// Ranks run concurrently, one goroutine each.
+// Ranks run concurrently. CPU ranks run each operation on a goroutine per
+// rank. Ranks that are DeviceRanks (CUDA backends) only queue work, so rank
+// 0 runs on the caller's goroutine and every other rank on a persistent
+// worker goroutine locked to its OS thread; with a DeviceCommunicator
+// (NCCL) the collectives run on the device buffers, queued on the ranks'
+// streams, and layout changes stay on the device. Otherwise the
+// collectives move data through host memory (Download, Communicator,
+// Upload), which is exact and backend-agnostic.
 package tp
 
 import (
@@ -41,6 +46,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"qtool/formats/model"
 	"qtool/formats/shard"
@@ -54,6 +60,21 @@ type Backend struct {
 	ranks []runtime.Backend
 	comm  Communicator
 	kv    [][2]int // KV-cache column range (by KV heads) of each rank
+
+	// With DeviceRanks: workers[r] runs rank r ≥ 1 (workers[0] is nil:
+	// rank 0 runs on the caller); dev are the ranks as DeviceRanks.
+	workers []*worker
+	dev     []DeviceRank
+	// dcomm, when the ranks are DeviceRanks and the communicator runs
+	// collectives on device buffers; streams are the ranks' streams.
+	dcomm   DeviceCommunicator
+	streams []uintptr
+	// skipComm drops the collectives (benchmarks: wrong results).
+	skipComm bool
+	// grouped: the caller issues every rank's collective in one NCCL group;
+	// else each rank issues its own from its thread (with rcomm).
+	grouped bool
+	rcomm   RankDeviceCommunicator
 }
 
 var _ runtime.Backend = (*Backend)(nil)
@@ -82,7 +103,106 @@ func New(cfg model.Config, ranks []runtime.Backend, comm Communicator) (*Backend
 	if err != nil {
 		return nil, fmt.Errorf("tp: %w", err)
 	}
-	return &Backend{cfg: cfg, ranks: ranks, comm: comm, kv: kv}, nil
+	b := &Backend{cfg: cfg, ranks: ranks, comm: comm, kv: kv}
+	dev := make([]DeviceRank, n)
+	for r, be := range ranks {
+		d, ok := be.(DeviceRank)
+		if !ok {
+			return b, nil
+		}
+		dev[r] = d
+	}
+	b.dev = dev
+	if n > 1 {
+		b.workers = make([]*worker, n)
+		for r := 1; r < n; r++ {
+			b.workers[r] = newWorker(r)
+		}
+	}
+	if dc, ok := comm.(DeviceCommunicator); ok {
+		b.dcomm = dc
+		b.rcomm, _ = comm.(RankDeviceCommunicator)
+		b.grouped = b.rcomm == nil || n == 1
+		b.streams = make([]uintptr, n)
+		for r, d := range dev {
+			b.streams[r] = d.Stream()
+		}
+	}
+	return b, nil
+}
+
+// DeviceCollectives reports whether the collectives run on the ranks'
+// device buffers (DeviceRanks and a DeviceCommunicator) rather than
+// through host memory.
+func (b *Backend) DeviceCollectives() bool { return b.dcomm != nil }
+
+// SetGroupedCollectives chooses how device collectives are issued: true,
+// the caller issues every rank's in one NCCL group; false (the default when
+// the communicator is a RankDeviceCommunicator), each rank issues its own
+// from its own thread, concurrently.
+func (b *Backend) SetGroupedCollectives(grouped bool) {
+	b.grouped = grouped || b.rcomm == nil || len(b.ranks) == 1
+}
+
+// SkipCollectives, for benchmarks only, turns the collectives of the
+// forward pass into no-ops (the results are then wrong), to measure what
+// they cost.
+func (b *Backend) SkipCollectives(skip bool) { b.skipComm = skip }
+
+// Sync waits until every rank has finished its queued work.
+func (b *Backend) Sync() {
+	if b.dev == nil {
+		return
+	}
+	b.each(func(r int) { b.dev[r].Sync() })
+}
+
+// TimeAllReduce measures the all-reduce of a replicated [rows, cols]
+// buffer as the forward pass runs it (reps times after one warm-up, all
+// ranks synchronized before and after) and returns the time per call.
+func (b *Backend) TimeAllReduce(rows, cols, reps int) time.Duration {
+	if rows <= 0 || cols <= 0 || reps <= 0 {
+		return 0
+	}
+	t := &Buf{rows: rows, cols: cols}
+	b.layout(t, nil)
+	defer b.release(t)
+	b.allReduce(t)
+	b.Sync()
+	t0 := time.Now()
+	for range reps {
+		b.allReduce(t)
+	}
+	b.Sync()
+	return time.Since(t0) / time.Duration(reps)
+}
+
+// TimeAllGather measures the all-gather of a [rows, cols] buffer split on
+// its columns (evenly over the ranks) into a replicated one, as NLL and
+// Argmax run it on the logits, and returns the time per call.
+func (b *Backend) TimeAllGather(rows, cols, reps int) time.Duration {
+	n := len(b.ranks)
+	if rows <= 0 || cols <= 0 || reps <= 0 || cols%n != 0 {
+		return 0
+	}
+	split := make([][2]int, n)
+	for r := range split {
+		split[r] = [2]int{r * cols / n, (r + 1) * cols / n}
+	}
+	t := &Buf{rows: rows, cols: cols}
+	defer b.release(t)
+	run := func() {
+		b.layout(t, split)
+		b.replicate(t)
+	}
+	run()
+	b.Sync()
+	t0 := time.Now()
+	for range reps {
+		run()
+	}
+	b.Sync()
+	return time.Since(t0) / time.Duration(reps)
 }
 
 // Size is the number of ranks.
@@ -104,6 +224,12 @@ func (b *Backend) Name() string {
 // Close implements runtime.Backend: it closes every rank backend and the
 // communicator.
 func (b *Backend) Close() error {
+	for _, w := range b.workers {
+		if w != nil {
+			w.stop()
+		}
+	}
+	b.workers = nil
 	var errs []error
 	for _, be := range b.ranks {
 		errs = append(errs, be.Close())
@@ -118,6 +244,29 @@ func (b *Backend) each(fn func(r int)) {
 	n := len(b.ranks)
 	if n == 1 {
 		fn(0)
+		return
+	}
+	if b.workers != nil {
+		for _, w := range b.workers[1:] {
+			w.post(fn)
+		}
+		panics := make([]any, 0, n)
+		func() {
+			defer func() {
+				if p := recover(); p != nil {
+					panics = append(panics, fmt.Sprintf("tp rank 0: %v", p))
+				}
+			}()
+			fn(0)
+		}()
+		for _, w := range b.workers[1:] {
+			if p := w.wait(); p != nil {
+				panics = append(panics, fmt.Sprintf("tp rank %d: %v", w.rank, p))
+			}
+		}
+		if len(panics) > 0 {
+			panic(panics[0])
+		}
 		return
 	}
 	var wg sync.WaitGroup
@@ -360,11 +509,32 @@ func (b *Backend) layout(t *Buf, split [][2]int) {
 		return
 	}
 	b.release(t)
-	t.parts = make([]runtime.Buf, len(b.ranks))
-	t.split = split
-	for r, be := range b.ranks {
-		t.parts[r] = be.Alloc(t.rows, width(t.cols, split, r))
+	parts := make([]runtime.Buf, len(b.ranks))
+	if b.workers != nil {
+		b.each(func(r int) { parts[r] = b.ranks[r].Alloc(t.rows, width(t.cols, split, r)) })
+	} else {
+		for r, be := range b.ranks {
+			parts[r] = be.Alloc(t.rows, width(t.cols, split, r))
+		}
 	}
+	t.parts, t.split = parts, split
+}
+
+// run makes d hold rank buffers of layout split (as layout does) and runs
+// fn on every rank. Fresh rank buffers are allocated by the ranks in the
+// same dispatch as fn; fn(r) may read only d.parts[r] of d.
+func (b *Backend) run(d *Buf, split [][2]int, fn func(r int)) {
+	if b.workers == nil || (d.parts != nil && slices.Equal(d.split, split)) {
+		b.layout(d, split)
+		b.each(fn)
+		return
+	}
+	b.release(d)
+	d.parts, d.split = make([]runtime.Buf, len(b.ranks)), split
+	b.each(func(r int) {
+		d.parts[r] = b.ranks[r].Alloc(d.rows, width(d.cols, split, r))
+		fn(r)
+	})
 }
 
 // replicate converts t to the replicated layout, all-gathering a split
@@ -375,6 +545,10 @@ func (b *Backend) replicate(t *Buf) {
 		return
 	}
 	if t.split == nil {
+		return
+	}
+	if b.dcomm != nil && evenSplit(t.cols, t.split) {
+		b.replicateDevice(t)
 		return
 	}
 	n := len(b.ranks)
@@ -423,6 +597,16 @@ func (b *Backend) toSplit(t *Buf, split [][2]int) {
 	}
 	old := t.parts
 	parts := make([]runtime.Buf, len(b.ranks))
+	if b.dcomm != nil {
+		b.each(func(r int) {
+			c0, w := split[r][0], split[r][1]-split[r][0]
+			parts[r] = b.ranks[r].Alloc(t.rows, w)
+			b.dev[r].Copy2D(parts[r], 0, 0, old[r], 0, c0, t.rows, w)
+			b.ranks[r].Free(old[r])
+		})
+		t.parts, t.split = parts, split
+		return
+	}
 	b.each(func(r int) {
 		be := b.ranks[r]
 		all := make([]float32, t.rows*t.cols)
@@ -441,6 +625,10 @@ func (b *Backend) toSplit(t *Buf, split [][2]int) {
 
 // allReduce sums the replicated-shape rank buffers of t over the ranks.
 func (b *Backend) allReduce(t *Buf) {
+	if b.dcomm != nil {
+		b.allReduceDevice(t)
+		return
+	}
 	b.each(func(r int) {
 		be := b.ranks[r]
 		host := make([]float32, t.rows*t.cols)
@@ -526,6 +714,32 @@ func (b *Backend) Embed(dst runtime.Buf, table runtime.Linear, ids []int) {
 	if tl.split != shard.Vocab {
 		panic(fmt.Sprintf("tp.Embed: table %s is split %s, want vocab or replicated", tl.name, tl.split))
 	}
+	if b.dcomm != nil {
+		b.each(func(r int) {
+			lo, hi := tl.ranges[r][0], tl.ranges[r][1]
+			local := make([]int, len(ids))
+			for i, id := range ids {
+				if id >= lo && id < hi {
+					local[i] = id - lo
+				}
+			}
+			b.ranks[r].Embed(d.parts[r], tl.parts[r], local)
+			for i := 0; i < len(ids); { // zero the runs of rows of other ranks' ids
+				if ids[i] >= lo && ids[i] < hi {
+					i++
+					continue
+				}
+				j := i + 1
+				for j < len(ids) && (ids[j] < lo || ids[j] >= hi) {
+					j++
+				}
+				b.dev[r].ZeroRows(d.parts[r], i, j-i)
+				i = j
+			}
+		})
+		b.allReduceDevice(d)
+		return
+	}
 	b.each(func(r int) {
 		be := b.ranks[r]
 		lo, hi := tl.ranges[r][0], tl.ranges[r][1]
@@ -558,8 +772,7 @@ func (b *Backend) RMSNorm(dst, x runtime.Buf, w, bias runtime.Vector, eps float3
 		panic("tp.RMSNorm: norm weight and bias must be replicated vectors")
 	}
 	b.replicate(s)
-	b.layout(d, nil)
-	b.each(func(r int) { b.ranks[r].RMSNorm(d.parts[r], s.parts[r], wv.parts[r], bv.part(r), eps) })
+	b.run(d, nil, func(r int) { b.ranks[r].RMSNorm(d.parts[r], s.parts[r], wv.parts[r], bv.part(r), eps) })
 }
 
 // RMSNormHeads implements runtime.Backend on each rank's local heads.
@@ -581,17 +794,14 @@ func (b *Backend) MatMul(dst, x runtime.Buf, w runtime.Linear) {
 	switch l.split {
 	case shard.Column, shard.Vocab:
 		b.replicate(s)
-		b.layout(d, l.ranges)
-		b.each(func(r int) { b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r]) })
+		b.run(d, l.ranges, func(r int) { b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r]) })
 	case shard.Row:
 		b.toSplit(s, l.ranges)
-		b.layout(d, nil)
-		b.each(func(r int) { b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r]) })
+		b.run(d, nil, func(r int) { b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r]) })
 		b.allReduce(d)
 	default:
 		b.replicate(s)
-		b.layout(d, nil)
-		b.each(func(r int) { b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r]) })
+		b.run(d, nil, func(r int) { b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r]) })
 	}
 }
 
@@ -638,8 +848,7 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 		split[r] = [2]int{r * per, (r + 1) * per}
 	}
 	b.toSplit(s, split)
-	b.layout(d, split)
-	b.each(func(r int) {
+	b.run(d, split, func(r int) {
 		b.ranks[r].Attention(d.parts[r], s.parts[r], kc.parts[r], layer, pos0, heads/n, kvHeads/n, headDim)
 	})
 }
@@ -692,4 +901,93 @@ func (b *Backend) Argmax(logits runtime.Buf) []int {
 	l := bufOf(logits)
 	b.replicate(l)
 	return b.ranks[0].Argmax(l.parts[0])
+}
+
+// evenSplit reports whether every rank holds the same number of columns,
+// in rank order (the layout the device all-gather reassembles).
+func evenSplit(cols int, split [][2]int) bool {
+	w := split[0][1] - split[0][0]
+	for r, s := range split {
+		if s[0] != r*w || s[1]-s[0] != w {
+			return false
+		}
+	}
+	return len(split)*w == cols
+}
+
+// allReduceDevice queues the in-place all-reduce of t's rank buffers on the
+// ranks' streams.
+func (b *Backend) allReduceDevice(t *Buf) {
+	count := t.rows * t.cols
+	if count == 0 || b.skipComm {
+		return
+	}
+	if !b.grouped {
+		errs := make([]error, len(b.ranks))
+		b.each(func(r int) {
+			p := b.dev[r].BufPtr(t.parts[r])
+			b.dev[r].Do(func() { errs[r] = b.rcomm.AllReduceSumDeviceRank(r, p, count, b.streams[r]) })
+		})
+		if err := errors.Join(errs...); err != nil {
+			panic(fmt.Sprintf("tp: all-reduce: %v", err))
+		}
+		return
+	}
+	ptrs := make([]uint64, len(b.ranks))
+	for r, d := range b.dev {
+		ptrs[r] = d.BufPtr(t.parts[r])
+	}
+	var err error
+	b.dev[0].Do(func() { err = b.dcomm.AllReduceSumDevice(ptrs, count, b.streams) })
+	if err != nil {
+		panic(fmt.Sprintf("tp: all-reduce: %v", err))
+	}
+}
+
+// replicateDevice all-gathers the evenly split t on the devices: each rank
+// receives the pieces in rank order ([rank][rows][w]) and reassembles the
+// rows with strided copies (a single row needs none).
+func (b *Backend) replicateDevice(t *Buf) {
+	n := len(b.ranks)
+	rows, cols := t.rows, t.cols
+	w := cols / n
+	old, split := t.parts, t.split
+	full := make([]runtime.Buf, n)
+	recv := make([]runtime.Buf, n)
+	b.each(func(r int) {
+		full[r] = b.ranks[r].Alloc(rows, cols)
+		recv[r] = full[r]
+		if rows > 1 {
+			recv[r] = b.ranks[r].Alloc(n*rows, w)
+		}
+	})
+	if rows*w > 0 && !b.skipComm {
+		send, to := make([]uint64, n), make([]uint64, n)
+		for r, d := range b.dev {
+			send[r], to[r] = d.BufPtr(old[r]), d.BufPtr(recv[r])
+		}
+		var err error
+		if b.grouped {
+			b.dev[0].Do(func() { err = b.dcomm.AllGatherDevice(send, to, rows*w, b.streams) })
+		} else {
+			errs := make([]error, n)
+			b.each(func(r int) {
+				b.dev[r].Do(func() { errs[r] = b.rcomm.AllGatherDeviceRank(r, send[r], to[r], rows*w, b.streams[r]) })
+			})
+			err = errors.Join(errs...)
+		}
+		if err != nil {
+			panic(fmt.Sprintf("tp: all-gather: %v", err))
+		}
+	}
+	b.each(func(r int) {
+		if rows > 1 {
+			for j := range n {
+				b.dev[r].Copy2D(full[r], 0, split[j][0], recv[r], j*rows, 0, rows, w)
+			}
+			b.ranks[r].Free(recv[r])
+		}
+		b.ranks[r].Free(old[r])
+	})
+	t.parts, t.split = full, nil
 }

@@ -243,11 +243,11 @@ func (n *NCCL) GroupStart() error { return n.check("ncclGroupStart", n.groupStar
 func (n *NCCL) GroupEnd() error { return n.check("ncclGroupEnd", n.groupEnd()) }
 
 // NCCLCommunicator is a Communicator over NCCL for ranks that are
-// goroutines of one process, one GPU each (ncclCommInitAll). It works on
-// host slices like InProcess, staging them through a device buffer per
-// rank, so it plugs into Backend with any rank backends. A backend that
-// keeps activations on the GPU would call NCCL.AllReduceSum on its device
-// pointers directly instead.
+// goroutines of one process, one GPU each (ncclCommInitAll). As a
+// Communicator it works on host slices like InProcess, staging them through
+// a device buffer per rank, so it plugs into Backend with any rank
+// backends; as a DeviceCommunicator it runs the collectives of all ranks on
+// their device buffers and streams (what Backend uses with CUDA ranks).
 type NCCLCommunicator struct {
 	lib     *NCCL
 	drv     *driver.Driver
@@ -410,6 +410,78 @@ func (c *NCCLCommunicator) AllGather(rank int, send, recv []float32) error {
 		}
 		return c.drv.MemcpyDtoH(unsafe.Pointer(&recv[0]), d+driver.DevicePtr(sb), rb)
 	})
+}
+
+var _ DeviceCommunicator = (*NCCLCommunicator)(nil)
+
+// AllReduceSumDevice implements DeviceCommunicator: one NCCL group of the
+// ranks' in-place all-reduces, queued on their streams.
+func (c *NCCLCommunicator) AllReduceSumDevice(bufs []uint64, count int, streams []uintptr) error {
+	n := len(c.comms)
+	if len(bufs) != n || len(streams) != n {
+		return fmt.Errorf("nccl: all-reduce over %d buffers and %d streams, %d ranks", len(bufs), len(streams), n)
+	}
+	if count == 0 {
+		return nil
+	}
+	return c.group(func(r int) error {
+		return c.lib.AllReduceSum(bufs[r], bufs[r], count, c.comms[r], streams[r])
+	})
+}
+
+// AllGatherDevice implements DeviceCommunicator: one NCCL group of the
+// ranks' all-gathers, queued on their streams.
+func (c *NCCLCommunicator) AllGatherDevice(send, recv []uint64, count int, streams []uintptr) error {
+	n := len(c.comms)
+	if len(send) != n || len(recv) != n || len(streams) != n {
+		return fmt.Errorf("nccl: all-gather over %d/%d buffers and %d streams, %d ranks", len(send), len(recv), len(streams), n)
+	}
+	if count == 0 {
+		return nil
+	}
+	return c.group(func(r int) error {
+		return c.lib.AllGather(send[r], recv[r], count, c.comms[r], streams[r])
+	})
+}
+
+var _ RankDeviceCommunicator = (*NCCLCommunicator)(nil)
+
+// AllReduceSumDeviceRank implements RankDeviceCommunicator.
+func (c *NCCLCommunicator) AllReduceSumDeviceRank(rank int, buf uint64, count int, stream uintptr) error {
+	if rank < 0 || rank >= len(c.comms) {
+		return fmt.Errorf("nccl: rank %d outside 0..%d", rank, len(c.comms)-1)
+	}
+	if count == 0 {
+		return nil
+	}
+	return c.lib.AllReduceSum(buf, buf, count, c.comms[rank], stream)
+}
+
+// AllGatherDeviceRank implements RankDeviceCommunicator.
+func (c *NCCLCommunicator) AllGatherDeviceRank(rank int, send, recv uint64, count int, stream uintptr) error {
+	if rank < 0 || rank >= len(c.comms) {
+		return fmt.Errorf("nccl: rank %d outside 0..%d", rank, len(c.comms)-1)
+	}
+	if count == 0 {
+		return nil
+	}
+	return c.lib.AllGather(send, recv, count, c.comms[rank], stream)
+}
+
+// group issues call(r) for every rank inside ncclGroupStart/End (one
+// thread drives all ranks).
+func (c *NCCLCommunicator) group(call func(r int) error) error {
+	if err := c.lib.GroupStart(); err != nil {
+		return err
+	}
+	var errs []error
+	for r := range c.comms {
+		if err := call(r); err != nil {
+			errs = append(errs, fmt.Errorf("rank %d: %w", r, err))
+		}
+	}
+	errs = append(errs, c.lib.GroupEnd())
+	return errors.Join(errs...)
 }
 
 // Close implements Communicator: it frees the staging buffers, streams and

@@ -102,6 +102,7 @@ type Driver struct {
 	cuMemcpyDtoHAsync           func(dst unsafe.Pointer, src DevicePtr, n uint64, s Stream) Result
 	cuMemcpyDtoDAsync           func(dst, src DevicePtr, n uint64, s Stream) Result
 	cuMemsetD32Async            func(dst DevicePtr, v uint32, n uint64, s Stream) Result
+	cuMemcpy2DAsync             func(p *memcpy2D, s Stream) Result
 	cuMemGetInfo                func(free, total *uint64) Result
 	cuStreamCreate              func(s *Stream, flags uint32) Result
 	cuStreamDestroy             func(s Stream) Result
@@ -173,6 +174,7 @@ func Open() (*Driver, error) {
 		{&d.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2"},
 		{&d.cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2"},
 		{&d.cuMemsetD32Async, "cuMemsetD32Async"},
+		{&d.cuMemcpy2DAsync, "cuMemcpy2DAsync_v2"},
 		{&d.cuMemGetInfo, "cuMemGetInfo_v2"},
 		{&d.cuStreamCreate, "cuStreamCreate"},
 		{&d.cuStreamDestroy, "cuStreamDestroy_v2"},
@@ -414,6 +416,40 @@ func (d *Driver) MemcpyDtoDAsync(dst, src DevicePtr, n uint64, s Stream) error {
 // MemsetD32Async sets n 32-bit words to v.
 func (d *Driver) MemsetD32Async(dst DevicePtr, v uint32, n uint64, s Stream) error {
 	return d.check("cuMemsetD32Async", d.cuMemsetD32Async(dst, v, n, s))
+}
+
+// memcpy2D is CUDA_MEMCPY2D (64-bit layout).
+type memcpy2D struct {
+	srcXInBytes, srcY uint64
+	srcMemoryType     uint32
+	_                 uint32
+	srcHost           uintptr
+	srcDevice         DevicePtr
+	srcArray          uintptr
+	srcPitch          uint64
+	dstXInBytes, dstY uint64
+	dstMemoryType     uint32
+	_                 uint32
+	dstHost           uintptr
+	dstDevice         DevicePtr
+	dstArray          uintptr
+	dstPitch          uint64
+	widthInBytes      uint64
+	height            uint64
+}
+
+// memoryTypeDevice is CU_MEMORYTYPE_DEVICE.
+const memoryTypeDevice = 2
+
+// MemcpyDtoD2DAsync queues a strided device-to-device copy on s: height
+// rows of widthBytes bytes, from src (rows srcPitch bytes apart) to dst
+// (rows dstPitch bytes apart).
+func (d *Driver) MemcpyDtoD2DAsync(dst DevicePtr, dstPitch uint64, src DevicePtr, srcPitch uint64, widthBytes, height uint64, s Stream) error {
+	p := memcpy2D{srcMemoryType: memoryTypeDevice, srcDevice: src, srcPitch: srcPitch,
+		dstMemoryType: memoryTypeDevice, dstDevice: dst, dstPitch: dstPitch, widthInBytes: widthBytes, height: height}
+	err := d.check("cuMemcpy2DAsync", d.cuMemcpy2DAsync(&p, s))
+	runtime.KeepAlive(&p)
+	return err
 }
 
 // MemGetInfo returns free and total device memory in bytes.

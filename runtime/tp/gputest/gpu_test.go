@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 
 	"qtool/formats/hf"
@@ -107,7 +108,8 @@ func TestCUDATP2(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer be.Close()
-			t.Logf("backend %s", be.Name())
+			be.SetGroupedCollectives(os.Getenv("QTOOL_TP_GROUPED") != "")
+			t.Logf("backend %s, device collectives %v (grouped %v)", be.Name(), be.DeviceCollectives(), os.Getenv("QTOOL_TP_GROUPED") != "")
 			rm2, err := runtime.Load(m, be)
 			if err != nil {
 				t.Fatal(err)
@@ -121,6 +123,7 @@ func TestCUDATP2(t *testing.T) {
 			if rel > 2e-3 || relRef > 2e-3 {
 				t.Errorf("TP=2 logits off: %.3g vs one GPU, %.3g vs reference", rel, relRef)
 			}
+			checkGathered(t, be, rm2, ref.LogitsInputIDs, got)
 			opt := runtime.PPLOptions{MaxChunks: 4}
 			p1, err := runtime.Perplexity(rm1, ids, opt)
 			if err != nil {
@@ -159,5 +162,42 @@ func TestCUDATP2(t *testing.T) {
 				t.Errorf("TP=2 from the shard directory differs by %.3g", r)
 			}
 		})
+	}
+}
+
+// checkGathered compares Argmax and NLL of the TP backend, which all-gather
+// the vocabulary-split logits on the devices, with the same computed on the
+// host from logits (those of ids, downloaded piecewise).
+func checkGathered(t *testing.T, be *tp.Backend, rm *runtime.Model, ids []int, logits []float32) {
+	t.Helper()
+	V := rm.Config().Vocab
+	targets := append(slices.Clone(ids[1:]), ids[0])
+	out := rm.Forward(ids, 0, nil)
+	am := be.Argmax(out)
+	nll := make([]float64, len(ids))
+	be.NLL(nll, out, targets)
+	be.Free(out)
+	dNLL := 0.0
+	for i := range ids {
+		row := logits[i*V : (i+1)*V]
+		best, m := 0, math.Inf(-1)
+		for j, v := range row {
+			if float64(v) > m {
+				best, m = j, float64(v)
+			}
+		}
+		if am[i] != best {
+			t.Errorf("row %d: argmax %d, host %d", i, am[i], best)
+		}
+		sum := 0.0
+		for _, v := range row {
+			sum += math.Exp(float64(v) - m)
+		}
+		want := m + math.Log(sum) - float64(row[targets[i]])
+		dNLL = max(dNLL, math.Abs(nll[i]-want))
+	}
+	t.Logf("all-gathered logits: argmax of %d rows as on the host; NLL max |Δ| %.3g", len(ids), dNLL)
+	if dNLL > 1e-3 {
+		t.Errorf("NLL of the all-gathered logits off by %.3g", dNLL)
 	}
 }

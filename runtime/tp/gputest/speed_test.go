@@ -139,8 +139,10 @@ func speed(t *testing.T, rm *runtime.Model, prompt, steps int) (prefill, decode 
 
 // TestTPSpeed compares prefill and decode of a Llama-2-7B-shaped W4A16
 // model (QTOOL_TP_LAYERS decoder layers, default 8) on one GPU and at TP=2,
-// with the time rank 0 spends in collectives measured separately. It only
-// reports; the numbers go into the issue notes.
+// with the collectives measured separately: alone (all-reduce and
+// all-gather of the decode and prefill shapes), and as the slowdown against
+// a run that skips them. It also runs the host-memory collectives for
+// comparison. It only reports; the numbers go into the issue notes.
 func TestTPSpeed(t *testing.T) {
 	needGPUs(t, 2)
 	if os.Getenv("QTOOL_TP_SPEED") == "" {
@@ -164,56 +166,99 @@ func TestTPSpeed(t *testing.T) {
 	p1, d1 := speed(t, rm1, prompt, steps)
 	one.Close()
 
-	nc, err := tp.NewNCCLCommunicator([]int{0, 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	comm := &timedComm{Communicator: nc}
-	var ranks []runtime.Backend
-	for d := 0; d < 2; d++ {
-		be, err := newRank(d)
+	newTP := func(wrap bool) (*tp.Backend, *runtime.Model, *timedComm) {
+		nc, err := tp.NewNCCLCommunicator([]int{0, 1})
 		if err != nil {
 			t.Fatal(err)
 		}
-		ranks = append(ranks, be)
+		var comm tp.Communicator = nc
+		var tc *timedComm
+		if wrap { // hides the device collectives: the host path
+			tc = &timedComm{Communicator: nc}
+			comm = tc
+		}
+		var ranks []runtime.Backend
+		for d := 0; d < 2; d++ {
+			be, err := newRank(d)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ranks = append(ranks, be)
+		}
+		be, err := tp.New(m.Config, ranks, comm)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rm, err := runtime.Load(m, be)
+		if err != nil {
+			be.Close()
+			t.Fatal(err)
+		}
+		return be, rm, tc
 	}
-	be, err := tp.New(m.Config, ranks, comm)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer be.Close()
-	rm2, err := runtime.Load(m, be)
-	if err != nil {
-		t.Fatal(err)
-	}
-	speed(t, rm2, prompt, steps) // warm-up
+	t.Logf("Llama-2-7B shape, %d layers, W4A16 g128, prompt %d, %d decode steps", layers, prompt, steps)
+	t.Logf("1 GPU : prefill %.0f tok/s, decode %.1f tok/s", p1, d1)
+
+	// Device collectives (NCCL on the ranks' buffers and streams).
+	be, rm2, _ := newTP(false)
+	H, V := m.Config.Hidden, m.Config.Vocab
+	be.SetGroupedCollectives(true)
+	pG, dG := speed(t, rm2, prompt, steps)
+	t.Logf("TP=2 device collectives, one NCCL group per collective: prefill %.0f tok/s (%.2fx), decode %.1f tok/s (%.2fx); all-reduce [1 %d] %.1f µs",
+		pG, pG/p1, dG, dG/d1, H, us(be.TimeAllReduce(1, H, 200)))
+	be.SetGroupedCollectives(false)
+	p2, d2 := speed(t, rm2, prompt, steps)
+	be.SkipCollectives(true)
+	p3, d3 := speed(t, rm2, prompt, steps)
+	be.SkipCollectives(false)
+	arDec, arPre := be.TimeAllReduce(1, H, 200), be.TimeAllReduce(prompt, H, 20)
+	agDec, agPre := be.TimeAllGather(1, V, 200), be.TimeAllGather(prompt, V, 20)
+	nAR := 2*layers + 1 // two per layer and the embedding
+	t.Logf("TP=2 device collectives=%v, issued per rank: prefill %.0f tok/s (%.2fx), decode %.1f tok/s (%.2fx)", be.DeviceCollectives(), p2, p2/p1, d2, d2/d1)
+	t.Logf("TP=2 with the collectives skipped (wrong results, timing only): prefill %.0f tok/s, decode %.1f tok/s",
+		p3, d3)
+	t.Logf("TP=2 collectives alone: all-reduce [1 %d] %.1f µs, [%d %d] %.1f µs; all-gather of the logits [1 %d] %.1f µs, [%d %d] %.1f µs",
+		H, us(arDec), prompt, H, us(arPre), V, us(agDec), prompt, V, us(agPre))
+	cPre := time.Duration(nAR)*arPre + agPre
+	cDec := time.Duration(nAR)*arDec + agDec
+	tPre, tDec := float64(prompt)/p2, float64(steps)/d2
+	t.Logf("TP=2 collective time (%d all-reduces + 1 all-gather per forward): prefill %.2f ms (%.0f%% of %.1f ms); decode %.0f µs/token (%.0f%% of %.0f µs); slowdown from the collectives: prefill %.1f ms, decode %.0f µs/token",
+		nAR, ms(cPre), 100*cPre.Seconds()/tPre, 1e3*tPre, us(cDec), 100*cDec.Seconds()*float64(steps)/tDec, 1e6*tDec/float64(steps),
+		1e3*(float64(prompt)/p2-float64(prompt)/p3), 1e6*(1/d2-1/d3))
+	be.Close()
+
+	// Host collectives (download, NCCL on a staging buffer, upload), the
+	// path of CPU ranks, with rank 1 on its worker.
+	beH, rmH, comm := newTP(true)
+	defer beH.Close()
+	speed(t, rmH, prompt, steps) // warm-up
 	comm.take()
 	ids := make([]int, prompt)
 	for i := range ids {
 		ids[i] = 3 + i%1000
 	}
-	cache := rm2.NewCache(prompt + steps + 1)
+	cache := rmH.NewCache(prompt + steps + 1)
 	t0 := time.Now()
-	lg := rm2.Forward(ids, 0, cache)
-	tok := be.Argmax(lg)[prompt-1]
-	be.Free(lg)
-	tPre := time.Since(t0)
+	lg := rmH.Forward(ids, 0, cache)
+	tok := beH.Argmax(lg)[prompt-1]
+	beH.Free(lg)
+	tPreH := time.Since(t0)
 	commPre, nPre := comm.take()
 	t1 := time.Now()
 	for s := 0; s < steps; s++ {
-		lg := rm2.Forward([]int{tok}, prompt+s, cache)
-		tok = be.Argmax(lg)[0]
-		be.Free(lg)
+		lg := rmH.Forward([]int{tok}, prompt+s, cache)
+		tok = beH.Argmax(lg)[0]
+		beH.Free(lg)
 	}
-	tDec := time.Since(t1)
+	tDecH := time.Since(t1)
 	commDec, nDec := comm.take()
-	p2, d2 := float64(prompt)/tPre.Seconds(), float64(steps)/tDec.Seconds()
-	t.Logf("Llama-2-7B shape, %d layers, W4A16 g128, prompt %d, %d decode steps", layers, prompt, steps)
-	t.Logf("1 GPU : prefill %.0f tok/s, decode %.1f tok/s", p1, d1)
-	t.Logf("TP=2  : prefill %.0f tok/s (%.2fx), decode %.1f tok/s (%.2fx)", p2, p2/p1, d2, d2/d1)
-	t.Logf("TP=2 collectives on rank 0: prefill %d calls %.1f ms (%.0f%% of %.1f ms); decode %d calls %.1f ms (%.0f%% of %.1f ms, %.0f µs/token)",
-		nPre, ms(commPre), 100*commPre.Seconds()/tPre.Seconds(), ms(tPre),
-		nDec, ms(commDec), 100*commDec.Seconds()/tDec.Seconds(), ms(tDec), 1e6*commDec.Seconds()/steps)
+	pH, dH := float64(prompt)/tPreH.Seconds(), float64(steps)/tDecH.Seconds()
+	t.Logf("TP=2 host collectives: prefill %.0f tok/s (%.2fx), decode %.1f tok/s (%.2fx)", pH, pH/p1, dH, dH/d1)
+	t.Logf("TP=2 host collectives on rank 0: prefill %d calls %.1f ms (%.0f%% of %.1f ms); decode %d calls %.1f ms (%.0f%% of %.1f ms, %.0f µs/token)",
+		nPre, ms(commPre), 100*commPre.Seconds()/tPreH.Seconds(), ms(tPreH),
+		nDec, ms(commDec), 100*commDec.Seconds()/tDecH.Seconds(), ms(tDecH), 1e6*commDec.Seconds()/steps)
 }
+
+func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1000 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
