@@ -14,6 +14,7 @@ import (
 	"qtool/formats/model"
 	"qtool/runtime"
 	"qtool/runtime/cuda"
+	"qtool/runtime/tp"
 )
 
 func benchCommand() *cli.Command {
@@ -33,6 +34,7 @@ func benchCommand() *cli.Command {
 			&cli.IntFlag{Name: "decode", Value: 128, Usage: "decode steps"},
 			&cli.BoolFlag{Name: "kernels", Value: true, Usage: "run the per-kernel GEMV/GEMM microbenchmarks"},
 			&cli.StringFlag{Name: "json", Usage: "also write every number to this JSON file"},
+			&cli.IntFlag{Name: "tp", Usage: "also run MODEL tensor-parallel over `N` GPUs (NCCL) and compare it with one GPU"},
 		},
 		Action: runBench,
 	}
@@ -57,6 +59,7 @@ type benchReport struct {
 	GEMMF16     map[string]float64 `json:"gemm_f16_TFLOPs"`
 	Kernels     []kernelResult     `json:"kernels,omitempty"`
 	Models      []modelResult      `json:"models"`
+	TP          *tpResult          `json:"tp,omitempty"`
 	MeasuredUTC string             `json:"measured_utc"`
 }
 
@@ -92,6 +95,10 @@ func runBench(c *cli.Context) error {
 	prompt, steps := c.Int("prompt"), c.Int("decode")
 	if prompt <= 0 || steps <= 0 {
 		return errors.New("bench: --prompt and --decode must be positive")
+	}
+	tpN := c.Int("tp")
+	if tpN > 1 && syn != "" {
+		return errors.New("bench: --tp needs a MODEL: --synthetic weights are generated on one GPU and cannot be split (runtime/tp/gputest's TestTPSpeed measures a Llama-2-7B-shaped W4A16 model at TP=2)")
 	}
 	out := c.App.Writer
 	b, err := cuda.New()
@@ -129,16 +136,29 @@ func runBench(c *cli.Context) error {
 		}
 		printSyntheticRatios(rep, out)
 	} else {
-		m, err := openAny(c.Args().First())
+		m, err := tp.OpenModel(c.Args().First())
 		if err != nil {
 			return fmt.Errorf("bench: %w", err)
 		}
 		defer m.Close()
-		r, err := benchModel(m, c.Args().First(), m.Format, prompt, steps, rep.CopyGBs, out)
-		if err != nil {
-			return err
+		if tp.ShardedSize(m) == 0 {
+			r, err := benchModel(m, c.Args().First(), m.Format, prompt, steps, rep.CopyGBs, out)
+			if err != nil {
+				return err
+			}
+			rep.Models = append(rep.Models, r)
 		}
-		rep.Models = append(rep.Models, r)
+		if tpN > 1 || tp.ShardedSize(m) > 0 {
+			r, err := benchTP(m, tpN, prompt, steps, out)
+			if err != nil {
+				return err
+			}
+			rep.TP = &r
+			if len(rep.Models) == 1 {
+				one := rep.Models[0]
+				fmt.Fprintf(out, "TP=%d vs one GPU: prefill %.2fx, decode %.2fx\n", r.Ranks, r.PrefillTokS/one.PrefillTokS, r.DecodeTokS/one.DecodeTokS)
+			}
+		}
 	}
 	if p := c.String("json"); p != "" {
 		data, err := json.MarshalIndent(rep, "", " ")
@@ -463,4 +483,63 @@ func printSyntheticRatios(rep *benchReport, out io.Writer) {
 			f, r.DecodeGraphTok/f16.DecodeGraphTok, r.DecodeGraphTok, f16.DecodeGraphTok, 100*r.DecodeGraphTok/r.RooflineTokS,
 			100*r.PrefillTokS/f16.PrefillTokS, r.PrefillTokS, f16.PrefillTokS)
 	}
+}
+
+type tpResult struct {
+	Ranks       int     `json:"ranks"`
+	Backend     string  `json:"backend"`
+	PrefillTokS float64 `json:"prefill_tok_s"`
+	DecodeTokS  float64 `json:"decode_tok_s"`
+	// Collective time per forward pass (2·layers+1 all-reduces of the
+	// hidden state and one all-gather of the logits), measured separately.
+	CollectivesPrefillMs float64 `json:"collectives_per_prefill_ms"`
+	CollectivesDecodeUs  float64 `json:"collectives_per_decode_step_us"`
+}
+
+// benchTP runs m tensor-parallel over n GPUs (a shard directory's own n when
+// n <= 1): prefill of prompt tokens, steps decode steps (plain, with an
+// argmax round trip per token), and the collectives timed on their own.
+func benchTP(m *model.Model, n, prompt, steps int, out io.Writer) (tpResult, error) {
+	be, err := tp.NewGPU(m, n, func(d int) (runtime.Backend, error) { return cuda.NewWithOptions(cuda.Options{Device: d}) })
+	if err != nil {
+		return tpResult{}, fmt.Errorf("bench: %w", err)
+	}
+	defer be.Close()
+	rm, err := runtime.Load(m, be)
+	if err != nil {
+		return tpResult{}, fmt.Errorf("bench: %w", err)
+	}
+	cfg := rm.Config()
+	res := tpResult{Ranks: be.Ranks(), Backend: be.Name()}
+	ids := make([]int, prompt)
+	for i := range ids {
+		ids[i] = (i*7919 + 13) % cfg.Vocab
+	}
+	run := func() (next int, pre, dec time.Duration) {
+		cache := rm.NewCache(prompt + steps + 8)
+		t0 := time.Now()
+		lg := rm.Forward(ids, 0, cache)
+		next = be.Argmax(lg)[prompt-1]
+		be.Free(lg)
+		pre = time.Since(t0)
+		t1 := time.Now()
+		for i := 0; i < steps; i++ {
+			lg = rm.Forward([]int{next}, prompt+i, cache)
+			next = be.Argmax(lg)[0]
+			be.Free(lg)
+		}
+		return next, pre, time.Since(t1)
+	}
+	run() // warm-up: module loads, NCCL, allocator pools
+	_, pre, dec := run()
+	res.PrefillTokS = float64(prompt) / pre.Seconds()
+	res.DecodeTokS = float64(steps) / dec.Seconds()
+	reduces := time.Duration(2*cfg.Layers + 1)
+	res.CollectivesPrefillMs = (reduces*be.TimeAllReduce(prompt, cfg.Hidden, 20) + be.TimeAllGather(prompt, cfg.Vocab, 5)).Seconds() * 1e3
+	res.CollectivesDecodeUs = (reduces*be.TimeAllReduce(1, cfg.Hidden, 200) + be.TimeAllGather(1, cfg.Vocab, 200)).Seconds() * 1e6
+	fmt.Fprintf(out, "TP=%d (%s): prefill %.0f tok/s, decode %.1f tok/s; collectives %.2f ms per prefill (%.0f%%), %.0f µs per decode step (%.0f%%)\n",
+		res.Ranks, res.Backend, res.PrefillTokS, res.DecodeTokS,
+		res.CollectivesPrefillMs, 100*res.CollectivesPrefillMs/1e3/pre.Seconds(),
+		res.CollectivesDecodeUs, 100*res.CollectivesDecodeUs/1e6/(dec.Seconds()/float64(steps)))
+	return res, nil
 }

@@ -144,20 +144,8 @@ func openInput(hfDir, in string) (*model.Model, error) {
 		// (hf.Open refuses a quantization_config).
 		return convert.Open(hfDir)
 	case in != "":
-		return openAny(in)
+		return convert.Open(in)
 	}
 	return nil, errors.New("no input: give --hf DIR or --in PATH")
 }
 
-// openAny opens a Kuiper-family file directly and anything else through
-// convert.Open.
-func openAny(path string) (*model.Model, error) {
-	fi, err := os.Stat(path)
-	if err != nil {
-		return nil, err
-	}
-	if !fi.IsDir() {
-		return kuiper.Open(path, kuiper.OpenOptions{})
-	}
-	return convert.Open(path)
-}

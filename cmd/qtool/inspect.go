@@ -11,6 +11,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"qtool/formats/kuiper"
+	"qtool/convert"
 	"qtool/formats/model"
 )
 
@@ -85,7 +86,7 @@ func inspect(path string, stats bool, source string) (*inspectReport, error) {
 	rep := &inspectReport{Path: path}
 	var m *model.Model
 	if fi.IsDir() {
-		if m, err = openAny(path); err != nil {
+		if m, err = convert.Open(path); err != nil {
 			return nil, err
 		}
 		defer m.Close()
@@ -116,7 +117,7 @@ func inspect(path string, stats bool, source string) (*inspectReport, error) {
 	}
 	var src *model.Model
 	if source != "" {
-		if src, err = openAny(source); err != nil {
+		if src, err = convert.Open(source); err != nil {
 			return nil, err
 		}
 		defer src.Close()

@@ -21,6 +21,7 @@ import (
 	"qtool/formats/gptq"
 	"qtool/formats/hf"
 	"qtool/formats/kuiper"
+	"qtool/convert"
 	"qtool/formats/model"
 	"qtool/formats/msmodelslim"
 	"qtool/quantize/calib"
@@ -322,7 +323,7 @@ func writeResult(m *model.Model, out, format string, k resultKind) error {
 // verifyWritten reads the written model back and measures the perplexity of
 // textFile under the GPTQ protocol (ctx 512).
 func verifyWritten(out, hfDir, textFile string, maxChunks, threads int) (*verifySummary, error) {
-	mm, err := openAny(out)
+	mm, err := convert.Open(out)
 	if err != nil {
 		return nil, err
 	}

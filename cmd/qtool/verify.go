@@ -355,10 +355,21 @@ func newBackend(device string, threads, tpN int, mm *model.Model) (runtime.Backe
 		return nil, fmt.Errorf("verify: --tp %d: want a positive rank count", tpN)
 	}
 	if tpN > 1 || tp.ShardedSize(mm) > 0 {
-		if device != "auto" && device != "cpu" && device != "" {
-			return nil, fmt.Errorf("verify: --tp runs on --device cpu only in this build")
+		if device == "cpu" {
+			return tp.NewCPU(mm, tpN, threads)
 		}
-		return tp.NewCPU(mm, tpN, threads)
+		be, err := tp.NewGPU(mm, tpN, func(d int) (runtime.Backend, error) {
+			return cuda.NewWithOptions(cuda.Options{Device: d})
+		})
+		switch {
+		case err == nil:
+			return be, nil
+		case device != "cuda" && errors.Is(err, cuda.ErrNoDriver):
+			fmt.Fprintf(os.Stderr, "qtool: %v; running the %d ranks on the CPU\n", err, max(tpN, tp.ShardedSize(mm)))
+			return tp.NewCPU(mm, tpN, threads)
+		default:
+			return nil, fmt.Errorf("verify: --device %s --tp: %w", device, err)
+		}
 	}
 	switch device {
 	case "cpu":

@@ -211,6 +211,9 @@ func (b *Backend) Size() int { return len(b.ranks) }
 // Rank returns the backend of rank r.
 func (b *Backend) Rank(r int) runtime.Backend { return b.ranks[r] }
 
+// Ranks is the number of ranks.
+func (b *Backend) Ranks() int { return len(b.ranks) }
+
 // Name implements runtime.Backend: "tp<N>", the communicator when it has
 // a name, and rank 0's name, e.g. "tp2(nccl 22803):cuda:NVIDIA H200".
 func (b *Backend) Name() string {
