@@ -148,4 +148,3 @@ func openInput(hfDir, in string) (*model.Model, error) {
 	}
 	return nil, errors.New("no input: give --hf DIR or --in PATH")
 }
-

@@ -10,8 +10,8 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"qtool/formats/kuiper"
 	"qtool/convert"
+	"qtool/formats/kuiper"
 	"qtool/formats/model"
 )
 

@@ -17,11 +17,11 @@ import (
 	"github.com/schollz/progressbar/v3"
 	"github.com/urfave/cli/v2"
 
+	"qtool/convert"
 	"qtool/formats/autoawq"
 	"qtool/formats/gptq"
 	"qtool/formats/hf"
 	"qtool/formats/kuiper"
-	"qtool/convert"
 	"qtool/formats/model"
 	"qtool/formats/msmodelslim"
 	"qtool/quantize/calib"
