@@ -733,6 +733,354 @@ GEMVS_ENTRY(gemv_q8_s, GQ8, false, 8, 1)
 GEMVS_ENTRY(gemv_q8_sb, GQ8, false, 8, 4)
 
 // ---------------------------------------------------------------------------
+// Streaming GEMV for quantized weights ("w" variants, round 3), M rows of x
+// (grid.y). A block of 8 warps stages its activation row once in dynamic
+// shared memory (q4: fp16 half2 pairs, the high-nibble pairs pre-scaled by
+// 1/16 as in gemv_q4_sh; q8: fp32), 16-byte units swizzled so that each
+// lane's four 16-byte reads are bank-conflict free. The warps form WR = 8/WK
+// row groups x WK K groups; a warp owns R rows and every WK-th chunk of
+// 32 lanes x 16 bytes (q4: 1024 k, q8: 512 k). Weights and their
+// {scale, zero} go straight to registers through a ring of D chunks
+// (ld.global.nc, L1 no-allocate): D*R 16-byte loads per lane are in flight
+// while one chunk is computed, and the chunk's slot is refilled right after.
+// The weight loads of the first D chunks are issued before x is staged, so
+// the two latencies overlap. The K groups add their sums in shared memory in
+// a fixed order (deterministic). Device layouts are the ones of the other
+// GEMV kernels. Requires (host side): no g_idx, K and gs multiples of 32
+// (q4) or 16 (q8).
+// Args (y, x, W, sz, N, K, gs, G); grid (ceil(N/(WR*R)), M), block 256,
+// dynamic shared memory 2K (q4) or 4K (q8) bytes.
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+// Physical 16-byte unit of logical unit u (flips its low 2 bits by bits 3-4).
+__device__ __forceinline__ int xw_swz(int u) { return u ^ ((u >> 3) & 3); }
+
+template <int F, int R, int WK, int D>
+__device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
+                                           const float2* __restrict__ sz, int N, int K, int gs, int G) {
+    constexpr int KL = F == GQ4 ? 32 : 16;  // k per lane and chunk
+    constexpr int KC = 32 * KL;             // k per chunk
+    constexpr int WR = 8 / WK;              // row groups
+    extern __shared__ uint4 xsh[];
+    __shared__ float red[WK > 1 ? WK : 1][WR * R];
+    int m = blockIdx.y;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int wr = warp % WR, wk = warp / WR;
+    int n0 = (blockIdx.x * WR + wr) * R;
+    int nch = (K + KC - 1) / KC;
+    int upr = K / KL;  // 16-byte units per weight row
+    const uint4* wrow[R];
+    const float2* srow[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        size_t n = (size_t)min(n0 + r, N - 1);
+        wrow[r] = reinterpret_cast<const uint4*>(W) + n * upr + lane;
+        srow[r] = sz + n * G;
+    }
+    uint4 buf[D][R];
+    float2 sb[D][R];
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+        int j = wk + d * WK;
+        int k = j * KC + lane * KL;
+        if (j < nch && k < K) {
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                buf[d][r] = ldg_stream(wrow[r] + j * 32);
+                sb[d][r] = __ldg(srow[r] + k / gs);
+            }
+        }
+    }
+    // Stage x row m: unit u = 16 bytes of the staged form.
+    const float* xr = x + (size_t)m * K;
+    if (F == GQ4) {
+        for (int u = tid; u < K / 8; u += 256) {
+            float4 a = *reinterpret_cast<const float4*>(xr + 8 * u);
+            float4 b = *reinterpret_cast<const float4*>(xr + 8 * u + 4);
+            __half2 h0 = __floats2half2_rn(a.x, a.y), h1 = __floats2half2_rn(a.z * 0.0625f, a.w * 0.0625f);
+            __half2 h2 = __floats2half2_rn(b.x, b.y), h3 = __floats2half2_rn(b.z * 0.0625f, b.w * 0.0625f);
+            uint4 v;
+            v.x = *reinterpret_cast<uint32_t*>(&h0);
+            v.y = *reinterpret_cast<uint32_t*>(&h1);
+            v.z = *reinterpret_cast<uint32_t*>(&h2);
+            v.w = *reinterpret_cast<uint32_t*>(&h3);
+            xsh[xw_swz(u)] = v;
+        }
+    } else {
+        for (int u = tid; u < K / 4; u += 256) {
+            xsh[xw_swz(u)] = *reinterpret_cast<const uint4*>(xr + 4 * u);
+        }
+    }
+    __syncthreads();
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.f;
+    for (int j0 = wk; j0 < nch; j0 += D * WK) {
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            int j = j0 + d * WK;
+            int k = j * KC + lane * KL;
+            if (j < nch && k < K) {
+                int u0 = (j * 32 + lane) * 4;
+                uint4 xv[4];
+#pragma unroll
+                for (int q = 0; q < 4; q++) xv[q] = xsh[xw_swz(u0 + q)];
+                if (F == GQ4) {
+                    constexpr uint32_t LO = 0x000f000fu, HI = 0x00f000f0u, MAGIC = 0x64006400u;
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        __half2 z1024 = *reinterpret_cast<const __half2*>(&sb[d][r].y);
+                        __half2 z16 = __hfma2(z1024, __float2half2_rn(16.f), __float2half2_rn(-15360.f));
+                        uint32_t w4[4] = {buf[d][r].x, buf[d][r].y, buf[d][r].z, buf[d][r].w};
+                        float p = 0.f;
+#pragma unroll
+                        for (int q = 0; q < 4; q++) {
+                            uint32_t w = w4[q], w8 = w4[q] >> 8, h0, h1, h2, h3;
+                            asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h0) : "r"(w), "n"(LO), "n"(MAGIC));
+                            asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h1) : "r"(w), "n"(HI), "n"(MAGIC));
+                            asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h2) : "r"(w8), "n"(LO), "n"(MAGIC));
+                            asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h3) : "r"(w8), "n"(HI), "n"(MAGIC));
+                            const __half2* xh = reinterpret_cast<const __half2*>(&xv[q]);
+                            __half2 a = __hmul2(xh[0], __hsub2(*reinterpret_cast<__half2*>(&h0), z1024));
+                            a = __hfma2(xh[1], __hsub2(*reinterpret_cast<__half2*>(&h1), z16), a);
+                            a = __hfma2(xh[2], __hsub2(*reinterpret_cast<__half2*>(&h2), z1024), a);
+                            a = __hfma2(xh[3], __hsub2(*reinterpret_cast<__half2*>(&h3), z16), a);
+                            float2 af = __half22float2(a);
+                            p += af.x + af.y;
+                        }
+                        acc[r] = fmaf(sb[d][r].x, p, acc[r]);
+                    }
+                } else {
+                    const float* xf = reinterpret_cast<const float*>(xv);
+                    float xsum = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 16; i++) xsum += xf[i];
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        uint32_t w4[4] = {buf[d][r].x ^ 0x80808080u, buf[d][r].y ^ 0x80808080u,
+                                          buf[d][r].z ^ 0x80808080u, buf[d][r].w ^ 0x80808080u};
+                        float p = 0.f;
+#pragma unroll
+                        for (int i = 0; i < 16; i++) {
+                            uint32_t b = __byte_perm(w4[i >> 2], 0x4B000000u, 0x7650 | (i & 3));
+                            p = fmaf(xf[i], __uint_as_float(b) - 8388736.f, p);
+                        }
+                        acc[r] = fmaf(sb[d][r].x, p - sb[d][r].y * xsum, acc[r]);
+                    }
+                }
+            }
+            // Refill this slot with the chunk D*WK further on.
+            int jn = j + D * WK;
+            int kn = jn * KC + lane * KL;
+            if (jn < nch && kn < K) {
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    buf[d][r] = ldg_stream(wrow[r] + jn * 32);
+                    sb[d][r] = __ldg(srow[r] + kn / gs);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
+    float mine = acc[0];
+#pragma unroll
+    for (int r = 1; r < R; r++)
+        if (lane == r) mine = acc[r];
+    if (WK == 1) {
+        if (lane < R && n0 + lane < N) y[(size_t)m * N + n0 + lane] = mine;
+        return;
+    }
+    if (lane < R) red[wk][wr * R + lane] = mine;
+    __syncthreads();
+    if (tid < WR * R) {
+        float v = 0.f;
+#pragma unroll
+        for (int i = 0; i < WK; i++) v += red[i][tid];
+        int n = blockIdx.x * WR * R + tid;
+        if (n < N) y[(size_t)m * N + n] = v;
+    }
+}
+
+#define GEMVW_ENTRY(name, F, R, WK, D, MINB)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(float* y, const float* x, const void* W,          \
+                                                                 const float2* sz, int N, int K, int gs, int G) { \
+        gemvw_body<F, R, WK, D>(y, x, W, sz, N, K, gs, G);                                                         \
+    }
+GEMVW_ENTRY(gemv_q4_w2h, GQ4, 2, 1, 4, 2)
+GEMVW_ENTRY(gemv_q4_w4h, GQ4, 4, 1, 2, 2)
+GEMVW_ENTRY(gemv_q4_wk2h, GQ4, 2, 2, 4, 2)
+GEMVW_ENTRY(gemv_q4_w2h8, GQ4, 2, 1, 8, 1)
+GEMVW_ENTRY(gemv_q8_w2, GQ8, 2, 1, 4, 2)
+GEMVW_ENTRY(gemv_q8_w4, GQ8, 4, 1, 2, 2)
+GEMVW_ENTRY(gemv_q8_wk2, GQ8, 2, 2, 4, 2)
+GEMVW_ENTRY(gemv_q8_w2d8, GQ8, 2, 1, 8, 1)
+
+// Persistent streaming GEMV ("p" variants): as gemvw_body with WK = 1, but
+// each warp walks a stream of (row tile, chunk) items, tiles gw, gw + GW, ...
+// (gw its global warp index, GW the grid's warps; the host sizes the grid so
+// that tiles split evenly over warps), so the ring of D chunks keeps loading
+// across tile boundaries and x is staged once per block for all its tiles.
+// Args as gemvw; grid (blocks, M), block 256.
+template <int F, int R, int D>
+__device__ __forceinline__ void gemvp_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
+                                           const float2* __restrict__ sz, int N, int K, int gs, int G) {
+    constexpr int KL = F == GQ4 ? 32 : 16;
+    constexpr int KC = 32 * KL;
+    extern __shared__ uint4 xsh[];
+    int m = blockIdx.y;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int GW = gridDim.x * 8, gw = blockIdx.x * 8 + warp;
+    int ntile = (N + R - 1) / R;
+    int nch = (K + KC - 1) / KC;
+    int upr = K / KL;
+    const uint4* W4 = reinterpret_cast<const uint4*>(W) + lane;
+    uint4 buf[D][R];
+    float2 sb[D][R];
+    int lt = gw, lj = 0;  // next item to load
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+        if (lt < ntile) {
+            int k = lj * KC + lane * KL;
+            if (k < K) {
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    size_t n = (size_t)min(lt * R + r, N - 1);
+                    buf[d][r] = ldg_stream(W4 + n * upr + lj * 32);
+                    sb[d][r] = __ldg(sz + n * G + k / gs);
+                }
+            }
+            if (++lj == nch) { lj = 0; lt += GW; }
+        }
+    }
+    const float* xr = x + (size_t)m * K;
+    if (F == GQ4) {
+        for (int u = tid; u < K / 8; u += 256) {
+            float4 a = *reinterpret_cast<const float4*>(xr + 8 * u);
+            float4 b = *reinterpret_cast<const float4*>(xr + 8 * u + 4);
+            __half2 h0 = __floats2half2_rn(a.x, a.y), h1 = __floats2half2_rn(a.z * 0.0625f, a.w * 0.0625f);
+            __half2 h2 = __floats2half2_rn(b.x, b.y), h3 = __floats2half2_rn(b.z * 0.0625f, b.w * 0.0625f);
+            uint4 v;
+            v.x = *reinterpret_cast<uint32_t*>(&h0);
+            v.y = *reinterpret_cast<uint32_t*>(&h1);
+            v.z = *reinterpret_cast<uint32_t*>(&h2);
+            v.w = *reinterpret_cast<uint32_t*>(&h3);
+            xsh[xw_swz(u)] = v;
+        }
+    } else {
+        for (int u = tid; u < K / 4; u += 256) xsh[xw_swz(u)] = *reinterpret_cast<const uint4*>(xr + 4 * u);
+    }
+    __syncthreads();
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.f;
+    int ct = gw, cj = 0;  // item to compute
+    while (ct < ntile) {
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            if (ct < ntile) {
+                int k = cj * KC + lane * KL;
+                if (k < K) {
+                    int u0 = (cj * 32 + lane) * 4;
+                    uint4 xv[4];
+#pragma unroll
+                    for (int q = 0; q < 4; q++) xv[q] = xsh[xw_swz(u0 + q)];
+                    if (F == GQ4) {
+                        constexpr uint32_t LO = 0x000f000fu, HI = 0x00f000f0u, MAGIC = 0x64006400u;
+#pragma unroll
+                        for (int r = 0; r < R; r++) {
+                            __half2 z1024 = *reinterpret_cast<const __half2*>(&sb[d][r].y);
+                            __half2 z16 = __hfma2(z1024, __float2half2_rn(16.f), __float2half2_rn(-15360.f));
+                            uint32_t w4[4] = {buf[d][r].x, buf[d][r].y, buf[d][r].z, buf[d][r].w};
+                            float p = 0.f;
+#pragma unroll
+                            for (int q = 0; q < 4; q++) {
+                                uint32_t w = w4[q], w8 = w4[q] >> 8, h0, h1, h2, h3;
+                                asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h0) : "r"(w), "n"(LO), "n"(MAGIC));
+                                asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h1) : "r"(w), "n"(HI), "n"(MAGIC));
+                                asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h2) : "r"(w8), "n"(LO), "n"(MAGIC));
+                                asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h3) : "r"(w8), "n"(HI), "n"(MAGIC));
+                                const __half2* xh = reinterpret_cast<const __half2*>(&xv[q]);
+                                __half2 a = __hmul2(xh[0], __hsub2(*reinterpret_cast<__half2*>(&h0), z1024));
+                                a = __hfma2(xh[1], __hsub2(*reinterpret_cast<__half2*>(&h1), z16), a);
+                                a = __hfma2(xh[2], __hsub2(*reinterpret_cast<__half2*>(&h2), z1024), a);
+                                a = __hfma2(xh[3], __hsub2(*reinterpret_cast<__half2*>(&h3), z16), a);
+                                float2 af = __half22float2(a);
+                                p += af.x + af.y;
+                            }
+                            acc[r] = fmaf(sb[d][r].x, p, acc[r]);
+                        }
+                    } else {
+                        const float* xf = reinterpret_cast<const float*>(xv);
+                        float xsum = 0.f;
+#pragma unroll
+                        for (int i = 0; i < 16; i++) xsum += xf[i];
+#pragma unroll
+                        for (int r = 0; r < R; r++) {
+                            uint32_t w4[4] = {buf[d][r].x ^ 0x80808080u, buf[d][r].y ^ 0x80808080u,
+                                              buf[d][r].z ^ 0x80808080u, buf[d][r].w ^ 0x80808080u};
+                            float p = 0.f;
+#pragma unroll
+                            for (int i = 0; i < 16; i++) {
+                                uint32_t b = __byte_perm(w4[i >> 2], 0x4B000000u, 0x7650 | (i & 3));
+                                p = fmaf(xf[i], __uint_as_float(b) - 8388736.f, p);
+                            }
+                            acc[r] = fmaf(sb[d][r].x, p - sb[d][r].y * xsum, acc[r]);
+                        }
+                    }
+                }
+                // Refill this slot with the next item of the stream.
+                if (lt < ntile) {
+                    int kn = lj * KC + lane * KL;
+                    if (kn < K) {
+#pragma unroll
+                        for (int r = 0; r < R; r++) {
+                            size_t n = (size_t)min(lt * R + r, N - 1);
+                            buf[d][r] = ldg_stream(W4 + n * upr + lj * 32);
+                            sb[d][r] = __ldg(sz + n * G + kn / gs);
+                        }
+                    }
+                    if (++lj == nch) { lj = 0; lt += GW; }
+                }
+                if (++cj == nch) {
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
+                    float mine = acc[0];
+#pragma unroll
+                    for (int r = 1; r < R; r++)
+                        if (lane == r) mine = acc[r];
+                    int n = ct * R + lane;
+                    if (lane < R && n < N) y[(size_t)m * N + n] = mine;
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[r] = 0.f;
+                    cj = 0;
+                    ct += GW;
+                }
+            }
+        }
+    }
+}
+
+#define GEMVP_ENTRY(name, F, R, D, MINB)                                                                           \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(float* y, const float* x, const void* W,          \
+                                                                 const float2* sz, int N, int K, int gs, int G) { \
+        gemvp_body<F, R, D>(y, x, W, sz, N, K, gs, G);                                                             \
+    }
+GEMVP_ENTRY(gemv_q4_p2h, GQ4, 2, 4, 2)
+GEMVP_ENTRY(gemv_q4_p2h3, GQ4, 2, 3, 3)
+GEMVP_ENTRY(gemv_q4_p4h, GQ4, 4, 2, 2)
+GEMVP_ENTRY(gemv_q4_p1h, GQ4, 1, 6, 3)
+GEMVP_ENTRY(gemv_q8_p2, GQ8, 2, 4, 2)
+GEMVP_ENTRY(gemv_q8_p2d3, GQ8, 2, 3, 3)
+GEMVP_ENTRY(gemv_q8_p4, GQ8, 4, 2, 2)
+GEMVP_ENTRY(gemv_q8_p1, GQ8, 1, 6, 3)
+
+// ---------------------------------------------------------------------------
 // Tensor-core GEMV for quantized weights (variants "m", "m4"), M <= 8.
 // The activation rows are the 8 columns of an mma.sync m16n8k16 B operand;
 // a warp multiplies a tile of 16 weight rows by one K block (q4: 128 k, each

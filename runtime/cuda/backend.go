@@ -40,9 +40,9 @@ type Options struct {
 	// GEMVMaxRows: matrix products with at most this many activation rows use
 	// the GEMV kernels, larger ones the tensor-core GEMM (default 4).
 	GEMVMaxRows int
-	// Q4HalfAccumulate selects the half-precision 4-bit GEMV (the default
-	// kernel already is one: activations rounded to fp16, each 8 products
-	// summed in fp16, then fp32).
+	// Q4HalfAccumulate selects the split-K half-precision 4-bit GEMV "sh"
+	// (the default "wah" kernels compute the same way: activations rounded
+	// to fp16, each 8 products summed in fp16, then fp32).
 	Q4HalfAccumulate bool
 	// Q4FullPrecision selects the fp32-arithmetic 4-bit GEMV (slower).
 	Q4FullPrecision bool
@@ -192,6 +192,9 @@ func kernelNames() []string {
 	}
 	for k, vs := range gemvVariants {
 		for _, v := range vs {
+			if _, auto := gemvAuto[v]; auto {
+				continue
+			}
 			names = append(names, "gemv_"+kindNames[k]+"_"+v)
 		}
 	}

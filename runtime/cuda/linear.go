@@ -363,6 +363,27 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		b.launchShm(name, g1(grid), [3]uint32{uint32(32 * warps), 1, 1}, shm, d.p, s.p, l.w, l.sz, N, K, l.gs, l.groups, M)
 		return
 	}
+	if R > gemvPersistTag && R < gemvPersistTag+16 {
+		_, shm, _ := gemvStream(l)
+		rows := R - gemvPersistTag
+		res := b.residentBlocks(name, 256, shm)
+		// Even split: every warp gets per tiles (the last ones fewer).
+		tiles := (N + rows - 1) / rows
+		maxWarps := max(8, b.sms*res*8/M)
+		per := (tiles + maxWarps - 1) / maxWarps
+		warps := (tiles + per - 1) / per
+		blocks := (warps + 7) / 8
+		b.launchShm(name, [3]uint32{uint32(blocks), uint32(M), 1}, block256, shm, d.p, s.p, l.w, l.sz, N, K, l.gs, l.groups)
+		return
+	}
+	if R == gemvStreamRowsTag {
+		_, shm, _ := gemvStream(l)
+		rows := gemvStreamRows(name[strings.LastIndexByte(name, '_')+1:])
+		b.raiseSmem(name, shm)
+		grid := [3]uint32{uint32((N + rows - 1) / rows), uint32(M), 1}
+		b.launchShm(name, grid, block256, shm, d.p, s.p, l.w, l.sz, N, K, l.gs, l.groups)
+		return
+	}
 	if R <= 0 { // split-K kernel with -R rows per warp
 		kl := 32
 		if l.kind == kindQ8 {
@@ -435,19 +456,70 @@ func (b *Backend) counters(name string, n int) driver.DevicePtr {
 // (tensor-core, persistent, cp.async ring: "m" 8 warps per block and 3
 // stages, "m4" 4 warps and 4 stages, "m6" 4 warps and 6 stages, "mc" as
 // "m" with each warp taking a contiguous run of K blocks);
-// the first is the default (the m kernels measured slower on the H200 so
-// far: kernels/NOTES.md). Weights or row counts the m kernels cannot run
-// fall back to the first other variant.
+// w… (round 3: register streaming, R rows per warp, a ring of D 16-byte
+// chunks per lane in flight, x staged once per block in shared memory:
+// "w2h"/"w2" R=2 D=4, "w4h"/"w4" R=4 D=2, "wk2…" two warps split K,
+// "w2h8"/"w2d8" D=8; "wah"/"wa" pick w4… for widths up to 4096, else w2…)
+// or p… (the same, persistent: each warp walks several row tiles, the ring
+// running across them: "p<R>…", "p2h3"/"p2d3" D=3).
+// The first is the default: q4 "wah" (fastest in round 3 on the H200 at
+// every bench shape and passing the end-to-end checks), q8 "r4u1" (the
+// w/p kernels were not faster: kernels/NOTES.md). Weights or row counts
+// the m kernels cannot run fall back to the first other variant; those
+// the w/p kernels cannot run (g_idx, width or group not a multiple of
+// 32 (q4) or 16 (q8), staged x over 96 KB) to the first variant that is
+// none of m, w, p.
 var gemvVariants = [...][]string{
 	kindF32:  {"r4u1"},
 	kindF16:  {"r4u2", "r4u1"},
 	kindBF16: {"r4u2", "r4u1"},
-	kindQ8:   {"r4u1", "s", "sb", "r8u1", "r4u2", "m", "m4", "m6", "mc"},
-	kindQ4:   {"sh", "shb", "sh4", "s", "r8u2", "r8u2h", "r4u1", "m", "m4", "m6", "mc"},
+	kindQ8:   {"r4u1", "s", "sb", "r8u1", "r4u2", "m", "m4", "m6", "mc", "wa", "w2", "w4", "wk2", "w2d8", "p2", "p2d3", "p4", "p1"},
+	kindQ4:   {"wah", "sh", "shb", "sh4", "s", "r8u2", "r8u2h", "r4u1", "m", "m4", "m6", "mc", "w2h", "w4h", "wk2h", "w2h8", "p2h", "p2h3", "p4h", "p1h"},
+}
+
+// gemvAuto maps the shape-dependent streaming variants ("wa", "wah") to a
+// compiled kernel: 4 rows per warp (w4, w4h) for widths up to 4096, else 2
+// (w2, w2h).
+var gemvAuto = map[string][2]string{"wa": {"w4", "w2"}, "wah": {"w4h", "w2h"}}
+
+// gemvStreamMaxSmem bounds the streaming GEMV's staged activation row
+// (2K bytes for q4, 4K for q8); wider inputs take the kind's first variant.
+const gemvStreamMaxSmem = 96 << 10
+
+// gemvStream reports the streaming GEMV's k per lane and chunk (q4 32,
+// q8 16) and its staged bytes per activation row, and whether it can run l:
+// no g_idx, width and group size multiples of the k per lane.
+func gemvStream(l *Linear) (kl, shm int, ok bool) {
+	kl, shm = 16, 4*l.in
+	if l.kind == kindQ4 {
+		kl, shm = 32, 2*l.in
+	}
+	ok = (l.kind == kindQ4 || l.kind == kindQ8) && l.gidx == 0 && l.in%kl == 0 && l.gs%kl == 0 && shm <= gemvStreamMaxSmem
+	return kl, shm, ok
+}
+
+// gemvStreamRows is the streaming GEMV's rows per block for a variant
+// name: 8 warps x 2 rows (x 4 for "w4…"), halved when two warps split K.
+func gemvStreamRows(v string) int {
+	switch {
+	case strings.HasPrefix(v, "wk2"):
+		return 8
+	case strings.HasPrefix(v, "w4"):
+		return 32
+	}
+	return 16
 }
 
 // gemvMMA is gemvKernel's rows-per-block answer for the tensor-core kernels.
 const gemvMMA = 1 << 30
+
+// gemvStreamRowsTag is gemvKernel's rows-per-block answer for the streaming
+// ("w") kernels (their rows per block come from gemvStreamRows).
+const gemvStreamRowsTag = 1 << 29
+
+// gemvPersistTag plus the rows per warp is gemvKernel's answer for the
+// persistent streaming ("p") kernels.
+const gemvPersistTag = 1 << 28
 
 // gemvMMAMaxRows is the most activation rows the tensor-core GEMV takes (the
 // 8 columns of its mma).
@@ -497,6 +569,28 @@ func (b *Backend) gemvKernel(l *Linear, M int) (string, int) {
 	}
 	if v[0] == 'm' {
 		return "gemv_" + kindNames[kind] + "_" + v, gemvMMA
+	}
+	if v[0] == 'w' || v[0] == 'p' {
+		if _, _, ok := gemvStream(l); !ok {
+			for _, c := range gemvVariants[kind] {
+				if c[0] != 'm' && c[0] != 'w' && c[0] != 'p' {
+					v = c
+					break
+				}
+			}
+		}
+	}
+	if a, ok := gemvAuto[v]; ok {
+		v = a[0]
+		if l.in > 4096 {
+			v = a[1]
+		}
+	}
+	if v[0] == 'w' {
+		return "gemv_" + kindNames[kind] + "_" + v, gemvStreamRowsTag
+	}
+	if v[0] == 'p' {
+		return "gemv_" + kindNames[kind] + "_" + v, gemvPersistTag + int(v[1]-'0')
 	}
 	if kind == kindQ8 && v[0] == 's' && (l.gidx != 0 || l.gs%16 != 0) {
 		v = "r4u1" // per-element groups: the split kernel needs 16-aligned groups
