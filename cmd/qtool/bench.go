@@ -22,6 +22,9 @@ func benchCommand() *cli.Command {
 		Name:      "bench",
 		Usage:     "measure GPU speed: kernels, prefill and decode of a model (CUDA only)",
 		ArgsUsage: "[MODEL]",
+		UsageText: "qtool bench --synthetic llama2-7b --format w4a16,w8a16,fp16\n" +
+			"   qtool bench --kernels=false --decode 64 /tmp/llama-mini-awq\n" +
+			"   qtool bench --tp 2 --kernels=false MODEL    (tensor-parallel vs one GPU)",
 		Description: "Measures, in one run on the GPU: device-to-device copy bandwidth and our fp16 tensor-core GEMM\n" +
 			"rate (the ceilings), per-kernel GEMV GB/s and GEMM TFLOP/s for each weight format, and for the\n" +
 			"model: GPU memory used, prefill tokens/s at --prompt tokens and batch-1 decode tokens/s (plain and\n" +

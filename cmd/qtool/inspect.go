@@ -20,6 +20,7 @@ func inspectCommand() *cli.Command {
 		Name:      "inspect",
 		Usage:     "print a model file's header, tensors and quantization statistics",
 		ArgsUsage: "PATH",
+		UsageText: "qtool inspect model.bin\n   qtool inspect --json --source testdata/llama-mini /tmp/m.bin    (max dequantization error per tensor)",
 		Description: "PATH is a Kuiper/llama2.c/OrinMLLM file (only its header is read unless --stats or\n" +
 			"--source is given) or a model directory. With --source DIR (the float model it came from)\n" +
 			"the max abs dequantization error of every tensor is printed.",

@@ -34,6 +34,10 @@ func verifyCommand() *cli.Command {
 		Name:      "verify",
 		Usage:     "run a model in the bundled runtime: perplexity and/or generation",
 		ArgsUsage: "MODEL (an HF directory, an msmodelslim directory or a Kuiper file)",
+		UsageText: "qtool verify --ppl testdata/corpus/sotu-test.raw testdata/llama-mini\n" +
+			"   qtool verify --ppl wikitext --ctx 2048 --json /tmp/llama-mini-awq\n" +
+			"   qtool verify --prompt \"The State of the Union is\" --max-new 40 --tokenizer testdata/llama-mini /tmp/m.bin\n" +
+			"   qtool verify --device cuda --tp 2 --ppl FILE MODEL",
 		Description: "Perplexity follows the GPTQ/AWQ protocol by default (disjoint chunks of --ctx tokens, the\n" +
 			"tail dropped, exp of the mean of per-chunk mean NLLs); --protocol llamacpp gives llama.cpp's\n" +
 			"(BOS replaces each chunk's first token, only the second half of each chunk is scored).\n" +
