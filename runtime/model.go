@@ -64,9 +64,13 @@ type layerWeights struct {
 	attnNorm, attnNormBias Vector
 	q, k, v, o             Linear
 	qBias, kBias, vBias    Vector
-	qNorm, kNorm           Vector
-	mlpNorm, mlpNormBias   Vector
-	gate, up, down         Linear
+	// biasInLinear[i] is set when q/k/v (i = 0, 1, 2) is a W8A8 linear:
+	// its quant_bias already carries the float bias (msmodelslim folds it
+	// there), so the separate q/k/v bias must not be added again.
+	biasInLinear         [3]bool
+	qNorm, kNorm         Vector
+	mlpNorm, mlpNormBias Vector
+	gate, up, down       Linear
 }
 
 // Model is a model.Model loaded onto a Backend: its weights uploaded in
@@ -148,6 +152,10 @@ func Load(m *model.Model, be Backend) (*Model, error) {
 				return nil, err
 			}
 		}
+		for i, r := range []model.Role{model.Q, model.K, model.V} {
+			t, _ := m.Lookup(model.Name(l, r))
+			_, w.biasInLinear[i] = t.(*model.W8A8)
+		}
 		for _, f := range []struct {
 			r        model.Role
 			dst      *Vector
@@ -223,13 +231,13 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 	be.MatMul(q, h, w.q)
 	be.MatMul(k, h, w.k)
 	be.MatMul(v, h, w.v)
-	if w.qBias != nil {
+	if w.qBias != nil && !w.biasInLinear[0] {
 		be.AddBias(q, w.qBias)
 	}
-	if w.kBias != nil {
+	if w.kBias != nil && !w.biasInLinear[1] {
 		be.AddBias(k, w.kBias)
 	}
-	if w.vBias != nil {
+	if w.vBias != nil && !w.biasInLinear[2] {
 		be.AddBias(v, w.vBias)
 	}
 	if w.qNorm != nil {
@@ -351,6 +359,17 @@ func (m *Model) SetLinear(l int, r model.Role, t model.Tensor) error {
 	}
 	tiedHead := m.head == m.embed
 	*dst = lin
+	if l >= 0 {
+		_, isW8A8 := t.(*model.W8A8)
+		switch r {
+		case model.Q:
+			m.layers[l].biasInLinear[0] = isW8A8
+		case model.K:
+			m.layers[l].biasInLinear[1] = isW8A8
+		case model.V:
+			m.layers[l].biasInLinear[2] = isW8A8
+		}
+	}
 	if r == model.Embed && tiedHead {
 		m.head = lin
 	}

@@ -834,3 +834,111 @@ func TestQwen2Biases(t *testing.T) {
 		t.Error("a q bias did not change the attention output")
 	}
 }
+
+// TestW8A8BiasNotAddedTwice: a W8A8 q projection carries its float bias in
+// quant_bias (msmodelslim's convention, also what smoothquant.W8A8 builds),
+// so the separate q bias of a Qwen2 model must not be added again.
+func TestW8A8BiasNotAddedTwice(t *testing.T) {
+	mm, err := hf.Open(filepath.Join(testdata, "llama-mini"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mm.Close()
+	mm.Config.Arch, mm.Config.AttnBias = model.Qwen2, true
+	c := mm.Config
+	bias := make([]float32, c.QDim())
+	for i := range bias {
+		bias[i] = 0.5 * float32(i%5-2)
+	}
+	zero := func(n int) *model.Dense { return model.FromFloat32([]int{n}, make([]float32, n)) }
+	for l := 0; l < c.Layers; l++ {
+		mm.Set(model.Name(l, model.QBias), zero(c.QDim()))
+		mm.Set(model.Name(l, model.KBias), zero(c.KVDim()))
+		mm.Set(model.Name(l, model.VBias), zero(c.KVDim()))
+	}
+	mm.Set(model.Name(0, model.QBias), model.FromFloat32([]int{c.QDim()}, bias))
+	ids := []int{1, 400, 17, 93, 5, 2000}
+	// The float reference, and the input range of q for the activation quantizer.
+	ref, err := runtime.Load(mm, cpu.New(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var in, want []float32
+	x := ref.Embed(ids)
+	ref.Layer(0, x, 0, nil, func(l int, p runtime.CapturePoint, b runtime.Buf) {
+		v := make([]float32, b.Rows()*b.Cols())
+		ref.Backend().Download(v, b)
+		switch p {
+		case runtime.CaptureQKV:
+			in = v
+		case runtime.CaptureO:
+			want = v
+		}
+	})
+	lo, hi := float32(0), float32(0)
+	for _, v := range in {
+		lo, hi = min(lo, v), max(hi, v)
+	}
+	scale := (hi - lo) / 255
+	offset := float32(-math.Round(float64(lo/scale))) - 128
+	wt, _ := mm.Get(model.Name(0, model.Q))
+	w, _ := wt.Float32()
+	wq := w8a8(w, c.QDim(), c.Hidden, bias, scale, offset)
+	captureO := func(qBias []float32) []float32 {
+		mm.Set(model.Name(0, model.QBias), model.FromFloat32([]int{c.QDim()}, qBias))
+		mm.Set(model.Name(0, model.Q), wq)
+		rm, err := runtime.Load(mm, cpu.New(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []float32
+		x := rm.Embed(ids)
+		rm.Layer(0, x, 0, nil, func(l int, p runtime.CapturePoint, b runtime.Buf) {
+			if p == runtime.CaptureO {
+				out = make([]float32, b.Rows()*b.Cols())
+				rm.Backend().Download(out, b)
+			}
+		})
+		return out
+	}
+	got, noBias := captureO(bias), captureO(make([]float32, c.QDim()))
+	for i := range got {
+		if got[i] != noBias[i] {
+			t.Fatalf("the q bias beside a W8A8 q changed the output at %d: %g vs %g (added twice)", i, got[i], noBias[i])
+		}
+	}
+	var maxErr, maxRef float64
+	for i := range want {
+		maxErr = max(maxErr, math.Abs(float64(got[i]-want[i])))
+		maxRef = max(maxRef, math.Abs(float64(want[i])))
+	}
+	if maxErr > 0.05*maxRef {
+		t.Fatalf("W8A8 q with the bias in quant_bias is off the float reference by %g (max |ref| %g)", maxErr, maxRef)
+	}
+}
+
+// w8a8 quantizes w per channel (symmetric int8) with a per-tensor
+// asymmetric activation quantizer, folding bias into QuantBias the way
+// msmodelslim does (quant_bias = round(bias/deq_scale − offset·Σ W_q)).
+func w8a8(w []float32, rows, cols int, bias []float32, inScale, inOffset float32) *model.W8A8 {
+	q := &model.Quantized{Bits: 8, Rows: rows, Cols: cols, Q: make([]int8, rows*cols), Scale: make([]float32, rows)}
+	out := &model.W8A8{Weight: q, InputScale: inScale, InputOffset: inOffset, DeqScale: make([]float32, rows), QuantBias: make([]int32, rows)}
+	for r := 0; r < rows; r++ {
+		row := w[r*cols : (r+1)*cols]
+		amax := float32(0)
+		for _, v := range row {
+			amax = max(amax, float32(math.Abs(float64(v))))
+		}
+		s := amax / 127
+		q.Scale[r] = s
+		sum := 0.0
+		for c, v := range row {
+			qv := int8(math.RoundToEven(float64(v / s)))
+			q.Q[r*cols+c] = qv
+			sum += float64(qv)
+		}
+		out.DeqScale[r] = inScale * s
+		out.QuantBias[r] = int32(math.RoundToEven(float64(bias[r]/out.DeqScale[r]) - float64(inOffset)*sum))
+	}
+	return out
+}
