@@ -4,7 +4,7 @@
 //
 // Layout (sources: casper-hansen/AutoAWQ awq/modules/linear/gemm.py and
 // awq/utils/packing_utils.py; vLLM quantization/awq.py; see
-// /work/shared/docs/peers.md §5a). Each quantized nn.Linear with in input and
+// ../shared/docs/peers.md §5a). Each quantized nn.Linear with in input and
 // out output features and group size g is stored as three tensors:
 //
 //	qweight int32 [in, out/8]    unsigned 4-bit codes u = round(w/s) + z

@@ -4,7 +4,7 @@
 //
 // Layout (sources: AutoGPTQ auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py
 // pack() and qlinear_cuda.py dequantization; GPTQ quant.py for the symmetric
-// zero; vLLM quantization/gptq_marlin.py; see /work/shared/docs/peers.md
+// zero; vLLM quantization/gptq_marlin.py; see ../shared/docs/peers.md
 // §5b). A quantized nn.Linear with in inputs, out outputs, b bits and G
 // groups is stored as
 //

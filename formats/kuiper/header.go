@@ -1,6 +1,6 @@
 // Package kuiper reads and writes the single-file model formats of
 // KuiperLLama, llama2.c and the OrinMLLM fork (see
-// /work/shared/docs/kuiper-formats.md for the byte layouts):
+// ../shared/docs/kuiper-formats.md for the byte layouts):
 //
 //   - FP32: llama2.c "legacy v0" / Kuiper fp32. 28-byte header of 7 int32;
 //     the sign of vocab says whether the classifier is shared; a freqs block of

@@ -1,9 +1,9 @@
 // Package msmodelslim reads and writes the quantized-weight exports of
 // Huawei's msmodelslim (Ascend) for LLaMA/Qwen models.
 //
-// Layout (sources: seed 001 "msmodelslim量化权重格式" in /work/shared/seeds;
+// Layout (sources: seed 001 "msmodelslim量化权重格式" in ../shared/seeds;
 // Ascend/msmodelslim docs quantized_weight_format.md and ascendv1.py; see
-// /work/shared/docs/peers.md §5d). An export directory holds config.json,
+// ../shared/docs/peers.md §5d). An export directory holds config.json,
 // quant_model_description.json and quant_model_weight.safetensors (seed 001,
 // v0) or quant_model_weights.safetensors (v1, possibly sharded with
 // quant_model_weights.safetensors.index.json). Tensors keep their Hugging

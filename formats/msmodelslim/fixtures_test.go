@@ -19,7 +19,7 @@ const (
 )
 
 // fixtureDir returns the directory of an msmodelslim fixture, skipping the
-// test when it is not present (the W8A16 ones live only under /work/shared).
+// test when it is not present (the W8A16 ones live only in ../shared).
 func fixtureDir(t testing.TB, name string) string {
 	t.Helper()
 	for _, d := range []string{filepath.Join(testdata, "msmodelslim", name), filepath.Join(sharedMS, name)} {

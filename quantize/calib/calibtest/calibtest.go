@@ -21,8 +21,28 @@ import (
 	"qtool/runtime/tokenizer"
 )
 
-// TrainText is the calibration corpus of the protocol.
-const TrainText = "/work/shared/corpus/train.txt"
+// TrainText is the calibration corpus of the protocol: shared/corpus/train.txt
+// in the shared folder beside the repository (../shared from the module
+// root), or $QTOOL_TRAIN_TEXT.
+func TrainText() string {
+	if p := os.Getenv("QTOOL_TRAIN_TEXT"); p != "" {
+		return p
+	}
+	dir, err := os.Getwd()
+	if err != nil {
+		return "train.txt"
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return filepath.Join(dir, "..", "shared", "corpus", "train.txt")
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "train.txt"
+		}
+		dir = parent
+	}
+}
 
 // Long skips t unless QTOOL_LONG is set.
 func Long(t testing.TB) {
@@ -30,8 +50,8 @@ func Long(t testing.TB) {
 	if os.Getenv("QTOOL_LONG") == "" {
 		t.Skip("long end-to-end run: set QTOOL_LONG=1")
 	}
-	if _, err := os.Stat(TrainText); err != nil {
-		t.Skip("no " + TrainText)
+	if _, err := os.Stat(TrainText()); err != nil {
+		t.Skip("no " + TrainText())
 	}
 }
 
@@ -60,7 +80,7 @@ func Session(t testing.TB, dir string, nsamples, seqlen int) *calib.Session {
 			ids[i] = int(binary.LittleEndian.Uint32(b[4*i:]))
 		}
 	} else {
-		text, err := calib.ReadText(TrainText)
+		text, err := calib.ReadText(TrainText())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -132,8 +152,8 @@ func PeakRSSMiB() float64 {
 // 128 × 512 windows (tokenization cached, not timed) and reports the peak
 // RSS. It skips without train.txt.
 func Bench(b *testing.B, dir string, quantize func(s *calib.Session) error) {
-	if _, err := os.Stat(TrainText); err != nil {
-		b.Skip("no " + TrainText)
+	if _, err := os.Stat(TrainText()); err != nil {
+		b.Skip("no " + TrainText())
 	}
 	Session(b, dir, 1, 512) // warm the token cache
 	b.ResetTimer()
