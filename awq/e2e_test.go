@@ -2,7 +2,6 @@ package awq
 
 import (
 	"testing"
-	"time"
 
 	"qtool/quantize/calib"
 	"qtool/quantize/calib/calibtest"
@@ -14,30 +13,13 @@ import (
 // QTOOL_LONG=1.
 func TestAWQLlamaMini(t *testing.T) {
 	calibtest.Long(t)
-	const dir = "../testdata/llama-mini"
-	cases := []struct {
-		name string
-		opt  Options
-		max  float64
-	}{
-		{"w4 g128", Options{Bits: 4, GroupSize: 128}, 69.96},
-		{"w3 g128", Options{Bits: 3, GroupSize: 128}, 73.34},
+	quant := func(opt Options) func(*calib.Session) error {
+		return func(s *calib.Session) error { _, err := QuantizeModel(s, opt, nil); return err }
 	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			s := calibtest.Session(t, dir, 128, 512)
-			t0 := time.Now()
-			if _, err := QuantizeModel(s, tc.opt, nil); err != nil {
-				t.Fatal(err)
-			}
-			t.Logf("quantized in %v", time.Since(t0))
-			r := calibtest.Perplexity(t, s.Out, dir, calibtest.EnvInt("CHUNKS", 0))
-			t.Logf("%s: %v", tc.name, r)
-			if r.Chunks == 371 && r.PPL > tc.max {
-				t.Fatalf("ppl %.4f, want <= %.2f", r.PPL, tc.max)
-			}
-		})
-	}
+	calibtest.Table(t, "../testdata/llama-mini", []calibtest.Row{
+		{Name: "w4 g128", MaxPPL: 69.96, Quantize: quant(Options{Bits: 4, GroupSize: 128})},
+		{Name: "w3 g128", MaxPPL: 73.34, Quantize: quant(Options{Bits: 3, GroupSize: 128})},
+	})
 }
 
 // BenchmarkAWQLlamaMini times AWQ w4 g128 on llama-mini with the protocol's

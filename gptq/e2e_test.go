@@ -2,7 +2,6 @@ package gptq
 
 import (
 	"testing"
-	"time"
 
 	"qtool/quantize/calib"
 	"qtool/quantize/calib/calibtest"
@@ -14,30 +13,13 @@ import (
 // Behind QTOOL_LONG=1 (minutes on 2 cores).
 func TestGPTQLlamaMini(t *testing.T) {
 	calibtest.Long(t)
-	const dir = "../testdata/llama-mini"
-	cases := []struct {
-		name string
-		opt  Options
-		max  float64
-	}{
-		{"w4 g128 asym hmse", Options{Bits: 4, GroupSize: 128, Search: "hmse"}, 69.70},
-		{"w3 g128 asym hmse", Options{Bits: 3, GroupSize: 128, Search: "hmse"}, 72.24},
+	quant := func(opt Options) func(*calib.Session) error {
+		return func(s *calib.Session) error { _, err := QuantizeModel(s, opt, nil); return err }
 	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			s := calibtest.Session(t, dir, 128, 512)
-			t0 := time.Now()
-			if _, err := QuantizeModel(s, tc.opt, nil); err != nil {
-				t.Fatal(err)
-			}
-			t.Logf("quantized in %v", time.Since(t0))
-			r := calibtest.Perplexity(t, s.Out, dir, calibtest.EnvInt("CHUNKS", 0))
-			t.Logf("%s: %v", tc.name, r)
-			if r.Chunks == 371 && r.PPL > tc.max {
-				t.Fatalf("ppl %.4f, want <= %.2f", r.PPL, tc.max)
-			}
-		})
-	}
+	calibtest.Table(t, "../testdata/llama-mini", []calibtest.Row{
+		{Name: "w4 g128 asym hmse", MaxPPL: 69.70, Quantize: quant(Options{Bits: 4, GroupSize: 128, Search: "hmse"})},
+		{Name: "w3 g128 asym hmse", MaxPPL: 72.24, Quantize: quant(Options{Bits: 3, GroupSize: 128, Search: "hmse"})},
+	})
 }
 
 // BenchmarkGPTQLlamaMini times GPTQ w4 g128 (hmse) on llama-mini with the

@@ -3,7 +3,6 @@ package smoothquant
 import (
 	"os"
 	"testing"
-	"time"
 
 	"qtool/quantize/calib"
 	"qtool/quantize/calib/calibtest"
@@ -16,18 +15,11 @@ import (
 // QTOOL_LONG=1.
 func TestSmoothQuantLlamaMini(t *testing.T) {
 	calibtest.Long(t)
-	const dir = "../testdata/llama-mini"
-	s := calibtest.Session(t, dir, calibtest.EnvInt("NSAMPLES", 128), 512)
-	t0 := time.Now()
-	if _, err := QuantizeModel(s, Options{ClipSearch: true, SmoothDown: os.Getenv("SMOOTHDOWN") != ""}, nil); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("quantized in %v", time.Since(t0))
-	r := calibtest.Perplexity(t, s.Out, dir, calibtest.EnvInt("CHUNKS", 0))
-	t.Logf("W8A8: %v", r)
-	if r.Chunks == 371 && r.PPL > 69.50 {
-		t.Fatalf("ppl %.4f, want <= 69.50", r.PPL)
-	}
+	calibtest.Table(t, "../testdata/llama-mini", []calibtest.Row{{Name: "W8A8", MaxPPL: 69.50,
+		Quantize: func(s *calib.Session) error {
+			_, err := QuantizeModel(s, Options{ClipSearch: true, SmoothDown: os.Getenv("SMOOTHDOWN") != ""}, nil)
+			return err
+		}}})
 }
 
 // BenchmarkSmoothQuantLlamaMini times SmoothQuant W8A8 on llama-mini with the

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"qtool/formats/hf"
 	"qtool/formats/model"
@@ -164,4 +165,33 @@ func Bench(b *testing.B, dir string, quantize func(s *calib.Session) error) {
 		}
 	}
 	b.ReportMetric(PeakRSSMiB(), "peakRSS-MiB")
+}
+
+// Row is one line of the perplexity table: a method run on a
+// calibration session, and the perplexity of sotu-test.raw it must reach.
+type Row struct {
+	Name     string
+	MaxPPL   float64
+	Quantize func(s *calib.Session) error
+}
+
+// Table runs every row on llama-mini in dir with the protocol's 128 × 512
+// windows and checks the perplexity over all 371 chunks (fewer with
+// $CHUNKS, which then only reports).
+func Table(t *testing.T, dir string, rows []Row) {
+	for _, row := range rows {
+		t.Run(row.Name, func(t *testing.T) {
+			s := Session(t, dir, EnvInt("NSAMPLES", 128), 512)
+			t0 := time.Now()
+			if err := row.Quantize(s); err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("quantized in %v", time.Since(t0))
+			r := Perplexity(t, s.Out, dir, EnvInt("CHUNKS", 0))
+			t.Logf("%s: %v", row.Name, r)
+			if r.Chunks == 371 && r.PPL > row.MaxPPL {
+				t.Fatalf("ppl %.4f, want <= %.2f", r.PPL, row.MaxPPL)
+			}
+		})
+	}
 }
