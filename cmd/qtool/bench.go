@@ -503,7 +503,7 @@ type tpResult struct {
 // n <= 1): prefill of prompt tokens, steps decode steps (plain, with an
 // argmax round trip per token), and the collectives timed on their own.
 func benchTP(m *model.Model, n, prompt, steps int, out io.Writer) (tpResult, error) {
-	be, err := tp.NewGPU(m, n, func(d int) (runtime.Backend, error) { return cuda.NewWithOptions(cuda.Options{Device: d}) })
+	be, err := tp.NewGPU(m, n, cuda.NewRank)
 	if err != nil {
 		return tpResult{}, fmt.Errorf("bench: %w", err)
 	}

@@ -362,9 +362,7 @@ func newBackend(device string, threads, tpN int, mm *model.Model) (runtime.Backe
 		if device == "cpu" {
 			return tp.NewCPU(mm, tpN, threads)
 		}
-		be, err := tp.NewGPU(mm, tpN, func(d int) (runtime.Backend, error) {
-			return cuda.NewWithOptions(cuda.Options{Device: d})
-		})
+		be, err := tp.NewGPU(mm, tpN, cuda.NewRank)
 		switch {
 		case err == nil:
 			return be, nil

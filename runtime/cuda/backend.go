@@ -103,8 +103,22 @@ type scratch struct {
 
 // New opens the first CUDA device with default options. Without a driver
 // the error wraps ErrNoDriver ("no CUDA driver found").
-func New() (*Backend, error) {
-	return NewWithOptions(Options{PTXPath: os.Getenv("QTOOL_CUDA_PTX"), GEMVVariant: os.Getenv("QTOOL_GEMV_VARIANT")})
+func New() (*Backend, error) { return NewDevice(0) }
+
+// NewDevice opens CUDA device d with default options ($QTOOL_CUDA_PTX and
+// $QTOOL_GEMV_VARIANT are honoured, for kernel work).
+func NewDevice(d int) (*Backend, error) {
+	return NewWithOptions(Options{Device: d, PTXPath: os.Getenv("QTOOL_CUDA_PTX"), GEMVVariant: os.Getenv("QTOOL_GEMV_VARIANT")})
+}
+
+// NewRank is NewDevice typed for tp.NewGPU: the backend of the
+// tensor-parallel rank on GPU d.
+func NewRank(d int) (runtime.Backend, error) {
+	b, err := NewDevice(d)
+	if err != nil {
+		return nil, err
+	}
+	return b, nil
 }
 
 // NewWithOptions opens a CUDA device.

@@ -1,7 +1,6 @@
 package cuda
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -610,13 +609,4 @@ func (b *Backend) gemvKernel(l *Linear, M int) (string, int) {
 		r = 10*r + int(ch-'0')
 	}
 	return "gemv_" + kindNames[kind] + "_" + v, r
-}
-
-// f16bits is used by tests and benchmarks to build fp16 tensors.
-func f16bits(v []float32) []byte {
-	out := make([]byte, 2*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint16(out[2*i:], model.Float32ToF16(x))
-	}
-	return out
 }

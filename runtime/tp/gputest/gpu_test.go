@@ -48,9 +48,7 @@ func needGPUs(t *testing.T, n int) {
 	}
 }
 
-func newRank(d int) (runtime.Backend, error) {
-	return cuda.NewWithOptions(cuda.Options{Device: d, PTXPath: os.Getenv("QTOOL_CUDA_PTX")})
-}
+func newRank(d int) (runtime.Backend, error) { return cuda.NewRank(d) }
 
 func forward(t *testing.T, rm *runtime.Model, ids []int) []float32 {
 	be := rm.Backend()
