@@ -334,6 +334,11 @@ func (q *Quantized) DequantizeRows(r0, r1 int, dst []float32) {
 // then an integer matmul with the per-channel symmetric int8 Weight and
 //
 //	y[n] = (Σ_k x_q[k]·W[n][k] + QuantBias[n]) · DeqScale[n]  (+ Bias[n] if set)
+//
+// As msmodelslim writes it, QuantBias already holds the layer's float bias
+// (quant_bias = round(bias/DeqScale − InputOffset·Σ_k W[n][k])), so Bias is
+// nil and a Qwen2 q/k/v bias tensor beside a W8A8 linear is not added again
+// by the runtime.
 type W8A8 struct {
 	Weight      *Quantized // 8 bits, per row, symmetric (Zero nil); Scale = per-channel weight scale
 	InputScale  float32
