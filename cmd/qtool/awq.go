@@ -6,12 +6,13 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"qtool/awq"
+	"qtool/convert"
 	"qtool/gptq"
 	"qtool/quantize/calib"
 )
 
 func awqCommand() *cli.Command {
-	flags := append(quantFlags(4, 128, fmtAutoAWQ),
+	flags := append(quantFlags(4, 128, convert.FormatAutoAWQ),
 		&cli.BoolFlag{Name: "duo-scaling", Usage: "AutoAWQ's s = x^r / w^(1-r) grid instead of llm-awq's s = x^r"},
 		&cli.BoolFlag{Name: "no-clip", Usage: "skip the clipping search"},
 		&cli.IntFlag{Name: "search-tokens", Value: 4096, Usage: "calibration tokens used to score each scale candidate"},

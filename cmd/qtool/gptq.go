@@ -5,12 +5,13 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"qtool/convert"
 	"qtool/gptq"
 	"qtool/quantize/calib"
 )
 
 func gptqCommand() *cli.Command {
-	flags := append(quantFlags(4, 128, fmtGPTQ),
+	flags := append(quantFlags(4, 128, convert.FormatGPTQ),
 		&cli.BoolFlag{Name: "sym", Usage: "symmetric grid (zero point 2^(bits-1)); default asymmetric"},
 		&cli.BoolFlag{Name: "act-order", Usage: "quantize columns by decreasing Hessian diagonal (static groups: plain per-group result)"},
 		&cli.Float64Flag{Name: "damp", Value: 0.01, Usage: "Hessian damping as a fraction of its mean diagonal"},

@@ -18,35 +18,18 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"qtool/convert"
-	"qtool/formats/autoawq"
-	"qtool/formats/gptq"
 	"qtool/formats/hf"
-	"qtool/formats/kuiper"
 	"qtool/formats/model"
-	"qtool/formats/msmodelslim"
 	"qtool/quantize/calib"
 	"qtool/runtime"
 	"qtool/runtime/cpu"
 	"qtool/runtime/tokenizer"
 )
 
-// Output formats of the calibration commands.
-const (
-	fmtKuiperV5    = "kuiper-v5"   // OrinMLLM ak48: Qwen3, int4 asym per group (AWQ layout)
-	fmtKuiperV4    = "kuiper-v4"   // OrinMLLM ak47: Qwen3 fp16 — holds no quantized linears
-	fmtKuiperInt8  = "kuiper-int8" // Kuiper int8 (export.py v3): int8 symmetric per group
-	fmtMsModelSlim = "msmodelslim" // W8A16/W4A16 weight-only, or W8A8 static
-	fmtAutoAWQ     = "autoawq"     // HF AutoAWQ GEMM: 4-bit
-	fmtGPTQ        = "gptq"        // HF GPTQ v1: 2/3/4/8-bit
-)
-
-var formatAliases = map[string]string{
-	"ak48": fmtKuiperV5, "kuiper-v5": fmtKuiperV5, "ak47": fmtKuiperV4, "kuiper-v4": fmtKuiperV4,
-	"kuiper-int8": fmtKuiperInt8, "q8": fmtKuiperInt8, "int8": fmtKuiperInt8,
-	"msmodelslim": fmtMsModelSlim, "autoawq": fmtAutoAWQ, "awq": fmtAutoAWQ, "gptq": fmtGPTQ,
-}
-
-var allFormats = []string{fmtKuiperV5, fmtKuiperV4, fmtKuiperInt8, fmtMsModelSlim, fmtAutoAWQ, fmtGPTQ}
+// quantFormats are the output formats of the calibration commands (names
+// as convert.Save takes them; convert.CanonicalFormat resolves aliases).
+var quantFormats = []string{convert.FormatAK48, convert.FormatAK47, convert.FormatKuiperInt8,
+	convert.FormatMsModelSlim, convert.FormatAutoAWQ, convert.FormatGPTQ}
 
 // resultKind describes what a quantization run will produce, enough to know
 // which formats can hold it before any work is done.
@@ -77,46 +60,46 @@ func (k resultKind) String() string {
 // canHold reports why format cannot hold k (nil when it can).
 func canHold(format string, k resultKind) error {
 	switch format {
-	case fmtKuiperV5:
+	case convert.FormatAK48:
 		switch {
 		case k.arch != model.Qwen3 || k.bias:
 			return fmt.Errorf("kuiper-v5 (ak48) holds Qwen3 models only, this one is %s", k.arch)
 		case k.w8a8 || k.bits != 4 || k.sym || k.group <= 0:
 			return errors.New("kuiper-v5 (ak48) holds 4-bit asymmetric per-group weights only")
 		}
-	case fmtKuiperV4:
+	case convert.FormatAK47:
 		return errors.New("kuiper-v4 (ak47) is an fp16 format and holds no quantized weights")
-	case fmtKuiperInt8:
+	case convert.FormatKuiperInt8:
 		if k.w8a8 || k.bits != 8 || !k.sym || k.group <= 0 {
 			return errors.New("kuiper-int8 holds 8-bit symmetric per-group weights only")
 		}
-	case fmtMsModelSlim:
+	case convert.FormatMsModelSlim:
 		if !k.w8a8 && k.bits != 8 && k.bits != 4 {
 			return errors.New("msmodelslim holds W8A8, W8A16 or W4A16 only")
 		}
-	case fmtAutoAWQ:
+	case convert.FormatAutoAWQ:
 		if k.w8a8 || k.bits != 4 || k.group <= 0 {
 			return errors.New("AutoAWQ holds 4-bit per-group weights only")
 		}
-	case fmtGPTQ:
+	case convert.FormatGPTQ:
 		if k.w8a8 {
 			return errors.New("GPTQ holds weight-only results only")
 		}
 	default:
-		return fmt.Errorf("unknown format (known: %s)", strings.Join(allFormats, ", "))
+		return fmt.Errorf("the calibration commands write %s (use qtool convert for other formats)", strings.Join(quantFormats, ", "))
 	}
 	return nil
 }
 
 // checkFormat refuses a format that cannot hold k, naming those that can.
 func checkFormat(cmd, format string, k resultKind) (string, error) {
-	f, ok := formatAliases[strings.ToLower(format)]
-	if !ok {
-		return "", fmt.Errorf("%s: --format %q: unknown (known: %s; aliases ak48, ak47, q8, awq)", cmd, format, strings.Join(allFormats, ", "))
+	f, err := convert.CanonicalFormat(format)
+	if err != nil {
+		return "", fmt.Errorf("%s: --format: %w", cmd, err)
 	}
 	if err := canHold(f, k); err != nil {
 		var can []string
-		for _, g := range allFormats {
+		for _, g := range quantFormats {
 			if canHold(g, k) == nil {
 				can = append(can, g)
 			}
@@ -141,7 +124,7 @@ func quantFlags(defBits, defGroup int, defFormat string) []cli.Flag {
 		&cli.IntFlag{Name: "bits", Value: defBits, Usage: "weight bits"},
 		&cli.IntFlag{Name: "group", Value: defGroup, Usage: "input columns per scale group (0: per channel)"},
 		&cli.StringFlag{Name: "out", Aliases: []string{"o"}, Usage: "output `PATH` (a directory, or a file for Kuiper formats)", Required: true, TakesFile: true},
-		&cli.StringFlag{Name: "format", Value: defFormat, Usage: "output format: " + strings.Join(allFormats, ", ")},
+		&cli.StringFlag{Name: "format", Value: defFormat, Usage: "output format: " + strings.Join(quantFormats, ", ")},
 		&cli.StringFlag{Name: "verify", Usage: "after writing, print the perplexity of the written model on `FILE`", TakesFile: true},
 		&cli.IntFlag{Name: "verify-chunks", Usage: "evaluate at most `N` chunks of 512 tokens with --verify (0: all)"},
 		&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
@@ -272,7 +255,7 @@ func runQuant(c *cli.Context, job quantJob) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
-	if err := writeResult(s.Out, out, format, job.kind); err != nil {
+	if err := convert.Save(s.Out, format, out); err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
 	sum := quantSummary{Method: job.cmd, Model: dir, Out: out, Format: format, Scheme: job.kind.String(),
@@ -301,23 +284,6 @@ func runQuant(c *cli.Context, job quantJob) error {
 		return enc.Encode(sum)
 	}
 	return nil
-}
-
-// writeResult writes m to out in format.
-func writeResult(m *model.Model, out, format string, k resultKind) error {
-	switch format {
-	case fmtKuiperV5:
-		return kuiper.Write(m, out, kuiper.WriteOptions{Format: kuiper.AK48, GroupSize: k.group})
-	case fmtKuiperInt8:
-		return kuiper.Write(m, out, kuiper.WriteOptions{Format: kuiper.Int8, GroupSize: k.group})
-	case fmtMsModelSlim:
-		return msmodelslim.Write(m, out, msmodelslim.WriteOptions{})
-	case fmtAutoAWQ:
-		return autoawq.Write(m, out, autoawq.WriteOptions{})
-	case fmtGPTQ:
-		return gptq.Write(m, out, gptq.WriteOptions{})
-	}
-	return fmt.Errorf("format %s cannot be written", format)
 }
 
 // verifyWritten reads the written model back and measures the perplexity of

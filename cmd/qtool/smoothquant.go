@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"qtool/convert"
 	"strconv"
 
 	"github.com/urfave/cli/v2"
@@ -11,7 +12,7 @@ import (
 )
 
 func smoothquantCommand() *cli.Command {
-	flags := append(quantFlags(8, 0, fmtMsModelSlim),
+	flags := append(quantFlags(8, 0, convert.FormatMsModelSlim),
 		&cli.StringFlag{Name: "alpha", Value: "0.5", Usage: "migration strength in (0, 1), or \"auto\" to search it per scale group"},
 		&cli.BoolFlag{Name: "no-act-clip", Usage: "use the plain calibration min/max as the activation range (no range search)"},
 		&cli.BoolFlag{Name: "smooth-down", Usage: "also smooth down_proj's input, folding its scales into up_proj's rows"},
