@@ -234,11 +234,58 @@ func WeightMean(lins []Linear, cols, group int) []float32 {
 type LossFunc func(fq [][]float32) (float64, error)
 
 // SearchScale grid-searches the scale exponent for the linears lins (all
-// reading the same input, whose per-channel mean |x| is xMean).
+// reading the same input, whose per-channel mean |x| is xMean), quantizing
+// the candidates on the host.
 func SearchScale(xMean []float32, lins []Linear, loss LossFunc, opt Options) (*ScaleResult, error) {
 	opt = opt.WithDefaults()
 	cols := len(xMean)
-	if err := opt.Validate(cols); err != nil {
+	var wMean []float32
+	if opt.DuoScaling {
+		wMean = WeightMean(lins, cols, opt.GroupSize)
+	}
+	scaled := make([][]float32, len(lins))
+	for i, l := range lins {
+		scaled[i] = make([]float32, len(l.W))
+	}
+	fq := make([][]float32, len(lins))
+	return SearchScaleWith(xMean, wMean, opt, func(s []float32) (float64, error) {
+		for i, l := range lins {
+			q, err := opt.FakeQuantScaled(scaled[i], l.W, l.Rows, cols, s)
+			if err != nil {
+				return 0, err
+			}
+			fq[i] = q
+		}
+		return loss(fq)
+	})
+}
+
+// FakeQuantScaled returns Q(w·diag(s))·diag(s)⁻¹ for w [rows, cols], using
+// scratch (len(w)) for the scaled weights.
+func (o Options) FakeQuantScaled(scratch, w []float32, rows, cols int, s []float32) ([]float32, error) {
+	for row := 0; row < rows; row++ {
+		for c := 0; c < cols; c++ {
+			scratch[row*cols+c] = w[row*cols+c] * s[c]
+		}
+	}
+	q, err := o.FakeQuant(scratch, rows, cols)
+	if err != nil {
+		return nil, err
+	}
+	for row := 0; row < rows; row++ {
+		for c := 0; c < cols; c++ {
+			q[row*cols+c] /= s[c]
+		}
+	}
+	return q, nil
+}
+
+// SearchScaleWith runs the grid search over the candidates of xMean (and
+// wMean with duo scaling); eval returns the block loss with the linears
+// fake-quantized at the candidate scales s.
+func SearchScaleWith(xMean, wMean []float32, opt Options, eval func(s []float32) (float64, error)) (*ScaleResult, error) {
+	opt = opt.WithDefaults()
+	if err := opt.Validate(len(xMean)); err != nil {
 		return nil, err
 	}
 	for i, v := range xMean {
@@ -246,37 +293,11 @@ func SearchScale(xMean []float32, lins []Linear, loss LossFunc, opt Options) (*S
 			return nil, fmt.Errorf("awq: activation statistic of channel %d is %g: calibration activations hold NaN/Inf", i, v)
 		}
 	}
-	var wMean []float32
-	if opt.DuoScaling {
-		wMean = WeightMean(lins, cols, opt.GroupSize)
-	}
 	res := &ScaleResult{Loss: math.Inf(1), Ratio: -1}
-	scaled := make([][]float32, len(lins))
-	for i, l := range lins {
-		scaled[i] = make([]float32, len(l.W))
-	}
-	fq := make([][]float32, len(lins))
 	for g := 0; g < opt.Grid; g++ {
 		r := float64(g) / float64(opt.Grid)
 		s := Candidate(xMean, wMean, r)
-		for i, l := range lins {
-			for row := 0; row < l.Rows; row++ {
-				for c := 0; c < cols; c++ {
-					scaled[i][row*cols+c] = l.W[row*cols+c] * s[c]
-				}
-			}
-			q, err := opt.FakeQuant(scaled[i], l.Rows, cols)
-			if err != nil {
-				return nil, err
-			}
-			for row := 0; row < l.Rows; row++ {
-				for c := 0; c < cols; c++ {
-					q[row*cols+c] /= s[c]
-				}
-			}
-			fq[i] = q
-		}
-		e, err := loss(fq)
+		e, err := eval(s)
 		if err != nil {
 			return nil, err
 		}

@@ -36,6 +36,8 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 		}
 	}
 	q := &layerQuant{s: s, opt: opt, progress: progress}
+	q.dev, _ = s.Backend().(runtime.AWQSolver)
+	defer q.dropGram()
 	if err := s.Run(q.step, progress); err != nil {
 		return q.stats, fmt.Errorf("awq: %w", err)
 	}
@@ -47,24 +49,28 @@ type layerQuant struct {
 	opt      Options
 	progress calib.Progress
 	stats    []calib.ModuleStat
+	// dev runs the fake quantization and the clip search on the device
+	// when the backend has them (nil: on the host).
+	dev runtime.AWQSolver
 	// ratios of the scale groups of the current layer, for the notes
 	notes map[model.Role]string
-	// the Hessian of the last input group (AWQ + GPTQ)
-	hess  *gptq.Hessian
-	hessX *float32
+	// the Gram matrix of the current input group (AWQ + GPTQ)
+	gram     runtime.Buf
+	gramRows int
 }
 
-func (q *layerQuant) step(l int, p runtime.CapturePoint, x []float32, rows int) error {
+func (q *layerQuant) step(l int, p runtime.CapturePoint, x runtime.Buf) error {
+	q.dropGram()
 	switch p {
 	case runtime.CaptureQKV:
 		q.notes = map[model.Role]string{}
-		return q.qkv(l, x, rows)
+		return q.qkv(l, x)
 	case runtime.CaptureO:
-		return q.finish(l, []model.Role{model.O}, x, rows)
+		return q.finish(l, []model.Role{model.O}, x)
 	case runtime.CaptureGateUp:
-		return q.gateUp(l, x, rows)
+		return q.gateUp(l, x)
 	case runtime.CaptureDown:
-		return q.finish(l, []model.Role{model.Down}, x, rows)
+		return q.finish(l, []model.Role{model.Down}, x)
 	}
 	return nil
 }
@@ -92,93 +98,181 @@ func (q *layerQuant) windows() []int {
 	return out
 }
 
-func mse(a, b []float32) float64 {
-	e := 0.0
-	for i := range a {
-		d := float64(a[i] - b[i])
-		e += d * d
+// mse is the mean squared difference of two backend buffers.
+func (q *layerQuant) mse(a, b runtime.Buf) float64 {
+	d, _ := q.s.Backend().SquaredError(a, b)
+	return d / float64(b.Rows()*b.Cols())
+}
+
+// candidates fake-quantizes weights at column scales s on the backend: on
+// the device when it has an AWQSolver (the float weights uploaded once),
+// else on the host.
+type candidates struct {
+	q    *layerQuant
+	ws   [][]float32 // host float weights [rows_i, cols]
+	rows []int
+	cols int
+	dev  []runtime.Buf // device copies of ws (with an AWQSolver)
+	tmp  [][]float32   // host scratch
+	made []runtime.Linear
+	bufs []runtime.Buf
+}
+
+func (q *layerQuant) candidates(ws [][]float32, rows []int, cols int) *candidates {
+	c := &candidates{q: q, ws: ws, rows: rows, cols: cols}
+	if q.dev != nil {
+		for i, w := range ws {
+			c.dev = append(c.dev, q.s.Upload(w, rows[i], cols))
+		}
+	} else {
+		for _, w := range ws {
+			c.tmp = append(c.tmp, make([]float32, len(w)))
+		}
 	}
-	return e / float64(len(a))
+	return c
+}
+
+// linears returns the fake-quantized linears at scales s; they stay valid
+// until the next call or release.
+func (c *candidates) linears(s []float32) ([]runtime.Linear, error) {
+	c.drop()
+	be := c.q.s.Backend()
+	for i, w := range c.ws {
+		var b runtime.Buf
+		if c.q.dev != nil {
+			b = be.Alloc(c.rows[i], c.cols)
+			c.q.dev.FakeQuantAWQ(b, c.dev[i], s, c.q.opt.Bits, c.q.opt.GroupSize, c.q.opt.FP32Scales)
+		} else {
+			fq, err := c.q.opt.FakeQuantScaled(c.tmp[i], w, c.rows[i], c.cols, s)
+			if err != nil {
+				return nil, err
+			}
+			b = c.q.s.Upload(fq, c.rows[i], c.cols)
+		}
+		c.bufs = append(c.bufs, b)
+		c.made = append(c.made, be.FloatLinear(b))
+	}
+	return c.made, nil
+}
+
+func (c *candidates) drop() {
+	for i := range c.made {
+		c.q.s.Drop(c.made[i], c.bufs[i])
+	}
+	c.made, c.bufs = nil, nil
+}
+
+func (c *candidates) release() {
+	c.drop()
+	for _, b := range c.dev {
+		c.q.s.Backend().Free(b)
+	}
+	c.dev = nil
+}
+
+// search runs the scale search for the linears ws reading an input with
+// per-channel mean |x| xMean; loss scores the fake-quantized linears.
+func (q *layerQuant) search(xMean []float32, ws [][]float32, rows []int, loss func([]runtime.Linear) float64) (*ScaleResult, error) {
+	cols := len(xMean)
+	var wMean []float32
+	if q.opt.DuoScaling {
+		lins := make([]Linear, len(ws))
+		for i := range ws {
+			lins[i] = Linear{W: ws[i], Rows: rows[i]}
+		}
+		wMean = WeightMean(lins, cols, q.opt.GroupSize)
+	}
+	defer q.s.Phase("scale search")()
+	c := q.candidates(ws, rows, cols)
+	defer c.release()
+	return SearchScaleWith(xMean, wMean, q.opt, func(s []float32) (float64, error) {
+		lins, err := c.linears(s)
+		if err != nil {
+			return 0, err
+		}
+		return loss(lins), nil
+	})
 }
 
 // qkv searches and folds the attn_norm → q/k/v scales (and v → o when the
 // shapes allow), then clips and quantizes q, k, v.
-func (q *layerQuant) qkv(l int, h []float32, rows int) error {
+func (q *layerQuant) qkv(l int, h runtime.Buf) error {
 	s, c := q.s, q.s.Cfg
+	be := s.Backend()
 	H, Q, KV := c.Hidden, c.QDim(), c.KVDim()
 	roles := []model.Role{model.Q, model.K, model.V}
 	outs := []int{Q, KV, KV}
 	ws := make([][]float32, 3)
-	lins := make([]Linear, 3)
 	for i, r := range roles {
 		w, err := q.weight(l, r)
 		if err != nil {
 			return err
 		}
 		ws[i] = w
-		lins[i] = Linear{W: w, Rows: outs[i]}
 	}
 	wo, err := q.weight(l, model.O)
 	if err != nil {
 		return err
 	}
 	wins := q.windows()
-	attRef, err := s.AttentionOutputs(l, wins, nil)
-	if err != nil {
-		return err
-	}
-	n := len(attRef) / Q
-	ref := s.MatMul(attRef, wo, n, H, Q)
-	loss := func(fq [][]float32) (float64, error) {
-		ov := map[model.Role]model.Tensor{}
-		for i, r := range roles {
-			ov[r] = model.FromFloat32([]int{outs[i], H}, fq[i])
-		}
-		att, err := s.AttentionOutputs(l, wins, ov)
-		if err != nil {
-			return 0, err
-		}
-		return mse(s.MatMul(att, wo, n, H, Q), ref), nil
+	attRef := s.AttentionOutputs(l, wins, nil)
+	defer be.Free(attRef)
+	lo, lob := s.Linear(wo, H, Q)
+	ref := s.MatMul(attRef, lo)
+	defer be.Free(ref)
+	loss := func(fq []runtime.Linear) float64 {
+		att := s.AttentionOutputs(l, wins, runtime.Overrides{model.Q: fq[0], model.K: fq[1], model.V: fq[2]})
+		y := s.MatMul(att, lo)
+		e := q.mse(y, ref)
+		be.Free(att)
+		be.Free(y)
+		return e
 	}
 	t := calib.StartTimer()
-	res, err := SearchScale(MeanAbs(h, rows, H), lins, loss, q.opt)
+	res, err := q.search(be.ColumnStats(h).MeanAbs, ws, outs, loss)
 	if err != nil {
+		s.Drop(lo, lob)
 		return fmt.Errorf("attn_norm → q/k/v scales: %w", err)
 	}
 	if err := q.foldNorm(l, model.AttnNorm, model.AttnNormBias, res.Scales); err != nil {
+		s.Drop(lo, lob)
 		return err
 	}
 	for i := range ws {
 		scaleCols(ws[i], outs[i], H, res.Scales)
 	}
-	divCols(h, rows, H, res.Scales)
+	be.ScaleColumns(h, res.Scales, true)
 	note := fmt.Sprintf("r=%.2f", res.Ratio)
 
 	// v → o, only when v's output matches o's input one to one.
 	if KV == Q && Q == H {
-		xo := attRef
-		lo := []Linear{{W: wo, Rows: H}}
-		lossO := func(fq [][]float32) (float64, error) {
-			return mse(s.MatMul(xo, fq[0], n, H, Q), ref), nil
+		lossO := func(fq []runtime.Linear) float64 {
+			y := s.MatMul(attRef, fq[0])
+			e := q.mse(y, ref)
+			be.Free(y)
+			return e
 		}
-		ro, err := SearchScale(MeanAbs(xo, n, Q), lo, lossO, q.opt)
+		ro, err := q.search(be.ColumnStats(attRef).MeanAbs, [][]float32{wo}, []int{H}, lossO)
 		if err != nil {
+			s.Drop(lo, lob)
 			return fmt.Errorf("v → o scales: %w", err)
 		}
 		divRows(ws[2], KV, H, ro.Scales)
 		if err := q.divBias(l, model.VBias, ro.Scales); err != nil {
+			s.Drop(lo, lob)
 			return err
 		}
 		scaleCols(wo, H, Q, ro.Scales)
 		if err := s.SetLinear(l, model.O, model.FromFloat32([]int{H, Q}, wo)); err != nil {
+			s.Drop(lo, lob)
 			return err
 		}
 		q.notes[model.O] = fmt.Sprintf("v→o r=%.2f", ro.Ratio)
 	}
-	sub, ns := calib.Subsample(h, rows, H, q.opt.ClipTokens)
+	s.Drop(lo, lob)
 	for i, r := range roles {
 		clip := r == model.V // llm-awq skips q and k: their errors are softmax-damped
-		if err := q.quantize(l, r, ws[i], outs[i], H, h, rows, sub, ns, clip, res.Loss, note, t); err != nil {
+		if err := q.quantize(l, r, ws[i], outs[i], H, h, clip, res.Loss, note, t); err != nil {
 			return err
 		}
 	}
@@ -187,8 +281,9 @@ func (q *layerQuant) qkv(l int, h []float32, rows int) error {
 
 // gateUp searches and folds mlp_norm → gate/up and up → down scales, then
 // clips and quantizes gate and up.
-func (q *layerQuant) gateUp(l int, h []float32, rows int) error {
+func (q *layerQuant) gateUp(l int, h runtime.Buf) error {
 	s, c := q.s, q.s.Cfg
+	be := s.Backend()
 	H, I := c.Hidden, c.Intermediate
 	wg, err := q.weight(l, model.Gate)
 	if err != nil {
@@ -203,14 +298,26 @@ func (q *layerQuant) gateUp(l int, h []float32, rows int) error {
 		return err
 	}
 	t := calib.StartTimer()
-	xs, n := calib.Subsample(h, rows, H, q.opt.SearchTokens)
-	xs = append([]float32(nil), xs...)
-	ref := s.MatMul(calib.MLPHidden(xs, n, H, I, wg, wu, q.opt.Threads), wd, n, H, I)
-	loss := func(fq [][]float32) (float64, error) {
-		d := calib.MLPHidden(xs, n, H, I, fq[0], fq[1], q.opt.Threads)
-		return mse(s.MatMul(d, wd, n, H, I), ref), nil
+	xs := s.Subsample(h, q.opt.SearchTokens)
+	defer be.Free(xs)
+	n := xs.Rows()
+	// block output through the installed (float) down projection
+	block := func(ov runtime.Overrides) runtime.Buf {
+		d := s.RT.MLPHidden(l, xs, ov)
+		y := be.Alloc(n, H)
+		s.RT.Project(l, model.Down, y, d, nil)
+		be.Free(d)
+		return y
 	}
-	res, err := SearchScale(MeanAbs(h, rows, H), []Linear{{W: wg, Rows: I}, {W: wu, Rows: I}}, loss, q.opt)
+	ref := block(nil)
+	defer be.Free(ref)
+	loss := func(fq []runtime.Linear) float64 {
+		y := block(runtime.Overrides{model.Gate: fq[0], model.Up: fq[1]})
+		e := q.mse(y, ref)
+		be.Free(y)
+		return e
+	}
+	res, err := q.search(be.ColumnStats(h).MeanAbs, [][]float32{wg, wu}, []int{I, I}, loss)
 	if err != nil {
 		return fmt.Errorf("mlp_norm → gate/up scales: %w", err)
 	}
@@ -219,17 +326,27 @@ func (q *layerQuant) gateUp(l int, h []float32, rows int) error {
 	}
 	scaleCols(wg, I, H, res.Scales)
 	scaleCols(wu, I, H, res.Scales)
-	divCols(h, rows, H, res.Scales)
-	divCols(xs, n, H, res.Scales)
+	be.ScaleColumns(h, res.Scales, true)
+	be.ScaleColumns(xs, res.Scales, true)
 	note := fmt.Sprintf("r=%.2f", res.Ratio)
 
 	// up → down on the float MLP hidden state of the scaled block.
-	d := calib.MLPHidden(xs, n, H, I, wg, wu, q.opt.Threads)
-	refD := s.MatMul(d, wd, n, H, I)
-	lossD := func(fq [][]float32) (float64, error) {
-		return mse(s.MatMul(d, fq[0], n, H, I), refD), nil
+	lg, lgb := s.Linear(wg, I, H)
+	lu, lub := s.Linear(wu, I, H)
+	d := s.RT.MLPHidden(l, xs, runtime.Overrides{model.Gate: lg, model.Up: lu})
+	s.Drop(lg, lgb)
+	s.Drop(lu, lub)
+	defer be.Free(d)
+	refD := be.Alloc(n, H)
+	s.RT.Project(l, model.Down, refD, d, nil)
+	defer be.Free(refD)
+	lossD := func(fq []runtime.Linear) float64 {
+		y := s.MatMul(d, fq[0])
+		e := q.mse(y, refD)
+		be.Free(y)
+		return e
 	}
-	rd, err := SearchScale(MeanAbs(d, n, I), []Linear{{W: wd, Rows: H}}, lossD, q.opt)
+	rd, err := q.search(be.ColumnStats(d).MeanAbs, [][]float32{wd}, []int{H}, lossD)
 	if err != nil {
 		return fmt.Errorf("up → down scales: %w", err)
 	}
@@ -239,12 +356,11 @@ func (q *layerQuant) gateUp(l int, h []float32, rows int) error {
 		return err
 	}
 	q.notes[model.Down] = fmt.Sprintf("up→down r=%.2f", rd.Ratio)
-	sub, ns := calib.Subsample(h, rows, H, q.opt.ClipTokens)
 	for _, it := range []struct {
 		r model.Role
 		w []float32
 	}{{model.Gate, wg}, {model.Up, wu}} {
-		if err := q.quantize(l, it.r, it.w, I, H, h, rows, sub, ns, true, res.Loss, note, t); err != nil {
+		if err := q.quantize(l, it.r, it.w, I, H, h, true, res.Loss, note, t); err != nil {
 			return err
 		}
 	}
@@ -253,28 +369,48 @@ func (q *layerQuant) gateUp(l int, h []float32, rows int) error {
 
 // finish clips and quantizes linears whose scales were already folded (o,
 // down).
-func (q *layerQuant) finish(l int, roles []model.Role, x []float32, rows int) error {
-	in := len(x) / rows
-	sub, ns := calib.Subsample(x, rows, in, q.opt.ClipTokens)
+func (q *layerQuant) finish(l int, roles []model.Role, x runtime.Buf) error {
+	in := x.Cols()
 	for _, r := range roles {
 		t := calib.StartTimer()
 		w, err := q.weight(l, r)
 		if err != nil {
 			return err
 		}
-		if err := q.quantize(l, r, w, len(w)/in, in, x, rows, sub, ns, true, -1, q.notes[r], t); err != nil {
+		if err := q.quantize(l, r, w, len(w)/in, in, x, true, -1, q.notes[r], t); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
+// clipSearch returns the clipping thresholds of w [out, in] on the
+// ClipTokens-row subsample of x: on the device (from the subsample's Gram
+// matrix) or on the host.
+func (q *layerQuant) clipSearch(w []float32, out, in int, x runtime.Buf) ([]float32, error) {
+	s := q.s
+	defer s.Phase("clip search")()
+	sub := s.Subsample(x, q.opt.ClipTokens)
+	defer s.Backend().Free(sub)
+	if q.dev == nil {
+		return SearchClip(w, out, in, s.Download(sub), sub.Rows(), q.opt)
+	}
+	be := s.Backend()
+	g := be.Alloc(in, in)
+	defer be.Free(g)
+	be.AddGram(g, sub)
+	wb := s.Upload(w, out, in)
+	defer be.Free(wb)
+	steps := max(1, int(q.opt.MaxShrink*float64(q.opt.ClipGrid)))
+	return q.dev.ClipSearchAWQ(wb, g, q.opt.Bits, q.opt.GroupSize, q.opt.ClipGrid, steps, q.opt.FP32Scales), nil
+}
+
 // quantize clips (optionally) and quantizes w [out, in] whose input is x,
 // installs it and records the module's statistics.
-func (q *layerQuant) quantize(l int, r model.Role, w []float32, out, in int, x []float32, rows int, sub []float32, ns int, clip bool, loss float64, note string, t calib.Timer) error {
+func (q *layerQuant) quantize(l int, r model.Role, w []float32, out, in int, x runtime.Buf, clip bool, loss float64, note string, t calib.Timer) error {
 	orig := append([]float32(nil), w...)
 	if clip && !q.opt.NoClip {
-		mv, err := SearchClip(w, out, in, sub, ns, q.opt)
+		mv, err := q.clipSearch(w, out, in, x)
 		if err != nil {
 			return fmt.Errorf("%s clip: %w", model.Name(l, r), err)
 		}
@@ -286,13 +422,9 @@ func (q *layerQuant) quantize(l int, r model.Role, w []float32, out, in int, x [
 	}
 	var qt *model.Quantized
 	if g := q.opt.GPTQ; g != nil {
-		h, err := q.hessian(x, rows, in)
-		if err != nil {
-			return fmt.Errorf("%s: %w", model.Name(l, r), err)
-		}
 		go2 := *g
 		go2.Bits, go2.GroupSize = q.opt.Bits, q.opt.GroupSize
-		res, err := gptq.Quantize(w, out, in, h, go2)
+		res, err := q.gptq(w, out, in, x, go2)
 		if err != nil {
 			return fmt.Errorf("%s: %w", model.Name(l, r), err)
 		}
@@ -307,33 +439,47 @@ func (q *layerQuant) quantize(l int, r model.Role, w []float32, out, in int, x [
 			return fmt.Errorf("%s: %w", model.Name(l, r), err)
 		}
 	}
-	wq, _ := qt.Float32()
-	rel := calib.RelErr(x, rows, in, orig, wq, out, 4096, q.opt.Threads)
-	if loss < 0 {
-		loss = rel
-	}
 	if err := q.s.SetLinear(l, r, qt); err != nil {
 		return err
 	}
+	done := q.s.Phase("output error")
+	rel := q.s.RelErr(x, orig, l, r, 4096)
+	done()
+	if loss < 0 {
+		loss = rel
+	}
 	q.stats = append(q.stats, calib.ModuleStat{Layer: l, Role: r, Loss: loss, RelErr: rel, Seconds: t.Seconds(), Note: note})
 	if q.progress != nil {
-		q.progress(l, r, true)
+		q.progress(l, &q.stats[len(q.stats)-1])
 	}
 	return nil
 }
 
-// hessian returns the GPTQ Hessian of the inputs x, reusing the last one
-// when the same input slice is passed again (q, k and v share it).
-func (q *layerQuant) hessian(x []float32, rows, in int) (*gptq.Hessian, error) {
-	if q.hess != nil && q.hessX == &x[0] {
-		return q.hess, nil
+// gptq rounds w with GPTQ on the inputs x, on the device when the backend
+// is a GPTQ solver; the Gram matrix of x is kept for the group's other
+// linears (q, k and v share it).
+func (q *layerQuant) gptq(w []float32, out, in int, x runtime.Buf, opt gptq.Options) (*gptq.Result, error) {
+	be := q.s.Backend()
+	if q.gram == nil {
+		q.gram = be.Alloc(in, in)
+		be.AddGram(q.gram, x)
+		q.gramRows = x.Rows()
+	}
+	if dev, ok := be.(gptq.Device); ok {
+		return gptq.QuantizeOn(dev, q.gram, q.gramRows, w, out, in, opt)
 	}
 	h := gptq.NewHessian(in)
-	if err := h.AddBatch(x, rows, q.opt.Threads); err != nil {
+	if err := h.AddGram(q.s.Download(q.gram), q.gramRows); err != nil {
 		return nil, err
 	}
-	q.hess, q.hessX = h, &x[0]
-	return h, nil
+	return gptq.Quantize(w, out, in, h, opt)
+}
+
+func (q *layerQuant) dropGram() {
+	if q.gram != nil {
+		q.s.Backend().Free(q.gram)
+		q.gram = nil
+	}
 }
 
 // foldNorm divides a norm weight (and its bias, if any) by the scales.
@@ -368,15 +514,6 @@ func scaleCols(w []float32, rows, cols int, s []float32) {
 	for r := 0; r < rows; r++ {
 		for c := 0; c < cols; c++ {
 			w[r*cols+c] *= s[c]
-		}
-	}
-}
-
-// divCols divides column c of x [rows, cols] by s[c].
-func divCols(x []float32, rows, cols int, s []float32) {
-	for r := 0; r < rows; r++ {
-		for c := 0; c < cols; c++ {
-			x[r*cols+c] /= s[c]
 		}
 	}
 }

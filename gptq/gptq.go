@@ -19,6 +19,7 @@ import (
 	"gonum.org/v1/gonum/mat"
 
 	"qtool/formats/model"
+	"qtool/runtime"
 )
 
 // Options are the knobs of one GPTQ run.
@@ -184,7 +185,7 @@ type Result struct {
 
 // ErrNotPositiveDefinite is returned (wrapped) when H stays singular after
 // every damping retry.
-var ErrNotPositiveDefinite = errors.New("Hessian is not positive definite")
+var ErrNotPositiveDefinite = runtime.ErrNotPositiveDefinite
 
 // grid is the min/max quantizer of the reference implementation for one
 // group: per row scale and zero point on the unsigned grid 0..maxq.
@@ -394,12 +395,27 @@ func Quantize(w []float32, rows, cols int, h *Hessian, opt Options) (*Result, er
 	}
 	res.Loss = loss
 
+	q, err := pack(codes, perm, scale, zero, rows, cols, opt)
+	if err != nil {
+		return nil, err
+	}
+	res.Q = q
+	return res, nil
+}
+
+// pack builds the quantized weight from unsigned codes in the column order
+// perm ([rows, cols]) and per-(row, group) scales and unsigned zero points.
+func pack(codes []uint8, perm []int, scale, zero []float32, rows, cols int, opt Options) (*model.Quantized, error) {
 	off := 1 << (opt.Bits - 1)
 	q := &model.Quantized{Bits: opt.Bits, GroupSize: opt.GroupSize, Rows: rows, Cols: cols,
 		Q: make([]int8, rows*cols), Scale: scale}
 	for r := 0; r < rows; r++ {
 		for i := 0; i < cols; i++ {
-			q.Q[r*cols+perm[i]] = int8(int(codes[r*cols+i]) - off)
+			c := i
+			if perm != nil {
+				c = perm[i]
+			}
+			q.Q[r*cols+c] = int8(int(codes[r*cols+i]) - off)
 		}
 	}
 	if !opt.Sym {
@@ -408,14 +424,10 @@ func Quantize(w []float32, rows, cols int, h *Hessian, opt Options) (*Result, er
 			zero[i] -= float32(off)
 		}
 	}
-	if opt.GroupSize == 0 {
-		q.GroupSize = 0
-	}
 	if err := q.Validate(); err != nil {
 		return nil, fmt.Errorf("gptq: internal error: %w", err)
 	}
-	res.Q = q
-	return res, nil
+	return q, nil
 }
 
 // gptqRows runs the column loop of GPTQ for rows [r0, r1) and returns their

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math"
 	"math/rand/v2"
+	"qtool/runtime/cpu"
 	"strings"
 	"testing"
 )
@@ -394,13 +395,21 @@ func TestDampingRetry(t *testing.T) {
 	}
 }
 
-func TestAddBatchMatchesAdd(t *testing.T) {
+// TestBackendGramMatchesAdd checks the CPU backend's Gram matrix (the
+// Hessian accumulation calibration uses) against Hessian.Add.
+func TestBackendGramMatchesAdd(t *testing.T) {
 	_, x := randProblem(11, 1, 40, 5000)
 	a, b := NewHessian(40), NewHessian(40)
 	if err := a.Add(x, 5000); err != nil {
 		t.Fatal(err)
 	}
-	if err := b.AddBatch(x, 5000, 2); err != nil {
+	be := cpu.New(2)
+	xb, g := be.Alloc(5000, 40), be.Alloc(40, 40)
+	be.Upload(xb, x)
+	be.AddGram(g, xb)
+	gv := make([]float32, 40*40)
+	be.Download(gv, g)
+	if err := b.AddGram(gv, 5000); err != nil {
 		t.Fatal(err)
 	}
 	ha, hb := a.Matrix(), b.Matrix()

@@ -1,7 +1,10 @@
 package gptq
 
 import (
+	"errors"
 	"fmt"
+	"math"
+	"sort"
 
 	"qtool/formats/model"
 	"qtool/quantize/calib"
@@ -15,6 +18,13 @@ const relErrRows = 4096
 // layer by layer and true-sequentially (q/k/v share one Hessian, then o,
 // then gate/up, then down), installing each result in the session. The
 // result model is s.Out.
+//
+// The Hessian is accumulated on the session's backend (Calibrator.AddGram).
+// On a backend that implements runtime.GPTQSolver (the GPU) the
+// factorisation and the column loop run there too, in the precision the
+// reference uses (float32 weights and updates; the Cholesky factorisation
+// and inverse in float64, see runtime/cuda); otherwise on the host
+// (Quantize: float64, gonum).
 func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]calib.ModuleStat, error) {
 	opt.Threads = s.Threads()
 	c := s.Cfg
@@ -26,13 +36,24 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 			return nil, fmt.Errorf("%w (%s)", err, d.name)
 		}
 	}
+	be := s.Backend()
+	solver, onDevice := be.(Device)
 	var stats []calib.ModuleStat
-	step := func(l int, p runtime.CapturePoint, x []float32, rows int) error {
-		in := len(x) / rows
-		h := NewHessian(in)
-		if err := h.AddBatch(x, rows, s.Threads()); err != nil {
-			return fmt.Errorf("%s inputs: %w", p, err)
+	step := func(l int, p runtime.CapturePoint, x runtime.Buf) error {
+		in, rows := x.Cols(), x.Rows()
+		done := s.Phase("hessian")
+		g := be.Alloc(in, in)
+		defer be.Free(g)
+		be.AddGram(g, x)
+		var h *Hessian
+		if !onDevice {
+			h = NewHessian(in)
+			if err := h.AddGram(s.Download(g), rows); err != nil {
+				done()
+				return fmt.Errorf("%s inputs: %w", p, err)
+			}
 		}
+		done()
 		for _, r := range p.Roles() {
 			t := calib.StartTimer()
 			w, err := s.Weight(l, r)
@@ -40,22 +61,30 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 				return err
 			}
 			out := len(w) / in
-			res, err := Quantize(w, out, in, h, opt)
+			var res *Result
+			done := s.Phase("gptq")
+			if onDevice {
+				res, err = QuantizeOn(solver, g, rows, w, out, in, opt)
+			} else {
+				res, err = Quantize(w, out, in, h, opt)
+			}
+			done()
 			if err != nil {
 				return fmt.Errorf("%s: %w", model.Name(l, r), err)
 			}
-			wq, _ := res.Q.Float32()
-			rel := calib.RelErr(x, rows, in, w, wq, out, relErrRows, s.Threads())
 			if err := s.SetLinear(l, r, res.Q); err != nil {
 				return err
 			}
+			done = s.Phase("output error")
+			rel := s.RelErr(x, w, l, r, relErrRows)
+			done()
 			note := fmt.Sprintf("damp %.3g", res.DampFrac)
 			if res.DeadCols > 0 {
 				note += fmt.Sprintf(", %d dead columns", res.DeadCols)
 			}
 			stats = append(stats, calib.ModuleStat{Layer: l, Role: r, Loss: res.Loss, RelErr: rel, Seconds: t.Seconds(), Note: note})
 			if progress != nil {
-				progress(l, r, true)
+				progress(l, &stats[len(stats)-1])
 			}
 		}
 		return nil
@@ -64,4 +93,106 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 		return stats, fmt.Errorf("gptq: %w", err)
 	}
 	return stats, nil
+}
+
+// Device is a backend that runs GPTQ itself (the GPU).
+type Device interface {
+	runtime.Calibrator
+	runtime.GPTQSolver
+}
+
+// QuantizeOn runs GPTQ for w ([rows, cols], host float32) on a device,
+// with the Gram matrix g (Σxᵀx of tokens inputs, on the device).
+// The host prepares what needs the whole diagonal (dead columns, the
+// act-order permutation, the damping) and packs the result; the device
+// factorises and runs the column loop. Damping is retried like Quantize's.
+func QuantizeOn(dev Device, g runtime.Buf, tokens int, w []float32, rows, cols int, opt Options) (*Result, error) {
+	opt = opt.withDefaults()
+	if err := opt.Validate(cols); err != nil {
+		return nil, err
+	}
+	if tokens == 0 {
+		return nil, errors.New("gptq: no calibration tokens reached this layer")
+	}
+	diag := dev.Diagonal(g)
+	job := runtime.GPTQJob{Rows: rows, Cols: cols, Bits: opt.Bits, GroupSize: opt.GroupSize, BlockSize: opt.BlockSize,
+		Sym: opt.Sym, FP16Scales: !opt.FP32Scales, Dead: make([]bool, cols)}
+	if job.GroupSize == 0 {
+		job.GroupSize = cols
+	}
+	switch opt.Search {
+	case "mse":
+		job.Search = 1
+	case "hmse":
+		job.Search = 2
+	}
+	if !opt.ActOrder && job.BlockSize%job.GroupSize != 0 && job.GroupSize%job.BlockSize != 0 {
+		job.BlockSize = job.GroupSize // as in Quantize: blocks aligned to groups
+	}
+	res := &Result{}
+	mean := 0.0
+	f := 2 / float64(tokens)
+	for i, d := range diag {
+		v := float64(d) * f
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			return nil, fmt.Errorf("gptq: Hessian entry (%d,%d) is %g: the calibration activations overflow", i, i, v)
+		}
+		if v == 0 {
+			job.Dead[i] = true
+			res.DeadCols++
+			v = 1
+		}
+		mean += v
+	}
+	mean /= float64(cols)
+	if opt.ActOrder {
+		job.Perm = make([]int, cols)
+		for i := range job.Perm {
+			job.Perm[i] = i
+		}
+		hd := func(i int) float64 {
+			if job.Dead[i] {
+				return 1 / f
+			}
+			return float64(diag[i])
+		}
+		sort.SliceStable(job.Perm, func(a, b int) bool { return hd(job.Perm[a]) > hd(job.Perm[b]) })
+	}
+	wb := dev.Alloc(rows, cols)
+	defer dev.Free(wb)
+	dev.Upload(wb, w)
+	var out *runtime.GPTQOutput
+	var err error
+	for res.Retries = 0; res.Retries < 4; res.Retries++ {
+		res.DampFrac = min(opt.Damp*math.Pow(10, float64(res.Retries)), 1)
+		res.Damp = res.DampFrac * mean
+		job.Damp = res.Damp
+		out, err = dev.GPTQ(g, wb, tokens, job)
+		if !errors.Is(err, runtime.ErrNotPositiveDefinite) {
+			break
+		}
+	}
+	if err != nil {
+		if errors.Is(err, runtime.ErrNotPositiveDefinite) {
+			return nil, fmt.Errorf("gptq: %w even with damping %.3g × mean(diag H)", ErrNotPositiveDefinite, res.DampFrac)
+		}
+		return nil, fmt.Errorf("gptq: %w", err)
+	}
+	res.Loss = out.Loss
+	perm := job.Perm
+	if perm == nil {
+		perm = identity(cols)
+	}
+	if res.Q, err = pack(out.Codes, perm, out.Scale, out.Zero, rows, cols, opt); err != nil {
+		return nil, err
+	}
+	return res, nil
+}
+
+func identity(n int) []int {
+	p := make([]int, n)
+	for i := range p {
+		p[i] = i
+	}
+	return p
 }

@@ -1,5 +1,6 @@
-// Package kernels embeds qtool's CUDA kernels: the CUDA C source (qtool.cu)
-// and the PTX that build.sh compiles from it with nvcc, for sm_80 (any GPU
+// Package kernels embeds qtool's CUDA kernels: the CUDA C sources (qtool.cu
+// for inference, calib.cu for calibration, a module of its own) and the PTX
+// that build.sh compiles from them with nvcc, for sm_80 (any GPU
 // from Ampere on, JIT-compiled by the driver) and sm_90 (Hopper). The PTX is
 // committed so that the Go build needs no CUDA toolkit; the first line of
 // each PTX file records the SHA-256 of the source it was built from.
@@ -20,6 +21,15 @@ var ptx80 []byte
 
 //go:embed qtool_sm90.ptx
 var ptx90 []byte
+
+//go:embed calib.cu
+var calibSource []byte
+
+//go:embed calib_sm80.ptx
+var calibPTX80 []byte
+
+//go:embed calib_sm90.ptx
+var calibPTX90 []byte
 
 // HashPrefix starts the first line of every committed PTX file.
 const HashPrefix = "// qtool-source-sha256: "
@@ -42,6 +52,24 @@ func PTX(major, minor int) ([]byte, string) {
 		return bytes.Clone(ptx90), "sm_90"
 	case major == 8:
 		return bytes.Clone(ptx80), "sm_80"
+	}
+	return nil, ""
+}
+
+// CalibSourceHash is the hex SHA-256 of calib.cu.
+func CalibSourceHash() string {
+	h := sha256.Sum256(calibSource)
+	return hex.EncodeToString(h[:])
+}
+
+// CalibPTX returns the calibration kernels' PTX for a device of compute
+// capability major.minor and its name, like PTX.
+func CalibPTX(major, minor int) ([]byte, string) {
+	switch {
+	case major >= 9:
+		return bytes.Clone(calibPTX90), "sm_90"
+	case major == 8:
+		return bytes.Clone(calibPTX80), "sm_80"
 	}
 	return nil, ""
 }

@@ -6,30 +6,37 @@ import (
 )
 
 // TestPTXBuiltFromSource checks that every committed PTX file was compiled
-// from the current qtool.cu (run kernels/build.sh on a machine with nvcc
-// after editing the source).
+// from the current CUDA source (run kernels/build.sh on a machine with nvcc
+// after editing one) and holds the kernels the backend looks up.
 func TestPTXBuiltFromSource(t *testing.T) {
-	want := SourceHash()
+	inference := []string{"gemv_q4_sh", "gemm_q4", "gemm_f16", "gemv_q8_r4u1", "gemv_f16_r4u2", "attention", "rmsnorm", "nll", "argmax"}
+	calibration := []string{"gather_rows", "col_stats", "sq_diff", "scale_cols", "diag_f32", "widen", "gemm_f32", "gemm_f64",
+		"mirror_lower", "build_a", "potrf_diag", "extract_u", "copy_block_f64", "gptq_prep", "gptq_fit", "gptq_block",
+		"awq_fakequant", "awq_clip"}
 	for _, tc := range []struct {
-		name string
-		ptx  []byte
-		arch string
+		name    string
+		ptx     []byte
+		arch    string
+		want    string
+		kernels []string
 	}{
-		{"qtool_sm80.ptx", ptx80, ".target sm_80"},
-		{"qtool_sm90.ptx", ptx90, ".target sm_90"},
+		{"qtool_sm80.ptx", ptx80, ".target sm_80", SourceHash(), inference},
+		{"qtool_sm90.ptx", ptx90, ".target sm_90", SourceHash(), inference},
+		{"calib_sm80.ptx", calibPTX80, ".target sm_80", CalibSourceHash(), calibration},
+		{"calib_sm90.ptx", calibPTX90, ".target sm_90", CalibSourceHash(), calibration},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, ok := RecordedHash(tc.ptx)
 			if !ok {
 				t.Fatalf("%s: first line does not start with %q", tc.name, HashPrefix)
 			}
-			if got != want {
-				t.Fatalf("%s was built from source %s, qtool.cu is now %s: run kernels/build.sh", tc.name, got, want)
+			if got != tc.want {
+				t.Fatalf("%s was built from source %s, the source is now %s: run kernels/build.sh", tc.name, got, tc.want)
 			}
 			if !bytes.Contains(tc.ptx, []byte(tc.arch)) {
 				t.Errorf("%s does not target %s", tc.name, tc.arch)
 			}
-			for _, k := range []string{"gemv_q4_sh", "gemm_q4", "gemm_f16", "gemv_q8_r4u1", "gemv_f16_r4u2", "attention", "rmsnorm", "nll", "argmax"} {
+			for _, k := range tc.kernels {
 				if !bytes.Contains(tc.ptx, []byte(".entry "+k+"(")) {
 					t.Errorf("%s lacks kernel %s", tc.name, k)
 				}

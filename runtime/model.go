@@ -83,6 +83,7 @@ type Model struct {
 	norm   Vector
 	head   Linear // the embedding table when tied
 	layers []layerWeights
+	src    *model.Model // where LoadLayer reads
 
 	// scratch is a one-layer KV cache reused by Layer when it is called
 	// without a cache.
@@ -92,6 +93,24 @@ type Model struct {
 // Load uploads the tensors of m onto be. It checks the shapes first and
 // reports the first tensor the backend cannot hold.
 func Load(m *model.Model, be Backend) (*Model, error) {
+	rm, err := LoadLazy(m, be)
+	if err != nil {
+		return nil, err
+	}
+	for l := range rm.layers {
+		if err := rm.LoadLayer(l); err != nil {
+			return nil, err
+		}
+	}
+	return rm, nil
+}
+
+// LoadLazy uploads the tensors of m outside the decoder layers (embedding,
+// final norm, classifier); LoadLayer uploads a layer when it is needed and
+// UnloadLayer frees it again, so that a pass over the model (calibration)
+// holds one layer on the backend at a time. m must stay open while the
+// Model is used.
+func LoadLazy(m *model.Model, be Backend) (*Model, error) {
 	if m == nil || be == nil {
 		return nil, fmt.Errorf("runtime: Load needs a model and a backend")
 	}
@@ -102,74 +121,110 @@ func Load(m *model.Model, be Backend) (*Model, error) {
 	if err := m.CheckShapes(); err != nil {
 		return nil, fmt.Errorf("runtime: %w", err)
 	}
-	rm := &Model{cfg: cfg, be: be, layers: make([]layerWeights, cfg.Layers)}
-	lin := func(name string) (Linear, error) {
-		t, err := m.Get(name)
-		if err != nil {
-			return nil, err
-		}
-		l, err := be.UploadLinear(name, t)
-		if err != nil {
-			return nil, fmt.Errorf("runtime: upload %s: %w", name, err)
-		}
-		return l, nil
-	}
-	vec := func(name string, optional bool) (Vector, error) {
-		t, ok := m.Lookup(name)
-		if !ok {
-			if optional {
-				return nil, nil
-			}
-			_, err := m.Get(name)
-			return nil, err
-		}
-		v, err := be.UploadVector(name, t)
-		if err != nil {
-			return nil, fmt.Errorf("runtime: upload %s: %w", name, err)
-		}
-		return v, nil
-	}
+	rm := &Model{cfg: cfg, be: be, src: m, layers: make([]layerWeights, cfg.Layers)}
 	var err error
-	if rm.embed, err = lin(model.Name(-1, model.Embed)); err != nil {
+	if rm.embed, err = rm.uploadLinear(model.Name(-1, model.Embed)); err != nil {
 		return nil, err
 	}
-	if rm.norm, err = vec(model.Name(-1, model.FinalNorm), false); err != nil {
+	if rm.norm, err = rm.uploadVector(model.Name(-1, model.FinalNorm), false); err != nil {
 		return nil, err
 	}
 	if _, hasHead := m.Lookup(model.Name(-1, model.LMHead)); cfg.Tied && !hasHead {
 		rm.head = rm.embed
-	} else if rm.head, err = lin(model.Name(-1, model.LMHead)); err != nil {
+	} else if rm.head, err = rm.uploadLinear(model.Name(-1, model.LMHead)); err != nil {
 		return nil, err
 	}
-	for l := range rm.layers {
-		w := &rm.layers[l]
-		for _, f := range []struct {
-			r   model.Role
-			dst *Linear
-		}{{model.Q, &w.q}, {model.K, &w.k}, {model.V, &w.v}, {model.O, &w.o},
-			{model.Gate, &w.gate}, {model.Up, &w.up}, {model.Down, &w.down}} {
-			if *f.dst, err = lin(model.Name(l, f.r)); err != nil {
-				return nil, err
-			}
+	return rm, nil
+}
+
+func (rm *Model) uploadLinear(name string) (Linear, error) {
+	t, err := rm.src.Get(name)
+	if err != nil {
+		return nil, err
+	}
+	l, err := rm.be.UploadLinear(name, t)
+	if err != nil {
+		return nil, fmt.Errorf("runtime: upload %s: %w", name, err)
+	}
+	return l, nil
+}
+
+func (rm *Model) uploadVector(name string, optional bool) (Vector, error) {
+	t, ok := rm.src.Lookup(name)
+	if !ok {
+		if optional {
+			return nil, nil
 		}
-		for i, r := range []model.Role{model.Q, model.K, model.V} {
-			t, _ := m.Lookup(model.Name(l, r))
-			_, w.biasInLinear[i] = t.(*model.W8A8)
+		_, err := rm.src.Get(name)
+		return nil, err
+	}
+	v, err := rm.be.UploadVector(name, t)
+	if err != nil {
+		return nil, fmt.Errorf("runtime: upload %s: %w", name, err)
+	}
+	return v, nil
+}
+
+// LoadLayer uploads the tensors of decoder layer l from the source model
+// (nothing when it is loaded already).
+func (rm *Model) LoadLayer(l int) error {
+	if l < 0 || l >= len(rm.layers) {
+		return fmt.Errorf("runtime: LoadLayer %d of a %d-layer model", l, len(rm.layers))
+	}
+	w := &rm.layers[l]
+	if w.q != nil {
+		return nil
+	}
+	cfg := rm.cfg
+	var lw layerWeights
+	var err error
+	for _, f := range []struct {
+		r   model.Role
+		dst *Linear
+	}{{model.Q, &lw.q}, {model.K, &lw.k}, {model.V, &lw.v}, {model.O, &lw.o},
+		{model.Gate, &lw.gate}, {model.Up, &lw.up}, {model.Down, &lw.down}} {
+		if *f.dst, err = rm.uploadLinear(model.Name(l, f.r)); err != nil {
+			return err
 		}
-		for _, f := range []struct {
-			r        model.Role
-			dst      *Vector
-			optional bool
-		}{{model.AttnNorm, &w.attnNorm, false}, {model.MLPNorm, &w.mlpNorm, false},
-			{model.AttnNormBias, &w.attnNormBias, true}, {model.MLPNormBias, &w.mlpNormBias, true},
-			{model.QBias, &w.qBias, !cfg.AttnBias}, {model.KBias, &w.kBias, !cfg.AttnBias}, {model.VBias, &w.vBias, !cfg.AttnBias},
-			{model.QNorm, &w.qNorm, !cfg.QKNorm}, {model.KNorm, &w.kNorm, !cfg.QKNorm}} {
-			if *f.dst, err = vec(model.Name(l, f.r), f.optional); err != nil {
-				return nil, err
+	}
+	for i, r := range []model.Role{model.Q, model.K, model.V} {
+		t, _ := rm.src.Lookup(model.Name(l, r))
+		_, lw.biasInLinear[i] = t.(*model.W8A8)
+	}
+	for _, f := range []struct {
+		r        model.Role
+		dst      *Vector
+		optional bool
+	}{{model.AttnNorm, &lw.attnNorm, false}, {model.MLPNorm, &lw.mlpNorm, false},
+		{model.AttnNormBias, &lw.attnNormBias, true}, {model.MLPNormBias, &lw.mlpNormBias, true},
+		{model.QBias, &lw.qBias, !cfg.AttnBias}, {model.KBias, &lw.kBias, !cfg.AttnBias}, {model.VBias, &lw.vBias, !cfg.AttnBias},
+		{model.QNorm, &lw.qNorm, !cfg.QKNorm}, {model.KNorm, &lw.kNorm, !cfg.QKNorm}} {
+		if *f.dst, err = rm.uploadVector(model.Name(l, f.r), f.optional); err != nil {
+			return err
+		}
+	}
+	*w = lw
+	return nil
+}
+
+// UnloadLayer releases the tensors of decoder layer l (on backends that
+// free memory, see Releaser); later blocks of the layer need LoadLayer.
+func (rm *Model) UnloadLayer(l int) {
+	w := &rm.layers[l]
+	if w.q == nil {
+		return
+	}
+	if r, ok := rm.be.(Releaser); ok {
+		for _, x := range []Linear{w.q, w.k, w.v, w.o, w.gate, w.up, w.down} {
+			r.FreeLinear(x)
+		}
+		for _, v := range []Vector{w.attnNorm, w.attnNormBias, w.qBias, w.kBias, w.vBias, w.qNorm, w.kNorm, w.mlpNorm, w.mlpNormBias} {
+			if v != nil {
+				r.FreeVector(v)
 			}
 		}
 	}
-	return rm, nil
+	*w = layerWeights{}
 }
 
 // Config returns the model's architecture.
@@ -196,19 +251,79 @@ func (m *Model) Embed(ids []int) Buf {
 	return x
 }
 
-// Layer runs decoder layer l on the residual stream x (rows are positions
-// pos0, pos0+1, ...) in place. Keys and values go to cache; cache may be nil
-// when pos0 is 0, and then a scratch cache holds them for this call only.
-// capture, when not nil, sees the input of each linear group before use.
-func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
-	c := &m.cfg
+// Overrides replaces linears of one decoder layer inside a block: a role
+// present in the map uses that linear instead of the installed one
+// (calibration scores candidate weights this way). A nil map uses the
+// installed weights.
+type Overrides map[model.Role]Linear
+
+func (w *layerWeights) linear(r model.Role, ov Overrides) Linear {
+	if l, ok := ov[r]; ok && l != nil {
+		return l
+	}
+	switch r {
+	case model.Q:
+		return w.q
+	case model.K:
+		return w.k
+	case model.V:
+		return w.v
+	case model.O:
+		return w.o
+	case model.Gate:
+		return w.gate
+	case model.Up:
+		return w.up
+	case model.Down:
+		return w.down
+	}
+	panic(fmt.Sprintf("runtime: %s is not a linear role of a decoder layer", r))
+}
+
+// weights returns the uploaded tensors of layer l; it panics when the layer
+// is not loaded (see LoadLayer).
+func (m *Model) weights(l int) *layerWeights {
 	w := &m.layers[l]
+	if w.q == nil {
+		panic(fmt.Sprintf("runtime: layer %d is not loaded", l))
+	}
+	return w
+}
+
+// AttnNorm returns attn_norm(x) of layer l, the input of q, k and v: a new
+// buffer [T, hidden] the caller frees.
+func (m *Model) AttnNorm(l int, x Buf) Buf {
+	w := m.weights(l)
+	h := m.be.Alloc(x.Rows(), m.cfg.Hidden)
+	m.be.RMSNorm(h, x, w.attnNorm, w.attnNormBias, float32(m.cfg.NormEps))
+	return h
+}
+
+// MLPNorm returns mlp_norm(x) of layer l, the input of gate and up: a new
+// buffer [T, hidden] the caller frees.
+func (m *Model) MLPNorm(l int, x Buf) Buf {
+	w := m.weights(l)
+	h := m.be.Alloc(x.Rows(), m.cfg.Hidden)
+	m.be.RMSNorm(h, x, w.mlpNorm, w.mlpNormBias, float32(m.cfg.NormEps))
+	return h
+}
+
+// Attention runs the attention block of layer l on its normed input h
+// (rows at positions pos0..): the q/k/v products (with the Qwen2 biases
+// unless a W8A8 projection carries them), the Qwen3 q/k norms, RoPE, the
+// store into cache and cached causal attention. It returns the attention
+// output, the input of o, as a new buffer [T, heads×head_dim]. cache may be
+// nil when pos0 is 0: a scratch cache then holds this call's keys and
+// values. ov may replace q, k or v.
+func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) Buf {
+	c := &m.cfg
+	w := m.weights(l)
 	be := m.be
-	T := x.Rows()
+	T := h.Rows()
 	cl := l
 	if cache == nil {
 		if pos0 != 0 {
-			panic("runtime: Layer without a cache needs pos0 = 0")
+			panic("runtime: Attention without a cache needs pos0 = 0")
 		}
 		if m.scratch == nil || m.scratch.MaxSeq() < T {
 			m.scratch = be.NewKVCache(1, max(T, 512), c.KVDim())
@@ -219,26 +334,24 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 		panic(fmt.Sprintf("runtime: positions %d..%d exceed the KV cache of %d", pos0, pos0+T-1, cache.MaxSeq()))
 	}
 	eps := float32(c.NormEps)
-
-	h := be.Alloc(T, c.Hidden)
-	be.RMSNorm(h, x, w.attnNorm, w.attnNormBias, eps)
-	if capture != nil {
-		capture(l, CaptureQKV, h)
-	}
 	q := be.Alloc(T, c.QDim())
 	k := be.Alloc(T, c.KVDim())
 	v := be.Alloc(T, c.KVDim())
-	be.MatMul(q, h, w.q)
-	be.MatMul(k, h, w.k)
-	be.MatMul(v, h, w.v)
-	if w.qBias != nil && !w.biasInLinear[0] {
-		be.AddBias(q, w.qBias)
-	}
-	if w.kBias != nil && !w.biasInLinear[1] {
-		be.AddBias(k, w.kBias)
-	}
-	if w.vBias != nil && !w.biasInLinear[2] {
-		be.AddBias(v, w.vBias)
+	be.MatMul(q, h, w.linear(model.Q, ov))
+	be.MatMul(k, h, w.linear(model.K, ov))
+	be.MatMul(v, h, w.linear(model.V, ov))
+	for i, p := range []struct {
+		x Buf
+		b Vector
+		r model.Role
+	}{{q, w.qBias, model.Q}, {k, w.kBias, model.K}, {v, w.vBias, model.V}} {
+		if p.b == nil {
+			continue
+		}
+		if _, replaced := ov[p.r]; w.biasInLinear[i] && !replaced {
+			continue // the W8A8 projection's quant_bias holds it
+		}
+		be.AddBias(p.x, p.b)
 	}
 	if w.qNorm != nil {
 		be.RMSNormHeads(q, c.HeadDim, w.qNorm, eps)
@@ -254,27 +367,57 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 	att := be.Alloc(T, c.QDim())
 	be.Attention(att, q, cache, cl, pos0, c.Heads, c.KVHeads, c.HeadDim)
 	be.Free(q)
+	return att
+}
+
+// MLPHidden returns silu(h·Gateᵀ)·(h·Upᵀ) of layer l, the input of down:
+// a new buffer [T, intermediate]. ov may replace gate or up.
+func (m *Model) MLPHidden(l int, h Buf, ov Overrides) Buf {
+	w := m.weights(l)
+	be := m.be
+	g := be.Alloc(h.Rows(), m.cfg.Intermediate)
+	u := be.Alloc(h.Rows(), m.cfg.Intermediate)
+	be.MatMul(g, h, w.linear(model.Gate, ov))
+	be.MatMul(u, h, w.linear(model.Up, ov))
+	be.SiLUMul(g, g, u)
+	be.Free(u)
+	return g
+}
+
+// Project sets dst = x·Wᵀ for the linear (l, r) (ov may replace it).
+func (m *Model) Project(l int, r model.Role, dst, x Buf, ov Overrides) {
+	m.be.MatMul(dst, x, m.weights(l).linear(r, ov))
+}
+
+// Layer runs decoder layer l on the residual stream x (rows are positions
+// pos0, pos0+1, ...) in place, composing the blocks above. Keys and values
+// go to cache; cache may be nil when pos0 is 0, and then a scratch cache
+// holds them for this call only. capture, when not nil, sees the input of
+// each linear group before use.
+func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
+	be := m.be
+	h := m.AttnNorm(l, x)
+	if capture != nil {
+		capture(l, CaptureQKV, h)
+	}
+	att := m.Attention(l, h, pos0, cache, nil)
 	if capture != nil {
 		capture(l, CaptureO, att)
 	}
-	be.MatMul(h, att, w.o)
+	m.Project(l, model.O, h, att, nil)
 	be.Free(att)
 	be.Add(x, h)
+	be.Free(h)
 
-	be.RMSNorm(h, x, w.mlpNorm, w.mlpNormBias, eps)
+	h = m.MLPNorm(l, x)
 	if capture != nil {
 		capture(l, CaptureGateUp, h)
 	}
-	g := be.Alloc(T, c.Intermediate)
-	u := be.Alloc(T, c.Intermediate)
-	be.MatMul(g, h, w.gate)
-	be.MatMul(u, h, w.up)
-	be.SiLUMul(g, g, u)
-	be.Free(u)
+	g := m.MLPHidden(l, h, nil)
 	if capture != nil {
 		capture(l, CaptureDown, g)
 	}
-	be.MatMul(h, g, w.down)
+	m.Project(l, model.Down, h, g, nil)
 	be.Free(g)
 	be.Add(x, h)
 	be.Free(h)
@@ -358,6 +501,11 @@ func (m *Model) SetLinear(l int, r model.Role, t model.Tensor) error {
 		return fmt.Errorf("runtime: SetLinear %s: %w", name, err)
 	}
 	tiedHead := m.head == m.embed
+	if old := *dst; old != nil && l >= 0 {
+		if r, ok := m.be.(Releaser); ok {
+			r.FreeLinear(old)
+		}
+	}
 	*dst = lin
 	if l >= 0 {
 		_, isW8A8 := t.(*model.W8A8)
@@ -423,6 +571,11 @@ func (m *Model) SetVector(name string, t model.Tensor) error {
 		if !optional {
 			return fmt.Errorf("runtime: SetVector %s: cannot remove a required vector", name)
 		}
+		if old := *dst; old != nil {
+			if r, ok := m.be.(Releaser); ok {
+				r.FreeVector(old)
+			}
+		}
 		*dst = nil
 		return nil
 	}
@@ -432,6 +585,11 @@ func (m *Model) SetVector(name string, t model.Tensor) error {
 	v, err := m.be.UploadVector(name, t)
 	if err != nil {
 		return fmt.Errorf("runtime: SetVector %s: %w", name, err)
+	}
+	if old := *dst; old != nil {
+		if r, ok := m.be.(Releaser); ok {
+			r.FreeVector(old)
+		}
 	}
 	*dst = v
 	return nil

@@ -14,7 +14,6 @@ import (
 	"qtool/quantize"
 	"qtool/quantize/calib"
 	"qtool/runtime"
-	"qtool/runtime/cpu/gemm"
 )
 
 // Options are the knobs of SmoothQuant.
@@ -112,6 +111,13 @@ func W8A8(w []float32, rows, cols int, bias []float32, inScale, inOffset float32
 	if err != nil {
 		return nil, err
 	}
+	return w8a8Of(q, bias, inScale, inOffset), nil
+}
+
+// w8a8Of completes the per-channel int8 weight q with the activation
+// quantizer (see W8A8).
+func w8a8Of(q *model.Quantized, bias []float32, inScale, inOffset float32) *model.W8A8 {
+	rows, cols := q.Rows, q.Cols
 	out := &model.W8A8{Weight: q, InputScale: inScale, InputOffset: inOffset,
 		DeqScale: make([]float32, rows), QuantBias: make([]int32, rows)}
 	for r := 0; r < rows; r++ {
@@ -127,41 +133,24 @@ func W8A8(w []float32, rows, cols int, bias []float32, inScale, inOffset float32
 		}
 		out.QuantBias[r] = int32(math.RoundToEven(qb))
 	}
-	return out, nil
-}
-
-// fakeW8A8 returns x_sub·Ŵᵀ for the W8A8 linear, computed like the runtime.
-func fakeW8A8(x []float32, n, cols int, w *model.W8A8, threads int) []float32 {
-	rows := w.Weight.Rows
-	xq := make([]float32, len(x))
-	for i, v := range x {
-		q := math.RoundToEven(float64(v/w.InputScale + w.InputOffset))
-		xq[i] = float32(min(max(q, -128), 127))
-	}
-	wq := make([]float32, len(w.Weight.Q))
-	for i, v := range w.Weight.Q {
-		wq[i] = float32(v)
-	}
-	y := make([]float32, n*rows)
-	gemm.MatMulNT(n, rows, cols, xq, cols, wq, cols, y, rows, false, threads)
-	for i := 0; i < n; i++ {
-		for j := 0; j < rows; j++ {
-			y[i*rows+j] = (y[i*rows+j] + float32(w.QuantBias[j])) * w.DeqScale[j]
-		}
-	}
-	return y
+	return out
 }
 
 // QuantizeModel smooths and W8A8-quantizes every decoder linear of the
 // session's model layer by layer (true-sequential), installing the results
-// and the rescaled norms in the session; the result model is s.Out.
+// and the rescaled norms in the session; the result model is s.Out. The
+// statistics and every candidate's output error are computed on the
+// session's backend, the W8A8 candidates running through the backend's own
+// W8A8 product (the arithmetic inference uses).
 func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]calib.ModuleStat, error) {
 	opt = opt.WithDefaults()
 	opt.Threads = s.Threads()
+	be := s.Backend()
 	var stats []calib.ModuleStat
-	step := func(l int, p runtime.CapturePoint, x []float32, rows int) error {
+	step := func(l int, p runtime.CapturePoint, x runtime.Buf) error {
 		t := calib.StartTimer()
-		in := len(x) / rows
+		defer s.Phase("search")()
+		in := x.Cols()
 		roles := p.Roles()
 		ws := make([][]float32, len(roles))
 		outs := make([]int, len(roles))
@@ -184,83 +173,123 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 				biases[i] = b
 			}
 		}
-		for i, v := range x {
-			if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
-				return fmt.Errorf("%s input (token %d, channel %d) is %g: calibration activations must be finite", p, i/in, i%in, v)
+		st := be.ColumnStats(x)
+		for c := range st.Min {
+			for _, v := range []float32{st.Min[c], st.Max[c]} {
+				if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+					return fmt.Errorf("%s input (channel %d) is %g: calibration activations must be finite", p, c, v)
+				}
 			}
 		}
-		sub, ns := calib.Subsample(x, rows, in, opt.SearchTokens)
-		sub = append([]float32(nil), sub...)
+		sub := s.Subsample(x, opt.SearchTokens)
+		defer be.Free(sub)
+		ns := sub.Rows()
 		if p == runtime.CaptureGateUp && opt.SmoothDown {
-			if err := smoothDown(s, l, sub, ns, in, ws, outs[0], opt); err != nil {
+			if err := smoothDown(s, l, sub, ws, outs[0], opt); err != nil {
 				return err
 			}
 		}
-		refs := make([][]float32, len(roles))
+		refs := make([]runtime.Buf, len(roles))
 		for i := range roles {
-			refs[i] = matMul(sub, ws[i], ns, outs[i], in, opt.Threads)
+			lw, wb := s.Linear(ws[i], outs[i], in)
+			refs[i] = s.MatMul(sub, lw)
+			s.Drop(lw, wb)
 			if biases[i] != nil {
-				addBias(refs[i], biases[i])
+				bv, err := be.UploadVector("bias", model.FromFloat32([]int{len(biases[i])}, biases[i]))
+				if err != nil {
+					return err
+				}
+				be.AddBias(refs[i], bv)
+				be.FreeVector(bv)
 			}
 		}
+		defer func() {
+			for _, r := range refs {
+				be.Free(r)
+			}
+		}()
 		note := ""
 		smooth := p == runtime.CaptureQKV || p == runtime.CaptureGateUp
+		// smoothed holds, per α, the smoothed search tokens, the smoothed
+		// weights' per-channel int8 quantization (which does not depend
+		// on the activation range) and the input range.
 		type smoothed struct {
 			sc     []float32
-			xs     []float32
-			wsc    [][]float32
+			xs     runtime.Buf
+			wq     []*model.Quantized
 			lo, hi float32
 		}
-		var actMax []float32
-		if smooth {
-			actMax = AbsMax(x, rows, in)
-		}
 		cache := map[float64]*smoothed{}
-		smoothFor := func(alpha float64) *smoothed {
-			if sm, ok := cache[alpha]; ok {
-				return sm
-			}
-			sm := &smoothed{xs: sub, wsc: ws}
-			if smooth {
-				sm.sc = Scales(actMax, ws, alpha)
-				sm.xs = scaledCopy(sub, ns, in, sm.sc, true)
-				sm.wsc = make([][]float32, len(ws))
-				for i := range ws {
-					sm.wsc[i] = scaledCopy(ws[i], outs[i], in, sm.sc, false)
+		defer func() {
+			for _, sm := range cache {
+				if sm.xs != sub {
+					be.Free(sm.xs)
 				}
-				sm.lo, sm.hi = minMaxScaled(x, rows, in, sm.sc)
+			}
+		}()
+		smoothFor := func(alpha float64) (*smoothed, error) {
+			if sm, ok := cache[alpha]; ok {
+				return sm, nil
+			}
+			sm := &smoothed{xs: sub}
+			wsc := ws
+			if smooth {
+				sm.sc = Scales(st.MaxAbs, ws, alpha)
+				sm.xs = be.Alloc(ns, in)
+				be.CopyRows(sm.xs, 0, sub, 0, ns)
+				be.ScaleColumns(sm.xs, sm.sc, true)
+				wsc = make([][]float32, len(ws))
+				for i := range ws {
+					wsc[i] = scaledCopy(ws[i], outs[i], in, sm.sc, false)
+				}
+				for c := range st.Min {
+					sm.lo = min(sm.lo, st.Min[c]/sm.sc[c])
+					sm.hi = max(sm.hi, st.Max[c]/sm.sc[c])
+				}
 			} else {
-				sm.lo, sm.hi = MinMax(x)
+				for c := range st.Min {
+					sm.lo, sm.hi = min(sm.lo, st.Min[c]), max(sm.hi, st.Max[c])
+				}
+			}
+			for i := range wsc {
+				q, err := quantize.RTN(wsc[i], outs[i], in, quantize.Params{Bits: 8, Group: 0, Rule: quantize.SymZero})
+				if err != nil {
+					return nil, err
+				}
+				sm.wq = append(sm.wq, q)
 			}
 			cache[alpha] = sm
-			return sm
+			return sm, nil
 		}
-		build := func(alpha float64, clip float32, apply bool) ([]*model.W8A8, float64, []float32, error) {
-			sm := smoothFor(alpha)
-			xs, wsc, sc, lo, hi := sm.xs, sm.wsc, sm.sc, sm.lo, sm.hi
-			scale, off := ActRange(lo*clip, hi*clip)
+		build := func(alpha float64, clip float32) ([]*model.W8A8, float64, []float32, error) {
+			sm, err := smoothFor(alpha)
+			if err != nil {
+				return nil, 0, nil, err
+			}
+			scale, off := ActRange(sm.lo*clip, sm.hi*clip)
 			var lins []*model.W8A8
 			e, norm := 0.0, 0.0
 			for i := range roles {
-				w8, err := W8A8(wsc[i], outs[i], in, biases[i], scale, off)
+				w8 := w8a8Of(sm.wq[i], biases[i], scale, off)
+				lins = append(lins, w8)
+				lw, err := be.UploadLinear(model.Name(l, roles[i]), w8)
 				if err != nil {
 					return nil, 0, nil, err
 				}
-				lins = append(lins, w8)
-				y := fakeW8A8(xs, ns, in, w8, opt.Threads)
-				for k := range y {
-					d := float64(y[k] - refs[i][k])
-					e += d * d
-					norm += float64(refs[i][k]) * float64(refs[i][k])
-				}
+				y := s.MatMul(sm.xs, lw)
+				be.FreeLinear(lw)
+				d, r := be.SquaredError(y, refs[i])
+				be.Free(y)
+				e += d
+				norm += r
 			}
-			return lins, e / norm, sc, nil
+			return lins, e / norm, sm.sc, nil
 		}
 		alpha := opt.Alpha
 		if smooth && opt.AutoAlpha {
 			best := math.Inf(1)
 			for a := 0.30; a < 0.9001; a += 0.05 {
-				_, e, _, err := build(a, 1, false)
+				_, e, _, err := build(a, 1)
 				if err != nil {
 					return err
 				}
@@ -273,7 +302,7 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 		if opt.ClipSearch {
 			best := math.Inf(1)
 			for c := float32(1); c > 0.299; c -= 0.05 {
-				_, e, _, err := build(alpha, c, false)
+				_, e, _, err := build(alpha, c)
 				if err != nil {
 					return err
 				}
@@ -282,7 +311,7 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 				}
 			}
 		}
-		lins, rel, sc, err := build(alpha, clip, true)
+		lins, rel, sc, err := build(alpha, clip)
 		if err != nil {
 			return err
 		}
@@ -327,7 +356,7 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 			}
 			stats = append(stats, calib.ModuleStat{Layer: l, Role: r, Loss: rel, RelErr: rel, Seconds: t.Seconds(), Note: note})
 			if progress != nil {
-				progress(l, r, true)
+				progress(l, &stats[len(stats)-1])
 			}
 		}
 		return nil
@@ -339,15 +368,22 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 }
 
 // smoothDown picks down_proj input scales from the float MLP hidden state of
-// the tokens x ([n, hidden]), divides up's rows (ws[1]) by them and installs
-// down with its columns multiplied.
-func smoothDown(s *calib.Session, l int, x []float32, n, in int, ws [][]float32, inter int, opt Options) error {
+// the tokens x ([n, hidden]) with gate/up ws[0], ws[1], divides up's rows
+// (ws[1]) by them and installs down with its columns multiplied.
+func smoothDown(s *calib.Session, l int, x runtime.Buf, ws [][]float32, inter int, opt Options) error {
 	wd, err := s.Weight(l, model.Down)
 	if err != nil {
 		return err
 	}
-	d := calib.MLPHidden(x, n, in, inter, ws[0], ws[1], opt.Threads)
-	sd := Scales(AbsMax(d, n, inter), [][]float32{wd}, opt.Alpha)
+	in := x.Cols()
+	be := s.Backend()
+	lg, lgb := s.Linear(ws[0], inter, in)
+	lu, lub := s.Linear(ws[1], inter, in)
+	d := s.RT.MLPHidden(l, x, runtime.Overrides{model.Gate: lg, model.Up: lu})
+	s.Drop(lg, lgb)
+	s.Drop(lu, lub)
+	sd := Scales(be.ColumnStats(d).MaxAbs, [][]float32{wd}, opt.Alpha)
+	be.Free(d)
 	for r := 0; r < inter; r++ {
 		for c := 0; c < in; c++ {
 			ws[1][r*in+c] /= sd[r]
@@ -369,19 +405,6 @@ func biasRole(r model.Role) model.Role {
 	return ""
 }
 
-func matMul(x, w []float32, rows, out, in, threads int) []float32 {
-	y := make([]float32, rows*out)
-	gemm.MatMulNT(rows, out, in, x, in, w, in, y, out, false, threads)
-	return y
-}
-
-func addBias(y, b []float32) {
-	n := len(b)
-	for i := range y {
-		y[i] += b[i%n]
-	}
-}
-
 // scaledCopy divides (div) or multiplies the columns of x [rows, cols] by s.
 func scaledCopy(x []float32, rows, cols int, s []float32, div bool) []float32 {
 	out := make([]float32, len(x))
@@ -395,14 +418,4 @@ func scaledCopy(x []float32, rows, cols int, s []float32, div bool) []float32 {
 		}
 	}
 	return out
-}
-
-func minMaxScaled(x []float32, rows, cols int, s []float32) (lo, hi float32) {
-	for r := 0; r < rows; r++ {
-		for c := 0; c < cols; c++ {
-			v := x[r*cols+c] / s[c]
-			lo, hi = min(lo, v), max(hi, v)
-		}
-	}
-	return lo, hi
 }

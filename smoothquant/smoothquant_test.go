@@ -78,7 +78,7 @@ func TestW8A8MatchesRuntime(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sim := fakeW8A8(x, n, cols, w8, 1)
+	sim := simulateW8A8(x, n, cols, w8)
 	be := cpu.New(1)
 	lin, err := be.UploadLinear("w", w8)
 	if err != nil {
@@ -107,4 +107,22 @@ func TestW8A8MatchesRuntime(t *testing.T) {
 		t.Fatalf("relative error %g of W8A8 vs float", num/den)
 	}
 	var _ model.Tensor = w8
+}
+
+// simulateW8A8 is a direct float64 evaluation of the W8A8 formulas:
+// y = (Σ_k clamp(round(x/scale + offset))·W_q + quant_bias)·deq_scale.
+func simulateW8A8(x []float32, n, cols int, w *model.W8A8) []float32 {
+	rows := w.Weight.Rows
+	y := make([]float32, n*rows)
+	for i := 0; i < n; i++ {
+		for j := 0; j < rows; j++ {
+			acc := 0.0
+			for k := 0; k < cols; k++ {
+				q := math.RoundToEven(float64(x[i*cols+k]/w.InputScale + w.InputOffset))
+				acc += math.Min(math.Max(q, -128), 127) * float64(w.Weight.Q[j*cols+k])
+			}
+			y[i*rows+j] = float32((acc + float64(w.QuantBias[j])) * float64(w.DeqScale[j]))
+		}
+	}
+	return y
 }

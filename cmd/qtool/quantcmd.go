@@ -8,13 +8,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	goruntime "runtime"
+	"sort"
 	"strings"
 	"time"
 
-	"github.com/schollz/progressbar/v3"
 	"github.com/urfave/cli/v2"
 
 	"qtool/convert"
@@ -23,6 +24,7 @@ import (
 	"qtool/quantize/calib"
 	"qtool/runtime"
 	"qtool/runtime/cpu"
+	"qtool/runtime/cuda"
 	"qtool/runtime/tokenizer"
 )
 
@@ -128,6 +130,7 @@ func quantFlags(defBits, defGroup int, defFormat string) []cli.Flag {
 		&cli.StringFlag{Name: "verify", Usage: "after writing, print the perplexity of the written model on `FILE`", TakesFile: true},
 		&cli.IntFlag{Name: "verify-chunks", Usage: "evaluate at most `N` chunks of 512 tokens with --verify (0: all)"},
 		&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
+		&cli.StringFlag{Name: "device", Value: "auto", Usage: "where calibration runs: auto (the GPU when one is usable, else the CPU), cpu or cuda"},
 		&cli.BoolFlag{Name: "json", Usage: "print a JSON summary instead of the table"},
 		&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress bars"},
 	}
@@ -145,17 +148,24 @@ type quantJob struct {
 
 // quantSummary is what --json prints.
 type quantSummary struct {
-	Method      string             `json:"method"`
-	Model       string             `json:"model"`
-	Out         string             `json:"out"`
-	Format      string             `json:"format"`
-	Scheme      string             `json:"scheme"`
-	NSamples    int                `json:"nsamples"`
-	SeqLen      int                `json:"seqlen"`
-	CalibTokens int                `json:"calib_tokens"`
-	Seconds     float64            `json:"seconds"`
-	Modules     []calib.ModuleStat `json:"modules"`
-	Verify      *verifySummary     `json:"verify,omitempty"`
+	Method      string  `json:"method"`
+	Model       string  `json:"model"`
+	Out         string  `json:"out"`
+	Format      string  `json:"format"`
+	Scheme      string  `json:"scheme"`
+	NSamples    int     `json:"nsamples"`
+	SeqLen      int     `json:"seqlen"`
+	CalibTokens int     `json:"calib_tokens"`
+	Seconds     float64 `json:"seconds"`
+	Device      string  `json:"device"`
+	// Phases are wall seconds per phase (see calib.Session.Phases).
+	Phases map[string]float64 `json:"phases"`
+	// PeakHostMiB is the process's peak resident memory, PeakDeviceMiB
+	// the backend's peak device allocation (GPU only).
+	PeakHostMiB   float64            `json:"peak_host_mib"`
+	PeakDeviceMiB float64            `json:"peak_device_mib,omitempty"`
+	Modules       []calib.ModuleStat `json:"modules"`
+	Verify        *verifySummary     `json:"verify,omitempty"`
 }
 
 type verifySummary struct {
@@ -224,48 +234,76 @@ func runQuant(c *cli.Context, job quantJob) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
-	s, err := calib.NewSession(m, cpu.New(threads), windows, threads)
+	be, err := calibBackend(c.String("device"), threads, stderr)
 	if err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
-	quiet := c.Bool("quiet") || c.Bool("json") || !isTerminal(stderr)
-	var bar *progressbar.ProgressBar
-	progress := func(l int, r model.Role, done bool) {
-		if quiet {
+	defer be.Close()
+	s, err := calib.NewSession(m, be, windows, threads)
+	if err != nil {
+		return fmt.Errorf("%s: %w", job.cmd, err)
+	}
+	defer s.Close()
+	quiet := c.Bool("quiet") || c.Bool("json")
+	bar := newProgress(stderr, quiet, job.cmd+" layer", s.Cfg.Layers)
+	var layerStats []*calib.ModuleStat
+	endLayer := func() {
+		if len(layerStats) == 0 {
 			return
 		}
-		if !done {
-			if bar != nil {
-				_ = bar.Finish()
+		st := layerStats[0]
+		worst := st
+		var parts []string
+		for _, m := range layerStats {
+			parts = append(parts, fmt.Sprintf("%s %.3g", m.Role, m.Loss))
+			if m.RelErr > worst.RelErr {
+				worst = m
 			}
-			bar = progressbar.NewOptions(len(model.Linears), progressbar.OptionSetWriter(stderr),
-				progressbar.OptionSetDescription(fmt.Sprintf("%s layer %d/%d", job.cmd, l+1, s.Cfg.Layers)),
-				progressbar.OptionShowCount(), progressbar.OptionShowElapsedTimeOnFinish(),
-				progressbar.OptionThrottle(50*time.Millisecond))
+		}
+		bar.Step(fmt.Sprintf("(layer %d): %d modules; %s %s; largest rel. output error %.3g (%s)",
+			st.Layer, len(layerStats), job.loss, strings.Join(parts, ", "), worst.RelErr, worst.Role))
+		layerStats = layerStats[:0]
+	}
+	progress := func(l int, st *calib.ModuleStat) {
+		if st == nil {
+			endLayer()
+			bar.Describe(fmt.Sprintf("%d/%d", l+1, s.Cfg.Layers))
 			return
 		}
-		bar.Describe(fmt.Sprintf("%s layer %d/%d %s", job.cmd, l+1, s.Cfg.Layers, r))
-		_ = bar.Add(1)
+		layerStats = append(layerStats, st)
+		bar.Describe(fmt.Sprintf("%d/%d %s", l+1, s.Cfg.Layers, st.Role))
 	}
 	stats, err := job.run(s, progress)
-	if bar != nil {
-		_ = bar.Finish()
-		fmt.Fprintln(stderr)
+	if err == nil {
+		endLayer()
 	}
+	bar.Finish()
 	if err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
+	tw := time.Now()
 	if err := convert.Save(s.Out, format, out); err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
+	phases := s.Phases()
+	phases["write"] = time.Since(tw).Seconds()
 	sum := quantSummary{Method: job.cmd, Model: dir, Out: out, Format: format, Scheme: job.kind.String(),
-		NSamples: ns, SeqLen: sl, CalibTokens: ntok, Seconds: time.Since(start).Seconds(), Modules: stats}
+		NSamples: ns, SeqLen: sl, CalibTokens: ntok, Seconds: time.Since(start).Seconds(), Device: be.Name(), Phases: phases,
+		PeakHostMiB: calib.PeakRSSMiB(), Modules: stats}
+	if p, ok := be.(interface{ PeakBytes() int64 }); ok {
+		sum.PeakDeviceMiB = float64(p.PeakBytes()) / (1 << 20)
+	}
 	if !c.Bool("json") {
 		if err := calib.WriteTable(stdout, stats, job.loss); err != nil {
 			return err
 		}
-		fmt.Fprintf(stdout, "wrote %s (%s, %s) in %.1f s; calibration %d × %d tokens from %s (%d tokens)\n",
-			out, format, job.kind, sum.Seconds, ns, sl, c.String("calib"), ntok)
+		fmt.Fprintf(stdout, "wrote %s (%s, %s) in %.1f s on %s; calibration %d × %d tokens from %s (%d tokens)\n",
+			out, format, job.kind, sum.Seconds, be.Name(), ns, sl, c.String("calib"), ntok)
+		fmt.Fprintf(stdout, "phases: %s; peak host memory %.0f MiB", formatPhases(phases), sum.PeakHostMiB)
+		if sum.PeakDeviceMiB > 0 {
+			fmt.Fprintf(stdout, ", device %.0f MiB", sum.PeakDeviceMiB)
+		}
+		fmt.Fprintln(stdout)
 	}
 	if verifyFile != "" {
 		v, err := verifyWritten(out, dir, verifyFile, c.Int("verify-chunks"), threads)
@@ -316,4 +354,41 @@ func verifyWritten(out, hfDir, textFile string, maxChunks, threads int) (*verify
 		return nil, err
 	}
 	return &verifySummary{File: textFile, PPL: r.PPL, Tokens: r.Tokens, Chunks: r.Chunks, Ctx: r.Ctx}, nil
+}
+
+// calibBackend returns the backend calibration runs on for --device: auto
+// takes the GPU when a driver and a device are usable (saying so) and the
+// CPU otherwise.
+func calibBackend(device string, threads int, stderr io.Writer) (runtime.Calibrator, error) {
+	switch device {
+	case "cpu":
+		return cpu.New(threads), nil
+	case "auto", "cuda":
+		be, err := cuda.New()
+		switch {
+		case err == nil:
+			fmt.Fprintf(stderr, "qtool: calibrating on %s\n", be.Name())
+			return be, nil
+		case device == "auto" && errors.Is(err, cuda.ErrNoDriver):
+			fmt.Fprintf(stderr, "qtool: %v; calibrating on the CPU\n", err)
+			return cpu.New(threads), nil
+		default:
+			return nil, fmt.Errorf("--device %s: %w", device, err)
+		}
+	}
+	return nil, fmt.Errorf("--device %q: want auto, cpu or cuda", device)
+}
+
+// formatPhases prints phase times in a fixed order.
+func formatPhases(p map[string]float64) string {
+	names := make([]string, 0, len(p))
+	for n := range p {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	var parts []string
+	for _, n := range names {
+		parts = append(parts, fmt.Sprintf("%s %.1f s", n, p[n]))
+	}
+	return strings.Join(parts, ", ")
 }

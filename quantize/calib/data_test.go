@@ -2,7 +2,6 @@ package calib
 
 import (
 	"errors"
-	"math"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -75,13 +74,4 @@ func FuzzParseText(f *testing.F) {
 			t.Fatalf("accepted text is not UTF-8: %q", s)
 		}
 	})
-}
-
-func TestExpf(t *testing.T) {
-	for x := float32(-80); x < 80; x += 0.37 { // float32 normal range
-		got, want := float64(expf(x)), math.Exp(float64(x))
-		if math.Abs(got-want) > 2e-7*want {
-			t.Fatalf("expf(%g) = %g, want %g", x, got, want)
-		}
-	}
 }

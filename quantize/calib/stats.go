@@ -3,6 +3,9 @@ package calib
 import (
 	"fmt"
 	"io"
+	"os"
+	"strconv"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -24,9 +27,9 @@ type ModuleStat struct {
 	Note    string  `json:"note,omitempty"`
 }
 
-// Progress receives events while a method runs: the start of a layer
-// (role "") and the end of each module.
-type Progress func(layer int, role model.Role, done bool)
+// Progress receives events while a method runs: the start of a layer (st
+// nil) and the end of each module, with its statistics.
+type Progress func(layer int, st *ModuleStat)
 
 // Timer measures one module.
 type Timer struct{ t time.Time }
@@ -47,37 +50,20 @@ func WriteTable(w io.Writer, stats []ModuleStat, lossName string) error {
 	return tw.Flush()
 }
 
-// RelErr returns ‖x·(w−wq)ᵀ‖² / ‖x·wᵀ‖² for x [rows, in] and w, wq [out, in],
-// on at most maxRows rows of x (evenly strided).
-func RelErr(x []float32, rows, in int, w, wq []float32, out, maxRows, threads int) float64 {
-	sub, n := Subsample(x, rows, in, maxRows)
-	diff := make([]float32, len(w))
-	for i := range w {
-		diff[i] = w[i] - wq[i]
-	}
-	ref := matMul(sub, w, n, out, in, threads)
-	errOut := matMul(sub, diff, n, out, in, threads)
-	num, den := 0.0, 0.0
-	for i := range ref {
-		num += float64(errOut[i]) * float64(errOut[i])
-		den += float64(ref[i]) * float64(ref[i])
-	}
-	if den == 0 {
+// PeakRSSMiB returns the process's peak resident set size (VmHWM) in MiB,
+// or 0 where /proc is unavailable.
+func PeakRSSMiB() float64 {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
 		return 0
 	}
-	return num / den
-}
-
-// Subsample returns at most maxRows rows of x ([rows, cols]) taken at an even
-// stride, and their number. It returns x itself when rows <= maxRows.
-func Subsample(x []float32, rows, cols, maxRows int) ([]float32, int) {
-	if maxRows <= 0 || rows <= maxRows {
-		return x, rows
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			if f := strings.Fields(rest); len(f) > 0 {
+				kb, _ := strconv.ParseFloat(f[0], 64)
+				return kb / 1024
+			}
+		}
 	}
-	stride := rows / maxRows
-	out := make([]float32, 0, maxRows*cols)
-	for r := 0; r < maxRows; r++ {
-		out = append(out, x[r*stride*cols:(r*stride+1)*cols]...)
-	}
-	return out, maxRows
+	return 0
 }

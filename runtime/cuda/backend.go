@@ -54,20 +54,25 @@ type Options struct {
 	// PTXPath, when set, loads the kernels from this PTX file instead of the
 	// embedded ones (kernel development). New sets it from $QTOOL_CUDA_PTX.
 	PTXPath string
+	// CalibPTXPath likewise replaces the calibration kernels
+	// ($QTOOL_CALIB_PTX).
+	CalibPTXPath string
 }
 
 // Backend runs the forward pass on one CUDA device.
 type Backend struct {
-	drv    *driver.Driver
-	dev    driver.Device
-	ctx    driver.Context
-	mod    driver.Module
-	stream driver.Stream
-	name   string
-	sms    int
-	cc     [2]int
-	opt    Options
-	fn     map[string]driver.Function
+	drv *driver.Driver
+	dev driver.Device
+	ctx driver.Context
+	mod driver.Module
+	// calibMod holds the calibration kernels, loaded on first use.
+	calibMod driver.Module
+	stream   driver.Stream
+	name     string
+	sms      int
+	cc       [2]int
+	opt      Options
+	fn       map[string]driver.Function
 	// occupancy caches resident blocks per multiprocessor by kernel and
 	// dynamic shared memory; dynSmem the dynamic shared memory limit set
 	// on each kernel that needed more than the default.
@@ -85,6 +90,9 @@ type Backend struct {
 	scratch map[string]scratch
 
 	uploaded map[string]int64 // device bytes of each uploaded linear, by name
+
+	heldBytes, peakBytes int64              // device memory allocated now and at most
+	prof                 map[string]float64 // seconds per calibration step, see Profile
 
 	// CUDA graph capture of decode steps.
 	capturing bool
@@ -108,7 +116,8 @@ func New() (*Backend, error) { return NewDevice(0) }
 // NewDevice opens CUDA device d with default options ($QTOOL_CUDA_PTX and
 // $QTOOL_GEMV_VARIANT are honoured, for kernel work).
 func NewDevice(d int) (*Backend, error) {
-	return NewWithOptions(Options{Device: d, PTXPath: os.Getenv("QTOOL_CUDA_PTX"), GEMVVariant: os.Getenv("QTOOL_GEMV_VARIANT")})
+	return NewWithOptions(Options{Device: d, PTXPath: os.Getenv("QTOOL_CUDA_PTX"), CalibPTXPath: os.Getenv("QTOOL_CALIB_PTX"),
+		GEMVVariant: os.Getenv("QTOOL_GEMV_VARIANT")})
 }
 
 // NewRank is NewDevice typed for tp.NewGPU: the backend of the
@@ -140,7 +149,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 		return nil, fmt.Errorf("cuda: device %d requested, %d present: %w", opt.Device, n, ErrNoDriver)
 	}
 	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, occupancy: map[occKey]int{}, dynSmem: map[string]int{}, pool: map[int][]driver.DevicePtr{},
-		owned: map[driver.DevicePtr]int{}, scratch: map[string]scratch{}, uploaded: map[string]int64{}}
+		owned: map[driver.DevicePtr]int{}, scratch: map[string]scratch{}, uploaded: map[string]int64{}, prof: map[string]float64{}}
 	for i := range b.slots {
 		b.ptrs[i] = unsafe.Pointer(&b.slots[i])
 	}
@@ -262,6 +271,10 @@ func (b *Backend) Close() error {
 			errs = append(errs, b.drv.ModuleUnload(b.mod))
 			b.mod = 0
 		}
+		if b.calibMod != 0 {
+			errs = append(errs, b.drv.ModuleUnload(b.calibMod))
+			b.calibMod = 0
+		}
 		errs = append(errs, b.drv.PrimaryCtxRelease(b.dev))
 		b.ctx = 0
 	}
@@ -286,6 +299,8 @@ func (b *Backend) alloc(bytes int) driver.DevicePtr {
 	p, err := b.drv.MemAlloc(uint64(bytes))
 	b.must(err)
 	b.owned[p] = bytes
+	b.heldBytes += int64(bytes)
+	b.peakBytes = max(b.peakBytes, b.heldBytes)
 	if b.capturing {
 		b.capAllocs[p] = true
 	}
@@ -336,6 +351,7 @@ func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
 	if s.p != 0 && !b.capturing { // during a capture the old area stays allocated until Close
 		b.must(b.drv.StreamSynchronize(b.stream))
 		b.must(b.drv.MemFree(s.p))
+		b.heldBytes -= int64(b.owned[s.p])
 		delete(b.owned, s.p)
 	}
 	n := max(bytes, 2*s.n, 1024)

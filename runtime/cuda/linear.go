@@ -42,6 +42,9 @@ type Linear struct {
 	// zero points are integers in [-128, 127] (exact in its fp16 offset)
 	// and the weight has fewer than 2^31 32-bit words (its row offsets).
 	mma bool
+	// borrowed: w belongs to an activation buffer (FloatLinear), which
+	// FreeLinear leaves alone.
+	borrowed bool
 }
 
 // Out implements runtime.Linear.
@@ -128,14 +131,19 @@ func (b *Backend) UploadedBytes() map[string]int64 {
 	return out
 }
 
-// FreeLinear releases the device memory of an uploaded weight.
+// FreeLinear releases the device memory of an uploaded weight (implements
+// runtime.Releaser); a FloatLinear's buffer stays.
 func (b *Backend) FreeLinear(w runtime.Linear) {
 	l := lin(w)
+	if l.borrowed {
+		return
+	}
 	defer b.enter()()
 	b.must(b.drv.StreamSynchronize(b.stream))
 	for _, p := range []*driver.DevicePtr{&l.w, &l.sz, &l.gidx, &l.qbias, &l.deq, &l.bias} {
 		if *p != 0 {
 			b.must(b.drv.MemFree(*p))
+			b.heldBytes -= int64(b.owned[*p])
 			delete(b.owned, *p)
 			*p = 0
 		}

@@ -10,7 +10,6 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -130,25 +129,6 @@ func Perplexity(t testing.TB, m *model.Model, dir string, chunks int) runtime.PP
 	return r
 }
 
-// PeakRSSMiB returns the process's peak resident set size (VmHWM) in MiB,
-// or 0 where /proc is unavailable.
-func PeakRSSMiB() float64 {
-	b, err := os.ReadFile("/proc/self/status")
-	if err != nil {
-		return 0
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
-			f := strings.Fields(rest)
-			if len(f) > 0 {
-				kb, _ := strconv.ParseFloat(f[0], 64)
-				return kb / 1024
-			}
-		}
-	}
-	return 0
-}
-
 // Bench runs quantize b.N times over fresh sessions of the protocol's
 // 128 × 512 windows (tokenization cached, not timed) and reports the peak
 // RSS. It skips without train.txt.
@@ -164,7 +144,7 @@ func Bench(b *testing.B, dir string, quantize func(s *calib.Session) error) {
 			b.Fatal(err)
 		}
 	}
-	b.ReportMetric(PeakRSSMiB(), "peakRSS-MiB")
+	b.ReportMetric(calib.PeakRSSMiB(), "peakRSS-MiB")
 }
 
 // Row is one line of the perplexity table: a method run on a
