@@ -466,7 +466,9 @@ func (q *layerQuant) gptq(w []float32, out, in int, x runtime.Buf, opt gptq.Opti
 		q.gramRows = x.Rows()
 	}
 	if dev, ok := be.(gptq.Device); ok {
-		return gptq.QuantizeOn(dev, q.gram, q.gramRows, w, out, in, opt)
+		wb := q.s.Upload(w, out, in)
+		defer be.Free(wb)
+		return gptq.QuantizeOn(dev, q.gram, q.gramRows, wb, opt)
 	}
 	h := gptq.NewHessian(in)
 	if err := h.AddGram(q.s.Download(q.gram), q.gramRows); err != nil {

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	goruntime "runtime"
 	"sort"
 	"sync"
 
@@ -409,15 +410,25 @@ func pack(codes []uint8, perm []int, scale, zero []float32, rows, cols int, opt 
 	off := 1 << (opt.Bits - 1)
 	q := &model.Quantized{Bits: opt.Bits, GroupSize: opt.GroupSize, Rows: rows, Cols: cols,
 		Q: make([]int8, rows*cols), Scale: scale}
-	for r := 0; r < rows; r++ {
-		for i := 0; i < cols; i++ {
-			c := i
-			if perm != nil {
-				c = perm[i]
+	threads := max(1, min(goruntime.NumCPU(), rows/64))
+	var wg sync.WaitGroup
+	for t := 0; t < threads; t++ {
+		r0, r1 := t*rows/threads, (t+1)*rows/threads
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for r := r0; r < r1; r++ {
+				for i := 0; i < cols; i++ {
+					c := i
+					if perm != nil {
+						c = perm[i]
+					}
+					q.Q[r*cols+c] = int8(int(codes[r*cols+i]) - off)
+				}
 			}
-			q.Q[r*cols+c] = int8(int(codes[r*cols+i]) - off)
-		}
+		}()
 	}
+	wg.Wait()
 	if !opt.Sym {
 		q.Zero = zero
 		for i := range zero {

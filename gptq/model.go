@@ -56,27 +56,39 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 		done()
 		for _, r := range p.Roles() {
 			t := calib.StartTimer()
-			w, err := s.Weight(l, r)
-			if err != nil {
-				return err
-			}
-			out := len(w) / in
-			var res *Result
 			done := s.Phase("gptq")
+			// the float weight: on the device widened from the installed
+			// upload, on the host from the model
+			var wb runtime.Buf
+			var w []float32
+			var err error
 			if onDevice {
-				res, err = QuantizeOn(solver, g, rows, w, out, in, opt)
+				wb = be.Dequantize(s.RT.Linear(l, r))
+			} else if w, err = s.Weight(l, r); err != nil {
+				done()
+				return err
+			} else {
+				wb = s.Upload(w, len(w)/in, in)
+			}
+			out := wb.Rows()
+			var res *Result
+			if onDevice {
+				res, err = QuantizeOn(solver, g, rows, wb, opt)
 			} else {
 				res, err = Quantize(w, out, in, h, opt)
 			}
 			done()
 			if err != nil {
+				be.Free(wb)
 				return fmt.Errorf("%s: %w", model.Name(l, r), err)
 			}
 			if err := s.SetLinear(l, r, res.Q); err != nil {
+				be.Free(wb)
 				return err
 			}
 			done = s.Phase("output error")
-			rel := s.RelErr(x, w, l, r, relErrRows)
+			rel := s.RelErrOf(x, wb, l, r, relErrRows)
+			be.Free(wb)
 			done()
 			note := fmt.Sprintf("damp %.3g", res.DampFrac)
 			if res.DeadCols > 0 {
@@ -101,12 +113,13 @@ type Device interface {
 	runtime.GPTQSolver
 }
 
-// QuantizeOn runs GPTQ for w ([rows, cols], host float32) on a device,
-// with the Gram matrix g (Σxᵀx of tokens inputs, on the device).
+// QuantizeOn runs GPTQ for the float weight w ([rows, cols], on the
+// device) on the device, with the Gram matrix g (Σxᵀx of tokens inputs).
 // The host prepares what needs the whole diagonal (dead columns, the
 // act-order permutation, the damping) and packs the result; the device
 // factorises and runs the column loop. Damping is retried like Quantize's.
-func QuantizeOn(dev Device, g runtime.Buf, tokens int, w []float32, rows, cols int, opt Options) (*Result, error) {
+func QuantizeOn(dev Device, g runtime.Buf, tokens int, w runtime.Buf, opt Options) (*Result, error) {
+	rows, cols := w.Rows(), w.Cols()
 	opt = opt.withDefaults()
 	if err := opt.Validate(cols); err != nil {
 		return nil, err
@@ -158,16 +171,13 @@ func QuantizeOn(dev Device, g runtime.Buf, tokens int, w []float32, rows, cols i
 		}
 		sort.SliceStable(job.Perm, func(a, b int) bool { return hd(job.Perm[a]) > hd(job.Perm[b]) })
 	}
-	wb := dev.Alloc(rows, cols)
-	defer dev.Free(wb)
-	dev.Upload(wb, w)
 	var out *runtime.GPTQOutput
 	var err error
 	for res.Retries = 0; res.Retries < 4; res.Retries++ {
 		res.DampFrac = min(opt.Damp*math.Pow(10, float64(res.Retries)), 1)
 		res.Damp = res.DampFrac * mean
 		job.Damp = res.Damp
-		out, err = dev.GPTQ(g, wb, tokens, job)
+		out, err = dev.GPTQ(g, w, tokens, job)
 		if !errors.Is(err, runtime.ErrNotPositiveDefinite) {
 			break
 		}

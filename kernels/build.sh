@@ -13,9 +13,9 @@ tmp=$(mktemp -d)
 pids=()
 for src in qtool calib; do
   for arch in 80 90; do
-    nvcc -ptx -O3 -std=c++17 -arch=sm_$arch -o "$tmp/$src$arch.ptx" "$here/$src.cu" & pids+=($!)
+    nvcc -ptx -O3 -std=c++17 -arch=sm_$arch -o "$tmp/${src}${arch}.ptx" "$here/$src.cu" & pids+=($!)
   done
-  nvcc -cubin -O3 -std=c++17 -arch=sm_90 -Xptxas -v -o "$tmp/$src90.cubin" "$here/$src.cu" > "$tmp/ptxas-$src.txt" 2>&1 & pids+=($!)
+  nvcc -cubin -O3 -std=c++17 -arch=sm_90 -Xptxas -v -o "$tmp/${src}90.cubin" "$here/$src.cu" > "$tmp/ptxas-$src.txt" 2>&1 & pids+=($!)
 done
 for p in "${pids[@]}"; do
   wait "$p" || { cat "$tmp"/ptxas-*.txt; exit 1; }
@@ -23,7 +23,7 @@ done
 for src in qtool calib; do
   h=$(sha256sum "$here/$src.cu" | cut -d' ' -f1)
   for arch in 80 90; do
-    { echo "// qtool-source-sha256: $h"; cat "$tmp/$src$arch.ptx"; } > "$out/${src}_sm$arch.ptx"
+    { echo "// qtool-source-sha256: $h"; cat "$tmp/${src}${arch}.ptx"; } > "$out/${src}_sm$arch.ptx"
   done
   echo "built $out/${src}_sm80.ptx $out/${src}_sm90.ptx (source $h)"
 done

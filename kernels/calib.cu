@@ -194,13 +194,13 @@ __device__ __forceinline__ void gemm_tile(int M, int N, int K, T alpha, const T*
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemm_f32(int M, int N, int K, float alpha, const float* A, long long lda, int ta,
+extern "C" __global__ void __launch_bounds__(256) cal_gemm_f32(int M, int N, int K, float alpha, const float* A, long long lda, int ta,
                                                            const float* B, long long ldb, int tb, float beta, float* C, long long ldc, int lower) {
     if (lower && blockIdx.y < blockIdx.x) return;
     gemm_tile<float>(M, N, K, alpha, A, lda, ta, B, ldb, tb, beta, C, ldc);
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemm_f64(int M, int N, int K, double alpha, const double* A, long long lda, int ta,
+extern "C" __global__ void __launch_bounds__(256) cal_gemm_f64(int M, int N, int K, double alpha, const double* A, long long lda, int ta,
                                                            const double* B, long long ldb, int tb, double beta, double* C, long long ldc, int lower) {
     if (lower && blockIdx.y < blockIdx.x) return;
     gemm_tile<double>(M, N, K, alpha, A, lda, ta, B, ldb, tb, beta, C, ldc);
@@ -245,11 +245,9 @@ extern "C" __global__ void build_a(double* __restrict__ A, const float* __restri
 extern "C" __global__ void __launch_bounds__(256) potrf_diag(double* __restrict__ A, int lda, int k, int kb, double* __restrict__ D,
                                                              int* __restrict__ info) {
     __shared__ double s[64][65];
-    __shared__ double inv[64][65];
     for (int e = threadIdx.x; e < kb * kb; e += blockDim.x) {
         int i = e / kb, j = e % kb;
         s[i][j] = A[(long long)(k + i) * lda + k + j];
-        inv[i][j] = 0;
     }
     __syncthreads();
     __shared__ int bad;
@@ -276,20 +274,20 @@ extern "C" __global__ void __launch_bounds__(256) potrf_diag(double* __restrict_
         }
         __syncthreads();
     }
-    // inverse of the lower triangular factor, column by column (forward
-    // substitution of the unit vectors), one thread a column
+    // inverse of the lower triangular factor into D, column by column
+    // (forward substitution of the unit vectors), one thread a column: each
+    // thread reads back only what it wrote itself
     for (int c = threadIdx.x; c < kb; c += blockDim.x) {
+        for (int i = 0; i < c; i++) D[i * 64 + c] = 0;
         for (int i = c; i < kb; i++) {
             double v = i == c ? 1.0 : 0.0;
-            for (int t = c; t < i; t++) v -= s[i][t] * inv[t][c];
-            inv[i][c] = v / s[i][i];
+            for (int t = c; t < i; t++) v -= s[i][t] * D[t * 64 + c];
+            D[i * 64 + c] = v / s[i][i];
         }
     }
-    __syncthreads();
     for (int e = threadIdx.x; e < kb * kb; e += blockDim.x) {
         int i = e / kb, j = e % kb;
         if (j <= i) A[(long long)(k + i) * lda + k + j] = s[i][j];
-        D[i * 64 + j] = j <= i ? inv[i][j] : 0;
     }
 }
 

@@ -384,6 +384,9 @@ func (m *Model) MLPHidden(l int, h Buf, ov Overrides) Buf {
 	return g
 }
 
+// Linear returns the installed linear (l, r) of a loaded decoder layer.
+func (m *Model) Linear(l int, r model.Role) Linear { return m.weights(l).linear(r, nil) }
+
 // Project sets dst = x·Wᵀ for the linear (l, r) (ov may replace it).
 func (m *Model) Project(l int, r model.Role, dst, x Buf, ov Overrides) {
 	m.be.MatMul(dst, x, m.weights(l).linear(r, ov))

@@ -306,7 +306,8 @@ func runQuant(c *cli.Context, job quantJob) error {
 		fmt.Fprintln(stdout)
 	}
 	if verifyFile != "" {
-		v, err := verifyWritten(out, dir, verifyFile, c.Int("verify-chunks"), threads)
+		s.Close()
+		v, err := verifyWritten(out, dir, verifyFile, c.Int("verify-chunks"), be)
 		if err != nil {
 			return fmt.Errorf("%s: --verify: %w", job.cmd, err)
 		}
@@ -325,8 +326,9 @@ func runQuant(c *cli.Context, job quantJob) error {
 }
 
 // verifyWritten reads the written model back and measures the perplexity of
-// textFile under the GPTQ protocol (ctx 512).
-func verifyWritten(out, hfDir, textFile string, maxChunks, threads int) (*verifySummary, error) {
+// textFile under the GPTQ protocol (ctx 512) on be (the backend calibration
+// ran on).
+func verifyWritten(out, hfDir, textFile string, maxChunks int, be runtime.Backend) (*verifySummary, error) {
 	mm, err := convert.Open(out)
 	if err != nil {
 		return nil, err
@@ -345,7 +347,7 @@ func verifyWritten(out, hfDir, textFile string, maxChunks, threads int) (*verify
 		return nil, err
 	}
 	ids := tokenizer.EncodeWithBOS(tok, string(text))
-	rt, err := runtime.Load(mm, cpu.New(threads))
+	rt, err := runtime.Load(mm, be)
 	if err != nil {
 		return nil, err
 	}

@@ -420,13 +420,19 @@ func (s *Session) MatMul(x runtime.Buf, w runtime.Linear) runtime.Buf {
 // and the installed linear (l, r), on at most maxRows rows of x (evenly
 // strided), computed on the backend.
 func (s *Session) RelErr(x runtime.Buf, w []float32, l int, r model.Role, maxRows int) float64 {
+	wb := s.Upload(w, len(w)/x.Cols(), x.Cols())
+	defer s.be.Free(wb)
+	return s.RelErrOf(x, wb, l, r, maxRows)
+}
+
+// RelErrOf is RelErr for a float weight already on the backend.
+func (s *Session) RelErrOf(x, w runtime.Buf, l int, r model.Role, maxRows int) float64 {
 	sub := s.Subsample(x, maxRows)
 	defer s.be.Free(sub)
-	out := len(w) / x.Cols()
-	lw, wb := s.Linear(w, out, x.Cols())
+	lw := s.be.FloatLinear(w)
 	ref := s.MatMul(sub, lw)
-	s.Drop(lw, wb)
-	got := s.be.Alloc(sub.Rows(), out)
+	s.be.FreeLinear(lw)
+	got := s.be.Alloc(sub.Rows(), w.Rows())
 	s.RT.Project(l, r, got, sub, nil)
 	num, den := s.be.SquaredError(got, ref)
 	s.be.Free(got)

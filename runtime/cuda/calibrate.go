@@ -21,7 +21,7 @@ var (
 	_                     runtime.GPTQSolver = (*Backend)(nil)
 	_                     runtime.AWQSolver  = (*Backend)(nil)
 	_                     runtime.Releaser   = (*Backend)(nil)
-	calibKernels                             = []string{"gather_rows", "col_stats", "sq_diff", "scale_cols", "diag_f32", "widen", "gemm_f32", "gemm_f64", "mirror_lower", "build_a", "potrf_diag", "extract_u", "copy_block_f64", "gptq_prep", "gptq_fit", "gptq_block", "awq_fakequant", "awq_clip"}
+	calibKernels                             = []string{"gather_rows", "col_stats", "sq_diff", "scale_cols", "diag_f32", "widen", "cal_gemm_f32", "cal_gemm_f64", "mirror_lower", "build_a", "potrf_diag", "extract_u", "copy_block_f64", "gptq_prep", "gptq_fit", "gptq_block", "awq_fakequant", "awq_clip"}
 	gptqBlockRows, cholNB                    = 8, 64
 )
 
@@ -44,6 +44,9 @@ func (b *Backend) loadCalib() {
 	}
 	b.calibMod = mod
 	for _, k := range calibKernels {
+		if _, dup := b.fn[k]; dup {
+			panic("cuda backend: calibration kernel " + k + " has the name of an inference kernel")
+		}
 		f, err := b.drv.Function(mod, k)
 		b.must(err)
 		b.fn[k] = f
@@ -123,10 +126,10 @@ func (b *Backend) gemm(f64 bool, m, n, k int, alpha float64, a driver.DevicePtr,
 		return 0
 	}
 	if f64 {
-		b.launch("gemm_f64", grid, block256, m, n, k, alpha, a, int64(lda), bi(ta), bb, int64(ldb), bi(tb), beta, c, int64(ldc), bi(lower))
+		b.launch("cal_gemm_f64", grid, block256, m, n, k, alpha, a, int64(lda), bi(ta), bb, int64(ldb), bi(tb), beta, c, int64(ldc), bi(lower))
 		return
 	}
-	b.launch("gemm_f32", grid, block256, m, n, k, float32(alpha), a, int64(lda), bi(ta), bb, int64(ldb), bi(tb), float32(beta), c, int64(ldc), bi(lower))
+	b.launch("cal_gemm_f32", grid, block256, m, n, k, float32(alpha), a, int64(lda), bi(ta), bb, int64(ldb), bi(tb), float32(beta), c, int64(ldc), bi(lower))
 }
 
 // AddGram implements runtime.Calibrator: the lower triangle with the SIMT

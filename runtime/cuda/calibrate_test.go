@@ -237,7 +237,7 @@ func TestGPTQOnDevice(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		dev, err := gptq.QuantizeOn(b, g, tokens, w, rows, cols, opt)
+		dev, err := gptq.QuantizeOn(b, g, tokens, upload(b, rows, cols, w), opt)
 		if err != nil {
 			t.Fatalf("%+v: %v", opt, err)
 		}

@@ -349,7 +349,12 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 	if l.kind == kindW8A8 {
 		xq := b.scratchBuf("xq", M*K)
 		b.launch("quant_act", b.gridFor(M*K), block256, xq, s.p, int64(M*K), l.inScale, l.inOffset)
-		b.launch("w8a8_gemm", [3]uint32{uint32((N + 7) / 8), uint32(M), 1}, block256, d.p, xq, l.w, l.qbias, l.deq, l.bias, N, K)
+		// one block row per activation row: at most 65535 rows a launch
+		for r0 := 0; r0 < M; r0 += 65535 {
+			m := min(65535, M-r0)
+			b.launch("w8a8_gemm", [3]uint32{uint32((N + 7) / 8), uint32(m), 1}, block256, d.p+driver.DevicePtr(4*r0*N),
+				xq+driver.DevicePtr(r0*K), l.w, l.qbias, l.deq, l.bias, N, K)
+		}
 		return
 	}
 	if (M > b.opt.GEMVMaxRows || forceGEMM) && K%32 == 0 {
