@@ -180,7 +180,11 @@ func compareTensor(m, src *model.Model, name string, t model.Tensor) (float64, s
 		if role == model.K {
 			heads = src.Config.KVHeads
 		}
-		if want, err = kuiper.PermuteRope(want, heads, src.Config.HeadDim, src.Config.Hidden, m.Config.Rope == model.RopeInterleaved); err != nil {
+		p, err := model.PermuteRows(model.FromFloat32(st.Shape(), want), model.RopePerm(heads, src.Config.HeadDim, src.Config.Rope, m.Config.Rope))
+		if err != nil {
+			return 0, "", err
+		}
+		if want, err = p.Float32(); err != nil {
 			return 0, "", err
 		}
 	}

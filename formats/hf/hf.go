@@ -113,8 +113,14 @@ type WriteOptions struct {
 
 // Write saves m as an HF float checkpoint in dir (created if needed):
 // config.json, model.safetensors (or shards and an index) and the tokenizer
-// files found in m.TokenizerDir. Quantized tensors are dequantized.
+// files found in m.TokenizerDir. Quantized tensors are dequantized. A model
+// whose q/k rows are in the interleaved rope layout is permuted to the HF
+// layout first (model.WithRope).
 func Write(m *model.Model, dir string, opt WriteOptions) error {
+	m, err := model.WithRope(m, model.RopeHalf)
+	if err != nil {
+		return fmt.Errorf("write %s: %w", dir, err)
+	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}

@@ -273,7 +273,7 @@ func decode(path string, data []byte, side *Sidecar, opt OpenOptions) (*model.Mo
 	m := model.New(info.Config)
 	m.Source, m.Format = path, string(info.Header.Format)
 	if side != nil {
-		m.TokenizerDir = side.TokenizerDir
+		m.TokenizerDir = side.Tokenizer(path)
 	}
 	if opt.TokenizerDir != "" {
 		m.TokenizerDir = opt.TokenizerDir
