@@ -320,3 +320,79 @@ func DetectCodec(path string, opt Options) (*Codec, error) {
 	}
 	return nil, fmt.Errorf("%s: no codec recognises the file", path)
 }
+
+// Scheme describes a quantization result before it exists (what a
+// calibration command will produce), enough to check the output format
+// before any work is done.
+type Scheme struct {
+	Arch     model.Arch
+	AttnBias bool // attention biases (Qwen2)
+	Bits     int
+	Group    int // 0: per row
+	Sym      bool
+	W8A8     bool // int8 weights and static int8 activations
+}
+
+// profile is a stand-in profile of a model quantized as s.
+func (s Scheme) profile() *profile {
+	p := &profile{cfg: model.Config{Arch: s.Arch, AttnBias: s.AttnBias, QKNorm: s.Arch == model.Qwen3}, group: s.Group}
+	l := linearInfo{name: "each linear", kind: linQuant, bits: s.Bits, group: s.Group, sym: s.Sym}
+	if s.W8A8 {
+		l = linearInfo{name: "each linear", kind: linW8A8, bits: 8, sym: true, w8a8: &model.W8A8{}}
+		p.nW8A8 = 1
+	} else {
+		p.nQuant = 1
+	}
+	p.linears = []linearInfo{l}
+	return p
+}
+
+// CanHoldScheme reports why format cannot hold a model quantized as s (nil
+// when it can). Float formats, which would dequantize the result, and
+// shard directories (qtool shard splits a written model) refuse.
+func CanHoldScheme(format string, s Scheme) error {
+	c, err := Lookup(format)
+	if err != nil {
+		return err
+	}
+	return c.holdsScheme(s)
+}
+
+func (c *Codec) holdsScheme(s Scheme) error {
+	switch {
+	case c.Float != "":
+		return fmt.Errorf("%s is a %s format and holds no quantized weights", c.Name, c.Float)
+	case c.write == nil || c.Kind == KindShard:
+		return fmt.Errorf("%s is not an output of quantization (write a model, then split it with qtool shard)", c.Name)
+	}
+	return c.holds(s.profile())
+}
+
+// SchemeHolders lists the canonical formats that can hold a model
+// quantized as s.
+func SchemeHolders(s Scheme) []string {
+	var can []string
+	for _, c := range codecs {
+		if c.holdsScheme(s) == nil {
+			can = append(can, c.Name)
+		}
+	}
+	return can
+}
+
+// CheckShape reports why format should not be written for a model of
+// config cfg although it can hold its tensors: ak47/ak48 files of Qwen3
+// shapes OrinMLLM cannot read (kuiper.OrinCompatible) unless qtoolOnly.
+func CheckShape(format string, cfg model.Config, qtoolOnly bool) error {
+	c, err := Lookup(format)
+	if err != nil {
+		return err
+	}
+	if (c.Name != FormatAK47 && c.Name != FormatAK48) || qtoolOnly || cfg.Arch != model.Qwen3 {
+		return nil
+	}
+	if err := kuiper.OrinCompatible(cfg); err != nil {
+		return fmt.Errorf("%s: %w; ask for a file only qtool reads (--qtool-only) to write it anyway", c.Name, err)
+	}
+	return nil
+}

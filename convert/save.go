@@ -471,3 +471,27 @@ func materialize(m *model.Model, lazy bool) (*model.Model, error) {
 	}
 	return out, nil
 }
+
+// RTNQuantized lists the float decoder linears of a partly quantized m (an
+// AutoAWQ checkpoint's modules_to_not_convert, say) that Save in format
+// RTN-quantizes, because the format has no place for a float linear
+// (kuiper-int8, ak42-v2, ak48). It is empty when m has no quantized linear
+// (quantizing a float model is what those formats are for) or the format
+// keeps float linears.
+func RTNQuantized(m *model.Model, format string) []string {
+	c, err := Lookup(format)
+	if err != nil || c.Float != "" || c.Kind != KindKuiper {
+		return nil
+	}
+	p, err := profileOf(m)
+	if err != nil || p.nQuant+p.nW8A8 == 0 {
+		return nil
+	}
+	var names []string
+	for _, l := range p.linears {
+		if l.kind == linFloat {
+			names = append(names, l.name)
+		}
+	}
+	return names
+}

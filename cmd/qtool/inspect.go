@@ -13,6 +13,7 @@ import (
 	"qtool/convert"
 	"qtool/formats/kuiper"
 	"qtool/formats/model"
+	"qtool/formats/shard"
 )
 
 func inspectCommand() *cli.Command {
@@ -22,7 +23,8 @@ func inspectCommand() *cli.Command {
 		ArgsUsage: "PATH",
 		UsageText: "qtool inspect model.bin\n   qtool inspect --json --source testdata/llama-mini /tmp/m.bin    (max dequantization error per tensor)",
 		Description: "PATH is a Kuiper/llama2.c/OrinMLLM file (only its header is read unless --stats or\n" +
-			"--source is given) or a model directory. With --source DIR (the float model it came from)\n" +
+			"--source is given) or a model directory (any format the registry reads, shard directories\n" +
+			"included). The q/k rope layout is shown with where it comes from. With --source DIR (the float model it came from)\n" +
 			"the max abs dequantization error of every tensor is printed.",
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "json", Usage: "print JSON"},
@@ -41,7 +43,10 @@ type inspectReport struct {
 	Header   *kuiper.Header  `json:"header,omitempty"`
 	Sidecar  *kuiper.Sidecar `json:"sidecar,omitempty"`
 	Config   model.Config    `json:"config"`
-	Tensors  []tensorReport  `json:"tensors"`
+	// Rope is the q/k row layout and where it comes from.
+	Rope    string         `json:"rope_layout"`
+	Notes   []string       `json:"notes,omitempty"`
+	Tensors []tensorReport `json:"tensors"`
 }
 
 type tensorReport struct {
@@ -92,6 +97,10 @@ func inspect(path string, stats bool, source string) (*inspectReport, error) {
 		}
 		defer m.Close()
 		rep.Format, rep.Config = m.Format, m.Config
+		rep.Rope = m.Config.Rope.String()
+		if m.Format == convert.FormatShard {
+			rep.Rope += " (recorded in the manifest)"
+		}
 		for _, n := range m.SortedNames() {
 			t, _ := m.Lookup(n)
 			rep.Tensors = append(rep.Tensors, tensorReport{Name: n, Type: typeName(t), Shape: t.Shape()})
@@ -103,6 +112,17 @@ func inspect(path string, stats bool, source string) (*inspectReport, error) {
 		}
 		h := info.Header
 		rep.Format, rep.FileSize, rep.Header, rep.Sidecar, rep.Config = string(h.Format), info.FileSize, &h, info.Sidecar, info.Config
+		rep.Rope = info.Config.Rope.String()
+		if info.Sidecar != nil && info.Sidecar.RopeLayout != "" {
+			rep.Rope += " (recorded in the sidecar)"
+		} else {
+			rep.Rope += " (assumed: no sidecar records it)"
+		}
+		if h.Format == kuiper.AK47 || h.Format == kuiper.AK48 {
+			if err := kuiper.OrinCompatible(info.Config); err != nil {
+				rep.Notes = append(rep.Notes, fmt.Sprintf("a qtool-only file: %v", err))
+			}
+		}
 		for _, e := range info.Layout.Entries {
 			rep.Tensors = append(rep.Tensors, tensorReport{Name: e.Name, Type: e.Kind.String(), Shape: e.Shape, Offset: e.Offset, Bytes: e.Size, Extension: e.Extension})
 		}
@@ -207,6 +227,12 @@ func typeName(t model.Tensor) string {
 		return fmt.Sprintf("%s g%d", s, v.GroupSize)
 	case *model.W8A8:
 		return "W8A8"
+	case *shard.Tensor:
+		part := "?"
+		if len(v.Parts) > 0 {
+			part = typeName(v.Parts[0])
+		}
+		return fmt.Sprintf("%s ×%d %s", part, len(v.Parts), v.Entry.Split)
 	}
 	return fmt.Sprintf("%T", t)
 }
@@ -238,6 +264,10 @@ func printReport(w io.Writer, r *inspectReport) error {
 		} else {
 			fmt.Fprintln(w, "sidecar: none (defaults assumed)")
 		}
+	}
+	fmt.Fprintf(w, "rope layout: %s\n", r.Rope)
+	for _, n := range r.Notes {
+		fmt.Fprintf(w, "note: %s\n", n)
 	}
 	c := r.Config
 	fmt.Fprintf(w, "config: %s hidden %d intermediate %d layers %d heads %d/%d head_dim %d vocab %d max_seq %d theta %g eps %g tied %v rope %s\n",
