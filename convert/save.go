@@ -495,3 +495,10 @@ func RTNQuantized(m *model.Model, format string) []string {
 	}
 	return names
 }
+
+// IsFloat reports whether no decoder linear of m is quantized (lazily
+// quantized ones count as quantized).
+func IsFloat(m *model.Model) bool {
+	p, err := profileOf(m)
+	return err == nil && p.nQuant == 0 && p.nW8A8 == 0
+}
