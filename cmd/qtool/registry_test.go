@@ -13,8 +13,8 @@ import (
 	"qtool/quantize"
 	"qtool/runtime"
 	"qtool/runtime/cpu"
-	"qtool/runtime/tp"
 	"qtool/runtime/tokenizer"
+	"qtool/runtime/tp"
 )
 
 const sotu = "../../testdata/corpus/sotu-test.raw"
