@@ -587,8 +587,9 @@ func TestOpenBadConfig(t *testing.T) {
 }
 
 // TestWriteHFQuant writes the llama-mini AutoAWQ and act-order GPTQ
-// checkpoints that tools/check_hf_quant.py dequantizes independently, and
-// qtool's perplexities of them, into $QTOOL_HFQ_OUT (skipped when unset).
+// checkpoints that testdata/check_hf_quant.py (beside this file)
+// dequantizes independently, and qtool's perplexities of them, into
+// $QTOOL_HFQ_OUT (skipped when unset).
 // $QTOOL_HFQ_CHUNKS sets the number of chunks scored (default 4, 0: all).
 func TestWriteHFQuant(t *testing.T) {
 	out := os.Getenv("QTOOL_HFQ_OUT")
