@@ -15,7 +15,8 @@ import (
 // SaveOptions carries what SaveWith needs beyond the model and the format.
 type SaveOptions struct {
 	// Rope is the q/k row layout to write; nil takes the format's default
-	// (Codec.DefaultRope). The q/k weights (with their per-row quantization
+	// (Codec.DefaultRope; for a Kuiper file without sidecar the layout its
+	// readers assume, kuiper.AssumedRope). The q/k weights (with their per-row quantization
 	// parameters), biases and per-head norms are permuted whenever it
 	// differs from the model's. HF-style formats hold the half layout only.
 	Rope *model.RopeLayout
@@ -67,9 +68,16 @@ func SaveWith(m *model.Model, format string, out string, opt SaveOptions) error 
 	if err := c.holds(p); err != nil {
 		return refusal(out, c.Name, p, err)
 	}
+	noRecord := c.Kind == KindKuiper && opt.Kuiper.NoSidecar
 	if opt.Rope == nil {
 		r := c.DefaultRope(m.Config)
+		if noRecord {
+			r = kuiper.AssumedRope(m.Config.Arch) // nothing records another layout
+		}
 		opt.Rope = &r
+	}
+	if a := kuiper.AssumedRope(m.Config.Arch); noRecord && *opt.Rope != a {
+		return fmt.Errorf("convert %s: without a sidecar the file is read with the %s rope layout (%s), not %s: keep the sidecar or write that layout", out, a, m.Config.Arch, *opt.Rope)
 	} else if *opt.Rope != model.RopeHalf && c.rope == ropeHalfOnly {
 		return fmt.Errorf("convert %s: %s holds the half (Hugging Face) rope layout only, not %s", out, c.Name, *opt.Rope)
 	}

@@ -224,6 +224,20 @@ func TestExportRopeDefaults(t *testing.T) {
 	if msg, _ := runApp(t, "inspect", out); !strings.Contains(msg, "rope layout: interleaved (assumed") {
 		t.Errorf("inspect of a sidecar-less file:\n%.400s", msg)
 	}
+	// --q8 keeps the input's (half) layout, which only a sidecar can
+	// record: without one it is written in the layout readers assume.
+	q8 := filepath.Join(dir, "nosidecar.q8")
+	if msg, err := runApp(t, "export", "-q", "--hf", llamaMini, "--q8", q8, "--no-sidecar"); err != nil {
+		t.Fatalf("%v\n%s", err, msg)
+	}
+	withSide := pplOfPath(t, filepath.Join(dir, "q8"), llamaMini)
+	if got := pplOfPath(t, q8, llamaMini); (got-withSide)/withSide > 1e-5 || (withSide-got)/withSide > 1e-5 {
+		t.Errorf("--q8 --no-sidecar reads back with ppl %.4f, with its sidecar %.4f", got, withSide)
+	}
+	if _, err := runApp(t, "export", "-q", "--hf", llamaMini, "--q8", filepath.Join(dir, "x.q8"), "--no-sidecar", "--rope", "half"); err == nil ||
+		!strings.Contains(err.Error(), "without a sidecar") {
+		t.Errorf("--no-sidecar --rope half of a Llama: %v, want a refusal", err)
+	}
 }
 
 // TestSidecarTokenizerRelative: the sidecar records the tokenizer directory

@@ -32,7 +32,8 @@ type WriteOptions struct {
 	SeqLen int
 	// Progress, if set, is called after each tensor is written.
 	Progress func(done, total int, name string)
-	// NoSidecar skips PATH.json (and removes a stale one).
+	// NoSidecar skips PATH.json (and removes a stale one). Readers then
+	// assume the layout AssumedRope gives (convert.SaveWith writes that one).
 	NoSidecar bool
 	// QtoolOnly allows AK47/AK48 files for Qwen3 shapes OrinMLLM cannot
 	// read (see OrinCompatible); without it Write refuses them.
