@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	goruntime "runtime"
-	"strings"
 
 	"github.com/urfave/cli/v2"
 
@@ -76,17 +75,10 @@ func runQuantize(c *cli.Context) error {
 	if !convert.IsFloat(m) {
 		return fmt.Errorf("quantize: %s (%s) is already quantized; qtool convert writes it in another format without re-quantizing", m.Source, m.Format)
 	}
-	scheme := convert.Scheme{Arch: m.Config.Arch, AttnBias: m.Config.AttnBias, Bits: p.Bits, Group: p.Group, Sym: !p.Asymmetric()}
-	format, err := convert.CanonicalFormat(c.String("format"))
+	format, err := checkFormat("quantize", c.String("format"),
+		resultKind{bits: p.Bits, group: p.Group, sym: !p.Asymmetric(), arch: m.Config.Arch, bias: m.Config.AttnBias})
 	if err != nil {
-		return fmt.Errorf("quantize: --format: %w", err)
-	}
-	if err := convert.CanHoldScheme(format, scheme); err != nil {
-		alt := "none of the formats"
-		if can := convert.SchemeHolders(scheme); len(can) > 0 {
-			alt = strings.Join(can, ", ")
-		}
-		return fmt.Errorf("quantize: --format %s cannot hold %s: %v; formats that can: %s", format, p, err, alt)
+		return err
 	}
 	if err := convert.CheckShape(format, m.Config, c.Bool("qtool-only")); err != nil {
 		return fmt.Errorf("quantize: %w", err)

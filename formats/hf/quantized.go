@@ -173,19 +173,9 @@ func WriteQuantized(m *model.Model, dir string, maxShard int64, qw QuantizedWrit
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	if err := safetensors.WriteCheckpoint(dir, "model", entries, map[string]string{"format": "pt"}, maxShard); err != nil {
-		return err
-	}
 	cfg := m.Config
 	cfg.DType = "float16"
-	js, err := MarshalConfig(cfg, map[string]any{"quantization_config": qc})
-	if err != nil {
-		return err
-	}
-	if err := WriteFile(filepath.Join(dir, "config.json"), js); err != nil {
-		return err
-	}
-	return CopyTokenizer(m.TokenizerDir, dir)
+	return writeCheckpoint(dir, entries, maxShard, cfg, map[string]any{"quantization_config": qc}, m.TokenizerDir)
 }
 
 // Int32Bytes encodes v little-endian (safetensors I32 data).
