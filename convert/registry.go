@@ -69,17 +69,17 @@ const (
 
 // Canonical format names (see Codecs for the aliases).
 const (
-	FormatHF          = "hf"          // float safetensors; quantized weights dequantized (F32)
-	FormatAutoAWQ     = "autoawq"     // AutoAWQ GEMM: 4-bit per-group linears
-	FormatGPTQ        = "gptq"        // GPTQ v1: 2/3/4/8-bit linears, act-order g_idx allowed
-	FormatMsModelSlim = "msmodelslim" // W8A16 / W4A16 / W8A8
-	FormatKuiperFP32  = "kuiper-fp32" // Kuiper / llama2.c legacy fp32 (version 0, no magic)
-	FormatKuiperInt8  = "kuiper-int8" // Kuiper int8 (export.py --version 3)
-	FormatAK42V1      = "ak42-v1"     // llama2.c ak42 version 1 (fp32)
-	FormatAK42V2      = "ak42-v2"     // llama2.c ak42 version 2 (Q8_0)
-	FormatAK47        = "ak47"        // OrinMLLM ak47 (version 4): Qwen3 fp16
-	FormatAK48        = "ak48"        // OrinMLLM ak48 (version 5): Qwen3 AWQ int4
-	FormatShard       = "shard"       // qtool tensor-parallel shard directory
+	FormatHF          = "hf"                  // float safetensors; quantized weights dequantized (F32)
+	FormatAutoAWQ     = "autoawq"             // AutoAWQ GEMM: 4-bit per-group linears
+	FormatGPTQ        = "gptq"                // GPTQ v1: 2/3/4/8-bit linears, act-order g_idx allowed
+	FormatMsModelSlim = "msmodelslim"         // W8A16 / W4A16 / W8A8
+	FormatKuiperFP32  = string(kuiper.FP32)   // Kuiper / llama2.c legacy fp32 (version 0, no magic)
+	FormatKuiperInt8  = string(kuiper.Int8)   // Kuiper int8 (export.py --version 3)
+	FormatAK42V1      = string(kuiper.AK42V1) // llama2.c ak42 version 1 (fp32)
+	FormatAK42V2      = string(kuiper.AK42V2) // llama2.c ak42 version 2 (Q8_0)
+	FormatAK47        = string(kuiper.AK47)   // OrinMLLM ak47 (version 4): Qwen3 fp16
+	FormatAK48        = string(kuiper.AK48)   // OrinMLLM ak48 (version 5): Qwen3 AWQ int4
+	FormatShard       = "shard"               // qtool tensor-parallel shard directory
 )
 
 // codecs is the registry, in the order Detect tries directories and
@@ -119,7 +119,7 @@ var codecs = []*Codec{
 			return msmodelslim.Write(m, out, msmodelslim.WriteOptions{})
 		},
 		holds: holdsMsModelSlim},
-	{Name: FormatShard, Aliases: []string{"qtool-shard", "tp"}, Kind: KindShard, rope: ropeKeep, early: true,
+	{Name: FormatShard, Aliases: []string{"qtool-shard"}, Kind: KindShard, rope: ropeKeep, early: true,
 		Doc:    "qtool tensor-parallel shard directory (manifest.json + rank-N.safetensors)",
 		detect: func(pr *probe) (bool, error) { return pr.dir && shard.IsDir(pr.path), nil },
 		open: func(path string, _ Options) (*model.Model, error) {
@@ -134,23 +134,23 @@ var codecs = []*Codec{
 			return err
 		},
 		holds: func(*profile) error { return nil }},
-	kuiperCodec(kuiper.FP32, FormatKuiperFP32, []string{"fp32", "llama2c", "kuiper"}, "fp32", ropeLlama2c,
+	kuiperCodec(kuiper.FP32, []string{"fp32"}, "fp32", ropeLlama2c,
 		"Kuiper / llama2.c legacy fp32 file (version 0, no magic)", (*profile).noNormBias),
-	kuiperCodec(kuiper.Int8, FormatKuiperInt8, []string{"q8", "int8"}, "", ropeKeep,
+	kuiperCodec(kuiper.Int8, []string{"q8", "int8"}, "", ropeKeep,
 		"Kuiper int8 file (export.py --version 3, symmetric per-group int8)", holdsInt8),
-	kuiperCodec(kuiper.AK42V1, FormatAK42V1, []string{"kuiper-ak42-v1"}, "fp32", ropeLlama2c,
+	kuiperCodec(kuiper.AK42V1, []string{"kuiper-ak42-v1"}, "fp32", ropeLlama2c,
 		"llama2.c ak42 version 1 file (fp32)", (*profile).noNormBias),
-	kuiperCodec(kuiper.AK42V2, FormatAK42V2, []string{"kuiper-ak42-v2", "q80"}, "", ropeLlama2c,
+	kuiperCodec(kuiper.AK42V2, []string{"kuiper-ak42-v2"}, "", ropeLlama2c,
 		"llama2.c ak42 version 2 file (Q8_0)", holdsInt8),
-	kuiperCodec(kuiper.AK47, FormatAK47, []string{"ak47-v4", "kuiper-ak47", "kuiper-v4", "v4"}, "fp16", ropeKeep,
+	kuiperCodec(kuiper.AK47, []string{"ak47-v4", "kuiper-ak47", "kuiper-v4", "v4"}, "fp16", ropeKeep,
 		"OrinMLLM ak47 (version 4) file: Qwen3 fp16", holdsAK47),
-	kuiperCodec(kuiper.AK48, FormatAK48, []string{"ak48-v5", "kuiper-ak48", "kuiper-v5", "v5"}, "", ropeKeep,
+	kuiperCodec(kuiper.AK48, []string{"ak48-v5", "kuiper-ak48", "kuiper-v5", "v5"}, "", ropeKeep,
 		"OrinMLLM ak48 (version 5) file: Qwen3 AWQ int4", holdsAK48),
 }
 
 // kuiperCodec makes the codec of one Kuiper / llama2.c / OrinMLLM layout.
-func kuiperCodec(f kuiper.Format, name string, aliases []string, float string, rope ropePolicy, doc string, holds func(*profile) error) *Codec {
-	return &Codec{Name: name, Aliases: aliases, Kind: KindKuiper, Float: float, Doc: doc, rope: rope, holds: holds,
+func kuiperCodec(f kuiper.Format, aliases []string, float string, rope ropePolicy, doc string, holds func(*profile) error) *Codec {
+	return &Codec{Name: string(f), Aliases: aliases, Kind: KindKuiper, Float: float, Doc: doc, rope: rope, holds: holds,
 		detect: func(pr *probe) (bool, error) {
 			info, err := pr.kuiperInfo()
 			return err == nil && info.Header.Format == f, err

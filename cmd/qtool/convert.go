@@ -16,14 +16,14 @@ func convertCommand() *cli.Command {
 		Name:      "convert",
 		Usage:     "rewrite a model in another format without re-quantizing it",
 		UsageText: "qtool convert --to FORMAT MODEL -o OUT [--rope half|interleaved] [--tp N] [--qtool-only]\n   qtool convert --list MODEL",
-		Description: "Reads MODEL (HF float, AutoAWQ, GPTQ or msmodelslim directory, qtool shard directory,\n" +
-			"Kuiper/llama2.c/OrinMLLM file) and writes it as FORMAT: " + strings.Join(convert.Formats(), ", ") + "\n" +
-			"(aliases: awq, v5, kuiper-v5, v4, kuiper-v4, q8, fp32, ...). Quantized weights are kept as they are;\n" +
-			"a format that would have to re-quantize them refuses and names the formats that can hold the model.\n" +
-			"Float formats (hf, kuiper-fp32, ak42-v1, ak47) dequantize. AutoAWQ and GPTQ store scales and other\n" +
-			"tensors as fp16. The q/k rows follow the rope layout of each side: HF-style formats hold the half\n" +
-			"layout, llama2.c's (kuiper-fp32, ak42-v1, ak42-v2) take Llama models interleaved, the others keep\n" +
-			"MODEL's layout and record it (--rope overrides). --to shard needs --tp N. Examples:\n" +
+		Description: "Reads MODEL (any format below) and writes it as FORMAT:\n" +
+			formatTable() +
+			"Quantized weights are kept as they are; a format that would have to re-quantize them refuses and\n" +
+			"names the formats that can hold the model. Float formats (hf, kuiper-fp32, ak42-v1, ak47) dequantize.\n" +
+			"AutoAWQ and GPTQ store scales and other tensors as fp16. The q/k rows follow the rope layout of each\n" +
+			"side: HF-style formats hold the half layout, llama2.c's (kuiper-fp32, ak42-v1, ak42-v2) take Llama\n" +
+			"models interleaved, the others keep MODEL's layout and record it (--rope overrides). --to shard\n" +
+			"needs --tp N. Examples:\n" +
 			"   qtool convert --to ak48 qwen3-awq/ -o qwen3.ak48          (seed 002: AutoAWQ → OrinMLLM v5)\n" +
 			"   qtool convert --to msmodelslim llama-gptq/ -o llama-w4a16/\n" +
 			"   qtool convert --to gptq llama-w8a16/ -o llama-gptq8/       (reverse of Ascend's ms_to_vllm.py)",
@@ -113,4 +113,17 @@ func runConvert(c *cli.Context) error {
 	fmt.Fprintf(w, "wrote %s (%s, from %s %s)\n", out, f, m.Format, pos[0])
 	noteRTN(c.App.ErrWriter, m, f)
 	return nil
+}
+
+// formatTable lists the registry's formats with their aliases, one a line.
+func formatTable() string {
+	var b strings.Builder
+	for _, c := range convert.Codecs() {
+		fmt.Fprintf(&b, "   %-12s %s", c.Name, c.Doc)
+		if len(c.Aliases) > 0 {
+			fmt.Fprintf(&b, " (also %s)", strings.Join(c.Aliases, ", "))
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
 }

@@ -284,6 +284,18 @@ func TestSidecarTokenizerRelative(t *testing.T) {
 	if m.TokenizerDir != b {
 		t.Errorf("tokenizer dir after the move %q, want %q", m.TokenizerDir, b)
 	}
+	// A tokenizer outside the sidecar's directory stays absolute: a path
+	// climbing out would break when the file moves alone.
+	if err := os.Mkdir(filepath.Join(dir, "other"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	far := filepath.Join(dir, "other", "far.bin")
+	if msg, err := runApp(t, "export", "-q", "--hf", b, "--fp32", far); err != nil {
+		t.Fatalf("%v\n%s", err, msg)
+	}
+	if s, err := kuiper.ReadSidecar(far); err != nil || s.TokenizerDir != b {
+		t.Errorf("sidecar of %s: tokenizer_dir %q (%v), want %q", far, s.TokenizerDir, err, b)
+	}
 	// An absolute path (older sidecars) is still read as it is.
 	side.TokenizerDir = llamaMini + "-abs"
 	if abs, err := filepath.Abs(llamaMini); err == nil {

@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"qtool/formats/model"
 )
@@ -34,9 +35,9 @@ type Sidecar struct {
 	EOS       []int  `json:"eos_token_id"`
 	DType     string `json:"source_dtype,omitempty"`
 	// TokenizerDir is the directory holding the tokenizer files: relative
-	// to the sidecar's directory when Write could express it so (the pair
-	// can then move together with the tokenizer), else absolute. Readers
-	// resolve it with Sidecar.Tokenizer.
+	// to the sidecar's directory when it lies inside it (the directory can
+	// then move as a whole), else absolute. Readers resolve it with
+	// Sidecar.Tokenizer.
 	TokenizerDir string `json:"tokenizer_dir,omitempty"`
 	// FileSize is the size of the binary file this sidecar describes.
 	FileSize int64 `json:"file_size"`
@@ -106,9 +107,10 @@ func (s *Sidecar) Tokenizer(path string) string {
 }
 
 // relTokenizer expresses the tokenizer directory tok relative to the
-// directory of the sidecar of model file path when both are known, so that
-// moving the model, its sidecar and the tokenizer together keeps the
-// reference valid; otherwise it returns tok made absolute.
+// directory of the sidecar of model file path when it lies inside it (the
+// usual model directory holding both: moving the directory keeps the
+// reference valid); otherwise it returns tok made absolute (a relative path
+// climbing out would break when the model file moves alone).
 func relTokenizer(path, tok string) string {
 	if tok == "" {
 		return ""
@@ -121,7 +123,7 @@ func relTokenizer(path, tok string) string {
 	if err != nil {
 		return abs
 	}
-	if rel, err := filepath.Rel(base, abs); err == nil {
+	if rel, err := filepath.Rel(base, abs); err == nil && rel != ".." && !strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
 		return rel
 	}
 	return abs
