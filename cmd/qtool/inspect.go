@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"os"
 	"text/tabwriter"
 
 	"github.com/urfave/cli/v2"
@@ -85,13 +84,13 @@ func runInspect(c *cli.Context) error {
 }
 
 func inspect(path string, stats bool, source string) (*inspectReport, error) {
-	fi, err := os.Stat(path)
+	codec, err := convert.DetectCodec(path, convert.Options{})
 	if err != nil {
 		return nil, err
 	}
 	rep := &inspectReport{Path: path}
 	var m *model.Model
-	if fi.IsDir() {
+	if codec.Kind != convert.KindKuiper { // Kuiper files: the header alone, below
 		if m, err = convert.Open(path); err != nil {
 			return nil, err
 		}
