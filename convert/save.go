@@ -61,6 +61,11 @@ func SaveWith(m *model.Model, format string, out string, opt SaveOptions) error 
 	if c.write == nil {
 		return fmt.Errorf("convert %s: qtool reads %s but does not write it", out, c.Name)
 	}
+	// Join the pieces of a shard directory once, for the checks and the
+	// writer alike.
+	if m, err = materialize(m, false); err != nil {
+		return fmt.Errorf("convert %s: %w", out, err)
+	}
 	p, err := profileOf(m)
 	if err != nil {
 		return fmt.Errorf("convert %s: %w", out, err)
@@ -81,13 +86,14 @@ func SaveWith(m *model.Model, format string, out string, opt SaveOptions) error 
 	} else if *opt.Rope != model.RopeHalf && c.rope == ropeHalfOnly {
 		return fmt.Errorf("convert %s: %s holds the half (Hugging Face) rope layout only, not %s", out, c.Name, *opt.Rope)
 	}
-	// HF-style writers take every tensor as it is; the Kuiper writer
-	// quantizes lazy tensors one at a time as it streams.
-	mm, err := materialize(m, c.Kind != KindKuiper)
-	if err != nil {
-		return fmt.Errorf("convert %s: %w", out, err)
+	// HF-style writers take every tensor as it is; the Kuiper writer (and
+	// shard's) quantizes lazy tensors one at a time as it streams.
+	if c.Kind != KindKuiper && c.Kind != KindShard {
+		if m, err = materialize(m, true); err != nil {
+			return fmt.Errorf("convert %s: %w", out, err)
+		}
 	}
-	return c.write(mm, out, opt, p)
+	return c.write(m, out, opt, p)
 }
 
 // GroupSize is the group size shared by all quantized decoder linears of m
