@@ -15,7 +15,8 @@ import (
 const layoutChunks = 2
 
 // TestRopeLayoutRoundTrip converts interleaved-rope models (llama2.c /
-// Kuiper files, which without a sidecar are read as interleaved, and
+// Kuiper files, which without a sidecar are read as interleaved; Qwen3
+// fp32 and ak48 files, whose q/k norms and AWQ weights are permuted too;
 // in-memory models in every quantized form) into every half-layout format
 // that holds them and back into the interleaved source format, and checks
 // each step against the same conversion of the half-layout model: the
@@ -40,6 +41,7 @@ func TestRopeLayoutRoundTrip(t *testing.T) {
 	}
 	int4, _ := quantized(t, variant{"llama-mini", false})
 	int4act, _ := quantized(t, variant{"llama-mini", true})
+	qwenInt4, _ := quantized(t, variant{"qwen3-mini", false})
 	smooth, err := Open(filepath.Join(testdata, "msmodelslim", "llama-mini-w8a8-smooth"))
 	if err != nil {
 		t.Fatal(err)
@@ -52,6 +54,7 @@ func TestRopeLayoutRoundTrip(t *testing.T) {
 	file := func(t *testing.T, m *model.Model, format, name string, opt SaveOptions) *model.Model {
 		t.Helper()
 		out := filepath.Join(dir, name)
+		opt.QtoolOnly = true // qwen3-mini's shape is not OrinMLLM's
 		if err := SaveWith(m, format, out, opt); err != nil {
 			t.Fatal(err)
 		}
@@ -94,6 +97,9 @@ func TestRopeLayoutRoundTrip(t *testing.T) {
 		}},
 		{"qwen3-fp32-qk-norms", "qwen3-mini", FormatKuiperFP32, func(t *testing.T) *model.Model {
 			return file(t, qwen, FormatKuiperFP32, "src-qwen.fp32", SaveOptions{Rope: &il})
+		}},
+		{"qwen3-ak48-int4", "qwen3-mini", FormatAK48, func(t *testing.T) *model.Model {
+			return file(t, qwenInt4, FormatAK48, "src-qwen.ak48", SaveOptions{Rope: &il})
 		}},
 		{"int4-asym-in-memory", "llama-mini", "", inMemory(int4)},
 		{"int4-act-order-in-memory", "llama-mini", "", inMemory(int4act)},

@@ -193,13 +193,8 @@ func compareTensor(m, src *model.Model, name string, t model.Tensor) (float64, s
 	if len(got) != len(want) {
 		return 0, "", fmt.Errorf("%d values, source %q has %d", len(got), sname, len(want))
 	}
-	layer, role, _ := model.ParseName(name)
-	if layer >= 0 && (role == model.Q || role == model.K) && m.Config.Rope != src.Config.Rope {
-		heads := src.Config.Heads
-		if role == model.K {
-			heads = src.Config.KVHeads
-		}
-		p, err := model.PermuteRows(model.FromFloat32(st.Shape(), want), model.RopePerm(heads, src.Config.HeadDim, src.Config.Rope, m.Config.Rope))
+	if perm := model.RopeRows(src.Config, name, m.Config.Rope); perm != nil {
+		p, err := model.PermuteRows(model.FromFloat32(st.Shape(), want), perm)
 		if err != nil {
 			return 0, "", err
 		}

@@ -211,10 +211,7 @@ func planWrite(m *model.Model, path string, opt WriteOptions) (*plan, error) {
 		if e.Extension {
 			ext = append(ext, e.Name)
 		}
-		perm, err := ropeRows(c, e.Name, opt.Rope)
-		if err != nil {
-			return nil, errf(path, e.Name, "%v", err)
-		}
+		perm := model.RopeRows(c, e.Name, opt.Rope)
 		if perm != nil && (len(e.Shape) == 1 || e.Kind == KindAWQ) {
 			// Vectors (biases, norms) and AWQ weights are permuted whole;
 			// the other kinds stream their rows through perm.
@@ -237,24 +234,6 @@ func planWrite(m *model.Model, path string, opt WriteOptions) (*plan, error) {
 		GroupSize: h.GroupSize, MaxSeq: c.MaxSeq, BOS: c.BOS, EOS: c.EOS, DType: c.DType, TokenizerDir: tok,
 		FileSize: l.Size, Extension: ext}
 	return p, nil
-}
-
-// ropeRows is the row permutation that puts tensor name of a model with
-// config c into the rope layout to (nil when it needs none): q and k weights
-// and biases per head, the per-head q/k norms within one head.
-func ropeRows(c model.Config, name string, to model.RopeLayout) ([]int, error) {
-	layer, role, _ := model.ParseName(name)
-	switch {
-	case layer < 0 || c.Rope == to:
-		return nil, nil
-	case role == model.Q || role == model.QBias:
-		return model.RopePerm(c.Heads, c.HeadDim, c.Rope, to), nil
-	case role == model.K || role == model.KBias:
-		return model.RopePerm(c.KVHeads, c.HeadDim, c.Rope, to), nil
-	case role == model.QNorm || role == model.KNorm:
-		return model.RopePerm(1, c.HeadDim, c.Rope, to), nil
-	}
-	return nil, nil
 }
 
 // permuteWhole resolves a lazily quantized t and permutes its rows.

@@ -84,6 +84,25 @@ func permute[E any](v []E, perm []int, n int) []E {
 	return out
 }
 
+// RopeRows is the row permutation (see RopePerm) that puts tensor name of
+// a model with config c into the rope layout to, nil when it needs none:
+// q and k weights and biases are permuted per head, the per-head q/k norms
+// (Qwen3) within one head.
+func RopeRows(c Config, name string, to RopeLayout) []int {
+	layer, role, _ := ParseName(name)
+	switch {
+	case layer < 0 || c.Rope == to:
+		return nil
+	case role == Q || role == QBias:
+		return RopePerm(c.Heads, c.HeadDim, c.Rope, to)
+	case role == K || role == KBias:
+		return RopePerm(c.KVHeads, c.HeadDim, c.Rope, to)
+	case role == QNorm || role == KNorm:
+		return RopePerm(1, c.HeadDim, c.Rope, to)
+	}
+	return nil
+}
+
 // WithRope returns m with its q/k rows in layout to: the q and k weights
 // and biases are permuted per head, the per-head q/k norms (Qwen3) within
 // one head. It returns m itself when the layout already is to; otherwise a
@@ -103,17 +122,7 @@ func WithRope(m *Model, to RopeLayout) (*Model, error) {
 	out.Source, out.Format, out.TokenizerDir = m.Source, m.Format, m.TokenizerDir
 	for _, name := range m.Names() {
 		t, _ := m.Lookup(name)
-		layer, role, _ := ParseName(name)
-		var perm []int
-		switch {
-		case layer < 0:
-		case role == Q || role == QBias:
-			perm = RopePerm(c.Heads, c.HeadDim, c.Rope, to)
-		case role == K || role == KBias:
-			perm = RopePerm(c.KVHeads, c.HeadDim, c.Rope, to)
-		case role == QNorm || role == KNorm:
-			perm = RopePerm(1, c.HeadDim, c.Rope, to)
-		}
+		perm := RopeRows(c, name, to)
 		if perm != nil {
 			var err error
 			switch v := t.(type) {
