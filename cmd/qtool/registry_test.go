@@ -165,6 +165,21 @@ func TestShardDirIsAFormat(t *testing.T) {
 			}
 		})
 	}
+	// An interleaved llama2.c file keeps its layout in the manifest.
+	il := filepath.Join(dir, "il.fp32")
+	if msg, err := runApp(t, "export", "-q", "--hf", llamaMini, "--fp32", il); err != nil {
+		t.Fatalf("%v\n%s", err, msg)
+	}
+	shil := filepath.Join(dir, "shil")
+	if msg, err := runApp(t, "shard", "-q", "--tp", "2", il, "-o", shil); err != nil {
+		t.Fatalf("%v\n%s", err, msg)
+	}
+	if msg, _ := runApp(t, "inspect", shil); !strings.Contains(msg, "rope layout: interleaved (recorded in the manifest)") {
+		t.Errorf("inspect of a shard dir of an interleaved file:\n%.300s", msg)
+	}
+	if got := pplOfPath(t, shil, llamaMini); (got-want)/want > 1e-5 || (want-got)/want > 1e-5 {
+		t.Errorf("shard dir of an interleaved file: ppl %.6f, the source %.6f", got, want)
+	}
 	if _, err := runApp(t, "convert", "--to", "shard", llamaMini, "-o", filepath.Join(dir, "sh3")); err == nil || !strings.Contains(err.Error(), "--tp") {
 		t.Errorf("convert --to shard without --tp: %v, want a message asking for --tp", err)
 	}
