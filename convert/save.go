@@ -4,126 +4,96 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"sort"
 	"strings"
 
 	"qtool/formats/autoawq"
-	"qtool/formats/gptq"
-	"qtool/formats/hf"
 	"qtool/formats/kuiper"
 	"qtool/formats/model"
-	"qtool/formats/msmodelslim"
 	"qtool/quantize"
 )
 
-// Canonical format names Save accepts (see Formats for the aliases).
-const (
-	FormatHF          = "hf"             // float safetensors; quantized weights dequantized (F32)
-	FormatAutoAWQ     = "autoawq"        // AutoAWQ GEMM: 4-bit per-group linears
-	FormatGPTQ        = "gptq"           // GPTQ v1: 2/3/4/8-bit linears, act-order g_idx allowed
-	FormatMsModelSlim = "msmodelslim"    // W8A16 / W4A16 / W8A8
-	FormatKuiperFP32  = "kuiper-fp32"    // Kuiper / llama2.c legacy fp32
-	FormatKuiperInt8  = "kuiper-int8"    // Kuiper int8 (export.py v3)
-	FormatAK42V1      = "kuiper-ak42-v1" // llama2.c ak42 version 1 (fp32)
-	FormatAK42V2      = "kuiper-ak42-v2" // llama2.c ak42 version 2 (Q8_0)
-	FormatAK47        = "kuiper-ak47"    // OrinMLLM ak47 (version 4): Qwen3 fp16
-	FormatAK48        = "kuiper-v5"      // OrinMLLM ak48 (version 5): Qwen3 AWQ int4
-)
-
-// saveFormats lists the canonical names in the order refusals list them.
-var saveFormats = []string{FormatHF, FormatAutoAWQ, FormatGPTQ, FormatMsModelSlim, FormatKuiperFP32,
-	FormatKuiperInt8, FormatAK42V1, FormatAK42V2, FormatAK47, FormatAK48}
-
-// formatAliases maps every accepted spelling (lower case) to its canonical name.
-var formatAliases = map[string]string{
-	"hf": FormatHF, "safetensors": FormatHF,
-	"autoawq": FormatAutoAWQ, "awq": FormatAutoAWQ,
-	"gptq":        FormatGPTQ,
-	"msmodelslim": FormatMsModelSlim,
-	"kuiper-fp32": FormatKuiperFP32, "fp32": FormatKuiperFP32,
-	"kuiper-int8": FormatKuiperInt8, "q8": FormatKuiperInt8, "int8": FormatKuiperInt8,
-	"kuiper-ak42-v1": FormatAK42V1, "ak42-v1": FormatAK42V1,
-	"kuiper-ak42-v2": FormatAK42V2, "ak42-v2": FormatAK42V2,
-	"kuiper-ak47": FormatAK47, "ak47": FormatAK47, "ak47-v4": FormatAK47, "kuiper-v4": FormatAK47,
-	"kuiper-v5": FormatAK48, "ak48": FormatAK48, "ak48-v5": FormatAK48, "kuiper-ak48": FormatAK48, "v5": FormatAK48,
+// SaveOptions carries what SaveWith needs beyond the model and the format.
+type SaveOptions struct {
+	// Rope is the q/k row layout to write; nil takes the format's default
+	// (Codec.DefaultRope; for a Kuiper file without sidecar the layout its
+	// readers assume, kuiper.AssumedRope). The q/k weights (with their per-row quantization
+	// parameters), biases and per-head norms are permuted whenever it
+	// differs from the model's. HF-style formats hold the half layout only.
+	Rope *model.RopeLayout
+	// GroupSize of float linears RTN-quantized into kuiper-int8, ak42-v2 or
+	// ak48 (0: the model's quantized linears' own, else the format's
+	// default).
+	GroupSize int
+	// TP is the number of ranks of a shard directory.
+	TP int
+	// QtoolOnly allows ak47/ak48 files for Qwen3 shapes OrinMLLM cannot read
+	// (heads × head_dim ≠ hidden): only qtool reads them back.
+	QtoolOnly bool
+	// Kuiper carries the Kuiper writer's own settings (SeqLen, NoSidecar,
+	// Progress); Format, Rope and GroupSize are set from the above.
+	Kuiper kuiper.WriteOptions
 }
 
-// Formats returns the canonical format names Save accepts.
-func Formats() []string { return append([]string(nil), saveFormats...) }
-
-// CanonicalFormat resolves a format name or alias ("ak48", "awq", "q8", ...)
-// to its canonical name.
-func CanonicalFormat(format string) (string, error) {
-	f, ok := formatAliases[strings.ToLower(strings.TrimSpace(format))]
-	if !ok {
-		names := make([]string, 0, len(formatAliases))
-		for a := range formatAliases {
-			names = append(names, a)
-		}
-		sort.Strings(names)
-		return "", fmt.Errorf("unknown format %q (known: %s; aliases: %s)", format, strings.Join(saveFormats, ", "), strings.Join(names, ", "))
-	}
-	return f, nil
+// Save writes m to out in format (a canonical name or alias, see Codecs)
+// with default options: SaveWith(m, format, out, SaveOptions{}).
+func Save(m *model.Model, format string, out string) error {
+	return SaveWith(m, format, out, SaveOptions{})
 }
 
-// Save writes m to out in format (a canonical name or alias, see Formats).
+// SaveWith writes m to out in format (a canonical name or alias).
 // Quantized weights are never re-quantized to a different scheme: a format
 // that would need that refuses, naming the formats that can hold m.
-// Float formats (hf, kuiper-fp32, kuiper-ak42-v1, kuiper-ak47) dequantize.
-// Writing float linears to a quantizing Kuiper format (kuiper-int8,
-// kuiper-ak42-v2, kuiper-v5) RTN-quantizes them as Kuiper's export does;
-// autoawq, gptq and msmodelslim need an already quantized model.
-// Lazily quantized tensors (quantize.Lazy) count as quantized with their
-// parameters. A kuiper-v5 or quantizing Kuiper file takes its group size
-// from the model's quantized linears.
-func Save(m *model.Model, format string, out string) error {
+// Float formats (hf, kuiper-fp32, ak42-v1, ak47) dequantize. Writing float
+// linears to a quantizing Kuiper format (kuiper-int8, ak42-v2, ak48)
+// RTN-quantizes them as Kuiper's export does; autoawq, gptq and msmodelslim
+// need an already quantized model. Lazily quantized tensors
+// (quantize.Lazy) count as quantized with their parameters; tensors of a
+// shard directory are joined. A quantizing Kuiper file takes its group size
+// from opt.GroupSize, else from the model's quantized linears.
+func SaveWith(m *model.Model, format string, out string, opt SaveOptions) error {
 	if m == nil {
 		return errors.New("convert: Save needs a model")
 	}
-	f, err := CanonicalFormat(format)
+	c, err := Lookup(format)
 	if err != nil {
+		return fmt.Errorf("convert %s: %w", out, err)
+	}
+	if c.write == nil {
+		return fmt.Errorf("convert %s: qtool reads %s but does not write it", out, c.Name)
+	}
+	// Join the pieces of a shard directory once, for the checks and the
+	// writer alike.
+	if m, err = materialize(m, false); err != nil {
 		return fmt.Errorf("convert %s: %w", out, err)
 	}
 	p, err := profileOf(m)
 	if err != nil {
 		return fmt.Errorf("convert %s: %w", out, err)
 	}
-	if err := p.canHold(f); err != nil {
-		return refusal(out, f, p, err)
+	if err := c.holds(p); err != nil {
+		return refusal(out, c.Name, p, err)
 	}
-	switch f {
-	case FormatHF, FormatAutoAWQ, FormatGPTQ, FormatMsModelSlim:
-		mm, err := materialize(m)
-		if err != nil {
+	noRecord := c.Kind == KindKuiper && opt.Kuiper.NoSidecar
+	if opt.Rope == nil {
+		r := c.DefaultRope(m.Config)
+		if noRecord {
+			r = kuiper.AssumedRope(m.Config.Arch) // nothing records another layout
+		}
+		opt.Rope = &r
+	}
+	if a := kuiper.AssumedRope(m.Config.Arch); noRecord && *opt.Rope != a {
+		return fmt.Errorf("convert %s: without a sidecar the file is read with the %s rope layout (%s), not %s: keep the sidecar or write that layout", out, a, m.Config.Arch, *opt.Rope)
+	} else if *opt.Rope != model.RopeHalf && c.rope == ropeHalfOnly {
+		return fmt.Errorf("convert %s: %s holds the half (Hugging Face) rope layout only, not %s", out, c.Name, *opt.Rope)
+	}
+	// HF-style writers take every tensor as it is; the Kuiper writer (and
+	// shard's) quantizes lazy tensors one at a time as it streams.
+	if c.Kind != KindKuiper && c.Kind != KindShard {
+		if m, err = materialize(m, true); err != nil {
 			return fmt.Errorf("convert %s: %w", out, err)
 		}
-		switch f {
-		case FormatHF:
-			return hf.Write(mm, out, hf.WriteOptions{})
-		case FormatAutoAWQ:
-			return autoawq.Write(mm, out, autoawq.WriteOptions{})
-		case FormatGPTQ:
-			return gptq.Write(mm, out, gptq.WriteOptions{})
-		default:
-			return msmodelslim.Write(mm, out, msmodelslim.WriteOptions{})
-		}
 	}
-	opt := kuiper.WriteOptions{Rope: m.Config.Rope}
-	switch f {
-	case FormatKuiperFP32:
-		opt.Format = kuiper.FP32
-	case FormatKuiperInt8:
-		opt.Format, opt.GroupSize = kuiper.Int8, p.group
-	case FormatAK42V1:
-		opt.Format = kuiper.AK42V1
-	case FormatAK42V2:
-		opt.Format, opt.GroupSize = kuiper.AK42V2, p.group
-	case FormatAK47:
-		opt.Format = kuiper.AK47
-	case FormatAK48:
-		opt.Format, opt.GroupSize = kuiper.AK48, p.group
-	}
-	return kuiper.Write(m, out, opt)
+	return c.write(m, out, opt, p)
 }
 
 // GroupSize is the group size shared by all quantized decoder linears of m
@@ -138,7 +108,7 @@ func GroupSize(m *model.Model) int {
 
 // CanHold reports why format cannot hold m (nil when Save would write it).
 func CanHold(m *model.Model, format string) error {
-	f, err := CanonicalFormat(format)
+	c, err := Lookup(format)
 	if err != nil {
 		return err
 	}
@@ -146,7 +116,7 @@ func CanHold(m *model.Model, format string) error {
 	if err != nil {
 		return err
 	}
-	return p.canHold(f)
+	return c.holds(p)
 }
 
 // Holders lists the canonical formats that can hold m.
@@ -214,6 +184,13 @@ func profileOf(m *model.Model) (*profile, error) {
 		}
 		if layer < 0 || !model.IsLinear(role) {
 			continue
+		}
+		if j, ok := t.(joiner); ok {
+			jt, err := j.Join()
+			if err != nil {
+				return nil, fmt.Errorf("tensor %q: %w", name, err)
+			}
+			t = jt
 		}
 		sh := t.Shape()
 		if len(sh) != 2 {
@@ -304,133 +281,143 @@ func (p *profile) String() string {
 
 func (p *profile) holders() []string {
 	var can []string
-	for _, f := range saveFormats {
-		if p.canHold(f) == nil {
-			can = append(can, f)
+	for _, c := range codecs {
+		if c.write != nil && c.Kind != KindShard && c.holds(p) == nil {
+			can = append(can, c.Name)
 		}
 	}
 	return can
 }
 
-// canHold reports why format f (canonical) cannot hold the model.
-func (p *profile) canHold(f string) error {
-	noNormBias := func() error {
-		if len(p.normBias) > 0 {
-			return fmt.Errorf("it has no place for the SmoothQuant-folded norm biases (%s, ...)", p.normBias[0])
-		}
-		return nil
+func (p *profile) noNormBias() error {
+	if len(p.normBias) > 0 {
+		return fmt.Errorf("it has no place for the SmoothQuant-folded norm biases (%s, ...)", p.normBias[0])
 	}
-	noW8A8 := func() error {
-		if p.nW8A8 > 0 {
-			return errors.New("W8A8 linears quantize their activations, which it cannot express")
-		}
-		return nil
+	return nil
+}
+
+func (p *profile) noW8A8() error {
+	if p.nW8A8 > 0 {
+		return errors.New("W8A8 linears quantize their activations, which it cannot express")
 	}
-	needQuant := func() error {
-		if p.nQuant == 0 && p.nW8A8 == 0 {
-			return errors.New("the model has no quantized linear; quantize it first (qtool gptq / awq / smoothquant, or RTN)")
-		}
-		return nil
+	return nil
+}
+
+func (p *profile) needQuant() error {
+	if p.nQuant == 0 && p.nW8A8 == 0 {
+		return errors.New("the model has no quantized linear; quantize it first (qtool quantize for RTN, or qtool gptq / awq / smoothquant)")
 	}
-	qwen3 := func() error {
-		if p.cfg.Arch != model.Qwen3 || !p.cfg.QKNorm || p.cfg.AttnBias {
-			return fmt.Errorf("it holds Qwen3 models only (q/k norms, no attention biases), this is %s", p.cfg.Arch)
-		}
-		return nil
+	return nil
+}
+
+func (p *profile) qwen3() error {
+	if p.cfg.Arch != model.Qwen3 || !p.cfg.QKNorm || p.cfg.AttnBias {
+		return fmt.Errorf("it holds Qwen3 models only (q/k norms, no attention biases), this is %s", p.cfg.Arch)
 	}
-	switch f {
-	case FormatHF, FormatKuiperFP32, FormatAK42V1:
-		return noNormBias()
-	case FormatAK47:
-		return errors.Join(qwen3(), noNormBias())
-	case FormatKuiperInt8, FormatAK42V2:
-		if err := errors.Join(noNormBias(), noW8A8()); err != nil {
+	return nil
+}
+
+func holdsAK47(p *profile) error { return errors.Join(p.qwen3(), p.noNormBias()) }
+
+// holdsInt8 is what kuiper-int8 and ak42-v2 hold: float or 8-bit symmetric
+// per-group linears with one group size.
+func holdsInt8(p *profile) error {
+	if err := errors.Join(p.noNormBias(), p.noW8A8()); err != nil {
+		return err
+	}
+	for _, l := range p.linears {
+		if l.kind == linQuant && (l.bits != 8 || !l.sym || l.gidx || l.group <= 0 || l.group != p.group) {
+			return fmt.Errorf("%s is %d-bit (symmetric %v, group %d, g_idx %v); the file holds 8-bit symmetric weights with one group size, so writing would re-quantize them", l.name, l.bits, l.sym, l.group, l.gidx)
+		}
+	}
+	return nil
+}
+
+func holdsAK48(p *profile) error {
+	if err := errors.Join(p.qwen3(), p.noNormBias(), p.noW8A8()); err != nil {
+		return err
+	}
+	for _, l := range p.linears {
+		if l.kind == linQuant && (l.bits != 4 || l.gidx || l.group <= 0 || l.group != p.group) {
+			return fmt.Errorf("%s is %d-bit (group %d, g_idx %v); ak48 holds 4-bit weights with one group size and no g_idx", l.name, l.bits, l.group, l.gidx)
+		}
+	}
+	return nil
+}
+
+func holdsAutoAWQ(p *profile) error {
+	if err := errors.Join(p.noNormBias(), p.noW8A8(), p.needQuant()); err != nil {
+		return err
+	}
+	for _, l := range p.linears {
+		if l.kind != linQuant {
+			continue
+		}
+		switch {
+		case l.bits != 4:
+			return fmt.Errorf("%s is %d-bit; AutoAWQ GEMM is 4-bit only", l.name, l.bits)
+		case l.gidx:
+			return fmt.Errorf("%s has an act-order g_idx; AutoAWQ has no input permutation", l.name)
+		case l.group <= 0 || l.group != p.group:
+			return fmt.Errorf("%s has group size %d; AutoAWQ needs one positive group size for all linears", l.name, l.group)
+		case l.rows%autoawq.PackFactor != 0:
+			return fmt.Errorf("%s has %d outputs, not a multiple of %d", l.name, l.rows, autoawq.PackFactor)
+		}
+		if err := integerZeros(l, 0, 15); err != nil {
 			return err
 		}
-		for _, l := range p.linears {
-			if l.kind == linQuant && (l.bits != 8 || !l.sym || l.gidx || l.group <= 0 || l.group != p.group) {
-				return fmt.Errorf("%s is %d-bit (symmetric %v, group %d, g_idx %v); the file holds 8-bit symmetric weights with one group size, so writing would re-quantize them", l.name, l.bits, l.sym, l.group, l.gidx)
-			}
+	}
+	return nil
+}
+
+func holdsGPTQ(p *profile) error {
+	if err := errors.Join(p.noNormBias(), p.noW8A8(), p.needQuant()); err != nil {
+		return err
+	}
+	bits := 0
+	for _, l := range p.linears {
+		if l.kind != linQuant {
+			continue
 		}
-	case FormatAK48:
-		if err := errors.Join(qwen3(), noNormBias(), noW8A8()); err != nil {
-			return err
+		if bits == 0 {
+			bits = l.bits
 		}
-		for _, l := range p.linears {
-			if l.kind == linQuant && (l.bits != 4 || l.gidx || l.group <= 0 || l.group != p.group) {
-				return fmt.Errorf("%s is %d-bit (group %d, g_idx %v); ak48 holds 4-bit weights with one group size and no g_idx", l.name, l.bits, l.group, l.gidx)
-			}
+		switch {
+		case l.bits != 2 && l.bits != 3 && l.bits != 4 && l.bits != 8:
+			return fmt.Errorf("%s is %d-bit; GPTQ holds 2, 3, 4 or 8 bits", l.name, l.bits)
+		case l.bits != bits || l.group != p.group:
+			return fmt.Errorf("%s is %d-bit with group %d, others differ; a GPTQ checkpoint has one bit width and group size", l.name, l.bits, l.group)
+		case l.rows*l.bits%32 != 0 || l.cols*l.bits%32 != 0:
+			return fmt.Errorf("%s [%d %d] × %d bits does not pack into int32 words", l.name, l.rows, l.cols, l.bits)
 		}
-	case FormatAutoAWQ:
-		if err := errors.Join(noNormBias(), noW8A8(), needQuant()); err != nil {
-			return err
+		if err := integerZeros(l, 1, 1<<l.bits-1); err != nil {
+			return fmt.Errorf("%w (GPTQ v1 stores zero−1, so a zero point of 0 cannot be stored)", err)
 		}
-		for _, l := range p.linears {
-			if l.kind != linQuant {
-				continue
-			}
-			switch {
-			case l.bits != 4:
-				return fmt.Errorf("%s is %d-bit; AutoAWQ GEMM is 4-bit only", l.name, l.bits)
-			case l.gidx:
-				return fmt.Errorf("%s has an act-order g_idx; AutoAWQ has no input permutation", l.name)
-			case l.group <= 0 || l.group != p.group:
-				return fmt.Errorf("%s has group size %d; AutoAWQ needs one positive group size for all linears", l.name, l.group)
-			case l.rows%autoawq.PackFactor != 0:
-				return fmt.Errorf("%s has %d outputs, not a multiple of %d", l.name, l.rows, autoawq.PackFactor)
-			}
-			if err := integerZeros(l, 0, 15); err != nil {
-				return err
-			}
+	}
+	return nil
+}
+
+func holdsMsModelSlim(p *profile) error {
+	if err := p.needQuant(); err != nil {
+		return err
+	}
+	g := 0
+	for _, l := range p.linears {
+		switch {
+		case l.kind == linW8A8 && l.w8a8.Bias != nil:
+			return fmt.Errorf("%s is W8A8 with a separate bias; msmodelslim folds biases into quant_bias", l.name)
+		case l.kind != linQuant:
+			continue
+		case l.bits != 8 && l.bits != 4:
+			return fmt.Errorf("%s is %d-bit; msmodelslim weight-only linears are W8A16 or W4A16", l.name, l.bits)
+		case l.gidx:
+			return fmt.Errorf("%s has an act-order g_idx; msmodelslim has no input permutation", l.name)
+		case l.group > 0 && g > 0 && l.group != g:
+			return fmt.Errorf("%s has group size %d, others %d; msmodelslim records one group_size", l.name, l.group, g)
 		}
-	case FormatGPTQ:
-		if err := errors.Join(noNormBias(), noW8A8(), needQuant()); err != nil {
-			return err
+		if l.group > 0 {
+			g = l.group
 		}
-		bits := 0
-		for _, l := range p.linears {
-			if l.kind != linQuant {
-				continue
-			}
-			if bits == 0 {
-				bits = l.bits
-			}
-			switch {
-			case l.bits != 2 && l.bits != 3 && l.bits != 4 && l.bits != 8:
-				return fmt.Errorf("%s is %d-bit; GPTQ holds 2, 3, 4 or 8 bits", l.name, l.bits)
-			case l.bits != bits || l.group != p.group:
-				return fmt.Errorf("%s is %d-bit with group %d, others differ; a GPTQ checkpoint has one bit width and group size", l.name, l.bits, l.group)
-			case l.rows*l.bits%32 != 0 || l.cols*l.bits%32 != 0:
-				return fmt.Errorf("%s [%d %d] × %d bits does not pack into int32 words", l.name, l.rows, l.cols, l.bits)
-			}
-			if err := integerZeros(l, 1, 1<<l.bits-1); err != nil {
-				return fmt.Errorf("%w (GPTQ v1 stores zero−1, so a zero point of 0 cannot be stored)", err)
-			}
-		}
-	case FormatMsModelSlim:
-		if err := needQuant(); err != nil {
-			return err
-		}
-		g := 0
-		for _, l := range p.linears {
-			switch {
-			case l.kind == linW8A8 && l.w8a8.Bias != nil:
-				return fmt.Errorf("%s is W8A8 with a separate bias; msmodelslim folds biases into quant_bias", l.name)
-			case l.kind != linQuant:
-				continue
-			case l.bits != 8 && l.bits != 4:
-				return fmt.Errorf("%s is %d-bit; msmodelslim weight-only linears are W8A16 or W4A16", l.name, l.bits)
-			case l.gidx:
-				return fmt.Errorf("%s has an act-order g_idx; msmodelslim has no input permutation", l.name)
-			case l.group > 0 && g > 0 && l.group != g:
-				return fmt.Errorf("%s has group size %d, others %d; msmodelslim records one group_size", l.name, l.group, g)
-			}
-			if l.group > 0 {
-				g = l.group
-			}
-		}
-	default:
-		return fmt.Errorf("unknown format %q", f)
 	}
 	return nil
 }
@@ -454,32 +441,78 @@ func integerZeros(l linearInfo, lo, hi int) error {
 	return nil
 }
 
-// materialize returns m with every lazily quantized tensor replaced by its
-// *model.Quantized (other tensors shared).
-func materialize(m *model.Model) (*model.Model, error) {
-	lazy := false
-	for _, n := range m.Names() {
+// joiner is implemented by tensors held in pieces (shard.Tensor).
+type joiner interface {
+	Join() (model.Tensor, error)
+}
+
+// materialize returns m with every tensor held in pieces joined and, with
+// lazy, every lazily quantized tensor replaced by its *model.Quantized
+// (other tensors shared).
+func materialize(m *model.Model, lazy bool) (*model.Model, error) {
+	resolve := func(t model.Tensor) (model.Tensor, bool, error) {
+		if j, ok := t.(joiner); ok {
+			jt, err := j.Join()
+			return jt, true, err
+		}
+		if lz, ok := t.(quantizer); ok && lazy {
+			q, err := lz.Quantize()
+			return q, true, err
+		}
+		return t, false, nil
+	}
+	var out *model.Model
+	for i, n := range m.Names() {
 		t, _ := m.Lookup(n)
-		if _, ok := t.(quantizer); ok {
-			lazy = true
-			break
+		r, changed, err := resolve(t)
+		if err != nil {
+			return nil, fmt.Errorf("tensor %q: %w", n, err)
+		}
+		if changed && out == nil {
+			out = model.New(m.Config)
+			out.Source, out.Format, out.TokenizerDir = m.Source, m.Format, m.TokenizerDir
+			for _, prev := range m.Names()[:i] {
+				pt, _ := m.Lookup(prev)
+				out.Set(prev, pt)
+			}
+		}
+		if out != nil {
+			out.Set(n, r)
 		}
 	}
-	if !lazy {
+	if out == nil {
 		return m, nil
 	}
-	out := model.New(m.Config)
-	out.Source, out.Format, out.TokenizerDir = m.Source, m.Format, m.TokenizerDir
-	for _, n := range m.Names() {
-		t, _ := m.Lookup(n)
-		if lz, ok := t.(quantizer); ok {
-			q, err := lz.Quantize()
-			if err != nil {
-				return nil, fmt.Errorf("tensor %q: %w", n, err)
-			}
-			t = q
-		}
-		out.Set(n, t)
-	}
 	return out, nil
+}
+
+// RTNQuantized lists the float decoder linears of a partly quantized m (an
+// AutoAWQ checkpoint's modules_to_not_convert, say) that Save in format
+// RTN-quantizes, because the format has no place for a float linear
+// (kuiper-int8, ak42-v2, ak48). It is empty when m has no quantized linear
+// (quantizing a float model is what those formats are for) or the format
+// keeps float linears.
+func RTNQuantized(m *model.Model, format string) []string {
+	c, err := Lookup(format)
+	if err != nil || c.Float != "" || c.Kind != KindKuiper {
+		return nil
+	}
+	p, err := profileOf(m)
+	if err != nil || p.nQuant+p.nW8A8 == 0 {
+		return nil
+	}
+	var names []string
+	for _, l := range p.linears {
+		if l.kind == linFloat {
+			names = append(names, l.name)
+		}
+	}
+	return names
+}
+
+// IsFloat reports whether no decoder linear of m is quantized (lazily
+// quantized ones count as quantized).
+func IsFloat(m *model.Model) bool {
+	p, err := profileOf(m)
+	return err == nil && p.nQuant == 0 && p.nW8A8 == 0
 }

@@ -22,7 +22,7 @@ func awqCommand() *cli.Command {
 		Name:  "awq",
 		Usage: "quantize weights with AWQ (activation-aware scaling + clipping) on calibration text",
 		UsageText: "qtool awq --hf DIR --calib train.txt [--bits 4] [--group 128] -o OUT [--format autoawq]\n" +
-			"   qtool awq --hf qwen3-dir --calib train.txt -o model.ak48 --format kuiper-v5",
+			"   qtool awq --hf qwen3-dir --calib train.txt -o model.ak48 --format ak48",
 		Description: "Per decoder layer: grid-searches (20 points) the per-channel scale exponent of each scale group\n" +
 			"(input norm → q/k/v; v → o when the shapes match; post-attention norm → gate/up; up → down),\n" +
 			"folds the scales into the previous op, searches each weight's clipping range (shrink to 0.5 in\n" +

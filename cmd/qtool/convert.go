@@ -15,20 +15,25 @@ func convertCommand() *cli.Command {
 	return &cli.Command{
 		Name:      "convert",
 		Usage:     "rewrite a model in another format without re-quantizing it",
-		UsageText: "qtool convert --to FORMAT MODEL -o OUT\n   qtool convert --list MODEL",
-		Description: "Reads MODEL (HF float, AutoAWQ, GPTQ or msmodelslim directory, Kuiper/llama2.c/OrinMLLM file)\n" +
-			"and writes it as FORMAT: " + strings.Join(convert.Formats(), ", ") + "\n" +
-			"(aliases: awq, ak48, v5, ak47, q8, fp32, ak42-v1, ak42-v2). Quantized weights are kept as they are;\n" +
-			"a format that would have to re-quantize them refuses and names the formats that can hold the model.\n" +
-			"Float formats (hf, kuiper-fp32, kuiper-ak42-v1, kuiper-ak47) dequantize. AutoAWQ and GPTQ store\n" +
-			"scales and other tensors as fp16. Examples:\n" +
-			"   qtool convert --to kuiper-v5 qwen3-awq/ -o qwen3.ak48     (seed 002: AutoAWQ → OrinMLLM v5)\n" +
+		UsageText: "qtool convert --to FORMAT MODEL -o OUT [--rope half|interleaved] [--tp N] [--qtool-only]\n   qtool convert --list MODEL",
+		Description: "Reads MODEL (any format below) and writes it as FORMAT:\n" +
+			formatTable() +
+			"Quantized weights are kept as they are; a format that would have to re-quantize them refuses and\n" +
+			"names the formats that can hold the model. Float formats (hf, kuiper-fp32, ak42-v1, ak47) dequantize.\n" +
+			"AutoAWQ and GPTQ store scales and other tensors as fp16. The q/k rows follow the rope layout of each\n" +
+			"side: HF-style formats hold the half layout, llama2.c's (kuiper-fp32, ak42-v1, ak42-v2) take Llama\n" +
+			"models interleaved, the others keep MODEL's layout and record it (--rope overrides). --to shard\n" +
+			"needs --tp N. Examples:\n" +
+			"   qtool convert --to ak48 qwen3-awq/ -o qwen3.ak48          (seed 002: AutoAWQ → OrinMLLM v5)\n" +
 			"   qtool convert --to msmodelslim llama-gptq/ -o llama-w4a16/\n" +
 			"   qtool convert --to gptq llama-w8a16/ -o llama-gptq8/       (reverse of Ascend's ms_to_vllm.py)",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "to", Usage: "output format (see above)"},
 			&cli.StringFlag{Name: "out", Aliases: []string{"o"}, Usage: "output directory or file", TakesFile: true},
 			&cli.BoolFlag{Name: "list", Usage: "print the formats that can hold MODEL and exit"},
+			&cli.StringFlag{Name: "rope", Usage: "q/k layout to write: half or interleaved (default: the format's, see above)"},
+			&cli.IntFlag{Name: "tp", Usage: "ranks of a shard directory (--to shard)"},
+			&cli.BoolFlag{Name: "qtool-only", Usage: "allow ak47/ak48 for Qwen3 shapes OrinMLLM cannot read"},
 		},
 		Action: runConvert,
 	}
@@ -47,14 +52,14 @@ func runConvert(c *cli.Context) error {
 			pos = append(pos, a)
 			continue
 		}
-		if name == "list" {
-			if err := c.Set("list", "true"); err != nil {
+		if name == "list" || name == "qtool-only" {
+			if err := c.Set(name, "true"); err != nil {
 				return err
 			}
 			continue
 		}
-		if name != "o" && name != "out" && name != "to" {
-			return fmt.Errorf("convert: unknown option %q (options: --to FORMAT, -o OUT, --list)", a)
+		if name != "o" && name != "out" && name != "to" && name != "rope" && name != "tp" {
+			return fmt.Errorf("convert: unknown option %q (options: --to FORMAT, -o OUT, --list, --rope, --tp, --qtool-only)", a)
 		}
 		if !hasVal {
 			if i+1 >= len(args) {
@@ -63,11 +68,20 @@ func runConvert(c *cli.Context) error {
 			i++
 			val = args[i]
 		}
-		if name == "to" {
+		switch name {
+		case "to":
 			to = val
-		} else {
+		case "o", "out":
 			out = val
+		default:
+			if err := c.Set(name, val); err != nil {
+				return fmt.Errorf("convert: --%s: %w", name, err)
+			}
 		}
+	}
+	rope, err := ropeFlag(c)
+	if err != nil {
+		return fmt.Errorf("convert: %w", err)
 	}
 	if len(pos) != 1 {
 		return fmt.Errorf("convert: want exactly one MODEL argument, got %d: qtool convert --to FORMAT MODEL -o OUT", len(pos))
@@ -92,9 +106,24 @@ func runConvert(c *cli.Context) error {
 	if err != nil {
 		return fmt.Errorf("convert: --to: %w", err)
 	}
-	if err := convert.Save(m, f, out); err != nil {
+	opt := convert.SaveOptions{Rope: rope, TP: c.Int("tp"), QtoolOnly: c.Bool("qtool-only")}
+	if err := convert.SaveWith(m, f, out, opt); err != nil {
 		return err
 	}
 	fmt.Fprintf(w, "wrote %s (%s, from %s %s)\n", out, f, m.Format, pos[0])
+	noteRTN(c.App.ErrWriter, m, f)
 	return nil
+}
+
+// formatTable lists the registry's formats with their aliases, one a line.
+func formatTable() string {
+	var b strings.Builder
+	for _, c := range convert.Codecs() {
+		fmt.Fprintf(&b, "   %-12s %s", c.Name, c.Doc)
+		if len(c.Aliases) > 0 {
+			fmt.Fprintf(&b, " (also %s)", strings.Join(c.Aliases, ", "))
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
 }

@@ -98,7 +98,7 @@ func TestExportV5FromAWQ(t *testing.T) {
 	dir := t.TempDir()
 	awqDir := writeQwenAWQ(t, dir)
 	out := filepath.Join(dir, "qwen3.ak48")
-	if msg, err := runConvertApp(t, "export", "--quiet", "--hf", awqDir, "--v5", out); err != nil {
+	if msg, err := runConvertApp(t, "export", "--quiet", "--hf", awqDir, "--v5", out, "--qtool-only"); err != nil {
 		t.Fatalf("export: %v\n%s", err, msg)
 	}
 	in, err := convert.Open(awqDir)
@@ -143,9 +143,10 @@ func TestConvertCommand(t *testing.T) {
 		fail bool
 	}{
 		{"to-msmodelslim", []string{"convert", "--to", "msmodelslim", awqDir, "-o", filepath.Join(dir, "w4a16")}, []string{"wrote", "msmodelslim", "from autoawq"}, false},
-		{"flags-first", []string{"convert", "--to", "ak48", "-o", filepath.Join(dir, "q.ak48"), awqDir}, []string{"kuiper-v5"}, false},
+		{"flags-first", []string{"convert", "--to", "kuiper-v5", "--qtool-only", "-o", filepath.Join(dir, "q.ak48"), awqDir}, []string{"(ak48, from autoawq"}, false},
+		{"ak48-orin-shape", []string{"convert", "--to", "ak48", awqDir, "-o", filepath.Join(dir, "orin.ak48")}, []string{"OrinMLLM cannot read this shape", "--qtool-only"}, true},
 		{"out-equals", []string{"convert", awqDir, "--to=gptq", "--out=" + filepath.Join(dir, "gptq")}, []string{"gptq"}, false},
-		{"list", []string{"convert", "--list", awqDir}, []string{"hf, autoawq, gptq, msmodelslim, kuiper-fp32, kuiper-ak42-v1, kuiper-ak47, kuiper-v5"}, false},
+		{"list", []string{"convert", "--list", awqDir}, []string{"hf, autoawq, gptq, msmodelslim, kuiper-fp32, ak42-v1, ak47, ak48"}, false},
 		{"refuse-int8", []string{"convert", "--to", "q8", awqDir, "-o", filepath.Join(dir, "x")}, []string{"cannot hold", "would re-quantize", "formats that can"}, true},
 		{"unknown-format", []string{"convert", "--to", "gguf", awqDir, "-o", filepath.Join(dir, "y")}, []string{"unknown format \"gguf\""}, true},
 		{"no-model", []string{"convert", "--to", "hf", "-o", filepath.Join(dir, "z")}, []string{"exactly one MODEL"}, true},

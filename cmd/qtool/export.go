@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"time"
@@ -15,19 +16,20 @@ import (
 	"qtool/formats/model"
 )
 
-// exportTargets maps each output flag of `qtool export` to its format.
+// exportTargets maps each output flag of `qtool export` to its format
+// (a registry name, see convert.Codecs).
 var exportTargets = []struct {
 	flag    string
-	format  kuiper.Format
+	format  string
 	usage   string
 	aliases []string
 }{
-	{"fp32", kuiper.FP32, "write a Kuiper/llama2.c legacy fp32 file (28-byte header, no magic)", nil},
-	{"q8", kuiper.Int8, "write a Kuiper int8 file (export.py --version 3: 32-byte header, int8 linears + classifier)", nil},
-	{"ak42-v1", kuiper.AK42V1, "write a llama2.c ak42 version 1 file (fp32)", nil},
-	{"ak42-v2", kuiper.AK42V2, "write a llama2.c ak42 version 2 file (Q8_0)", nil},
-	{"ak47", kuiper.AK47, "write an OrinMLLM ak47 (version 4) Qwen3 fp16 file", []string{"v4"}},
-	{"ak48", kuiper.AK48, "write an OrinMLLM ak48 (version 5) Qwen3 AWQ int4 file: 4-bit inputs (AutoAWQ, GPTQ without g_idx, msmodelslim W4A16) are copied without re-quantizing, float ones RTN-quantized", []string{"v5"}},
+	{"fp32", convert.FormatKuiperFP32, "write a Kuiper/llama2.c legacy fp32 file (28-byte header, no magic)", nil},
+	{"q8", convert.FormatKuiperInt8, "write a Kuiper int8 file (export.py --version 3: 32-byte header, int8 linears + classifier)", nil},
+	{"ak42-v1", convert.FormatAK42V1, "write a llama2.c ak42 version 1 file (fp32)", nil},
+	{"ak42-v2", convert.FormatAK42V2, "write a llama2.c ak42 version 2 file (Q8_0)", nil},
+	{"ak47", convert.FormatAK47, "write an OrinMLLM ak47 (version 4) Qwen3 fp16 file", []string{"v4"}},
+	{"ak48", convert.FormatAK48, "write an OrinMLLM ak48 (version 5) Qwen3 AWQ int4 file: 4-bit inputs (AutoAWQ, GPTQ without g_idx, msmodelslim W4A16) are copied without re-quantizing, float ones RTN-quantized", []string{"v5"}},
 }
 
 func exportCommand() *cli.Command {
@@ -40,9 +42,10 @@ func exportCommand() *cli.Command {
 	}
 	flags = append(flags,
 		&cli.IntFlag{Name: "group", Usage: "group size of --q8/--ak42-v2 (default 64) and --ak48 (default 128); a quantized input's own group size when it has one"},
-		&cli.StringFlag{Name: "rope", Value: "half", Usage: "q/k layout in the file: half (HF, Kuiper LLAMA3/Qwen builds) or interleaved (Meta, Kuiper's default Llama-2 build)"},
+		&cli.StringFlag{Name: "rope", Usage: "q/k layout in the file: half (HF, Kuiper LLAMA3/Qwen builds) or interleaved (Meta, llama2.c, Kuiper's default Llama-2 build); default: interleaved for Llama in --fp32/--ak42-v1/--ak42-v2 (what llama2.c runs), else the input's layout"},
 		&cli.IntFlag{Name: "seq-len", Usage: "seq_len written to the header (default: max_position_embeddings)"},
-		&cli.BoolFlag{Name: "no-sidecar", Usage: "do not write OUT.json (rope theta, eps, arch, tokenizer dir)"},
+		&cli.BoolFlag{Name: "no-sidecar", Usage: "do not write OUT.json (rope theta, eps, arch, rope layout, tokenizer dir)"},
+		&cli.BoolFlag{Name: "qtool-only", Usage: "allow --ak47/--ak48 for Qwen3 shapes OrinMLLM cannot read (heads × head_dim ≠ hidden): only qtool reads the file"},
 		&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress bar"},
 	)
 	return &cli.Command{
@@ -61,8 +64,7 @@ func runExport(c *cli.Context) error {
 	if c.NArg() > 0 {
 		return fmt.Errorf("export: unexpected arguments %q", c.Args().Slice())
 	}
-	var out string
-	var format kuiper.Format
+	var out, format string
 	for _, t := range exportTargets {
 		if v := c.String(t.flag); v != "" {
 			if out != "" {
@@ -74,46 +76,41 @@ func runExport(c *cli.Context) error {
 	if out == "" {
 		return errors.New("export: no output: give one of --fp32, --q8, --ak42-v1, --ak42-v2, --ak47, --ak48")
 	}
-	var rope model.RopeLayout
-	switch c.String("rope") {
-	case "half":
-		rope = model.RopeHalf
-	case "interleaved":
-		rope = model.RopeInterleaved
-	default:
-		return fmt.Errorf("export: --rope %q, want half or interleaved", c.String("rope"))
+	rope, err := ropeFlag(c)
+	if err != nil {
+		return fmt.Errorf("export: %w", err)
+	}
+	if c.IsSet("group") && c.Int("group") <= 0 {
+		return fmt.Errorf("export: --group %d, want > 0", c.Int("group"))
 	}
 	m, err := openInput(c.String("hf"), c.String("in"))
 	if err != nil {
 		return err
 	}
 	defer m.Close()
-	opt := kuiper.WriteOptions{Format: format, GroupSize: c.Int("group"), Rope: rope, SeqLen: c.Int("seq-len"),
-		NoSidecar: c.Bool("no-sidecar")}
-	if c.IsSet("group") && c.Int("group") <= 0 {
-		return fmt.Errorf("export: --group %d, want > 0", c.Int("group"))
-	}
 	// Already quantized weights are written as they are: refuse formats that
-	// would re-quantize them, and default the group size to theirs.
-	if err := convert.CanHold(m, string(format)); err != nil {
+	// would re-quantize them (the group size defaults to theirs).
+	if err := convert.CanHold(m, format); err != nil {
 		return fmt.Errorf("export: %s cannot hold %s without re-quantizing it: %w; formats that can: %s (see qtool convert)",
 			format, m.Source, err, strings.Join(convert.Holders(m), ", "))
 	}
-	if g := convert.GroupSize(m); !c.IsSet("group") && g > 0 && (format == kuiper.AK48 || format == kuiper.Int8 || format == kuiper.AK42V2) {
-		opt.GroupSize = g
+	if err := convert.CheckShape(format, m.Config, c.Bool("qtool-only")); err != nil {
+		return fmt.Errorf("export: %w", err)
 	}
+	opt := convert.SaveOptions{Rope: rope, GroupSize: c.Int("group"), QtoolOnly: c.Bool("qtool-only"),
+		Kuiper: kuiper.WriteOptions{SeqLen: c.Int("seq-len"), NoSidecar: c.Bool("no-sidecar")}}
 	var bar *progressbar.ProgressBar
 	if !c.Bool("quiet") && isTerminal(os.Stderr) {
-		opt.Progress = func(done, total int, name string) {
+		opt.Kuiper.Progress = func(done, total int, name string) {
 			if bar == nil {
-				bar = progressbar.NewOptions(total, progressbar.OptionSetDescription("export "+string(format)),
+				bar = progressbar.NewOptions(total, progressbar.OptionSetDescription("export "+format),
 					progressbar.OptionSetWriter(os.Stderr), progressbar.OptionShowCount(),
 					progressbar.OptionThrottle(100*time.Millisecond), progressbar.OptionClearOnFinish())
 			}
 			bar.Set(done)
 		}
 	}
-	if err := kuiper.Write(m, out, opt); err != nil {
+	if err := convert.SaveWith(m, format, out, opt); err != nil {
 		if bar != nil {
 			bar.Exit()
 		}
@@ -127,11 +124,41 @@ func runExport(c *cli.Context) error {
 		return err
 	}
 	side := ""
-	if !opt.NoSidecar {
+	if !opt.Kuiper.NoSidecar {
 		side = " + " + kuiper.SidecarPath(out)
 	}
 	fmt.Fprintf(c.App.Writer, "wrote %s (%s, %d bytes)%s\n", out, format, fi.Size(), side)
+	noteRTN(c.App.ErrWriter, m, format)
 	return nil
+}
+
+// ropeFlag parses --rope: nil when not given (the format's default).
+func ropeFlag(c *cli.Context) (*model.RopeLayout, error) {
+	var r model.RopeLayout
+	switch c.String("rope") {
+	case "":
+		return nil, nil
+	case "half":
+		r = model.RopeHalf
+	case "interleaved":
+		r = model.RopeInterleaved
+	default:
+		return nil, fmt.Errorf("--rope %q, want half or interleaved", c.String("rope"))
+	}
+	return &r, nil
+}
+
+// noteRTN says which float decoder linears of a partly quantized model (an
+// AutoAWQ checkpoint's modules_to_not_convert, say) a quantizing format
+// RTN-quantized on the way.
+func noteRTN(w io.Writer, m *model.Model, format string) {
+	if names := convert.RTNQuantized(m, format); len(names) > 0 {
+		if w == nil {
+			w = os.Stderr
+		}
+		fmt.Fprintf(w, "note: %s stores every decoder linear quantized: %d linears the input kept in float were RTN-quantized (%s)\n",
+			format, len(names), strings.Join(names, ", "))
+	}
 }
 
 // openInput opens the model named by --hf or --in.

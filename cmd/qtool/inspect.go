@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"os"
 	"text/tabwriter"
 
 	"github.com/urfave/cli/v2"
@@ -13,6 +12,7 @@ import (
 	"qtool/convert"
 	"qtool/formats/kuiper"
 	"qtool/formats/model"
+	"qtool/formats/shard"
 )
 
 func inspectCommand() *cli.Command {
@@ -22,7 +22,8 @@ func inspectCommand() *cli.Command {
 		ArgsUsage: "PATH",
 		UsageText: "qtool inspect model.bin\n   qtool inspect --json --source testdata/llama-mini /tmp/m.bin    (max dequantization error per tensor)",
 		Description: "PATH is a Kuiper/llama2.c/OrinMLLM file (only its header is read unless --stats or\n" +
-			"--source is given) or a model directory. With --source DIR (the float model it came from)\n" +
+			"--source is given) or a model directory (any format the registry reads, shard directories\n" +
+			"included). The q/k rope layout is shown with where it comes from. With --source DIR (the float model it came from)\n" +
 			"the max abs dequantization error of every tensor is printed.",
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "json", Usage: "print JSON"},
@@ -41,7 +42,10 @@ type inspectReport struct {
 	Header   *kuiper.Header  `json:"header,omitempty"`
 	Sidecar  *kuiper.Sidecar `json:"sidecar,omitempty"`
 	Config   model.Config    `json:"config"`
-	Tensors  []tensorReport  `json:"tensors"`
+	// Rope is the q/k row layout and where it comes from.
+	Rope    string         `json:"rope_layout"`
+	Notes   []string       `json:"notes,omitempty"`
+	Tensors []tensorReport `json:"tensors"`
 }
 
 type tensorReport struct {
@@ -80,18 +84,22 @@ func runInspect(c *cli.Context) error {
 }
 
 func inspect(path string, stats bool, source string) (*inspectReport, error) {
-	fi, err := os.Stat(path)
+	codec, err := convert.DetectCodec(path, convert.Options{})
 	if err != nil {
 		return nil, err
 	}
 	rep := &inspectReport{Path: path}
 	var m *model.Model
-	if fi.IsDir() {
+	if codec.Kind != convert.KindKuiper { // Kuiper files: the header alone, below
 		if m, err = convert.Open(path); err != nil {
 			return nil, err
 		}
 		defer m.Close()
 		rep.Format, rep.Config = m.Format, m.Config
+		rep.Rope = m.Config.Rope.String()
+		if m.Format == convert.FormatShard {
+			rep.Rope += " (recorded in the manifest)"
+		}
 		for _, n := range m.SortedNames() {
 			t, _ := m.Lookup(n)
 			rep.Tensors = append(rep.Tensors, tensorReport{Name: n, Type: typeName(t), Shape: t.Shape()})
@@ -103,6 +111,17 @@ func inspect(path string, stats bool, source string) (*inspectReport, error) {
 		}
 		h := info.Header
 		rep.Format, rep.FileSize, rep.Header, rep.Sidecar, rep.Config = string(h.Format), info.FileSize, &h, info.Sidecar, info.Config
+		rep.Rope = info.Config.Rope.String()
+		if info.Sidecar != nil && info.Sidecar.RopeLayout != "" {
+			rep.Rope += " (recorded in the sidecar)"
+		} else {
+			rep.Rope += " (assumed: no sidecar records it)"
+		}
+		if h.Format == kuiper.AK47 || h.Format == kuiper.AK48 {
+			if err := kuiper.OrinCompatible(info.Config); err != nil {
+				rep.Notes = append(rep.Notes, fmt.Sprintf("a qtool-only file: %v", err))
+			}
+		}
 		for _, e := range info.Layout.Entries {
 			rep.Tensors = append(rep.Tensors, tensorReport{Name: e.Name, Type: e.Kind.String(), Shape: e.Shape, Offset: e.Offset, Bytes: e.Size, Extension: e.Extension})
 		}
@@ -174,13 +193,12 @@ func compareTensor(m, src *model.Model, name string, t model.Tensor) (float64, s
 	if len(got) != len(want) {
 		return 0, "", fmt.Errorf("%d values, source %q has %d", len(got), sname, len(want))
 	}
-	layer, role, _ := model.ParseName(name)
-	if layer >= 0 && (role == model.Q || role == model.K) && m.Config.Rope != src.Config.Rope {
-		heads := src.Config.Heads
-		if role == model.K {
-			heads = src.Config.KVHeads
+	if perm := model.RopeRows(src.Config, name, m.Config.Rope); perm != nil {
+		p, err := model.PermuteRows(model.FromFloat32(st.Shape(), want), perm)
+		if err != nil {
+			return 0, "", err
 		}
-		if want, err = kuiper.PermuteRope(want, heads, src.Config.HeadDim, src.Config.Hidden, m.Config.Rope == model.RopeInterleaved); err != nil {
+		if want, err = p.Float32(); err != nil {
 			return 0, "", err
 		}
 	}
@@ -203,6 +221,12 @@ func typeName(t model.Tensor) string {
 		return fmt.Sprintf("%s g%d", s, v.GroupSize)
 	case *model.W8A8:
 		return "W8A8"
+	case *shard.Tensor:
+		part := "?"
+		if len(v.Parts) > 0 {
+			part = typeName(v.Parts[0])
+		}
+		return fmt.Sprintf("%s ×%d %s", part, len(v.Parts), v.Entry.Split)
 	}
 	return fmt.Sprintf("%T", t)
 }
@@ -234,6 +258,10 @@ func printReport(w io.Writer, r *inspectReport) error {
 		} else {
 			fmt.Fprintln(w, "sidecar: none (defaults assumed)")
 		}
+	}
+	fmt.Fprintf(w, "rope layout: %s\n", r.Rope)
+	for _, n := range r.Notes {
+		fmt.Fprintf(w, "note: %s\n", n)
 	}
 	c := r.Config
 	fmt.Fprintf(w, "config: %s hidden %d intermediate %d layers %d heads %d/%d head_dim %d vocab %d max_seq %d theta %g eps %g tied %v rope %s\n",

@@ -14,7 +14,7 @@ func newApp() *cli.App {
 		Name:  "qtool",
 		Usage: "convert, quantize and verify LLaMA/Qwen checkpoints",
 		Description: "qtool reads Hugging Face checkpoints (float, AutoAWQ, GPTQ), msmodelslim directories and\n" +
-			"Kuiper/llama2.c files, quantizes them (RTN, GPTQ, AWQ, SmoothQuant) and writes any of these\n" +
+			"Kuiper/llama2.c files, quantizes them (RTN with `qtool quantize`, GPTQ, AWQ, SmoothQuant) and writes any of these\n" +
 			"formats. `qtool verify` runs a model in the bundled runtime (CPU, or CUDA when present).",
 		Commands: []*cli.Command{
 			exportCommand(),
@@ -23,6 +23,7 @@ func newApp() *cli.App {
 			gptqCommand(),
 			awqCommand(),
 			smoothquantCommand(),
+			quantizeCommand(),
 			benchCommand(),
 			shardCommand(),
 			convertCommand(),

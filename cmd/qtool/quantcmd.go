@@ -28,11 +28,6 @@ import (
 	"qtool/runtime/tokenizer"
 )
 
-// quantFormats are the output formats of the calibration commands (names
-// as convert.Save takes them; convert.CanonicalFormat resolves aliases).
-var quantFormats = []string{convert.FormatAK48, convert.FormatAK47, convert.FormatKuiperInt8,
-	convert.FormatMsModelSlim, convert.FormatAutoAWQ, convert.FormatGPTQ}
-
 // resultKind describes what a quantization run will produce, enough to know
 // which formats can hold it before any work is done.
 type resultKind struct {
@@ -59,38 +54,9 @@ func (k resultKind) String() string {
 	return fmt.Sprintf("%d-bit %s %s weights", k.bits, s, g)
 }
 
-// canHold reports why format cannot hold k (nil when it can).
-func canHold(format string, k resultKind) error {
-	switch format {
-	case convert.FormatAK48:
-		switch {
-		case k.arch != model.Qwen3 || k.bias:
-			return fmt.Errorf("kuiper-v5 (ak48) holds Qwen3 models only, this one is %s", k.arch)
-		case k.w8a8 || k.bits != 4 || k.sym || k.group <= 0:
-			return errors.New("kuiper-v5 (ak48) holds 4-bit asymmetric per-group weights only")
-		}
-	case convert.FormatAK47:
-		return errors.New("kuiper-v4 (ak47) is an fp16 format and holds no quantized weights")
-	case convert.FormatKuiperInt8:
-		if k.w8a8 || k.bits != 8 || !k.sym || k.group <= 0 {
-			return errors.New("kuiper-int8 holds 8-bit symmetric per-group weights only")
-		}
-	case convert.FormatMsModelSlim:
-		if !k.w8a8 && k.bits != 8 && k.bits != 4 {
-			return errors.New("msmodelslim holds W8A8, W8A16 or W4A16 only")
-		}
-	case convert.FormatAutoAWQ:
-		if k.w8a8 || k.bits != 4 || k.group <= 0 {
-			return errors.New("AutoAWQ holds 4-bit per-group weights only")
-		}
-	case convert.FormatGPTQ:
-		if k.w8a8 {
-			return errors.New("GPTQ holds weight-only results only")
-		}
-	default:
-		return fmt.Errorf("the calibration commands write %s (use qtool convert for other formats)", strings.Join(quantFormats, ", "))
-	}
-	return nil
+// scheme is k as the formats registry describes a quantization result.
+func (k resultKind) scheme() convert.Scheme {
+	return convert.Scheme{Arch: k.arch, AttnBias: k.bias, Bits: k.bits, Group: k.group, Sym: k.sym, W8A8: k.w8a8}
 }
 
 // checkFormat refuses a format that cannot hold k, naming those that can.
@@ -99,15 +65,9 @@ func checkFormat(cmd, format string, k resultKind) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("%s: --format: %w", cmd, err)
 	}
-	if err := canHold(f, k); err != nil {
-		var can []string
-		for _, g := range quantFormats {
-			if canHold(g, k) == nil {
-				can = append(can, g)
-			}
-		}
+	if err := convert.CanHoldScheme(f, k.scheme()); err != nil {
 		alt := "none of the formats"
-		if len(can) > 0 {
+		if can := convert.SchemeHolders(k.scheme()); len(can) > 0 {
 			alt = strings.Join(can, ", ")
 		}
 		return "", fmt.Errorf("%s: --format %s cannot hold this result (%s): %v; formats that can: %s", cmd, f, k, err, alt)
@@ -126,7 +86,8 @@ func quantFlags(defBits, defGroup int, defFormat string) []cli.Flag {
 		&cli.IntFlag{Name: "bits", Value: defBits, Usage: "weight bits"},
 		&cli.IntFlag{Name: "group", Value: defGroup, Usage: "input columns per scale group (0: per channel)"},
 		&cli.StringFlag{Name: "out", Aliases: []string{"o"}, Usage: "output `PATH` (a directory, or a file for Kuiper formats)", Required: true, TakesFile: true},
-		&cli.StringFlag{Name: "format", Value: defFormat, Usage: "output format: " + strings.Join(quantFormats, ", ")},
+		&cli.StringFlag{Name: "format", Value: defFormat, Usage: "output format: ak48, kuiper-int8, ak42-v2, msmodelslim, autoawq or gptq (each as it can hold the result)"},
+		&cli.BoolFlag{Name: "qtool-only", Usage: "allow ak48 for Qwen3 shapes OrinMLLM cannot read"},
 		&cli.StringFlag{Name: "verify", Usage: "after writing, print the perplexity of the written model on `FILE`", TakesFile: true},
 		&cli.IntFlag{Name: "verify-chunks", Usage: "evaluate at most `N` chunks of 512 tokens with --verify (0: all)"},
 		&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
@@ -218,6 +179,9 @@ func runQuant(c *cli.Context, job quantJob) error {
 	if err != nil {
 		return err
 	}
+	if err := convert.CheckShape(format, m.Config, c.Bool("qtool-only")); err != nil {
+		return fmt.Errorf("%s: %w", job.cmd, err)
+	}
 	job.format = format
 	tokDir := m.TokenizerDir
 	if tokDir == "" {
@@ -282,7 +246,7 @@ func runQuant(c *cli.Context, job quantJob) error {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
 	tw := time.Now()
-	if err := convert.Save(s.Out, format, out); err != nil {
+	if err := convert.SaveWith(s.Out, format, out, convert.SaveOptions{QtoolOnly: c.Bool("qtool-only")}); err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
 	phases := s.Phases()

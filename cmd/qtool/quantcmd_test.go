@@ -60,7 +60,7 @@ func TestQuantCommandsVerifyWrittenFiles(t *testing.T) {
 		{"gptq w8 sym g64 → kuiper-int8", llamaMini, "g8.bin", []string{"gptq", "--bits", "8", "--sym", "--group", "64", "--format", "kuiper-int8"}, 1.01, false},
 		{"gptq w8 per-channel → msmodelslim W8A16", llamaMini, "g8ms", []string{"gptq", "--bits", "8", "--group", "0", "--format", "msmodelslim"}, 1.01, false},
 		{"awq w4 → autoawq", llamaMini, "a4", []string{"awq", "--bits", "4", "--search-tokens", "256"}, 1.06, false},
-		{"awq w4 qwen3 → kuiper-v5 (ak48)", qwen, "a4.ak48", []string{"awq", "--format", "kuiper-v5", "--search-tokens", "256"}, 1.08, true},
+		{"awq w4 qwen3 → kuiper-v5 (ak48)", qwen, "a4.ak48", []string{"awq", "--format", "kuiper-v5", "--qtool-only", "--search-tokens", "256"}, 1.08, true},
 		{"awq w4 → msmodelslim W4A16", llamaMini, "a4ms", []string{"awq", "--format", "msmodelslim", "--search-tokens", "256"}, 1.06, false},
 		{"smoothquant → msmodelslim W8A8", llamaMini, "sq", []string{"smoothquant"}, 1.02, true},
 	}

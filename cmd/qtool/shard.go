@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -19,7 +20,8 @@ func shardCommand() *cli.Command {
 		Usage:     "split a model for tensor parallelism: one file per rank plus a manifest",
 		ArgsUsage: "MODEL -o DIR",
 		UsageText: "qtool shard --tp N MODEL -o DIR",
-		Description: "Splits MODEL (any model qtool reads: float, int8, AWQ/GPTQ int4, msmodelslim) over N ranks,\n" +
+		Description: "Splits MODEL (any model qtool reads: float, int8, AWQ/GPTQ int4, msmodelslim, a shard directory\n" +
+			"to re-shard) over N ranks,\n" +
 			"Megatron style: q/k/v/gate/up on the output dimension (whole heads per rank), o/down on the\n" +
 			"input dimension, the embedding and lm_head on the vocabulary, norms replicated. Writes\n" +
 			"DIR/rank-<r>.safetensors for every rank, the tokenizer files and DIR/manifest.json (the\n" +
@@ -31,6 +33,7 @@ func shardCommand() *cli.Command {
 			&cli.StringFlag{Name: "output", Aliases: []string{"o"}, Usage: "output directory `DIR`", TakesFile: true},
 			&cli.BoolFlag{Name: "check", Usage: "only check that MODEL can be split over N ranks; write nothing"},
 			&cli.BoolFlag{Name: "force", Usage: "write into DIR even if it already holds a manifest"},
+			&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "print only the written manifest (or the check result)"},
 		},
 		Action: runShard,
 	}
@@ -93,6 +96,10 @@ func runShard(c *cli.Context) error {
 	if err != nil {
 		return fmt.Errorf("shard: %w", err)
 	}
+	w := stdout // the result line; stdout the details, which --quiet drops
+	if c.Bool("quiet") {
+		stdout = io.Discard
+	}
 	counts := map[shard.Split]int{}
 	for _, e := range man.Tensors {
 		counts[e.Split]++
@@ -101,7 +108,7 @@ func runShard(c *cli.Context) error {
 	fmt.Fprintf(stdout, "split   tp %d: %d column-parallel, %d row-parallel, %d vocab-parallel, %d replicated tensors\n",
 		n, counts[shard.Column], counts[shard.Row], counts[shard.Vocab], counts[shard.Replicated])
 	if c.Bool("check") {
-		fmt.Fprintf(stdout, "check   ok (nothing written)\n")
+		fmt.Fprintf(w, "check   ok (nothing written)\n")
 		return nil
 	}
 	for r, f := range man.Files {
@@ -111,6 +118,6 @@ func runShard(c *cli.Context) error {
 		}
 		fmt.Fprintf(stdout, "rank %-3d %s (%.1f MiB)\n", r, filepath.Join(out, f), float64(size)/(1<<20))
 	}
-	fmt.Fprintf(stdout, "wrote   %s\n", filepath.Join(out, shard.ManifestFile))
+	fmt.Fprintf(w, "wrote   %s\n", filepath.Join(out, shard.ManifestFile))
 	return nil
 }

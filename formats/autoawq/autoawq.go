@@ -1,12 +1,9 @@
 package autoawq
 
 import (
-	"encoding/binary"
 	"encoding/json"
-
+	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 
 	"qtool/formats/hf"
 	"qtool/formats/model"
@@ -113,58 +110,27 @@ type WriteOptions struct {
 // tokenizer files of m.TokenizerDir are copied.
 func Write(m *model.Model, dir string, opt WriteOptions) error {
 	qc := QuantConfig{Bits: 4, ZeroPoint: true, Version: "gemm"}
-	var entries []safetensors.Entry
-	for _, canon := range m.SortedNames() {
-		t, _ := m.Lookup(canon)
-		layer, role, _ := model.ParseName(canon)
-		switch v := t.(type) {
-		case *model.W8A8:
-			return fmt.Errorf("write %s: tensor %q is W8A8 (activation-quantized); AutoAWQ holds only 4-bit weight-only linears", dir, canon)
-		case *model.Quantized:
-			if !model.IsLinear(role) || layer < 0 {
-				break // dequantized below
-			}
-			if err := checkPackable(v); err != nil {
-				return fmt.Errorf("write %s: tensor %q: %w", dir, canon, err)
+	return hf.WriteQuantized(m, dir, opt.MaxShard, hf.QuantizedWriter{
+		Codec: "AutoAWQ",
+		Linear: func(canon, mod string, q *model.Quantized) ([]safetensors.Entry, error) {
+			if err := checkPackable(q); err != nil {
+				return nil, err
 			}
 			if qc.GroupSize == 0 {
-				qc.GroupSize = v.GroupSize
-			} else if v.GroupSize != qc.GroupSize {
-				return fmt.Errorf("write %s: tensor %q has group size %d but others have %d; an AutoAWQ checkpoint has one group_size", dir, canon, v.GroupSize, qc.GroupSize)
+				qc.GroupSize = q.GroupSize
+			} else if q.GroupSize != qc.GroupSize {
+				return nil, fmt.Errorf("group size %d but others have %d; an AutoAWQ checkpoint has one group_size", q.GroupSize, qc.GroupSize)
 			}
-			mod, _ := hf.Module(layer, role)
-			entries = append(entries, quantEntries(mod, v)...)
-			continue
-		}
-		name, ok := hf.TensorName(canon)
-		if !ok {
-			return fmt.Errorf("write %s: tensor %q has no Hugging Face name", dir, canon)
-		}
-		if model.IsLinear(role) && layer >= 0 {
-			mod, _ := hf.Module(layer, role)
-			qc.ModulesToNotConvert = append(qc.ModulesToNotConvert, mod)
-		}
-		entries = append(entries, hf.FloatEntry(name, t, model.F16))
-	}
-	if qc.GroupSize == 0 {
-		return fmt.Errorf("write %s: model has no 4-bit quantized decoder linear; quantize it before writing AutoAWQ", dir)
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	if err := safetensors.WriteCheckpoint(dir, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
-		return err
-	}
-	cfg := m.Config
-	cfg.DType = "float16"
-	js, err := hf.MarshalConfig(cfg, map[string]any{"quantization_config": qc.JSON()})
-	if err != nil {
-		return err
-	}
-	if err := hf.WriteFile(filepath.Join(dir, "config.json"), js); err != nil {
-		return err
-	}
-	return hf.CopyTokenizer(m.TokenizerDir, dir)
+			return quantEntries(mod, q), nil
+		},
+		FloatLinear: func(mod string) { qc.ModulesToNotConvert = append(qc.ModulesToNotConvert, mod) },
+		Config: func() (any, error) {
+			if qc.GroupSize == 0 {
+				return nil, errors.New("model has no 4-bit quantized decoder linear; quantize it before writing AutoAWQ")
+			}
+			return qc.JSON(), nil
+		},
+	})
 }
 
 // quantEntries makes the three lazily packed tensors of one linear.
@@ -173,14 +139,14 @@ func quantEntries(mod string, q *model.Quantized) []safetensors.Entry {
 	ow := q.Rows / PackFactor
 	return []safetensors.Entry{
 		{Name: mod + ".qweight", DType: model.I32, Shape: []int{q.Cols, ow},
-			Data: func() ([]byte, error) { return int32Bytes(packWeight(q)), nil }},
+			Data: func() ([]byte, error) { return hf.Int32Bytes(packWeight(q)), nil }},
 		{Name: mod + ".qzeros", DType: model.I32, Shape: []int{G, ow},
 			Data: func() ([]byte, error) {
 				z, err := packZeros(q)
 				if err != nil {
 					return nil, fmt.Errorf("%s: %w", mod, err)
 				}
-				return int32Bytes(z), nil
+				return hf.Int32Bytes(z), nil
 			}},
 		{Name: mod + ".scales", DType: model.F16, Shape: []int{G, q.Rows},
 			Data: func() ([]byte, error) {
@@ -188,23 +154,7 @@ func quantEntries(mod string, q *model.Quantized) []safetensors.Entry {
 				if err != nil {
 					return nil, fmt.Errorf("%s: %w", mod, err)
 				}
-				return uint16Bytes(s), nil
+				return hf.Uint16Bytes(s), nil
 			}},
 	}
-}
-
-func int32Bytes(v []int32) []byte {
-	b := make([]byte, 4*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint32(b[4*i:], uint32(x))
-	}
-	return b
-}
-
-func uint16Bytes(v []uint16) []byte {
-	b := make([]byte, 2*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint16(b[2*i:], x)
-	}
-	return b
 }

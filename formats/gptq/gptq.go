@@ -1,11 +1,9 @@
 package gptq
 
 import (
-	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 
 	"qtool/formats/hf"
 	"qtool/formats/model"
@@ -132,64 +130,36 @@ type WriteOptions struct {
 // files of m.TokenizerDir are copied.
 func Write(m *model.Model, dir string, opt WriteOptions) error {
 	qc := QuantConfig{Sym: true, CheckpointFormat: "gptq"}
-	var entries []safetensors.Entry
-	for _, canon := range m.SortedNames() {
-		t, _ := m.Lookup(canon)
-		layer, role, _ := model.ParseName(canon)
-		switch v := t.(type) {
-		case *model.W8A8:
-			return fmt.Errorf("write %s: tensor %q is W8A8 (activation-quantized); GPTQ holds only weight-only linears", dir, canon)
-		case *model.Quantized:
-			if !model.IsLinear(role) || layer < 0 {
-				break // dequantized below
+	return hf.WriteQuantized(m, dir, opt.MaxShard, hf.QuantizedWriter{
+		Codec: "GPTQ",
+		Linear: func(canon, mod string, q *model.Quantized) ([]safetensors.Entry, error) {
+			if err := checkPackable(q); err != nil {
+				return nil, err
 			}
-			if err := checkPackable(v); err != nil {
-				return fmt.Errorf("write %s: tensor %q: %w", dir, canon, err)
-			}
-			g := v.GroupSize
+			g := q.GroupSize
 			if g == 0 {
 				g = -1
 			}
 			if qc.Bits == 0 {
-				qc.Bits, qc.GroupSize = v.Bits, g
-			} else if v.Bits != qc.Bits || g != qc.GroupSize {
-				return fmt.Errorf("write %s: tensor %q has %d bits, group size %d, others %d bits, group size %d; a GPTQ checkpoint has one of each", dir, canon, v.Bits, g, qc.Bits, qc.GroupSize)
+				qc.Bits, qc.GroupSize = q.Bits, g
+			} else if q.Bits != qc.Bits || g != qc.GroupSize {
+				return nil, fmt.Errorf("%d bits, group size %d, others %d bits, group size %d; a GPTQ checkpoint has one of each", q.Bits, g, qc.Bits, qc.GroupSize)
 			}
-			if v.GIdx != nil {
+			if q.GIdx != nil {
 				qc.DescAct = true
 			}
-			if v.Zero != nil {
+			if q.Zero != nil {
 				qc.Sym = false
 			}
-			mod, _ := hf.Module(layer, role)
-			entries = append(entries, quantEntries(mod, v)...)
-			continue
-		}
-		name, ok := hf.TensorName(canon)
-		if !ok {
-			return fmt.Errorf("write %s: tensor %q has no Hugging Face name", dir, canon)
-		}
-		entries = append(entries, hf.FloatEntry(name, t, model.F16))
-	}
-	if qc.Bits == 0 {
-		return fmt.Errorf("write %s: model has no quantized decoder linear; quantize it before writing GPTQ", dir)
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	if err := safetensors.WriteCheckpoint(dir, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
-		return err
-	}
-	cfg := m.Config
-	cfg.DType = "float16"
-	js, err := hf.MarshalConfig(cfg, map[string]any{"quantization_config": qc.JSON()})
-	if err != nil {
-		return err
-	}
-	if err := hf.WriteFile(filepath.Join(dir, "config.json"), js); err != nil {
-		return err
-	}
-	return hf.CopyTokenizer(m.TokenizerDir, dir)
+			return quantEntries(mod, q), nil
+		},
+		Config: func() (any, error) {
+			if qc.Bits == 0 {
+				return nil, errors.New("model has no quantized decoder linear; quantize it before writing GPTQ")
+			}
+			return qc.JSON(), nil
+		},
+	})
 }
 
 // quantEntries makes the four lazily packed tensors of one linear.
@@ -197,28 +167,12 @@ func quantEntries(mod string, q *model.Quantized) []safetensors.Entry {
 	G := q.Groups()
 	return []safetensors.Entry{
 		{Name: mod + ".qweight", DType: model.I32, Shape: []int{q.Cols * q.Bits / 32, q.Rows},
-			Data: func() ([]byte, error) { return int32Bytes(packWeight(q)), nil }},
+			Data: func() ([]byte, error) { return hf.Int32Bytes(packWeight(q)), nil }},
 		{Name: mod + ".qzeros", DType: model.I32, Shape: []int{G, q.Rows * q.Bits / 32},
-			Data: func() ([]byte, error) { return int32Bytes(packZeros(q)), nil }},
+			Data: func() ([]byte, error) { return hf.Int32Bytes(packZeros(q)), nil }},
 		{Name: mod + ".scales", DType: model.F16, Shape: []int{G, q.Rows},
-			Data: func() ([]byte, error) { return uint16Bytes(packScales(q)), nil }},
+			Data: func() ([]byte, error) { return hf.Uint16Bytes(packScales(q)), nil }},
 		{Name: mod + ".g_idx", DType: model.I32, Shape: []int{q.Cols},
-			Data: func() ([]byte, error) { return int32Bytes(packGIdx(q)), nil }},
+			Data: func() ([]byte, error) { return hf.Int32Bytes(packGIdx(q)), nil }},
 	}
-}
-
-func int32Bytes(v []int32) []byte {
-	b := make([]byte, 4*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint32(b[4*i:], uint32(x))
-	}
-	return b
-}
-
-func uint16Bytes(v []uint16) []byte {
-	b := make([]byte, 2*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint16(b[2*i:], x)
-	}
-	return b
 }

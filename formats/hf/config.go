@@ -106,11 +106,16 @@ func ParseConfig(file string, data []byte) (model.Config, error) {
 	if c.Heads <= 0 {
 		return model.Config{}, fmt.Errorf("%s: num_attention_heads = %d, want > 0", file, c.Heads)
 	}
-	c.HeadDim = c.Hidden / c.Heads
+	// Defaults for absent keys: head_dim hidden/heads and 2048 positions
+	// (LlamaConfig's), but transformers' Qwen3Config says head_dim 128 and
+	// 32768 positions.
+	c.HeadDim, c.MaxSeq = c.Hidden/c.Heads, 2048
+	if arch == model.Qwen3 {
+		c.HeadDim, c.MaxSeq = 128, 32768
+	}
 	if rc.HeadDim != nil && *rc.HeadDim > 0 {
 		c.HeadDim = *rc.HeadDim
 	}
-	c.MaxSeq = 2048
 	if rc.MaxPos != nil {
 		c.MaxSeq = *rc.MaxPos
 	}

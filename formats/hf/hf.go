@@ -113,8 +113,14 @@ type WriteOptions struct {
 
 // Write saves m as an HF float checkpoint in dir (created if needed):
 // config.json, model.safetensors (or shards and an index) and the tokenizer
-// files found in m.TokenizerDir. Quantized tensors are dequantized.
+// files found in m.TokenizerDir. Quantized tensors are dequantized. A model
+// whose q/k rows are in the interleaved rope layout is permuted to the HF
+// layout first (model.WithRope).
 func Write(m *model.Model, dir string, opt WriteOptions) error {
+	m, err := model.WithRope(m, model.RopeHalf)
+	if err != nil {
+		return fmt.Errorf("write %s: %w", dir, err)
+	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
@@ -139,17 +145,24 @@ func Write(m *model.Model, dir string, opt WriteOptions) error {
 		t, _ := m.Lookup(canon)
 		entries = append(entries, FloatEntry(name, t, opt.DType))
 	}
-	if err := safetensors.WriteCheckpoint(dir, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
+	return writeCheckpoint(dir, entries, opt.MaxShard, cfg, nil, m.TokenizerDir)
+}
+
+// writeCheckpoint writes the weights (shards of at most maxShard bytes,
+// 0: one file), config.json of cfg with the extra keys, and the tokenizer
+// files of tokDir into dir, which exists.
+func writeCheckpoint(dir string, entries []safetensors.Entry, maxShard int64, cfg model.Config, extra map[string]any, tokDir string) error {
+	if err := safetensors.WriteCheckpoint(dir, "model", entries, map[string]string{"format": "pt"}, maxShard); err != nil {
 		return err
 	}
-	js, err := MarshalConfig(cfg, nil)
+	js, err := MarshalConfig(cfg, extra)
 	if err != nil {
 		return err
 	}
 	if err := WriteFile(filepath.Join(dir, "config.json"), js); err != nil {
 		return err
 	}
-	return CopyTokenizer(m.TokenizerDir, dir)
+	return CopyTokenizer(tokDir, dir)
 }
 
 // FloatEntry makes a lazily converted safetensors entry for t in dtype dt

@@ -34,6 +34,10 @@ func TestParseConfig(t *testing.T) {
 "intermediate_size":256,"num_hidden_layers":1,"num_attention_heads":4,"vocab_size":100}`, model.Config{Arch: model.Qwen2,
 			Hidden: 128, Intermediate: 256, Layers: 1, Heads: 4, KVHeads: 4, HeadDim: 32, Vocab: 100, MaxSeq: 2048,
 			RopeTheta: 1e4, NormEps: 1e-6, AttnBias: true, BOS: -1}},
+		{"qwen3 without head_dim and max_position_embeddings: transformers' Qwen3Config defaults", `{"architectures":["Qwen3ForCausalLM"],
+"hidden_size":1024,"intermediate_size":3072,"num_hidden_layers":1,"num_attention_heads":16,"num_key_value_heads":8,"vocab_size":100}`,
+			model.Config{Arch: model.Qwen3, Hidden: 1024, Intermediate: 3072, Layers: 1, Heads: 16, KVHeads: 8, HeadDim: 128,
+				Vocab: 100, MaxSeq: 32768, RopeTheta: 1e4, NormEps: 1e-6, QKNorm: true, BOS: -1}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -1,6 +1,7 @@
 package hf
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -101,4 +102,96 @@ func QuantizationConfig(dir string, raw map[string]json.RawMessage, fallback, co
 		return nil, "", fmt.Errorf("%s: config.json has no quantization_config and there is no %s: not %s checkpoint", dir, fallback, codec)
 	}
 	return data, path, nil
+}
+
+// QuantizedWriter tells WriteQuantized how a codec (AutoAWQ, GPTQ) stores a
+// quantized decoder linear inside an HF checkpoint: the mirror of
+// QuantizedLayout.
+type QuantizedWriter struct {
+	// Codec names the format in messages ("AutoAWQ").
+	Codec string
+	// Linear checks one quantized decoder linear (canonical name canon,
+	// HF module mod) and returns its lazily packed tensors; it records
+	// what the quantization_config needs (bits, group size, ...).
+	Linear func(canon, mod string, q *model.Quantized) ([]safetensors.Entry, error)
+	// FloatLinear, if set, is told about each decoder linear kept in float.
+	FloatLinear func(mod string)
+	// Config returns the quantization_config once every tensor has been
+	// seen, or an error when the model cannot be written (no quantized
+	// linear).
+	Config func() (any, error)
+}
+
+// WriteQuantized saves m as an HF checkpoint in dir (created if needed)
+// whose quantized decoder linears are stored as qw says; float decoder
+// linears stay plain fp16 weights and every other tensor is written as fp16
+// (quantized ones dequantized). A model whose q/k rows are in the
+// interleaved rope layout is permuted to the HF layout first
+// (model.WithRope). W8A8 linears are refused. config.json gets the
+// quantization_config and the tokenizer files of m.TokenizerDir are copied.
+// maxShard splits the weights into shards of at most this many bytes plus
+// model.safetensors.index.json (0: one model.safetensors).
+func WriteQuantized(m *model.Model, dir string, maxShard int64, qw QuantizedWriter) error {
+	m, err := model.WithRope(m, model.RopeHalf)
+	if err != nil {
+		return fmt.Errorf("write %s: %w", dir, err)
+	}
+	var entries []safetensors.Entry
+	for _, canon := range m.SortedNames() {
+		t, _ := m.Lookup(canon)
+		layer, role, _ := model.ParseName(canon)
+		linear := layer >= 0 && model.IsLinear(role)
+		switch v := t.(type) {
+		case *model.W8A8:
+			return fmt.Errorf("write %s: tensor %q is W8A8 (activation-quantized); %s holds only weight-only linears", dir, canon, qw.Codec)
+		case *model.Quantized:
+			if !linear {
+				break // dequantized below
+			}
+			mod, _ := Module(layer, role)
+			es, err := qw.Linear(canon, mod, v)
+			if err != nil {
+				return fmt.Errorf("write %s: tensor %q: %w", dir, canon, err)
+			}
+			entries = append(entries, es...)
+			continue
+		}
+		name, ok := TensorName(canon)
+		if !ok {
+			return fmt.Errorf("write %s: tensor %q has no Hugging Face name", dir, canon)
+		}
+		if linear && qw.FloatLinear != nil {
+			mod, _ := Module(layer, role)
+			qw.FloatLinear(mod)
+		}
+		entries = append(entries, FloatEntry(name, t, model.F16))
+	}
+	qc, err := qw.Config()
+	if err != nil {
+		return fmt.Errorf("write %s: %w", dir, err)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	cfg := m.Config
+	cfg.DType = "float16"
+	return writeCheckpoint(dir, entries, maxShard, cfg, map[string]any{"quantization_config": qc}, m.TokenizerDir)
+}
+
+// Int32Bytes encodes v little-endian (safetensors I32 data).
+func Int32Bytes(v []int32) []byte {
+	b := make([]byte, 0, 4*len(v))
+	for _, x := range v {
+		b = binary.LittleEndian.AppendUint32(b, uint32(x))
+	}
+	return b
+}
+
+// Uint16Bytes encodes v little-endian (the bit patterns of F16 data).
+func Uint16Bytes(v []uint16) []byte {
+	b := make([]byte, 0, 2*len(v))
+	for _, x := range v {
+		b = binary.LittleEndian.AppendUint16(b, x)
+	}
+	return b
 }

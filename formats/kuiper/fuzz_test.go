@@ -75,7 +75,7 @@ func tinyFiles(tb testing.TB) map[Format][][]byte {
 			if f == Int8 || f == AK48 {
 				gs = 16
 			}
-			if err := Write(m, p, WriteOptions{Format: f, GroupSize: gs, NoSidecar: true}); err != nil {
+			if err := Write(m, p, WriteOptions{QtoolOnly: true, Format: f, GroupSize: gs, NoSidecar: true}); err != nil {
 				tb.Fatal(err)
 			}
 			b, err := os.ReadFile(p)

@@ -39,9 +39,12 @@ const (
 	Int8   Format = "kuiper-int8" // headerless Kuiper int8 (export.py --version 3)
 	AK42V1 Format = "ak42-v1"     // llama2.c version 1 (fp32)
 	AK42V2 Format = "ak42-v2"     // llama2.c version 2 (Q8_0)
-	AK47   Format = "ak47-v4"     // OrinMLLM Qwen3 fp16
-	AK48   Format = "ak48-v5"     // OrinMLLM Qwen3 AWQ int4
+	AK47   Format = "ak47"        // OrinMLLM version 4: Qwen3 fp16
+	AK48   Format = "ak48"        // OrinMLLM version 5: Qwen3 AWQ int4
 )
+
+// legacyFormats maps the names older qtool versions wrote into sidecars.
+var legacyFormats = map[string]Format{"ak47-v4": AK47, "ak48-v5": AK48}
 
 // AllFormats lists every format, in the order the CLI documents them.
 func AllFormats() []Format { return []Format{FP32, Int8, AK42V1, AK42V2, AK47, AK48} }

@@ -148,7 +148,7 @@ func TestRoundTrip(t *testing.T) {
 		t.Run(tc.model+"/"+string(tc.format)+"/"+tc.rope.String()+"/g"+itoa(tc.group), func(t *testing.T) {
 			src := openHF(t, tc.model)
 			path := filepath.Join(t.TempDir(), "m.bin")
-			if err := Write(src, path, WriteOptions{Format: tc.format, Rope: tc.rope, GroupSize: tc.group}); err != nil {
+			if err := Write(src, path, WriteOptions{QtoolOnly: true, Format: tc.format, Rope: tc.rope, GroupSize: tc.group}); err != nil {
 				t.Fatal(err)
 			}
 			info, err := DecodeHeader(path, OpenOptions{})
@@ -203,7 +203,7 @@ func TestRoundTrip(t *testing.T) {
 			// Writing what was read gives the same bytes: reader and writer
 			// are exact inverses.
 			path2 := filepath.Join(t.TempDir(), "m2.bin")
-			if err := Write(m, path2, WriteOptions{Format: tc.format, Rope: m.Config.Rope, GroupSize: gs}); err != nil {
+			if err := Write(m, path2, WriteOptions{QtoolOnly: true, Format: tc.format, Rope: m.Config.Rope, GroupSize: gs}); err != nil {
 				t.Fatal(err)
 			}
 			a, _ := os.ReadFile(path)
@@ -260,7 +260,7 @@ func TestOpenWithoutSidecar(t *testing.T) {
 	for _, f := range []Format{FP32, Int8, AK42V1, AK42V2} {
 		t.Run(string(f), func(t *testing.T) {
 			path := filepath.Join(t.TempDir(), "m.bin")
-			if err := Write(src, path, WriteOptions{Format: f, NoSidecar: true}); err != nil {
+			if err := Write(src, path, WriteOptions{QtoolOnly: true, Format: f, NoSidecar: true}); err != nil {
 				t.Fatal(err)
 			}
 			if _, err := os.Stat(SidecarPath(path)); !os.IsNotExist(err) {
@@ -292,7 +292,7 @@ func TestLayoutByHand(t *testing.T) {
 	dir := t.TempDir()
 	write := func(m *model.Model, f Format, name string) []byte {
 		p := filepath.Join(dir, name)
-		if err := Write(m, p, WriteOptions{Format: f}); err != nil {
+		if err := Write(m, p, WriteOptions{QtoolOnly: true, Format: f}); err != nil {
 			t.Fatal(err)
 		}
 		b, err := os.ReadFile(p)
@@ -449,7 +449,7 @@ func TestBadInput(t *testing.T) {
 	good := map[Format]string{}
 	for _, f := range []Format{FP32, Int8, AK42V1, AK42V2} {
 		p := filepath.Join(dir, string(f)+".bin")
-		if err := Write(llama, p, WriteOptions{Format: f}); err != nil {
+		if err := Write(llama, p, WriteOptions{QtoolOnly: true, Format: f}); err != nil {
 			t.Fatal(err)
 		}
 		good[f] = p
@@ -457,7 +457,7 @@ func TestBadInput(t *testing.T) {
 	qwen := openHF(t, "qwen3-mini")
 	for _, f := range []Format{AK47, AK48} {
 		p := filepath.Join(dir, string(f)+".bin")
-		if err := Write(qwen, p, WriteOptions{Format: f}); err != nil {
+		if err := Write(qwen, p, WriteOptions{QtoolOnly: true, Format: f}); err != nil {
 			t.Fatal(err)
 		}
 		good[f] = p
@@ -497,11 +497,10 @@ func TestBadInput(t *testing.T) {
 			}
 			m.Config.Arch = "gpt2"
 			return m
-		}, WriteOptions{Format: Int8}, []string{"unknown architecture", "gpt2"}},
-		{"group does not divide", func() *model.Model { return llama }, WriteOptions{Format: Int8, GroupSize: 48}, []string{"group size 48", `tensor "layers.0.q"`}},
-		{"ak48 group", func() *model.Model { return qwen }, WriteOptions{Format: AK48, GroupSize: 96}, []string{"group size 96", "tensor"}},
-		{"ak47 llama", func() *model.Model { return llama }, WriteOptions{Format: AK47}, []string{"Qwen3"}},
-		{"interleaved qwen", func() *model.Model { return qwen }, WriteOptions{Format: FP32, Rope: model.RopeInterleaved}, []string{"interleaved"}},
+		}, WriteOptions{QtoolOnly: true, Format: Int8}, []string{"unknown architecture", "gpt2"}},
+		{"group does not divide", func() *model.Model { return llama }, WriteOptions{QtoolOnly: true, Format: Int8, GroupSize: 48}, []string{"group size 48", `tensor "layers.0.q"`}},
+		{"ak48 group", func() *model.Model { return qwen }, WriteOptions{QtoolOnly: true, Format: AK48, GroupSize: 96}, []string{"group size 96", "tensor"}},
+		{"ak47 llama", func() *model.Model { return llama }, WriteOptions{QtoolOnly: true, Format: AK47}, []string{"Qwen3"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -537,7 +536,7 @@ func TestExportMemory(t *testing.T) {
 		t.Run(string(f), func(t *testing.T) {
 			p := filepath.Join(t.TempDir(), "m.bin")
 			alloc := allocated(func() {
-				if err := Write(src, p, WriteOptions{Format: f}); err != nil {
+				if err := Write(src, p, WriteOptions{QtoolOnly: true, Format: f}); err != nil {
 					t.Fatal(err)
 				}
 			})
@@ -563,7 +562,7 @@ func BenchmarkExportInt8(b *testing.B) {
 	p := filepath.Join(b.TempDir(), "m.bin")
 	b.ReportAllocs()
 	for b.Loop() {
-		if err := Write(src, p, WriteOptions{Format: Int8}); err != nil {
+		if err := Write(src, p, WriteOptions{QtoolOnly: true, Format: Int8}); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -588,7 +587,7 @@ func TestQuantizedModelInput(t *testing.T) {
 				src := openHF(t, tc.model)
 				dir := t.TempDir()
 				plain := filepath.Join(dir, "plain.bin")
-				if err := Write(src, plain, WriteOptions{Format: tc.format, NoSidecar: true}); err != nil {
+				if err := Write(src, plain, WriteOptions{QtoolOnly: true, Format: tc.format, NoSidecar: true}); err != nil {
 					t.Fatal(err)
 				}
 				qm, err := quantize.QuantizeModel(src, quantize.Options{Params: tc.p, Classifier: tc.format == Int8, Lazy: lazy})
@@ -596,7 +595,7 @@ func TestQuantizedModelInput(t *testing.T) {
 					t.Fatal(err)
 				}
 				pre := filepath.Join(dir, "pre.bin")
-				if err := Write(qm, pre, WriteOptions{Format: tc.format, NoSidecar: true}); err != nil {
+				if err := Write(qm, pre, WriteOptions{QtoolOnly: true, Format: tc.format, NoSidecar: true}); err != nil {
 					t.Fatal(err)
 				}
 				a, _ := os.ReadFile(plain)

@@ -150,6 +150,16 @@ func sniffAs(path string, format Format, prefix []byte, size int64, side *Sideca
 	return &Info{Path: path, FileSize: size, Header: h, Sidecar: side, Config: cfg, Layout: l}, nil
 }
 
+// AssumedRope is the q/k layout a file of architecture arch is read in when
+// no sidecar records it: interleaved for Llama (llama2.c, Kuiper's Llama-2
+// build), half for Qwen.
+func AssumedRope(arch model.Arch) model.RopeLayout {
+	if arch == model.Llama {
+		return model.RopeInterleaved
+	}
+	return model.RopeHalf
+}
+
 // configFor combines header, sidecar and options into a config and the
 // layout-relevant shapes. HeadDim is settled by NewLayout.
 func configFor(h Header, side *Sidecar, opt OpenOptions) (model.Config, Shapes) {
@@ -168,10 +178,11 @@ func configFor(h Header, side *Sidecar, opt OpenOptions) (model.Config, Shapes) 
 	s := Shapes{HeadDim: h.HeadDim, QKNorm: arch == model.Qwen3, AttnBias: arch == model.Qwen2}
 	switch arch {
 	case model.Llama:
-		c.RopeTheta, c.NormEps, c.Rope, c.BOS, c.EOS = 1e4, 1e-5, model.RopeInterleaved, 1, []int{2}
+		c.RopeTheta, c.NormEps, c.BOS, c.EOS = 1e4, 1e-5, 1, []int{2}
 	default:
-		c.RopeTheta, c.NormEps, c.Rope, c.BOS = 1e6, 1e-6, model.RopeHalf, -1
+		c.RopeTheta, c.NormEps, c.BOS = 1e6, 1e-6, -1
 	}
+	c.Rope = AssumedRope(arch)
 	switch h.Format {
 	case AK47, AK48:
 		c.DType = "float16"
@@ -273,7 +284,7 @@ func decode(path string, data []byte, side *Sidecar, opt OpenOptions) (*model.Mo
 	m := model.New(info.Config)
 	m.Source, m.Format = path, string(info.Header.Format)
 	if side != nil {
-		m.TokenizerDir = side.TokenizerDir
+		m.TokenizerDir = side.Tokenizer(path)
 	}
 	if opt.TokenizerDir != "" {
 		m.TokenizerDir = opt.TokenizerDir

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"path/filepath"
+	"strings"
 
 	"qtool/formats/model"
 )
@@ -32,7 +34,10 @@ type Sidecar struct {
 	BOS       int    `json:"bos_token_id"`
 	EOS       []int  `json:"eos_token_id"`
 	DType     string `json:"source_dtype,omitempty"`
-	// TokenizerDir is the absolute directory holding the tokenizer files.
+	// TokenizerDir is the directory holding the tokenizer files: relative
+	// to the sidecar's directory when it lies inside it (the directory can
+	// then move as a whole), else absolute. Readers resolve it with
+	// Sidecar.Tokenizer.
 	TokenizerDir string `json:"tokenizer_dir,omitempty"`
 	// FileSize is the size of the binary file this sidecar describes.
 	FileSize int64 `json:"file_size"`
@@ -62,6 +67,9 @@ func ParseSidecar(name string, data []byte) (*Sidecar, error) {
 	if err := json.Unmarshal(data, &s); err != nil {
 		return nil, fmt.Errorf("%s: not a qtool kuiper sidecar: %w", name, err)
 	}
+	if f, ok := legacyFormats[string(s.Format)]; ok {
+		s.Format = f
+	}
 	known := false
 	for _, f := range AllFormats() {
 		known = known || f == s.Format
@@ -83,4 +91,40 @@ func ParseSidecar(name string, data []byte) (*Sidecar, error) {
 		return nil, fmt.Errorf("%s: head_dim %d out of range", name, s.HeadDim)
 	}
 	return &s, nil
+}
+
+// Tokenizer resolves TokenizerDir of the sidecar of model file path: an
+// absolute directory as it is, a relative one against the sidecar's
+// directory ("" when none is recorded).
+func (s *Sidecar) Tokenizer(path string) string {
+	switch {
+	case s == nil:
+		return ""
+	case s.TokenizerDir == "" || filepath.IsAbs(s.TokenizerDir):
+		return s.TokenizerDir
+	}
+	return filepath.Join(filepath.Dir(SidecarPath(path)), s.TokenizerDir)
+}
+
+// relTokenizer expresses the tokenizer directory tok relative to the
+// directory of the sidecar of model file path when it lies inside it (the
+// usual model directory holding both: moving the directory keeps the
+// reference valid); otherwise it returns tok made absolute (a relative path
+// climbing out would break when the model file moves alone).
+func relTokenizer(path, tok string) string {
+	if tok == "" {
+		return ""
+	}
+	abs, err := filepath.Abs(tok)
+	if err != nil {
+		return tok
+	}
+	base, err := filepath.Abs(filepath.Dir(SidecarPath(path)))
+	if err != nil {
+		return abs
+	}
+	if rel, err := filepath.Rel(base, abs); err == nil && rel != ".." && !strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+		return rel
+	}
+	return abs
 }

@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"math"
 	"os"
-	"path/filepath"
+	"slices"
 
 	"qtool/formats/autoawq"
 	"qtool/formats/internal/atomicfile"
@@ -20,18 +20,36 @@ type WriteOptions struct {
 	// GroupSize of Int8 and AK42V2 (default 64; for AK42V2 a default is halved
 	// until it divides dim, as llama2.c does) and AK48 (default 128).
 	GroupSize int
-	// Rope is the q/k row layout written to the file. RopeInterleaved applies
-	// the Meta permutation that Kuiper's default (Llama-2) build expects to an
-	// HF-layout model; the default RopeHalf keeps (or restores) HF layout.
-	// Only Llama models may be written interleaved.
+	// Rope is the q/k row layout written to the file (and recorded in the
+	// sidecar). RopeInterleaved applies the Meta permutation that llama2.c
+	// and Kuiper's default (Llama-2) build expect to an HF-layout model;
+	// RopeHalf keeps (or restores) HF layout. The q/k weights (with their
+	// per-row quantization parameters), biases and per-head norms are
+	// permuted whenever the model's layout differs.
 	Rope model.RopeLayout
 	// SeqLen is the header's seq_len (0: Config.MaxSeq). It sizes the fp32
 	// freqs block.
 	SeqLen int
 	// Progress, if set, is called after each tensor is written.
 	Progress func(done, total int, name string)
-	// NoSidecar skips PATH.json (and removes a stale one).
+	// NoSidecar skips PATH.json (and removes a stale one). Readers then
+	// assume the layout AssumedRope gives (convert.SaveWith writes that one).
 	NoSidecar bool
+	// QtoolOnly allows AK47/AK48 files for Qwen3 shapes OrinMLLM cannot
+	// read (see OrinCompatible); without it Write refuses them.
+	QtoolOnly bool
+}
+
+// OrinCompatible reports why OrinMLLM's loader, the home of the ak47/ak48
+// formats, cannot read a file of a model with config c: it sizes wq/wo as
+// {dim, dim} and uses head_size = dim / n_heads, so it needs hidden_size ==
+// n_heads · head_dim (Qwen3 1.7B/8B/14B; not 0.6B/4B/32B). qtool records
+// head_dim in the header and sidecar, so it reads other shapes back itself.
+func OrinCompatible(c model.Config) error {
+	if c.Heads*c.HeadDim != c.Hidden {
+		return fmt.Errorf("OrinMLLM cannot read this shape: %d heads × head_dim %d = %d ≠ hidden_size %d (its loader assumes head_dim = hidden/heads)", c.Heads, c.HeadDim, c.Heads*c.HeadDim, c.Hidden)
+	}
+	return nil
 }
 
 // chunkElems is how many values the writer converts at a time: exporting
@@ -114,11 +132,6 @@ func planWrite(m *model.Model, path string, opt WriteOptions) (*plan, error) {
 	if err := m.CheckShapes(); err != nil {
 		return nil, fmt.Errorf("write %s: %w", path, err)
 	}
-	if c.Rope != opt.Rope && (c.Arch != model.Llama || c.AttnBias) {
-		// q/k norms and biases would need permuting too; Kuiper's Qwen
-		// builds use the HF layout anyway.
-		return nil, fmt.Errorf("write %s: --rope %s: converting the q/k layout is supported for Llama models without q/k biases (Kuiper's Llama-2 build); this model is %s with %s layout", path, opt.Rope, c.Arch, c.Rope)
-	}
 	h := Header{Format: opt.Format, Dim: c.Hidden, FFN: c.Intermediate, Layers: c.Layers, Heads: c.Heads,
 		KVHeads: c.KVHeads, Vocab: c.Vocab, SeqLen: c.MaxSeq, Shared: c.Tied}
 	if opt.SeqLen > 0 {
@@ -153,12 +166,14 @@ func planWrite(m *model.Model, path string, opt WriteOptions) (*plan, error) {
 		return nil, fmt.Errorf("write %s: group size %d, want > 0", path, opt.GroupSize)
 	}
 	if opt.Format == AK47 || opt.Format == AK48 {
-		// OrinMLLM's loader sizes wq/wo as {dim, dim} and uses head_size =
-		// dim/n_heads, so it needs hidden_size == n_heads·head_dim (Qwen3
-		// 1.7B/8B/14B). qtool writes the true shapes and records head_dim
-		// in the header (and sidecar) so other sizes still round-trip.
+		// qtool writes the true shapes and records head_dim in the header
+		// (and sidecar), so shapes OrinMLLM cannot read still round-trip in
+		// qtool — when asked for such a file.
 		if c.Arch != model.Qwen3 || c.AttnBias {
 			return nil, fmt.Errorf("write %s: %s holds Qwen3 models (q/k norms, no attention biases); this model is %s", path, opt.Format, c.Arch)
+		}
+		if err := OrinCompatible(c); err != nil && !opt.QtoolOnly {
+			return nil, fmt.Errorf("write %s: %s: %w; ask for a file only qtool reads (--qtool-only) to write it anyway", path, opt.Format, err)
 		}
 		h.HeadDim = c.HeadDim
 	}
@@ -184,7 +199,7 @@ func planWrite(m *model.Model, path string, opt WriteOptions) (*plan, error) {
 		if !ok {
 			return nil, errf(path, e.Name, "the %s layout needs it but the model has no tensor %q", h.Format, src)
 		}
-		if !equalShape(t.Shape(), e.Shape) {
+		if !slices.Equal(t.Shape(), e.Shape) {
 			return nil, errf(path, e.Name, "shape %v, the layout expects %v", t.Shape(), e.Shape)
 		}
 		if e.Kind == KindAWQ {
@@ -196,14 +211,14 @@ func planWrite(m *model.Model, path string, opt WriteOptions) (*plan, error) {
 		if e.Extension {
 			ext = append(ext, e.Name)
 		}
-		var perm []int
-		layer, role, _ := model.ParseName(e.Name)
-		if layer >= 0 && (role == model.Q || role == model.K) && c.Rope != opt.Rope {
-			heads := c.Heads
-			if role == model.K {
-				heads = c.KVHeads
+		perm := model.RopeRows(c, e.Name, opt.Rope)
+		if perm != nil && (len(e.Shape) == 1 || e.Kind == KindAWQ) {
+			// Vectors (biases, norms) and AWQ weights are permuted whole;
+			// the other kinds stream their rows through perm.
+			if t, err = permuteWhole(t, perm); err != nil {
+				return nil, errf(path, e.Name, "%v", err)
 			}
-			perm = ropePerm(heads, c.HeadDim, opt.Rope == model.RopeInterleaved)
+			perm = nil
 		}
 		p.srcs = append(p.srcs, t)
 		p.perms = append(p.perms, perm)
@@ -213,12 +228,7 @@ func planWrite(m *model.Model, path string, opt WriteOptions) (*plan, error) {
 			return nil, errf(path, n, "has no place in a %s file", h.Format)
 		}
 	}
-	tok := m.TokenizerDir
-	if tok != "" {
-		if abs, err := filepath.Abs(tok); err == nil {
-			tok = abs
-		}
-	}
+	tok := relTokenizer(path, m.TokenizerDir)
 	p.side = &Sidecar{Writer: "qtool", Format: h.Format, Arch: c.Arch, RopeTheta: c.RopeTheta, NormEps: c.NormEps,
 		RopeLayout: opt.Rope.String(), Tied: c.Tied, HeadDim: c.HeadDim, QKNorm: c.QKNorm, AttnBias: c.AttnBias,
 		GroupSize: h.GroupSize, MaxSeq: c.MaxSeq, BOS: c.BOS, EOS: c.EOS, DType: c.DType, TokenizerDir: tok,
@@ -226,37 +236,16 @@ func planWrite(m *model.Model, path string, opt WriteOptions) (*plan, error) {
 	return p, nil
 }
 
-func equalShape(a, b []int) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
+// permuteWhole resolves a lazily quantized t and permutes its rows.
+func permuteWhole(t model.Tensor, perm []int) (model.Tensor, error) {
+	if lz, ok := t.(quantizer); ok {
+		q, err := lz.Quantize()
+		if err != nil {
+			return nil, err
 		}
+		t = q
 	}
-	return true
-}
-
-// ropePerm maps rows between the HF ("rotate half") and Meta (interleaved)
-// q/k layouts: HF row h·hd + half·hd/2 + j is Meta row h·hd + 2j + half.
-// With toMeta the result lists, for each Meta row, its HF source row;
-// otherwise, for each HF row, its Meta source row.
-func ropePerm(heads, hd int, toMeta bool) []int {
-	perm := make([]int, heads*hd)
-	for h := 0; h < heads; h++ {
-		for half := 0; half < 2; half++ {
-			for j := 0; j < hd/2; j++ {
-				hf, meta := h*hd+half*hd/2+j, h*hd+2*j+half
-				if toMeta {
-					perm[meta] = hf
-				} else {
-					perm[hf] = meta
-				}
-			}
-		}
-	}
-	return perm
+	return model.PermuteRows(t, perm)
 }
 
 type writer struct {
@@ -606,19 +595,4 @@ func (w *writer) freqs(e Entry) error {
 		}
 	}
 	return nil
-}
-
-// PermuteRope reorders the rows of a q or k weight [heads·headDim, cols]
-// (or a bias, cols = 1) between the HF ("rotate half") and Meta
-// (interleaved) layouts: toInterleaved maps HF to Meta, otherwise Meta to HF.
-func PermuteRope(w []float32, heads, headDim, cols int, toInterleaved bool) ([]float32, error) {
-	if heads <= 0 || headDim <= 0 || headDim%2 != 0 || cols <= 0 || len(w) != heads*headDim*cols {
-		return nil, fmt.Errorf("permute rope: %d values for %d heads × %d × %d columns", len(w), heads, headDim, cols)
-	}
-	perm := ropePerm(heads, headDim, toInterleaved)
-	out := make([]float32, len(w))
-	for dst, src := range perm {
-		copy(out[dst*cols:(dst+1)*cols], w[src*cols:(src+1)*cols])
-	}
-	return out, nil
 }

@@ -47,8 +47,14 @@ type WriteOptions struct {
 //     tensors are dequantized to the model's float dtype).
 //
 // Open(Write(m)) reproduces every tensor of m exactly (W8A8 weight scales
-// exactly when they equal DeqScale / InputScale, as read ones do).
+// exactly when they equal DeqScale / InputScale, as read ones do). A model
+// whose q/k rows are in the interleaved rope layout is permuted to the HF
+// layout first (model.WithRope).
 func Write(m *model.Model, dir string, opt WriteOptions) error {
+	m, err := model.WithRope(m, model.RopeHalf)
+	if err != nil {
+		return fmt.Errorf("write %s: %w", dir, err)
+	}
 	w := &writer{m: m, dir: dir, opt: opt, desc: &Description{Types: map[string]string{}}}
 	if err := w.collect(); err != nil {
 		return err

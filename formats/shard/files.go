@@ -23,8 +23,9 @@ const (
 	metaWorld = "qtool.tp.world_size"
 )
 
-// Format is the model.Model Format of models opened from a shard directory.
-const Format = "qtool-shard"
+// Format is the model.Model Format of models opened from a shard directory
+// (the registry's codec name; older qtool versions said "qtool-shard").
+const Format = "shard"
 
 // IsDir reports whether path is a shard directory (holds manifest.json).
 func IsDir(path string) bool {

@@ -26,7 +26,9 @@
 // a W8A8 layer as NAME.weight, NAME.weight_scale, NAME.input_scale,
 // NAME.input_offset, NAME.deq_scale, NAME.quant_bias and NAME.bias.
 // Concatenating the parts of every rank reproduces each source tensor bit
-// for bit (Join).
+// for bit (Join). The manifest's config records the model's rope layout.
+// The formats registry (package convert) reads a shard directory like any
+// other format ("shard"), so every command takes one as input.
 package shard
 
 import (

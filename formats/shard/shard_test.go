@@ -8,10 +8,10 @@ import (
 	"strings"
 	"testing"
 
-	"qtool/convert"
 	"qtool/formats/autoawq"
 	"qtool/formats/hf"
 	"qtool/formats/model"
+	"qtool/formats/msmodelslim"
 	"qtool/quantize"
 )
 
@@ -19,7 +19,14 @@ const testdata = "../../testdata"
 
 func openModel(t testing.TB, path string) *model.Model {
 	t.Helper()
-	m, err := convert.Open(path)
+	// convert.Open imports this package; pick the codec by hand.
+	open := hf.Open
+	if _, err := os.Stat(filepath.Join(path, "quant_model_description.json")); err == nil {
+		open = msmodelslim.Open
+	} else if cfg, err := os.ReadFile(filepath.Join(path, "config.json")); err == nil && strings.Contains(string(cfg), "quantization_config") {
+		open = autoawq.Open
+	}
+	m, err := open(path)
 	if err != nil {
 		t.Fatal(err)
 	}

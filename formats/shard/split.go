@@ -14,7 +14,8 @@ type quantizer interface {
 
 // Resolve returns the concrete form of t that can be split: a
 // *model.Dense, *model.Quantized or *model.W8A8 (a lazily quantized tensor
-// is quantized now). Other tensor types are an error.
+// is quantized now, a *Tensor of a shard directory joined). Other tensor
+// types are an error.
 func Resolve(name string, t model.Tensor) (model.Tensor, error) {
 	switch x := t.(type) {
 	case *model.Dense:
@@ -32,6 +33,12 @@ func Resolve(name string, t model.Tensor) (model.Tensor, error) {
 			return nil, fmt.Errorf("tensor %q: %w", name, err)
 		}
 		return x, nil
+	case *Tensor: // a model opened from a shard directory, re-sharded
+		j, err := x.Join()
+		if err != nil {
+			return nil, fmt.Errorf("tensor %q: %w", name, err)
+		}
+		return Resolve(name, j)
 	case quantizer:
 		q, err := x.Quantize()
 		if err != nil {

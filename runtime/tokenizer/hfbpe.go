@@ -46,6 +46,10 @@ type HFBPE struct {
 	normalizers []normalizer
 	preSteps    []preStep
 	decoders    []decoderStep
+	// spaceWords: there is no pre-tokenizer (Llama-2 style: the normalizer
+	// escapes spaces as U+2581) and no token holds U+2581 after another
+	// character, so the text encodes "▁word" by word, as SentencePiece does.
+	spaceWords bool
 
 	bos    int
 	eos    []int
@@ -153,6 +157,12 @@ func ParseTokenizerJSON(data []byte) (*HFBPE, error) {
 				return nil, errors.New("tokenizer.json: pre_tokenizer: ByteLevel must be the last step")
 			}
 			t.byteLevel = true
+		}
+	}
+	if len(t.preSteps) == 0 {
+		t.spaceWords = true
+		for tok := range t.vocab {
+			t.spaceWords = t.spaceWords && spaceOnlyAtStart(tok)
 		}
 	}
 	if t.decoders, err = parseDecoder(j.Decoder); err != nil {
@@ -445,6 +455,10 @@ func (t *HFBPE) encodeSegment(text string, ids []int, sc *bpeScratch) []int {
 	}
 	for _, n := range t.normalizers {
 		text = n(text)
+	}
+	if t.spaceWords {
+		spaceWords(text, func(w string) { ids = t.encodeWord(w, ids, sc) })
+		return ids
 	}
 	words := []string{text}
 	for _, st := range t.preSteps {

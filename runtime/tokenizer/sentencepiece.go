@@ -215,20 +215,7 @@ func (t *SentencePiece) index() error {
 	t.cache = make(map[string][]int)
 	t.splitWords = t.escapeSpaces
 	for p := range t.pieceID {
-		if i := strings.Index(p, spaceSymbol); i >= 0 {
-			// every U+2581 must be at the start or after another U+2581
-			rest := p
-			for i >= 0 {
-				if i > 0 && !strings.HasSuffix(rest[:i], spaceSymbol) {
-					t.splitWords = false
-				}
-				j := strings.Index(rest[i+len(spaceSymbol):], spaceSymbol)
-				if j < 0 {
-					break
-				}
-				i += len(spaceSymbol) + j
-			}
-		}
+		t.splitWords = t.splitWords && spaceOnlyAtStart(p)
 	}
 	if t.unkID < 0 || t.unkID >= n || t.types[t.unkID] != spUnknown {
 		return fmt.Errorf("unk_id %d does not name an UNKNOWN piece (vocabulary of %d)", t.unkID, n)
@@ -406,15 +393,41 @@ func (t *SentencePiece) Encode(text string) []int {
 	}
 	// No piece holds U+2581 after another character, so no merge can cross
 	// the start of a "▁word": encode word by word, through the cache.
+	spaceWords(norm, func(w string) { ids = t.encodeWord(w, ids, &sc) })
+	return ids
+}
+
+// spaceOnlyAtStart reports whether every U+2581 of piece is at its start or
+// right after another U+2581. When that holds for every piece of a
+// vocabulary, no merge can cross the start of a "▁word" and words (see
+// spaceWords) encode independently.
+func spaceOnlyAtStart(piece string) bool {
+	for i := strings.Index(piece, spaceSymbol); i >= 0; {
+		if i > 0 && !strings.HasSuffix(piece[:i], spaceSymbol) {
+			return false
+		}
+		j := strings.Index(piece[i+len(spaceSymbol):], spaceSymbol)
+		if j < 0 {
+			break
+		}
+		i += len(spaceSymbol) + j
+	}
+	return true
+}
+
+// spaceWords calls word with each "▁word" of s in order: the pieces that
+// start at a U+2581 not preceded by another one (the first piece starts at
+// 0).
+func spaceWords(s string, word func(string)) {
 	start := 0
-	for i := 1; i < len(norm); i++ {
-		if norm[i] == spaceSymbol[0] && strings.HasPrefix(norm[i:], spaceSymbol) && !strings.HasSuffix(norm[:i], spaceSymbol) {
-			ids = t.encodeWord(norm[start:i], ids, &sc)
+	for i := 1; i < len(s); i++ {
+		if s[i] == spaceSymbol[0] && strings.HasPrefix(s[i:], spaceSymbol) && !strings.HasSuffix(s[:i], spaceSymbol) {
+			word(s[start:i])
 			start = i
 			i += len(spaceSymbol) - 1
 		}
 	}
-	return t.encodeWord(norm[start:], ids, &sc)
+	word(s[start:])
 }
 
 func (t *SentencePiece) encodeWord(w string, ids []int, sc *spScratch) []int {

@@ -92,16 +92,11 @@ func NewCPU(m *model.Model, n, threads int) (*Backend, error) {
 	return New(m.Config, ranks, comm)
 }
 
-// OpenModel opens what qtool verify takes as MODEL: a shard directory
-// (shard.OpenModel: its tensors keep their per-rank pieces, runnable with a
-// Backend of the same size) or anything convert.Open reads.
-func OpenModel(path string) (*model.Model, error) {
-	if shard.IsDir(path) {
-		m, _, err := shard.OpenModel(path)
-		return m, err
-	}
-	return convert.Open(path)
-}
+// OpenModel opens what qtool verify takes as MODEL: anything the formats
+// registry reads (convert.Open). A shard directory opens as its codec does
+// (shard.OpenModel): its tensors keep their per-rank pieces, runnable with
+// a Backend of the same size.
+func OpenModel(path string) (*model.Model, error) { return convert.Open(path) }
 
 // Load is the whole path for a CPU run: it checks m against n ranks, makes
 // the CPU backend (NewCPU) and uploads m (runtime.Load). Close the model's

@@ -10,7 +10,7 @@ ids (no tokenizer needed). The result is printed next to qtool's number and
 must agree within --tol (relative, default 0.1 %).
 
 Usage:
-  python3 tools/check_hf_quant.py --ids testdata/llama-mini/ids-sotu-test.raw.json \
+  python3 convert/testdata/check_hf_quant.py --ids testdata/llama-mini/ids-sotu-test.raw.json \
       --qtool bin/hfq/qtool-ppl.json bin/hfq/llama-mini-awq bin/hfq/llama-mini-gptq-actorder
 
 Dependencies: numpy, torch; transformers optional. Safetensors files are
