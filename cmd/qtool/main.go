@@ -26,6 +26,7 @@ func newApp() *cli.App {
 			benchCommand(),
 			shardCommand(),
 			convertCommand(),
+			reportCommand(),
 		},
 		EnableBashCompletion: true,
 	}

@@ -23,27 +23,6 @@ import (
 	"qtool/runtime/tp"
 )
 
-// kldResult is what `verify --kld --json` prints: the run, then every
-// figure of kld.Result at the top level.
-type kldResult struct {
-	Model        string  `json:"model"`
-	Base         string  `json:"base"`
-	BaseKind     string  `json:"base_kind"` // "model" or "logits file"
-	Cache        string  `json:"cache,omitempty"`
-	CacheWritten bool    `json:"cache_written,omitempty"`
-	CacheBytes   int64   `json:"cache_bytes,omitempty"`
-	Text         string  `json:"text"`
-	Tokens       int     `json:"tokens"`
-	Chunks       int     `json:"chunks"`
-	Ctx          int     `json:"ctx"`
-	Protocol     string  `json:"protocol"`
-	Scored       int     `json:"scored"`
-	Device       string  `json:"device"`
-	Seconds      float64 `json:"seconds"`
-	TokensPerS   float64 `json:"tokens_per_s"`
-	kld.Result
-}
-
 // runVerifyKLD implements `qtool verify --kld BASE [--kld-cache FILE] MODEL`.
 func runVerifyKLD(c *cli.Context) error {
 	if c.NArg() != 1 {
@@ -174,7 +153,7 @@ func runVerifyKLD(c *cli.Context) error {
 	if err != nil {
 		return fmt.Errorf("verify: %w", err)
 	}
-	res := kldResult{Model: path, Base: basePath, Device: be.Name(), Text: pplPath, Tokens: plan.Tokens,
+	res := kld.Run{Model: path, Base: basePath, Device: be.Name(), Text: pplPath, Tokens: plan.Tokens,
 		Chunks: plan.Chunks, Ctx: plan.Ctx, Protocol: plan.Protocol, Scored: plan.Chunks * plan.Scored}
 
 	var base kld.Base

@@ -11,19 +11,20 @@ import (
 	"qtool/convert"
 	"qtool/formats/hf"
 	"qtool/quantize"
+	"qtool/runtime/kld"
 )
 
 // kldChunks is how many sotu chunks of 512 the KLD tests score.
 const kldChunks = 4
 
 // runKLD runs `verify --kld … --json` and decodes the result.
-func runKLD(t *testing.T, args ...string) kldResult {
+func runKLD(t *testing.T, args ...string) kld.Run {
 	t.Helper()
 	out, err := runQtool(t, append([]string{"verify", "--device", "cpu", "--json"}, args...)...)
 	if err != nil {
 		t.Fatalf("verify %v: %v", args, err)
 	}
-	var r kldResult
+	var r kld.Run
 	if err := json.Unmarshal([]byte(out), &r); err != nil {
 		t.Fatalf("json: %v\n%s", err, out)
 	}
@@ -66,7 +67,7 @@ func TestVerifyKLD(t *testing.T) {
 		t.Fatalf("self run: %+v", self)
 	}
 	ref := fp32FirstChunks(t, llamaMini, kldChunks)
-	for _, r := range []kldResult{self, runKLD(t, "--kld", cache, llamaMini)} {
+	for _, r := range []kld.Run{self, runKLD(t, "--kld", cache, llamaMini)} {
 		// The base goes through the 16-bit cache encoding (1.8e-4 nats), so
 		// "0" is 1e-7 here; top-1 uses the stored exact argmax.
 		if r.KLD.Value > 1e-7 || r.KLDQ.Max > 1e-6 || r.SameTop.Value != 1 || math.Abs(r.DeltaP.Value) > 1e-6 {

@@ -199,6 +199,27 @@ type Result struct {
 	ChunkPPL []float64 `json:"chunk_ppl"`
 }
 
+// Run is what `qtool verify --kld --json` prints (and `qtool report`
+// reads): the run, then every figure of Result at the top level.
+type Run struct {
+	Model        string  `json:"model"`
+	Base         string  `json:"base"`
+	BaseKind     string  `json:"base_kind"` // "model" or "logits file"
+	Cache        string  `json:"cache,omitempty"`
+	CacheWritten bool    `json:"cache_written,omitempty"`
+	CacheBytes   int64   `json:"cache_bytes,omitempty"`
+	Text         string  `json:"text"`
+	Tokens       int     `json:"tokens"`
+	Chunks       int     `json:"chunks"`
+	Ctx          int     `json:"ctx"`
+	Protocol     string  `json:"protocol"`
+	Scored       int     `json:"scored"`
+	Device       string  `json:"device"`
+	Seconds      float64 `json:"seconds"`
+	TokensPerS   float64 `json:"tokens_per_s"`
+	Result
+}
+
 // Compare runs m over plan's chunks and compares each scored position with
 // base. progress, when not nil, is called after each chunk with the running
 // mean KLD.
