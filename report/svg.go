@@ -75,7 +75,7 @@ func (c Chart) SVG() string {
 		lo, hi = math.Min(lo, c.RefY), math.Max(hi, c.RefY)
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" class="chart" id="%s" width="%d" height="%d" viewBox="0 0 %d %d" role="img" aria-label="%s">`,
+	fmt.Fprintf(&b, `<svg class="chart" id="%s" width="%d" height="%d" viewBox="0 0 %d %d" role="img" aria-label="%s">`,
 		c.ID, w, h, w, h, html.EscapeString(c.Title))
 	fmt.Fprintf(&b, `<text x="%d" y="18" class="title">%s</text>`, left, html.EscapeString(c.Title))
 	if math.IsInf(lo, 0) {
