@@ -53,10 +53,7 @@ func runReport(c *cli.Context) error {
 	if err := os.WriteFile(out, b.Bytes(), 0o644); err != nil {
 		return fmt.Errorf("report: %w", err)
 	}
-	stdout := c.App.Writer
-	if stdout == nil {
-		stdout = os.Stdout
-	}
+	stdout, _, logf := outputs(c)
 	if c.Bool("json") {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
@@ -66,6 +63,6 @@ func runReport(c *cli.Context) error {
 			Entries []report.Entry `json:"entries"`
 		}{out, b.Len(), entries})
 	}
-	fmt.Fprintf(stdout, "wrote %s (%d models, %.0f KB)\n", out, len(entries), float64(b.Len())/1e3)
+	logf("wrote %s (%d models, %.0f KB)\n", out, len(entries), float64(b.Len())/1e3)
 	return nil
 }

@@ -13,7 +13,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/schollz/progressbar/v3"
 	"github.com/urfave/cli/v2"
 
 	"qtool/formats/model"
@@ -35,19 +34,7 @@ func runVerifyKLD(c *cli.Context) error {
 	if basePath == "" {
 		return fmt.Errorf("verify: --kld-cache FILE goes with --kld BASE (the model whose logits it holds)")
 	}
-	stdout, stderr := c.App.Writer, c.App.ErrWriter
-	if stdout == nil {
-		stdout = os.Stdout
-	}
-	if stderr == nil {
-		stderr = os.Stderr
-	}
-	jsonOut := c.Bool("json")
-	logf := func(format string, a ...any) {
-		if !jsonOut {
-			fmt.Fprintf(stdout, format, a...)
-		}
-	}
+	stdout, stderr, logf := outputs(c)
 
 	// Where the base comes from: a logits file given as BASE or as an
 	// existing --kld-cache, else the BASE model (run alongside MODEL).
@@ -89,11 +76,8 @@ func runVerifyKLD(c *cli.Context) error {
 	var text []byte
 	if p := c.String("ppl"); p != "" {
 		var err error
-		if pplPath, err = resolvePPLFile(p); err != nil {
+		if pplPath, text, err = readPPLText(p); err != nil {
 			return err
-		}
-		if text, err = os.ReadFile(pplPath); err != nil {
-			return fmt.Errorf("verify: --ppl: %w", err)
 		}
 	} else if lf == nil {
 		return fmt.Errorf("verify --kld: --ppl FILE is required (the text both models are scored on) unless BASE is a logits file")
@@ -144,15 +128,11 @@ func runVerifyKLD(c *cli.Context) error {
 		want.TextSHA256 = kld.TextSHA256(text)
 	}
 
-	be, err := newBackend(c.String("device"), c.Int("threads"), c.Int("tp"), mm)
+	m, be, err := loadOn(c, mm)
 	if err != nil {
 		return err
 	}
 	defer be.Close()
-	m, err := runtime.Load(mm, be)
-	if err != nil {
-		return fmt.Errorf("verify: %w", err)
-	}
 	res := kld.Run{Model: path, Base: basePath, Device: be.Name(), Text: pplPath, Tokens: plan.Tokens,
 		Chunks: plan.Chunks, Ctx: plan.Ctx, Protocol: plan.Protocol, Scored: plan.Chunks * plan.Scored}
 
@@ -191,12 +171,7 @@ func runVerifyKLD(c *cli.Context) error {
 	logf("device  %s\n", be.Name())
 
 	start := time.Now()
-	var bar *progressbar.ProgressBar
-	if !c.Bool("quiet") && isTerminal(stderr) {
-		bar = progressbar.NewOptions(plan.Chunks, progressbar.OptionSetWriter(stderr),
-			progressbar.OptionSetDescription("kld"), progressbar.OptionShowCount(), progressbar.OptionSetWidth(30),
-			progressbar.OptionThrottle(200*time.Millisecond), progressbar.OptionClearOnFinish())
-	}
+	bar := chunkBar(c, stderr, plan.Chunks, "kld")
 	r, err := kld.Compare(m, base, plan, func(done, total int, mean float64) {
 		if bar != nil {
 			tps := float64(done*plan.Ctx) / time.Since(start).Seconds()
@@ -227,7 +202,7 @@ func runVerifyKLD(c *cli.Context) error {
 	res.Result = r
 	res.Seconds = time.Since(start).Seconds()
 	res.TokensPerS = float64(plan.Chunks*plan.Ctx) / res.Seconds
-	if jsonOut {
+	if c.Bool("json") {
 		return json.NewEncoder(stdout).Encode(res)
 	}
 	logf("text    %s: %d tokens, %d chunks × ctx %d, %d scored (%s protocol); %.1f s, %.0f tokens/s\n",
@@ -260,14 +235,8 @@ func openKLDBase(c *cli.Context, basePath string, text []byte, ids []int, cfg mo
 			return nil, nil, fmt.Errorf("verify --kld: BASE %s and MODEL tokenize the text differently (%d vs %d tokens); give --tokenizer or models of the same base", basePath, len(bids), len(ids))
 		}
 	}
-	bbe, err := newBackend(c.String("device"), c.Int("threads"), c.Int("tp"), bmm)
+	bm, bbe, err := loadOn(c, bmm)
 	if err != nil {
-		bmm.Close()
-		return nil, nil, err
-	}
-	bm, err := runtime.Load(bmm, bbe)
-	if err != nil {
-		bbe.Close()
 		bmm.Close()
 		return nil, nil, fmt.Errorf("verify --kld: BASE: %w", err)
 	}
