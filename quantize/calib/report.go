@@ -36,13 +36,17 @@ type RunReport struct {
 	// indices (4.156 for 4-bit asymmetric group 128).
 	LinearBits float64 `json:"linear_bits,omitempty"`
 	// Verify is the quantizer's --verify perplexity, when it ran one.
-	Verify *struct {
-		File   string  `json:"file"`
-		PPL    float64 `json:"ppl"`
-		Tokens int     `json:"tokens"`
-		Chunks int     `json:"chunks"`
-		Ctx    int     `json:"ctx"`
-	} `json:"verify,omitempty"`
+	Verify *VerifyRecord `json:"verify,omitempty"`
+}
+
+// VerifyRecord is a perplexity measured on the written model (the
+// quantizer commands' --verify), with its protocol figures.
+type VerifyRecord struct {
+	File   string  `json:"file"`
+	PPL    float64 `json:"ppl"`
+	Tokens int     `json:"tokens"`
+	Chunks int     `json:"chunks"`
+	Ctx    int     `json:"ctx"`
 }
 
 // ReportPath is where WriteReport puts the record of a run that wrote out
@@ -51,11 +55,18 @@ func ReportPath(out string) string { return filepath.Clean(out) + ".quant.json" 
 
 // WriteReport completes r with the size of r.Out on disk and the parameter
 // count of m (the quantized model as written; nil to skip) and writes it to
-// ReportPath(r.Out). The quantizer commands call it after convert.Save:
+// ReportPath(r.Out). The quantizer commands call it once the output is
+// written (and verified), e.g. at the end of runQuant:
 //
-//	calib.WriteReport(s.Out, calib.RunReport{Method: job.cmd, Model: dir, Out: out,
-//		Format: format, Scheme: job.kind.String(), LossName: job.loss, NSamples: ns,
-//		SeqLen: sl, CalibTokens: ntok, Seconds: secs, Modules: stats})
+//	rec := calib.RunReport{Method: job.cmd, Model: dir, Out: out, Format: format,
+//		Scheme: job.kind.String(), LossName: job.loss, NSamples: ns, SeqLen: sl,
+//		CalibTokens: ntok, Seconds: sum.Seconds, Modules: stats}
+//	if v := sum.Verify; v != nil {
+//		rec.Verify = &calib.VerifyRecord{File: v.File, PPL: v.PPL, Tokens: v.Tokens, Chunks: v.Chunks, Ctx: v.Ctx}
+//	}
+//	if err := calib.WriteReport(s.Out, rec); err != nil {
+//		return fmt.Errorf("%s: %w", job.cmd, err)
+//	}
 func WriteReport(m *model.Model, r RunReport) error {
 	if r.Out == "" {
 		return fmt.Errorf("calib: WriteReport: no output path")
