@@ -335,7 +335,7 @@ var pageTmpl = template.Must(template.New("report").Funcs(template.FuncMap{
 <html lang="en"><head><meta charset="utf-8">
 <title>{{.Title}}</title>
 <style>
-body{font:13px/1.4 -apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:20px;color:#222;max-width:1220px}
+body{font:13px/1.4 -apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:20px;color:#222;max-width:1320px}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd}
 .wide{overflow-x:auto}#kld-stats{font-size:12px}table{border-collapse:collapse;margin:6px 0}td,th{padding:3px 6px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
 th{background:#f4f4f4}td.l,th.l{text-align:left}.meta{color:#555}

@@ -44,8 +44,8 @@ type Chart struct {
 // significant digits.
 func Num(v float64) string { return strconv.FormatFloat(v, 'g', 6, 64) }
 
-// Short formats a value for labels: 3 significant digits.
-func Short(v float64) string { return strconv.FormatFloat(v, 'g', 3, 64) }
+// Short formats a value for labels: 4 significant digits.
+func Short(v float64) string { return strconv.FormatFloat(v, 'g', 4, 64) }
 
 // SVG renders the chart.
 func (c Chart) SVG() string {

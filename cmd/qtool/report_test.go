@@ -204,7 +204,7 @@ func TestReportBrowser(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	chrome("--virtual-time-budget=5000", "--window-size=1260,3400", "--screenshot="+abs, "file://"+page)
+	chrome("--virtual-time-budget=5000", "--window-size=1360,3400", "--screenshot="+abs, "file://"+page)
 	f, err := os.Open(abs)
 	if err != nil {
 		t.Fatalf("no screenshot: %v", err)
