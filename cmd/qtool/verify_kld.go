@@ -84,11 +84,8 @@ func runVerifyKLD(c *cli.Context) error {
 	} else {
 		// Score the text the logits file was made from, as it stores it.
 		pplPath = lf.Text
-		if !c.IsSet("ctx") {
-			ctxLen = lf.Ctx
-		}
-		if !c.IsSet("protocol") {
-			proto = lf.Protocol
+		if (c.IsSet("ctx") && ctxLen != lf.Ctx) || (c.IsSet("protocol") && proto != lf.Protocol) {
+			return fmt.Errorf("verify --kld: %s holds ctx %d, %s protocol; --ctx and --protocol cannot change that without --ppl (and a new cache)", lf.Path, lf.Ctx, lf.Protocol)
 		}
 	}
 
@@ -99,6 +96,11 @@ func runVerifyKLD(c *cli.Context) error {
 	defer mm.Close()
 	cfg := mm.Config
 	var ids []int
+	maxChunks := c.Int("max-chunks")
+	if lf != nil && !c.IsSet("max-chunks") {
+		maxChunks = lf.Chunks // the chunks the file holds
+	}
+	var plan kld.Plan
 	if text != nil {
 		tok, err := loadTokenizer(c.String("tokenizer"), path, mm)
 		if err != nil {
@@ -108,19 +110,14 @@ func runVerifyKLD(c *cli.Context) error {
 			return err
 		}
 		ids = tokenizer.EncodeWithBOS(tok, string(text))
+		if plan, err = kld.NewPlan(ids, cfg.Vocab, cfg.BOS, cfg.MaxSeq, runtime.PPLOptions{Ctx: ctxLen, MaxChunks: maxChunks, Protocol: proto}); err != nil {
+			return fmt.Errorf("verify --kld: %s: %w", pplPath, err)
+		}
 	} else {
-		ids = lf.IDs
-	}
-	maxChunks := c.Int("max-chunks")
-	if lf != nil && !c.IsSet("max-chunks") {
-		maxChunks = lf.Chunks // the chunks the file holds
-	}
-	plan, err := kld.NewPlan(ids, cfg.Vocab, cfg.BOS, cfg.MaxSeq, runtime.PPLOptions{Ctx: ctxLen, MaxChunks: maxChunks, Protocol: proto})
-	if err != nil {
-		return fmt.Errorf("verify --kld: %s: %w", pplPath, err)
-	}
-	if text == nil {
-		plan.Tokens = lf.Tokens
+		plan = lf.Plan(maxChunks)
+		if cfg.MaxSeq > 0 && plan.Ctx > cfg.MaxSeq {
+			return fmt.Errorf("verify --kld: %s: context %d exceeds the model's max_position_embeddings %d", lf.Path, plan.Ctx, cfg.MaxSeq)
+		}
 	}
 	want := plan.Header(cfg.Vocab)
 	want.Model, want.Text = basePath, pplPath

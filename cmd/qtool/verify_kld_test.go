@@ -149,7 +149,8 @@ func TestVerifyKLDRefuses(t *testing.T) {
 		want string
 	}{
 		{"other text", []string{"--kld", cache, "--ppl", moby}, "token ids: file"},
-		{"other ctx", []string{"--kld", cache, "--ctx", "256"}, "ctx: file 512, this run 256"},
+		{"other ctx", []string{"--kld", cache, "--ctx", "256", "--ppl", sotuText}, "ctx: file 512, this run 256"},
+		{"other ctx without the text", []string{"--kld", cache, "--ctx", "256"}, "cannot change that without --ppl"},
 		{"other protocol", []string{"--kld", cache, "--protocol", "llamacpp", "--ppl", sotuText}, "protocol: file gptq"},
 		{"more chunks than cached", []string{"--kld", cache, "--max-chunks", "2", "--ppl", sotuText}, "chunks: file 1, this run 2"},
 		{"cache of another base", []string{"--kld", "../../testdata/qwen3-mini", "--kld-cache", cache, "--ppl", sotuText}, "holds the logits of"},
@@ -167,5 +168,17 @@ func TestVerifyKLDRefuses(t *testing.T) {
 			}
 			t.Log(err)
 		})
+	}
+}
+
+// TestVerifyKLDStoredText reuses a llama.cpp-protocol cache of one chunk
+// without the text: the ids, ctx and protocol come from the file.
+func TestVerifyKLDStoredText(t *testing.T) {
+	cache := filepath.Join(t.TempDir(), "lc.kld")
+	first := runKLD(t, "--kld", llamaMini, "--kld-cache", cache, "--protocol", "llamacpp", "--ppl", sotuText, "--max-chunks", "1", llamaMini)
+	again := runKLD(t, "--kld", cache, llamaMini)
+	if again.Protocol != "llamacpp" || again.Scored != 255 || again.Tokens != first.Tokens || again.Text != first.Text ||
+		again.KLD.Value > 1e-7 || again.SameTop.Value != 1 || again.PPL != first.PPL {
+		t.Fatalf("first %+v\nagain %+v", first, again)
 	}
 }

@@ -75,6 +75,18 @@ func NewPlan(ids []int, vocab, bos, maxSeq int, opt runtime.PPLOptions) (Plan, e
 	return p, nil
 }
 
+// Plan is the plan the file was written under, cut to its first maxChunks
+// chunks (0: all): what a run scores when it takes the text from the file.
+func (f *File) Plan(maxChunks int) Plan {
+	p := Plan{Ctx: f.Ctx, Protocol: f.Protocol, Chunks: f.Chunks, First: f.First, Scored: f.Scored,
+		BOS: f.BOS, Tokens: f.Tokens}
+	if maxChunks > 0 && maxChunks < p.Chunks {
+		p.Chunks = maxChunks
+	}
+	p.IDs = f.IDs[:p.Chunks*p.Ctx]
+	return p
+}
+
 // Header is the logits-file header of the plan for vocab.
 func (p Plan) Header(vocab int) Header {
 	return Header{Tokens: p.Tokens, Ctx: p.Ctx, Protocol: p.Protocol, Chunks: p.Chunks,
