@@ -27,6 +27,7 @@ func newApp() *cli.App {
 			benchCommand(),
 			shardCommand(),
 			convertCommand(),
+			reportCommand(),
 		},
 		EnableBashCompletion: true,
 	}

@@ -37,12 +37,20 @@ func verifyCommand() *cli.Command {
 		UsageText: "qtool verify --ppl testdata/corpus/sotu-test.raw testdata/llama-mini\n" +
 			"   qtool verify --ppl wikitext --ctx 2048 --json /tmp/llama-mini-awq\n" +
 			"   qtool verify --prompt \"The State of the Union is\" --max-new 40 --tokenizer testdata/llama-mini /tmp/m.bin\n" +
-			"   qtool verify --device cuda --tp 2 --ppl FILE MODEL",
+			"   qtool verify --device cuda --tp 2 --ppl FILE MODEL\n" +
+			"   qtool verify --kld testdata/llama-mini --kld-cache /tmp/mini.kld --ppl testdata/corpus/sotu-test.raw --max-chunks 20 /tmp/llama-mini-awq\n" +
+			"   qtool verify --kld /tmp/mini.kld /tmp/llama-mini-gptq        (reuses the base's logits: text, ctx and protocol from the file)",
 		Description: "Perplexity follows the GPTQ/AWQ protocol by default (disjoint chunks of --ctx tokens, the\n" +
 			"tail dropped, exp of the mean of per-chunk mean NLLs); --protocol llamacpp gives llama.cpp's\n" +
 			"(BOS replaces each chunk's first token, only the second half of each chunk is scored).\n" +
 			"--ppl wikitext reads " + wikitextFile + " from $QTOOL_DATA (default ~/.cache/qtool/datasets/wikitext-2-raw).\n" +
-			"Without --ppl or --prompt, a few tokens are generated from \"" + defaultPrompt + "\".",
+			"Without --ppl or --prompt, a few tokens are generated from \"" + defaultPrompt + "\".\n" +
+			"--kld BASE compares MODEL's next-token distributions with BASE's (the float model, or a logits file\n" +
+			"written by --kld-cache) over the --ppl text in the same chunks: mean KL divergence ± uncertainty and its\n" +
+			"percentiles, top-1 agreement, Δp (probability of the correct token, MODEL − BASE) and PPL(MODEL)/PPL(BASE),\n" +
+			"as llama.cpp's perplexity --kl-divergence prints them. --kld-cache FILE stores BASE's log-probabilities\n" +
+			"(16 bits a vocabulary entry, 2·vocab+12 bytes a scored token) or reuses them when FILE exists; a file made\n" +
+			"from another text, tokenization, ctx or protocol is refused with what differs.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "ppl", Usage: "measure perplexity on `FILE` (raw text), or on wikitext-2's test file with \"wikitext\""},
 			&cli.IntFlag{Name: "ctx", Value: runtime.DefaultCtx, Usage: "perplexity context length (512, or 2048 for the papers' wikitext2@2048)"},
@@ -58,6 +66,8 @@ func verifyCommand() *cli.Command {
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
 			&cli.IntFlag{Name: "tp", Usage: "run tensor-parallel over `N` ranks (a `qtool shard` directory runs on its own N)"},
 			&cli.StringFlag{Name: "tokenizer", Usage: "tokenizer `PATH` (a directory, tokenizer.json or tokenizer.model); default: beside the model"},
+			&cli.StringFlag{Name: "kld", Usage: "KL divergence of MODEL from `BASE` (the float model, or a logits file from --kld-cache)"},
+			&cli.StringFlag{Name: "kld-cache", Usage: "with --kld BASE (a model): write BASE's logits to `FILE`, or read them when FILE exists", TakesFile: true},
 			&cli.BoolFlag{Name: "json", Usage: "print the results as one JSON object"},
 			&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress bar"},
 		},
@@ -89,6 +99,9 @@ type generation struct {
 }
 
 func runVerify(c *cli.Context) error {
+	if c.IsSet("kld") || c.IsSet("kld-cache") {
+		return runVerifyKLD(c)
+	}
 	if c.NArg() != 1 {
 		for _, a := range c.Args().Slice()[min(1, c.NArg()):] {
 			if strings.HasPrefix(a, "-") {

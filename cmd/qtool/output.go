@@ -1,0 +1,74 @@
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"os"
+	"time"
+
+	"github.com/schollz/progressbar/v3"
+	"github.com/urfave/cli/v2"
+
+	"qtool/formats/model"
+	"qtool/runtime"
+)
+
+// outputs returns the command's stdout and stderr (the App's writers, else
+// the process's) and a printf to stdout that is silent under --json.
+func outputs(c *cli.Context) (stdout, stderr io.Writer, logf func(format string, a ...any)) {
+	stdout, stderr = c.App.Writer, c.App.ErrWriter
+	if stdout == nil {
+		stdout = os.Stdout
+	}
+	if stderr == nil {
+		stderr = os.Stderr
+	}
+	quiet := c.Bool("json")
+	return stdout, stderr, func(format string, a ...any) {
+		if !quiet {
+			fmt.Fprintf(stdout, format, a...)
+		}
+	}
+}
+
+// chunkBar is the progress bar over total chunks, drawn only on a terminal
+// and without --quiet (nil otherwise; its methods accept nil).
+func chunkBar(c *cli.Context, stderr io.Writer, total int, desc string) *progressbar.ProgressBar {
+	if c.Bool("quiet") || !isTerminal(stderr) {
+		return nil
+	}
+	return progressbar.NewOptions(total, progressbar.OptionSetWriter(stderr),
+		progressbar.OptionSetDescription(desc), progressbar.OptionShowCount(), progressbar.OptionSetWidth(30),
+		progressbar.OptionThrottle(200*time.Millisecond), progressbar.OptionClearOnFinish())
+}
+
+// readPPLText resolves and reads the --ppl argument (see resolvePPLFile),
+// refusing an empty text.
+func readPPLText(arg string) (path string, text []byte, err error) {
+	if path, err = resolvePPLFile(arg); err != nil {
+		return "", nil, err
+	}
+	if text, err = os.ReadFile(path); err != nil {
+		return "", nil, fmt.Errorf("verify: --ppl: %w", err)
+	}
+	if len(bytes.TrimSpace(text)) == 0 {
+		return "", nil, fmt.Errorf("verify: --ppl %s is empty", path)
+	}
+	return path, text, nil
+}
+
+// loadOn makes the backend for --device/--threads/--tp and uploads mm to
+// it; close the backend when done.
+func loadOn(c *cli.Context, mm *model.Model) (*runtime.Model, runtime.Backend, error) {
+	be, err := newBackend(c.String("device"), c.Int("threads"), c.Int("tp"), mm)
+	if err != nil {
+		return nil, nil, err
+	}
+	m, err := runtime.Load(mm, be)
+	if err != nil {
+		be.Close()
+		return nil, nil, fmt.Errorf("verify: %s: %w", mm.Source, err)
+	}
+	return m, be, nil
+}
