@@ -107,36 +107,6 @@ type quantJob struct {
 	run func(s *calib.Session, progress calib.Progress) ([]calib.ModuleStat, error)
 }
 
-// quantSummary is what --json prints.
-type quantSummary struct {
-	Method      string  `json:"method"`
-	Model       string  `json:"model"`
-	Out         string  `json:"out"`
-	Format      string  `json:"format"`
-	Scheme      string  `json:"scheme"`
-	NSamples    int     `json:"nsamples"`
-	SeqLen      int     `json:"seqlen"`
-	CalibTokens int     `json:"calib_tokens"`
-	Seconds     float64 `json:"seconds"`
-	Device      string  `json:"device"`
-	// Phases are wall seconds per phase (see calib.Session.Phases).
-	Phases map[string]float64 `json:"phases"`
-	// PeakHostMiB is the process's peak resident memory, PeakDeviceMiB
-	// the backend's peak device allocation (GPU only).
-	PeakHostMiB   float64            `json:"peak_host_mib"`
-	PeakDeviceMiB float64            `json:"peak_device_mib,omitempty"`
-	Modules       []calib.ModuleStat `json:"modules"`
-	Verify        *verifySummary     `json:"verify,omitempty"`
-}
-
-type verifySummary struct {
-	File   string  `json:"file"`
-	PPL    float64 `json:"ppl"`
-	Tokens int     `json:"tokens"`
-	Chunks int     `json:"chunks"`
-	Ctx    int     `json:"ctx"`
-}
-
 // runQuant executes job with the shared flags of c.
 func runQuant(c *cli.Context, job quantJob) error {
 	if c.NArg() > 0 {
@@ -251,7 +221,7 @@ func runQuant(c *cli.Context, job quantJob) error {
 	}
 	phases := s.Phases()
 	phases["write"] = time.Since(tw).Seconds()
-	sum := quantSummary{Method: job.cmd, Model: dir, Out: out, Format: format, Scheme: job.kind.String(),
+	sum := calib.RunReport{Method: job.cmd, Model: dir, Out: out, Format: format, Scheme: job.kind.String(), LossName: job.loss,
 		NSamples: ns, SeqLen: sl, CalibTokens: ntok, Seconds: time.Since(start).Seconds(), Device: be.Name(), Phases: phases,
 		PeakHostMiB: calib.PeakRSSMiB(), Modules: stats}
 	if p, ok := be.(interface{ PeakBytes() int64 }); ok {
@@ -281,6 +251,9 @@ func runQuant(c *cli.Context, job quantJob) error {
 				filepath.Base(verifyFile), v.PPL, v.Ctx, v.Chunks, v.Tokens, out)
 		}
 	}
+	if err := calib.WriteReport(s.Out, sum); err != nil {
+		return fmt.Errorf("%s: %w", job.cmd, err)
+	}
 	if c.Bool("json") {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
@@ -292,7 +265,7 @@ func runQuant(c *cli.Context, job quantJob) error {
 // verifyWritten reads the written model back and measures the perplexity of
 // textFile under the GPTQ protocol (ctx 512) on be (the backend calibration
 // ran on).
-func verifyWritten(out, hfDir, textFile string, maxChunks int, be runtime.Backend) (*verifySummary, error) {
+func verifyWritten(out, hfDir, textFile string, maxChunks int, be runtime.Backend) (*calib.VerifyRecord, error) {
 	mm, err := convert.Open(out)
 	if err != nil {
 		return nil, err
@@ -319,7 +292,7 @@ func verifyWritten(out, hfDir, textFile string, maxChunks int, be runtime.Backen
 	if err != nil {
 		return nil, err
 	}
-	return &verifySummary{File: textFile, PPL: r.PPL, Tokens: r.Tokens, Chunks: r.Chunks, Ctx: r.Ctx}, nil
+	return &calib.VerifyRecord{File: textFile, PPL: r.PPL, Tokens: r.Tokens, Chunks: r.Chunks, Ctx: r.Ctx}, nil
 }
 
 // calibBackend returns the backend calibration runs on for --device: auto

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"qtool/quantize/calib"
 )
 
 const (
@@ -77,7 +79,7 @@ func TestQuantCommandsVerifyWrittenFiles(t *testing.T) {
 			if err != nil {
 				t.Fatalf("%v\n%s", err, msg)
 			}
-			var sum quantSummary
+			var sum calib.RunReport
 			if err := json.Unmarshal([]byte(msg), &sum); err != nil {
 				t.Fatalf("json: %v\n%s", err, msg)
 			}

@@ -9,7 +9,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"qtool/report"
+	"qtool/quantize/report"
 )
 
 func reportCommand() *cli.Command {

@@ -15,7 +15,7 @@ import (
 
 	"qtool/convert"
 	"qtool/quantize/calib"
-	"qtool/report"
+	"qtool/quantize/report"
 	"qtool/runtime/kld"
 )
 

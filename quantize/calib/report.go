@@ -16,17 +16,26 @@ import (
 // field names as the quantizer commands' --json summary, so either can be
 // given to `qtool report`.
 type RunReport struct {
-	Method      string       `json:"method"`              // gptq, awq, smoothquant, rtn
-	Model       string       `json:"model"`               // the float source
-	Out         string       `json:"out"`                 // the written model
-	Format      string       `json:"format"`              // as convert.Save names it
-	Scheme      string       `json:"scheme"`              // e.g. "4-bit asymmetric group 128 weights"
-	LossName    string       `json:"loss_name,omitempty"` // what ModuleStat.Loss measures
-	NSamples    int          `json:"nsamples,omitempty"`
-	SeqLen      int          `json:"seqlen,omitempty"`
-	CalibTokens int          `json:"calib_tokens,omitempty"`
-	Seconds     float64      `json:"seconds"`
-	Modules     []ModuleStat `json:"modules"`
+	Method      string  `json:"method"`              // gptq, awq, smoothquant, rtn
+	Model       string  `json:"model"`               // the float source
+	Out         string  `json:"out"`                 // the written model
+	Format      string  `json:"format"`              // as convert.Save names it
+	Scheme      string  `json:"scheme"`              // e.g. "4-bit asymmetric group 128 weights"
+	LossName    string  `json:"loss_name,omitempty"` // what ModuleStat.Loss measures
+	NSamples    int     `json:"nsamples,omitempty"`
+	SeqLen      int     `json:"seqlen,omitempty"`
+	CalibTokens int     `json:"calib_tokens,omitempty"`
+	Seconds     float64 `json:"seconds"`
+	// Device is the backend calibration ran on.
+	Device string `json:"device,omitempty"`
+	// Phases are wall seconds per phase (Session.Phases, plus "write").
+	Phases map[string]float64 `json:"phases,omitempty"`
+	// PeakHostMiB is the process's peak resident memory (mapped source
+	// files included), PeakDeviceMiB the backend's peak device memory
+	// (GPU only).
+	PeakHostMiB   float64      `json:"peak_host_mib,omitempty"`
+	PeakDeviceMiB float64      `json:"peak_device_mib,omitempty"`
+	Modules       []ModuleStat `json:"modules"`
 	// Filled by WriteReport from the written files and the model.
 	Bytes         int64   `json:"bytes,omitempty"`           // size of Out on disk (all files of a directory)
 	Params        int64   `json:"params,omitempty"`          // elements of every tensor of the model
@@ -56,17 +65,7 @@ func ReportPath(out string) string { return filepath.Clean(out) + ".quant.json" 
 // WriteReport completes r with the size of r.Out on disk and the parameter
 // count of m (the quantized model as written; nil to skip) and writes it to
 // ReportPath(r.Out). The quantizer commands call it once the output is
-// written (and verified), e.g. at the end of runQuant:
-//
-//	rec := calib.RunReport{Method: job.cmd, Model: dir, Out: out, Format: format,
-//		Scheme: job.kind.String(), LossName: job.loss, NSamples: ns, SeqLen: sl,
-//		CalibTokens: ntok, Seconds: sum.Seconds, Modules: stats}
-//	if v := sum.Verify; v != nil {
-//		rec.Verify = &calib.VerifyRecord{File: v.File, PPL: v.PPL, Tokens: v.Tokens, Chunks: v.Chunks, Ctx: v.Ctx}
-//	}
-//	if err := calib.WriteReport(s.Out, rec); err != nil {
-//		return fmt.Errorf("%s: %w", job.cmd, err)
-//	}
+// written (and verified); their --json summary is the same record.
 func WriteReport(m *model.Model, r RunReport) error {
 	if r.Out == "" {
 		return fmt.Errorf("calib: WriteReport: no output path")
