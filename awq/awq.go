@@ -116,7 +116,14 @@ func (o Options) Quantize(w []float32, rows, cols int) (*model.Quantized, error)
 	off := float32(q.Offset())
 	umax := float32(int(1)<<o.Bits - 1)
 	G := cols / gs
-	for r := 0; r < rows; r++ {
+	quantize.Parallel(rows, max(1, (1<<16)/cols), func(r0, r1 int) { o.fp16Rows(q, w, r0, r1, cols, gs, G, off, umax) })
+	return q, nil
+}
+
+// fp16Rows rounds the scales of rows [r0, r1) of q to float16 and
+// recomputes their codes from w.
+func (o Options) fp16Rows(q *model.Quantized, w []float32, r0, r1, cols, gs, G int, off, umax float32) {
+	for r := r0; r < r1; r++ {
 		for g := 0; g < G; g++ {
 			i := r*G + g
 			s := model.F16ToFloat32(model.Float32ToF16(q.Scale[i]))
@@ -132,7 +139,6 @@ func (o Options) Quantize(w []float32, rows, cols int) (*model.Quantized, error)
 			}
 		}
 	}
-	return q, nil
 }
 
 // FakeQuant returns the dequantized values of Quantize(w).

@@ -111,23 +111,32 @@ func W8A8(w []float32, rows, cols int, bias []float32, inScale, inOffset float32
 	if err != nil {
 		return nil, err
 	}
-	return w8a8Of(q, bias, inScale, inOffset), nil
+	return w8a8Of(q, rowSums(q), bias, inScale, inOffset), nil
 }
 
-// w8a8Of completes the per-channel int8 weight q with the activation
-// quantizer (see W8A8).
-func w8a8Of(q *model.Quantized, bias []float32, inScale, inOffset float32) *model.W8A8 {
-	rows, cols := q.Rows, q.Cols
+// rowSums returns Σ_k W_q[r, k] per row of the int8 weight q.
+func rowSums(q *model.Quantized) []int64 {
+	sums := make([]int64, q.Rows)
+	quantize.Parallel(q.Rows, 64, func(lo, hi int) {
+		for r := lo; r < hi; r++ {
+			for _, v := range q.Q[r*q.Cols : (r+1)*q.Cols] {
+				sums[r] += int64(v)
+			}
+		}
+	})
+	return sums
+}
+
+// w8a8Of completes the per-channel int8 weight q (with its row sums) with
+// the activation quantizer (see W8A8).
+func w8a8Of(q *model.Quantized, sums []int64, bias []float32, inScale, inOffset float32) *model.W8A8 {
+	rows := q.Rows
 	out := &model.W8A8{Weight: q, InputScale: inScale, InputOffset: inOffset,
 		DeqScale: make([]float32, rows), QuantBias: make([]int32, rows)}
 	for r := 0; r < rows; r++ {
 		d := inScale * q.Scale[r]
 		out.DeqScale[r] = d
-		sum := int64(0)
-		for _, v := range q.Q[r*cols : (r+1)*cols] {
-			sum += int64(v)
-		}
-		qb := -float64(inOffset) * float64(sum)
+		qb := -float64(inOffset) * float64(sums[r])
 		if bias != nil && d != 0 {
 			qb += float64(bias[r] / d)
 		}
@@ -217,6 +226,7 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 			sc     []float32
 			xs     runtime.Buf
 			wq     []*model.Quantized
+			sums   [][]int64 // row sums of wq
 			lo, hi float32
 		}
 		cache := map[float64]*smoothed{}
@@ -257,6 +267,7 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 					return nil, err
 				}
 				sm.wq = append(sm.wq, q)
+				sm.sums = append(sm.sums, rowSums(q))
 			}
 			cache[alpha] = sm
 			return sm, nil
@@ -270,7 +281,7 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 			var lins []*model.W8A8
 			e, norm := 0.0, 0.0
 			for i := range roles {
-				w8 := w8a8Of(sm.wq[i], biases[i], scale, off)
+				w8 := w8a8Of(sm.wq[i], sm.sums[i], biases[i], scale, off)
 				lins = append(lins, w8)
 				lw, err := be.UploadLinear(model.Name(l, roles[i]), w8)
 				if err != nil {
@@ -408,14 +419,16 @@ func biasRole(r model.Role) model.Role {
 // scaledCopy divides (div) or multiplies the columns of x [rows, cols] by s.
 func scaledCopy(x []float32, rows, cols int, s []float32, div bool) []float32 {
 	out := make([]float32, len(x))
-	for r := 0; r < rows; r++ {
-		for c := 0; c < cols; c++ {
-			if div {
-				out[r*cols+c] = x[r*cols+c] / s[c]
-			} else {
-				out[r*cols+c] = x[r*cols+c] * s[c]
+	quantize.Parallel(rows, max(1, (1<<16)/cols), func(r0, r1 int) {
+		for r := r0; r < r1; r++ {
+			for c := 0; c < cols; c++ {
+				if div {
+					out[r*cols+c] = x[r*cols+c] / s[c]
+				} else {
+					out[r*cols+c] = x[r*cols+c] * s[c]
+				}
 			}
 		}
-	}
+	})
 	return out
 }

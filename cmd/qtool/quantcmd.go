@@ -168,7 +168,11 @@ func runQuant(c *cli.Context, job quantJob) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
-	be, err := calibBackend(c.String("device"), threads, stderr)
+	notices := stderr
+	if c.Bool("quiet") || c.Bool("json") {
+		notices = io.Discard
+	}
+	be, err := calibBackend(c.String("device"), threads, notices)
 	if err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
@@ -296,9 +300,9 @@ func verifyWritten(out, hfDir, textFile string, maxChunks int, be runtime.Backen
 }
 
 // calibBackend returns the backend calibration runs on for --device: auto
-// takes the GPU when a driver and a device are usable (saying so) and the
-// CPU otherwise.
-func calibBackend(device string, threads int, stderr io.Writer) (runtime.Calibrator, error) {
+// takes the GPU when a driver and a device are usable and the CPU
+// otherwise, saying which on notices.
+func calibBackend(device string, threads int, notices io.Writer) (runtime.Calibrator, error) {
 	switch device {
 	case "cpu":
 		return cpu.New(threads), nil
@@ -306,10 +310,10 @@ func calibBackend(device string, threads int, stderr io.Writer) (runtime.Calibra
 		be, err := cuda.New()
 		switch {
 		case err == nil:
-			fmt.Fprintf(stderr, "qtool: calibrating on %s\n", be.Name())
+			fmt.Fprintf(notices, "qtool: calibrating on %s\n", be.Name())
 			return be, nil
 		case device == "auto" && errors.Is(err, cuda.ErrNoDriver):
-			fmt.Fprintf(stderr, "qtool: %v; calibrating on the CPU\n", err)
+			fmt.Fprintf(notices, "qtool: %v; calibrating on the CPU\n", err)
 			return cpu.New(threads), nil
 		default:
 			return nil, fmt.Errorf("--device %s: %w", device, err)

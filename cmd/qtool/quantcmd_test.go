@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -143,5 +144,43 @@ func TestQuantCommandsRefuse(t *testing.T) {
 				t.Fatalf("%s was written despite the error", out)
 			}
 		})
+	}
+}
+
+// TestProgressLinesWithoutTerminal runs a quantizer with stderr going to a
+// file (no terminal): it must print one plain progress line per layer.
+func TestProgressLinesWithoutTerminal(t *testing.T) {
+	f, err := os.Create(filepath.Join(t.TempDir(), "stderr.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	app := newApp()
+	var out bytes.Buffer
+	app.Writer, app.ErrWriter = &out, f
+	err = app.Run([]string{"qtool", "gptq", "--hf", "../../testdata/llama-mini", "--calib", calibHead,
+		"--nsamples", "2", "--seqlen", "64", "--device", "cpu", "-o", filepath.Join(t.TempDir(), "g"), "--format", "gptq"})
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	log, err := os.ReadFile(f.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lines []string
+	for _, l := range strings.Split(string(log), "\n") {
+		if strings.HasPrefix(l, "gptq layer ") {
+			lines = append(lines, l)
+		}
+	}
+	if len(lines) != 4 {
+		t.Fatalf("%d progress lines for 4 layers:\n%s", len(lines), log)
+	}
+	for i, l := range lines {
+		for _, want := range []string{fmt.Sprintf("gptq layer %d/4 (layer %d): 7 modules", i+1, i), "elapsed", "remaining", "gptq loss q "} {
+			if !strings.Contains(l, want) {
+				t.Errorf("line %d %q lacks %q", i, l, want)
+			}
+		}
 	}
 }

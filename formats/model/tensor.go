@@ -2,8 +2,11 @@ package model
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
+	goruntime "runtime"
+	"sync"
 
 	"github.com/x448/float16"
 )
@@ -116,13 +119,38 @@ func (d *Dense) Float32() ([]float32, error) {
 	return out, nil
 }
 
-// Float32Into converts the values into dst, which must have Len() elements.
+// parallelConvert is the element count from which Float32Into converts on
+// all cores.
+const parallelConvert = 1 << 20
+
+// Float32Into converts the values into dst, which must have Len() elements;
+// large tensors are converted on all cores.
 func (d *Dense) Float32Into(dst []float32) error {
 	n := d.Len()
 	if len(dst) != n {
 		return fmt.Errorf("dense tensor: destination has %d elements, tensor %d", len(dst), n)
 	}
-	b := d.Data
+	if n < parallelConvert || d.DType.Size() <= 0 {
+		return d.convert(dst, 0)
+	}
+	parts := min(goruntime.NumCPU(), n/(parallelConvert/4))
+	errs := make([]error, parts)
+	var wg sync.WaitGroup
+	for p := 0; p < parts; p++ {
+		lo, hi := n*p/parts, n*(p+1)/parts
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[p] = d.convert(dst[lo:hi], lo)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// convert writes the values from element off on into dst.
+func (d *Dense) convert(dst []float32, off int) error {
+	b := d.Data[off*max(d.DType.Size(), 0):]
 	switch d.DType {
 	case F32:
 		for i := range dst {
