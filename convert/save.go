@@ -75,8 +75,21 @@ func CanonicalFormat(format string) (string, error) {
 // autoawq, gptq and msmodelslim need an already quantized model.
 // Lazily quantized tensors (quantize.Lazy) count as quantized with their
 // parameters. A kuiper-v5 or quantizing Kuiper file takes its group size
-// from the model's quantized linears.
+// from the model's quantized linears. Outputs appear complete or not at
+// all; a directory output that is not empty is refused (see SaveWith).
 func Save(m *model.Model, format string, out string) error {
+	return SaveWith(m, format, out, SaveOptions{})
+}
+
+// SaveOptions controls SaveWith.
+type SaveOptions struct {
+	// Force replaces a directory output that already holds a model: the
+	// old model is removed entirely once the new one is complete.
+	Force bool
+}
+
+// SaveWith is Save with options.
+func SaveWith(m *model.Model, format string, out string, so SaveOptions) error {
 	if m == nil {
 		return errors.New("convert: Save needs a model")
 	}
@@ -99,13 +112,13 @@ func Save(m *model.Model, format string, out string) error {
 		}
 		switch f {
 		case FormatHF:
-			return hf.Write(mm, out, hf.WriteOptions{})
+			return hf.Write(mm, out, hf.WriteOptions{Force: so.Force})
 		case FormatAutoAWQ:
-			return autoawq.Write(mm, out, autoawq.WriteOptions{})
+			return autoawq.Write(mm, out, autoawq.WriteOptions{Force: so.Force})
 		case FormatGPTQ:
-			return gptq.Write(mm, out, gptq.WriteOptions{})
+			return gptq.Write(mm, out, gptq.WriteOptions{Force: so.Force})
 		default:
-			return msmodelslim.Write(mm, out, msmodelslim.WriteOptions{})
+			return msmodelslim.Write(mm, out, msmodelslim.WriteOptions{Force: so.Force})
 		}
 	}
 	opt := kuiper.WriteOptions{Rope: m.Config.Rope}

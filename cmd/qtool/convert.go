@@ -15,7 +15,7 @@ func convertCommand() *cli.Command {
 	return &cli.Command{
 		Name:      "convert",
 		Usage:     "rewrite a model in another format without re-quantizing it",
-		UsageText: "qtool convert --to FORMAT MODEL -o OUT\n   qtool convert --list MODEL",
+		UsageText: "qtool convert --to FORMAT MODEL -o OUT [--force]\n   qtool convert --list MODEL",
 		Description: "Reads MODEL (HF float, AutoAWQ, GPTQ or msmodelslim directory, Kuiper/llama2.c/OrinMLLM file)\n" +
 			"and writes it as FORMAT: " + strings.Join(convert.Formats(), ", ") + "\n" +
 			"(aliases: awq, ak48, v5, ak47, q8, fp32, ak42-v1, ak42-v2). Quantized weights are kept as they are;\n" +
@@ -29,6 +29,7 @@ func convertCommand() *cli.Command {
 			&cli.StringFlag{Name: "to", Usage: "output format (see above)"},
 			&cli.StringFlag{Name: "out", Aliases: []string{"o"}, Usage: "output directory or file", TakesFile: true},
 			&cli.BoolFlag{Name: "list", Usage: "print the formats that can hold MODEL and exit"},
+			&cli.BoolFlag{Name: "force", Usage: "replace an output directory that already holds a model (the old model is removed entirely)"},
 		},
 		Action: runConvert,
 	}
@@ -47,14 +48,14 @@ func runConvert(c *cli.Context) error {
 			pos = append(pos, a)
 			continue
 		}
-		if name == "list" {
-			if err := c.Set("list", "true"); err != nil {
+		if name == "list" || name == "force" {
+			if err := c.Set(name, "true"); err != nil {
 				return err
 			}
 			continue
 		}
 		if name != "o" && name != "out" && name != "to" {
-			return fmt.Errorf("convert: unknown option %q (options: --to FORMAT, -o OUT, --list)", a)
+			return fmt.Errorf("convert: unknown option %q (options: --to FORMAT, -o OUT, --list, --force)", a)
 		}
 		if !hasVal {
 			if i+1 >= len(args) {
@@ -92,7 +93,7 @@ func runConvert(c *cli.Context) error {
 	if err != nil {
 		return fmt.Errorf("convert: --to: %w", err)
 	}
-	if err := convert.Save(m, f, out); err != nil {
+	if err := convert.SaveWith(m, f, out, convert.SaveOptions{Force: c.Bool("force")}); err != nil {
 		return err
 	}
 	fmt.Fprintf(w, "wrote %s (%s, from %s %s)\n", out, f, m.Format, pos[0])

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 
 	"fmt"
-	"os"
 	"path/filepath"
 
 	"qtool/formats/hf"
@@ -102,15 +101,18 @@ type WriteOptions struct {
 	// MaxShard splits the weights into shards of at most this many bytes
 	// plus model.safetensors.index.json (0: one model.safetensors).
 	MaxShard int64
+	// Force replaces a dir that is not empty (see hf.WriteDir).
+	Force bool
 }
 
-// Write saves m as an AutoAWQ GEMM checkpoint in dir (created if needed).
+// Write saves m as an AutoAWQ GEMM checkpoint in dir.
 // Every *model.Quantized decoder linear must be 4-bit with one common group
 // size and no g_idx; its scales are rounded to fp16 (see Pack). Float decoder
 // linears are written as plain fp16 weights and listed in
 // modules_to_not_convert. Every other tensor is written as fp16 (quantized
 // ones dequantized first). config.json gets the quantization_config and the
-// tokenizer files of m.TokenizerDir are copied.
+// tokenizer files of m.TokenizerDir are copied. dir appears complete or not
+// at all (hf.WriteDir).
 func Write(m *model.Model, dir string, opt WriteOptions) error {
 	qc := QuantConfig{Bits: 4, ZeroPoint: true, Version: "gemm"}
 	var entries []safetensors.Entry
@@ -149,22 +151,21 @@ func Write(m *model.Model, dir string, opt WriteOptions) error {
 	if qc.GroupSize == 0 {
 		return fmt.Errorf("write %s: model has no 4-bit quantized decoder linear; quantize it before writing AutoAWQ", dir)
 	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	if err := safetensors.WriteCheckpoint(dir, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
-		return err
-	}
 	cfg := m.Config
 	cfg.DType = "float16"
 	js, err := hf.MarshalConfig(cfg, map[string]any{"quantization_config": qc.JSON()})
 	if err != nil {
 		return err
 	}
-	if err := hf.WriteFile(filepath.Join(dir, "config.json"), js); err != nil {
-		return err
-	}
-	return hf.CopyTokenizer(m.TokenizerDir, dir)
+	return hf.WriteDir(dir, opt.Force, func(tmp string) error {
+		if err := safetensors.WriteCheckpoint(tmp, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
+			return err
+		}
+		if err := hf.WriteFile(filepath.Join(tmp, "config.json"), js); err != nil {
+			return err
+		}
+		return hf.CopyTokenizer(m.TokenizerDir, tmp)
+	})
 }
 
 // quantEntries makes the three lazily packed tensors of one linear.

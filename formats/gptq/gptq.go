@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
-	"os"
 	"path/filepath"
 
 	"qtool/formats/hf"
@@ -120,6 +119,8 @@ type WriteOptions struct {
 	// MaxShard splits the weights into shards of at most this many bytes
 	// plus model.safetensors.index.json (0: one model.safetensors).
 	MaxShard int64
+	// Force replaces a dir that is not empty (see hf.WriteDir).
+	Force bool
 }
 
 // Write saves m as a GPTQ v1 checkpoint (checkpoint_format "gptq") in dir.
@@ -129,7 +130,8 @@ type WriteOptions struct {
 // sym is true when no layer has zero points. Float decoder linears stay
 // plain fp16 weights; every other tensor is written as fp16 (quantized ones
 // dequantized). config.json gets the quantization_config and the tokenizer
-// files of m.TokenizerDir are copied.
+// files of m.TokenizerDir are copied. dir appears complete or not at all
+// (hf.WriteDir).
 func Write(m *model.Model, dir string, opt WriteOptions) error {
 	qc := QuantConfig{Sym: true, CheckpointFormat: "gptq"}
 	var entries []safetensors.Entry
@@ -174,22 +176,21 @@ func Write(m *model.Model, dir string, opt WriteOptions) error {
 	if qc.Bits == 0 {
 		return fmt.Errorf("write %s: model has no quantized decoder linear; quantize it before writing GPTQ", dir)
 	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	if err := safetensors.WriteCheckpoint(dir, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
-		return err
-	}
 	cfg := m.Config
 	cfg.DType = "float16"
 	js, err := hf.MarshalConfig(cfg, map[string]any{"quantization_config": qc.JSON()})
 	if err != nil {
 		return err
 	}
-	if err := hf.WriteFile(filepath.Join(dir, "config.json"), js); err != nil {
-		return err
-	}
-	return hf.CopyTokenizer(m.TokenizerDir, dir)
+	return hf.WriteDir(dir, opt.Force, func(tmp string) error {
+		if err := safetensors.WriteCheckpoint(tmp, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
+			return err
+		}
+		if err := hf.WriteFile(filepath.Join(tmp, "config.json"), js); err != nil {
+			return err
+		}
+		return hf.CopyTokenizer(m.TokenizerDir, tmp)
+	})
 }
 
 // quantEntries makes the four lazily packed tensors of one linear.

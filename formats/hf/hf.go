@@ -109,15 +109,16 @@ type WriteOptions struct {
 	DType model.DType
 	// MaxShard splits the weights into shards of at most this many bytes (0: one file).
 	MaxShard int64
+	// Force replaces a dir that is not empty (see atomicfile.WriteDir).
+	Force bool
 }
 
-// Write saves m as an HF float checkpoint in dir (created if needed):
-// config.json, model.safetensors (or shards and an index) and the tokenizer
-// files found in m.TokenizerDir. Quantized tensors are dequantized.
+// Write saves m as an HF float checkpoint in dir: config.json,
+// model.safetensors (or shards and an index) and the tokenizer files found
+// in m.TokenizerDir. Quantized tensors are dequantized. dir appears
+// complete or not at all (see atomicfile.WriteDir: a dir that is not empty
+// is replaced only with opt.Force).
 func Write(m *model.Model, dir string, opt WriteOptions) error {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
 	cfg := m.Config
 	switch opt.DType {
 	case model.F32:
@@ -139,17 +140,27 @@ func Write(m *model.Model, dir string, opt WriteOptions) error {
 		t, _ := m.Lookup(canon)
 		entries = append(entries, FloatEntry(name, t, opt.DType))
 	}
-	if err := safetensors.WriteCheckpoint(dir, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
-		return err
-	}
 	js, err := MarshalConfig(cfg, nil)
 	if err != nil {
 		return err
 	}
-	if err := WriteFile(filepath.Join(dir, "config.json"), js); err != nil {
-		return err
-	}
-	return CopyTokenizer(m.TokenizerDir, dir)
+	return WriteDir(dir, opt.Force, func(tmp string) error {
+		if err := safetensors.WriteCheckpoint(tmp, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
+			return err
+		}
+		if err := WriteFile(filepath.Join(tmp, "config.json"), js); err != nil {
+			return err
+		}
+		return CopyTokenizer(m.TokenizerDir, tmp)
+	})
+}
+
+// WriteDir writes a checkpoint directory as one unit: fill writes into a
+// staging directory that then replaces dir (atomicfile.WriteDir: dir
+// appears complete or not at all; a dir that is not empty is replaced only
+// with force, and only when it holds a model).
+func WriteDir(dir string, force bool, fill func(tmp string) error) error {
+	return atomicfile.WriteDir(dir, force, fill)
 }
 
 // FloatEntry makes a lazily converted safetensors entry for t in dtype dt
@@ -234,15 +245,5 @@ func CopyTokenizer(src, dst string) error {
 	return nil
 }
 
-// WriteFile writes data to path atomically.
-func WriteFile(path string, data []byte) error {
-	out, err := atomicfile.Create(path)
-	if err != nil {
-		return err
-	}
-	defer out.Abort()
-	if _, err := out.Write(data); err != nil {
-		return err
-	}
-	return out.Commit()
-}
+// WriteFile writes data to path atomically (atomicfile.WriteFile).
+func WriteFile(path string, data []byte) error { return atomicfile.WriteFile(path, data) }

@@ -36,6 +36,9 @@ type Sidecar struct {
 	TokenizerDir string `json:"tokenizer_dir,omitempty"`
 	// FileSize is the size of the binary file this sidecar describes.
 	FileSize int64 `json:"file_size"`
+	// FileCRC32C is the CRC-32C (Castagnoli, 8 hex digits) of that file;
+	// Open refuses a file whose checksum differs (empty: not recorded).
+	FileCRC32C string `json:"file_crc32c,omitempty"`
 	// Extension lists the tensors appended after the standard layout.
 	Extension []string `json:"extension_tensors,omitempty"`
 }

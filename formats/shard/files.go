@@ -66,17 +66,37 @@ func Plan(m *model.Model, n int) (*Manifest, error) {
 	return man, nil
 }
 
-// Write splits m over n ranks into dir (created if needed): one safetensors
-// file per rank, the tokenizer files of m.TokenizerDir, and manifest.json,
-// written last. Nothing is written when the model cannot be split.
+// Write splits m over n ranks into dir: one safetensors file per rank, the
+// tokenizer files of m.TokenizerDir, and manifest.json. Nothing is written
+// when the model cannot be split; dir appears complete or not at all, and a
+// dir that is not empty is refused (see WriteWith).
 func Write(m *model.Model, n int, dir string) (*Manifest, error) {
+	return WriteWith(m, n, dir, WriteOptions{})
+}
+
+// WriteOptions controls WriteWith.
+type WriteOptions struct {
+	// Force replaces a dir that is not empty (see hf.WriteDir).
+	Force bool
+}
+
+// WriteWith is Write with options.
+func WriteWith(m *model.Model, n int, dir string, opt WriteOptions) (*Manifest, error) {
 	man, err := Plan(m, n)
 	if err != nil {
 		return nil, err
 	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	err = hf.WriteDir(dir, opt.Force, func(tmp string) error { return writeFiles(m, man, tmp) })
+	if err != nil {
 		return nil, err
 	}
+	return man, nil
+}
+
+// writeFiles writes the rank files, the tokenizer and the manifest of man
+// into dir.
+func writeFiles(m *model.Model, man *Manifest, dir string) error {
+	n := man.WorldSize
 	for r := 0; r < n; r++ {
 		var entries []safetensors.Entry
 		for i := range man.Tensors {
@@ -109,20 +129,17 @@ func Write(m *model.Model, n int, dir string) (*Manifest, error) {
 		}
 		meta := map[string]string{"format": "pt", metaRank: strconv.Itoa(r), metaWorld: strconv.Itoa(n)}
 		if err := safetensors.Write(filepath.Join(dir, man.Files[r]), entries, meta); err != nil {
-			return nil, fmt.Errorf("shard rank %d: %w", r, err)
+			return fmt.Errorf("shard rank %d: %w", r, err)
 		}
 	}
 	if err := hf.CopyTokenizer(m.TokenizerDir, dir); err != nil {
-		return nil, err
+		return err
 	}
 	js, err := json.MarshalIndent(man, "", "  ")
 	if err != nil {
-		return nil, err
+		return err
 	}
-	if err := hf.WriteFile(filepath.Join(dir, ManifestFile), append(js, '\n')); err != nil {
-		return nil, err
-	}
-	return man, nil
+	return hf.WriteFile(filepath.Join(dir, ManifestFile), append(js, '\n'))
 }
 
 // partSpec is one safetensors tensor of a rank piece.
