@@ -95,14 +95,9 @@ func Write(m *model.Model, path string, opt WriteOptions) error {
 	if _, err := so.Write(append(js, '\n')); err != nil {
 		return err
 	}
-	if err := out.Commit(); err != nil {
-		return err
-	}
-	if err := so.Commit(); err != nil {
-		os.Remove(path)
-		return err
-	}
-	return nil
+	// Both are synced before either is renamed: a kill leaves a new file
+	// beside an old sidecar only between two renames.
+	return atomicfile.CommitAll(out, so)
 }
 
 type plan struct {

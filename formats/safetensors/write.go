@@ -178,10 +178,5 @@ func WriteCheckpoint(dir, base string, entries []Entry, metadata map[string]stri
 	if _, err := ix.Write(append(js, '\n')); err != nil {
 		return err
 	}
-	for _, o := range outs {
-		if err := o.Commit(); err != nil {
-			return err
-		}
-	}
-	return nil
+	return atomicfile.CommitAll(outs...)
 }

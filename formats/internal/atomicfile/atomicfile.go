@@ -90,7 +90,47 @@ func (f *File) Size() int64 { return f.n }
 func (f *File) CRC32C() uint32 { return f.crc.Sum32() }
 
 // Commit flushes, syncs and renames the temporary file to its final path.
-func (f *File) Commit() error {
+func (f *File) Commit() error { return CommitAll(f) }
+
+// CommitAll commits files together: each is flushed and synced first, then
+// all are renamed into place one right after the other, so the time in
+// which some are new and others old is that of a few renames. On error
+// nothing not yet renamed is committed.
+func CommitAll(files ...*File) error {
+	var err error
+	for _, f := range files {
+		if err == nil {
+			err = f.prepare()
+		} else {
+			f.Abort()
+		}
+	}
+	for _, f := range files {
+		if err == nil {
+			if err = os.Rename(f.tmp.Name(), f.real); err != nil {
+				err = fmt.Errorf("write %s: %w", f.path, err)
+			}
+		}
+		if err != nil {
+			os.Remove(f.tmp.Name())
+		}
+	}
+	if err != nil {
+		return err
+	}
+	synced := map[string]bool{}
+	for _, f := range files {
+		if d := filepath.Dir(f.real); !synced[d] {
+			syncDir(d)
+			synced[d] = true
+		}
+	}
+	return nil
+}
+
+// prepare flushes, syncs and closes the temporary file and gives it its
+// final mode.
+func (f *File) prepare() error {
 	if f.closed {
 		return fmt.Errorf("write %s: already finished", f.path)
 	}
@@ -105,14 +145,10 @@ func (f *File) Commit() error {
 	if err == nil && f.mode != 0 {
 		err = os.Chmod(f.tmp.Name(), f.mode)
 	}
-	if err == nil {
-		err = os.Rename(f.tmp.Name(), f.real)
-	}
 	if err != nil {
 		os.Remove(f.tmp.Name())
 		return fmt.Errorf("write %s: %w", f.path, err)
 	}
-	syncDir(filepath.Dir(f.real))
 	return nil
 }
 
