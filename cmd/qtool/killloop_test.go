@@ -32,10 +32,7 @@ func TestKillLoop(t *testing.T) {
 		t.Skip("set QTOOL_KILL_LOOP=1 to run the kill -9 loop (a few minutes)")
 	}
 	work := t.TempDir()
-	bin := filepath.Join(work, "qtool")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
+	bin := qtoolBinary(t)
 	mini, err := filepath.Abs(llamaMini)
 	if err != nil {
 		t.Fatal(err)

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"qtool/formats/infile"
 	"qtool/formats/internal/atomicfile"
 	"qtool/formats/model"
 	"qtool/formats/safetensors"
@@ -19,7 +20,7 @@ import (
 // that need more (such as "quantization_config").
 func ReadConfig(dir string) (cfg model.Config, raw map[string]json.RawMessage, err error) {
 	path := filepath.Join(dir, "config.json")
-	data, err := os.ReadFile(path)
+	data, err := infile.ReadFile(path, infile.MetaLimit)
 	if err != nil {
 		return model.Config{}, nil, fmt.Errorf("%s: no config.json: %w", dir, err)
 	}
@@ -220,7 +221,7 @@ func CopyTokenizer(src, dst string) error {
 		return nil
 	}
 	for _, name := range TokenizerFiles {
-		in, err := os.Open(filepath.Join(src, name))
+		in, _, err := infile.Open(filepath.Join(src, name))
 		if os.IsNotExist(err) {
 			continue
 		}

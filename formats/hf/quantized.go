@@ -3,10 +3,10 @@ package hf
 import (
 	"encoding/json"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 
+	"qtool/formats/infile"
 	"qtool/formats/model"
 	"qtool/formats/safetensors"
 )
@@ -97,7 +97,7 @@ func QuantizationConfig(dir string, raw map[string]json.RawMessage, fallback, co
 		return data, path, nil
 	}
 	path = filepath.Join(dir, fallback)
-	if data, err = os.ReadFile(path); err != nil {
+	if data, err = infile.ReadFile(path, infile.MetaLimit); err != nil {
 		return nil, "", fmt.Errorf("%s: config.json has no quantization_config and there is no %s: not %s checkpoint", dir, fallback, codec)
 	}
 	return data, path, nil

@@ -7,10 +7,10 @@ import (
 	"hash/crc32"
 	"io"
 	"math"
-	"os"
 	"syscall"
 
 	"qtool/formats/autoawq"
+	"qtool/formats/infile"
 	"qtool/formats/model"
 )
 
@@ -43,15 +43,11 @@ type Info struct {
 // DecodeHeader reads only the header (and the sidecar) of path, works out
 // the format and checks that the file size matches the layout exactly.
 func DecodeHeader(path string, opt OpenOptions) (*Info, error) {
-	f, err := os.Open(path)
+	f, fi, err := infile.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
 	prefix := make([]byte, VersionedHeaderSize)
 	n, err := io.ReadFull(f, prefix)
 	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
@@ -229,15 +225,11 @@ func configFor(h Header, side *Sidecar, opt OpenOptions) (model.Config, Shapes) 
 // closed; int8 and AWQ tensors are decoded into *model.Quantized (int8
 // tensors whose groups cross rows are dequantized to F32 instead).
 func Open(path string, opt OpenOptions) (*model.Model, error) {
-	f, err := os.Open(path)
+	f, fi, err := infile.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
 	if fi.Size() < FP32HeaderSize {
 		return nil, errf(path, "", "file is %d bytes, too short for any Kuiper header", fi.Size())
 	}

@@ -5,8 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 
+	"qtool/formats/infile"
 	"qtool/formats/model"
 )
 
@@ -49,7 +49,7 @@ func SidecarPath(path string) string { return path + ".json" }
 // ReadSidecar reads PATH.json; it returns nil and no error when there is none.
 func ReadSidecar(path string) (*Sidecar, error) {
 	sp := SidecarPath(path)
-	data, err := os.ReadFile(sp)
+	data, err := infile.ReadFile(sp, infile.MetaLimit)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}

@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strings"
 
+	"qtool/formats/infile"
 	"qtool/formats/model"
 )
 
@@ -69,7 +70,7 @@ func ParseIndex(path string, data []byte) (Index, error) {
 // OpenIndex opens every shard an index file names and checks that each shard
 // holds the tensors the index assigns to it.
 func OpenIndex(indexPath string) (*Checkpoint, error) {
-	data, err := os.ReadFile(indexPath)
+	data, err := infile.ReadFile(indexPath, infile.MetaLimit)
 	if err != nil {
 		return nil, err
 	}

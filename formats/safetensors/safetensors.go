@@ -16,12 +16,12 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"os"
 	"sort"
 	"syscall"
 
 	st "github.com/nlpodyssey/safetensors"
 
+	"qtool/formats/infile"
 	"qtool/formats/model"
 )
 
@@ -50,15 +50,11 @@ type File struct {
 
 // Open maps path and validates its header.
 func Open(path string) (*File, error) {
-	f, err := os.Open(path)
+	f, fi, err := infile.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
 	if fi.Size() < 8 {
 		return nil, fmt.Errorf("%s: file is %d bytes, too short for a safetensors header", path, fi.Size())
 	}

@@ -13,6 +13,7 @@ import (
 	"strconv"
 
 	"qtool/formats/hf"
+	"qtool/formats/infile"
 	"qtool/formats/model"
 	"qtool/formats/safetensors"
 )
@@ -308,7 +309,7 @@ func Open(dir string) (ranks []*model.Model, man *Manifest, err error) {
 // ReadManifest reads and validates dir/manifest.json.
 func ReadManifest(dir string) (*Manifest, error) {
 	path := filepath.Join(dir, ManifestFile)
-	data, err := os.ReadFile(path)
+	data, err := infile.ReadFile(path, infile.MetaLimit)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("%s: not a shard directory (no %s)", dir, ManifestFile)
 	}

@@ -35,6 +35,8 @@ import (
 	"strconv"
 
 	"golang.org/x/sys/unix"
+
+	"qtool/formats/infile"
 )
 
 // File is an output being written. Write through Write; finish with Commit,
@@ -224,23 +226,7 @@ func resolve(path string) (real string, fi fs.FileInfo, err error) {
 }
 
 // describe names what an existing non-regular file is.
-func describe(path string, fi fs.FileInfo) string {
-	m := fi.Mode()
-	kind := "a special file"
-	switch {
-	case m.IsDir():
-		kind = "a directory"
-	case m&fs.ModeCharDevice != 0:
-		kind = "a character device"
-	case m&fs.ModeDevice != 0:
-		kind = "a block device"
-	case m&fs.ModeNamedPipe != 0:
-		kind = "a FIFO (named pipe)"
-	case m&fs.ModeSocket != 0:
-		kind = "a socket"
-	}
-	return path + " is " + kind
-}
+func describe(path string, fi fs.FileInfo) string { return path + " is " + infile.Kind(fi.Mode()) }
 
 // syncDir makes a rename in dir durable (best effort).
 func syncDir(dir string) {
