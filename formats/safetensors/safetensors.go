@@ -15,7 +15,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
+	"slices"
 	"sort"
 	"syscall"
 
@@ -101,7 +103,10 @@ func parse(path string, data []byte) (*File, error) {
 	}
 	sf := &File{Path: path, byName: map[string]int{}}
 	dataLen := int64(uint64(len(data)) - 8 - n)
-	for name, msg := range raw {
+	// Sorted, so that a header with several faults names the same tensor
+	// on every run.
+	for _, name := range slices.Sorted(maps.Keys(raw)) {
+		msg := raw[name]
 		if name == "__metadata__" {
 			if err := json.Unmarshal(msg, &sf.Metadata); err != nil {
 				return nil, fmt.Errorf("%s: __metadata__ must map strings to strings: %w", path, err)
@@ -138,7 +143,8 @@ func parse(path string, data []byte) (*File, error) {
 		sf.infos = append(sf.infos, Info{Name: name, DType: dt, Shape: shape, Begin: b, End: e, dtName: ri.DType})
 	}
 	sort.Slice(sf.infos, func(i, j int) bool {
-		return sf.infos[i].Begin < sf.infos[j].Begin || (sf.infos[i].Begin == sf.infos[j].Begin && sf.infos[i].End < sf.infos[j].End)
+		a, b := sf.infos[i], sf.infos[j]
+		return a.Begin < b.Begin || (a.Begin == b.Begin && (a.End < b.End || (a.End == b.End && a.Name < b.Name)))
 	})
 	var pos int64
 	for i, in := range sf.infos {
