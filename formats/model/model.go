@@ -14,8 +14,8 @@ import (
 	"fmt"
 	"io"
 	"sort"
-	"strings"
 	"strconv"
+	"strings"
 )
 
 // Arch names a supported model family.
