@@ -42,16 +42,16 @@ func qtoolBinary(t *testing.T) string {
 	return builtBin
 }
 
-// runCapped runs the qtool binary under `ulimit -v` (a hard address-space
-// cap, kilobytes) with a time limit, and returns its combined output and
-// exit status.
-func runCapped(t *testing.T, capKB int, timeout time.Duration, args ...string) (string, int) {
+// runLimited runs the qtool binary under `ulimit -OPT N` (-v: a hard
+// address-space cap, -f: a file-size cap, both in kilobytes) with a time
+// limit, and returns its combined output and exit status.
+func runLimited(t *testing.T, opt string, n int, timeout time.Duration, args ...string) (string, int) {
 	t.Helper()
 	bin := qtoolBinary(t)
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	script := `ulimit -v "$1"; shift; exec "$@"`
-	cmd := exec.CommandContext(ctx, "sh", append([]string{"-c", script, "sh", strconv.Itoa(capKB), bin}, args...)...)
+	script := `ulimit "$1" "$2"; shift 2; exec "$@"`
+	cmd := exec.CommandContext(ctx, "sh", append([]string{"-c", script, "sh", opt, strconv.Itoa(n), bin}, args...)...)
 	out, err := cmd.CombinedOutput()
 	if ctx.Err() != nil {
 		t.Fatalf("qtool %s did not finish in %s (hung?)\n%s", strings.Join(args, " "), timeout, out)
@@ -141,7 +141,7 @@ func TestBoundedResources(t *testing.T) {
 		{"calib ok under the cap", []string{"gptq", "-q", "--hf", llamaMini, "--calib", calibText, "--nsamples", "1", "--seqlen", "16", "-o", filepath.Join(dir, "g2")}, true, "wrote"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			out, code := runCapped(t, capKB, 2*time.Minute, c.args...)
+			out, code := runLimited(t, "-v", capKB, 2*time.Minute, c.args...)
 			if strings.Contains(out, "panic:") || strings.Contains(out, "goroutine ") || strings.Contains(out, "out of memory") {
 				t.Fatalf("crashed (exit %d):\n%s", code, tail(out))
 			}
@@ -189,3 +189,34 @@ func tail(s string) string {
 	}
 	return s
 }
+
+// TestFailedWriteDoesNotBlockRetry: a write that fails part way (here a
+// file-size cap standing in for a full disk) leaves nothing behind: no
+// output directory, no temporaries, so the same command succeeds next.
+func TestFailedWriteDoesNotBlockRetry(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the binary")
+	}
+	dir := t.TempDir()
+	for _, args := range [][]string{
+		{"convert", "--to", "hf", llamaMini, "-o", filepath.Join(dir, "hf")},
+		{"export", "-q", "--hf", llamaMini, "--q8", filepath.Join(dir, "m.bin")},
+		{"shard", "--tp", "2", llamaMini, "-o", filepath.Join(dir, "sh")},
+	} {
+		out, code := runLimited(t, "-f", 2000, time.Minute, args...)
+		if code == 0 || !strings.Contains(out, "file too large") {
+			t.Fatalf("qtool %s under a 2 MB file cap: exit %d\n%s", args[0], code, tail(out))
+		}
+		if ents, _ := os.ReadDir(dir); len(ents) != 0 {
+			t.Fatalf("qtool %s failed but left %v", args[0], ents)
+		}
+		if out, code := runLimited(t, "-f", 1<<30, time.Minute, args...); code != 0 {
+			t.Fatalf("retry of qtool %s: exit %d\n%s", args[0], code, tail(out))
+		}
+		ents, _ := os.ReadDir(dir)
+		for _, e := range ents {
+			os.RemoveAll(filepath.Join(dir, e.Name()))
+		}
+	}
+}
+
