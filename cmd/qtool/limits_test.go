@@ -219,4 +219,3 @@ func TestFailedWriteDoesNotBlockRetry(t *testing.T) {
 		}
 	}
 }
-
