@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 
 	"fmt"
-	"path/filepath"
 
 	"qtool/formats/hf"
 	"qtool/formats/model"
@@ -157,15 +156,8 @@ func Write(m *model.Model, dir string, opt WriteOptions) error {
 	if err != nil {
 		return err
 	}
-	return hf.WriteDir(dir, opt.Force, func(tmp string) error {
-		if err := safetensors.WriteCheckpoint(tmp, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
-			return err
-		}
-		if err := hf.WriteFile(filepath.Join(tmp, "config.json"), js); err != nil {
-			return err
-		}
-		return hf.CopyTokenizer(m.TokenizerDir, tmp)
-	})
+	return hf.WriteModelDir(dir, opt.Force, hf.ModelFiles{Base: "model", Entries: entries, Metadata: map[string]string{"format": "pt"},
+		MaxShard: opt.MaxShard, Files: map[string][]byte{"config.json": js}, TokenizerDir: m.TokenizerDir})
 }
 
 // quantEntries makes the three lazily packed tensors of one linear.

@@ -5,9 +5,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"qtool/formats/infile"
@@ -145,14 +147,35 @@ func Write(m *model.Model, dir string, opt WriteOptions) error {
 	if err != nil {
 		return err
 	}
-	return WriteDir(dir, opt.Force, func(tmp string) error {
-		if err := safetensors.WriteCheckpoint(tmp, "model", entries, map[string]string{"format": "pt"}, opt.MaxShard); err != nil {
+	return WriteModelDir(dir, opt.Force, ModelFiles{Base: "model", Entries: entries, Metadata: map[string]string{"format": "pt"},
+		MaxShard: opt.MaxShard, Files: map[string][]byte{"config.json": js}, TokenizerDir: m.TokenizerDir})
+}
+
+// ModelFiles is what WriteModelDir writes into a checkpoint directory.
+type ModelFiles struct {
+	Base     string // weights file base name: "model" → model.safetensors
+	Entries  []safetensors.Entry
+	Metadata map[string]string // safetensors __metadata__
+	MaxShard int64             // see safetensors.WriteCheckpoint
+	// Files are small files by name: config.json, a description, ...
+	Files map[string][]byte
+	// TokenizerDir's tokenizer files are copied (none when empty).
+	TokenizerDir string
+}
+
+// WriteModelDir writes f into dir as one unit (see WriteDir): the weights,
+// the small files and the tokenizer.
+func WriteModelDir(dir string, force bool, f ModelFiles) error {
+	return WriteDir(dir, force, func(tmp string) error {
+		if err := safetensors.WriteCheckpoint(tmp, f.Base, f.Entries, f.Metadata, f.MaxShard); err != nil {
 			return err
 		}
-		if err := WriteFile(filepath.Join(tmp, "config.json"), js); err != nil {
-			return err
+		for _, name := range slices.Sorted(maps.Keys(f.Files)) {
+			if err := WriteFile(filepath.Join(tmp, name), f.Files[name]); err != nil {
+				return err
+			}
 		}
-		return CopyTokenizer(m.TokenizerDir, tmp)
+		return CopyTokenizer(f.TokenizerDir, tmp)
 	})
 }
 

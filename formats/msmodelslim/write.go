@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
-	"path/filepath"
 
 	"qtool/formats/hf"
 	"qtool/formats/model"
@@ -66,18 +65,8 @@ func Write(m *model.Model, dir string, opt WriteOptions) error {
 	if err != nil {
 		return err
 	}
-	return hf.WriteDir(dir, opt.Force, func(tmp string) error {
-		if err := safetensors.WriteCheckpoint(tmp, base, w.entries, nil, opt.MaxShard); err != nil {
-			return err
-		}
-		if err := hf.WriteFile(filepath.Join(tmp, DescriptionFile), js); err != nil {
-			return err
-		}
-		if err := hf.WriteFile(filepath.Join(tmp, "config.json"), cj); err != nil {
-			return err
-		}
-		return hf.CopyTokenizer(m.TokenizerDir, tmp)
-	})
+	return hf.WriteModelDir(dir, opt.Force, hf.ModelFiles{Base: base, Entries: w.entries, MaxShard: opt.MaxShard,
+		Files: map[string][]byte{DescriptionFile: js, "config.json": cj}, TokenizerDir: m.TokenizerDir})
 }
 
 type writer struct {

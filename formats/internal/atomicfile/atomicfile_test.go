@@ -136,12 +136,7 @@ func TestWriteDirReplaces(t *testing.T) {
 	if err := WriteDir(out, true, fillModel("new", "config.json", "model.safetensors")); err != nil {
 		t.Fatal(err)
 	}
-	ents, _ := os.ReadDir(out)
-	var names []string
-	for _, e := range ents {
-		names = append(names, e.Name())
-	}
-	if strings.Join(names, " ") != "config.json model.safetensors" {
+	if names := listDir(out); names != "config.json model.safetensors" {
 		t.Fatalf("after --force the directory holds %v: the old model must be gone entirely", names)
 	}
 	left, _ := filepath.Glob(filepath.Join(dir, ".out*"))
@@ -234,12 +229,17 @@ func TestLockRemovesDeadRunsTemporaries(t *testing.T) {
 		t.Fatal(err)
 	}
 	l.Unlock()
+	if names := listDir(dir); names != ".m.bin.tmp-x .m.bin.x.tmp-1 .other.tmp-1 m.bin.tmp-1" {
+		t.Fatalf("after the sweep: %v", names)
+	}
+}
+
+// listDir is the names in dir, sorted and joined by spaces.
+func listDir(dir string) string {
 	ents, _ := os.ReadDir(dir)
 	var names []string
 	for _, e := range ents {
 		names = append(names, e.Name())
 	}
-	if strings.Join(names, " ") != ".m.bin.tmp-x .m.bin.x.tmp-1 .other.tmp-1 m.bin.tmp-1" {
-		t.Fatalf("after the sweep: %v", names)
-	}
+	return strings.Join(names, " ")
 }
