@@ -11,7 +11,7 @@ import (
 // several commands (what 0 means is in each flag's usage).
 var intFloors = map[string]int{
 	"threads": 0, "max-chunks": 0, "max-new": 0, "top-k": 0, "verify-chunks": 0, "seq-len": 0,
-	"block": 1,
+	"block": 1, "search-tokens": 1,
 }
 
 // checkFlags rejects out-of-range numeric options before a command runs,

@@ -167,6 +167,28 @@ func TestWriteDirReplaces(t *testing.T) {
 	}
 }
 
+func TestWriteDirThroughSymlink(t *testing.T) {
+	dir := t.TempDir()
+	real := filepath.Join(dir, "models", "m")
+	os.MkdirAll(real, 0o750)
+	link := filepath.Join(dir, "m")
+	if err := os.Symlink("models/m", link); err != nil {
+		t.Fatal(err)
+	}
+	if err := WriteDir(link, false, fillModel("new", "config.json")); err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Lstat(link); err != nil || fi.Mode()&os.ModeSymlink == 0 {
+		t.Fatalf("the link was replaced: %v %v", fi, err)
+	}
+	if names := listDir(real); names != "config.json" {
+		t.Fatalf("link target holds %q", names)
+	}
+	if fi, _ := os.Stat(real); fi.Mode().Perm() != 0o750 {
+		t.Errorf("replaced directory has mode %v, want its old 0750", fi.Mode().Perm())
+	}
+}
+
 func TestWriteDirFailureLeavesNothing(t *testing.T) {
 	dir := t.TempDir()
 	out := filepath.Join(dir, "out")
