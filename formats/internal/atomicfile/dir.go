@@ -34,8 +34,14 @@ var ErrNotEmpty = errors.New("directory is not empty")
 // quant_model_description file or a *.safetensors file at its top level)
 // and is not the working directory or one of its parents: force must not
 // remove a directory of anything else. A new directory gets mode 0777
-// minus the umask; a replaced one keeps its mode.
+// minus the umask; a replaced one keeps its mode. Missing parent
+// directories are created.
 func WriteDir(path string, force bool, fill func(dir string) error) error {
+	// Missing parents are created (they are not part of the output and
+	// block nothing if the write fails).
+	if err := os.MkdirAll(filepath.Dir(path), 0o777); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
 	real, fi, err := resolve(path)
 	if err != nil {
 		return err
