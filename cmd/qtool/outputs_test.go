@@ -2,12 +2,14 @@ package main
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"qtool/convert"
 	"qtool/formats/hf"
@@ -198,3 +200,51 @@ func TestExportSpecialFiles(t *testing.T) {
 }
 
 func mkfifo(path string) error { return syscall.Mkfifo(path, 0o644) }
+
+// TestTwoQuantizersOneOutput: two `qtool gptq` processes started 0.5 s
+// apart with the same new -o: one wins, the other fails naming the output,
+// and the output is one complete model.
+func TestTwoQuantizersOneOutput(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the binary and runs two quantizers")
+	}
+	bin := qtoolBinary(t)
+	out := filepath.Join(t.TempDir(), "gptq")
+	calibText, _ := filepath.Abs("../../testdata/corpus/train-head.txt")
+	type result struct {
+		out  string
+		code int
+	}
+	results := make(chan result, 2)
+	for i := range 2 {
+		go func() {
+			time.Sleep(time.Duration(i) * 500 * time.Millisecond)
+			cmd := exec.Command(bin, "gptq", "-q", "--hf", llamaMini, "--calib", calibText, "--nsamples", "1", "--seqlen", "16", "--threads", "1", "-o", out)
+			b, err := cmd.CombinedOutput()
+			code := 0
+			if err != nil {
+				code = 1
+			}
+			results <- result{string(b), code}
+		}()
+	}
+	won := 0
+	for range 2 {
+		r := <-results
+		if r.code == 0 {
+			won++
+			continue
+		}
+		if !strings.Contains(r.out, out) || !(strings.Contains(r.out, "another process is writing it") || strings.Contains(r.out, "not empty") || strings.Contains(r.out, "already exists")) {
+			t.Errorf("the losing run's message names neither the output nor the conflict:\n%s", r.out)
+		}
+	}
+	if won != 1 {
+		t.Fatalf("%d runs succeeded, want exactly 1", won)
+	}
+	m, err := convert.Open(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Close()
+}
