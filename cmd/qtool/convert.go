@@ -21,7 +21,8 @@ func convertCommand() *cli.Command {
 			"(aliases: awq, ak48, v5, ak47, q8, fp32, ak42-v1, ak42-v2). Quantized weights are kept as they are;\n" +
 			"a format that would have to re-quantize them refuses and names the formats that can hold the model.\n" +
 			"Float formats (hf, kuiper-fp32, kuiper-ak42-v1, kuiper-ak47) dequantize. AutoAWQ and GPTQ store\n" +
-			"scales and other tensors as fp16. Examples:\n" +
+			"scales and other tensors as fp16. OUT appears complete or not at all; a directory that is not\n" +
+			"empty is refused unless --force, which replaces it entirely (the old model is removed). Examples:\n" +
 			"   qtool convert --to kuiper-v5 qwen3-awq/ -o qwen3.ak48     (seed 002: AutoAWQ → OrinMLLM v5)\n" +
 			"   qtool convert --to msmodelslim llama-gptq/ -o llama-w4a16/\n" +
 			"   qtool convert --to gptq llama-w8a16/ -o llama-gptq8/       (reverse of Ascend's ms_to_vllm.py)",
