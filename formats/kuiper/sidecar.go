@@ -34,7 +34,8 @@ type Sidecar struct {
 	DType     string `json:"source_dtype,omitempty"`
 	// TokenizerDir is the absolute directory holding the tokenizer files.
 	TokenizerDir string `json:"tokenizer_dir,omitempty"`
-	// FileSize is the size of the binary file this sidecar describes.
+	// FileSize is the size of the binary file this sidecar describes;
+	// readers refuse a file of another size (0: not recorded).
 	FileSize int64 `json:"file_size"`
 	// FileCRC32C is the CRC-32C (Castagnoli, 8 hex digits) of that file;
 	// Open refuses a file whose checksum differs (empty: not recorded).
