@@ -19,9 +19,8 @@ func kvBudget() int64 {
 		return KVBudget
 	}
 	budget := int64(1) << 62
-	var si syscall.Sysinfo_t
-	if syscall.Sysinfo(&si) == nil && si.Totalram > 0 {
-		budget = int64(si.Totalram) * int64(si.Unit) / 2
+	if mem := totalMemory(); mem > 0 {
+		budget = mem / 2
 	}
 	var rl syscall.Rlimit
 	if syscall.Getrlimit(syscall.RLIMIT_AS, &rl) == nil && rl.Cur/2 < uint64(budget) {

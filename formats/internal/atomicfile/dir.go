@@ -112,11 +112,11 @@ func WriteDir(path string, force bool, fill func(dir string) error) error {
 
 // exchange puts the staging directory tmp at real and returns where the old
 // contents of real went (to be removed). RENAME_EXCHANGE swaps both names
-// in one step; on filesystems without it the old directory is renamed
-// aside first (a crash between the two renames leaves path missing and the
-// old model in ".NAME.tmp-N").
+// in one step; on filesystems (or systems other than Linux) without it
+// the old directory is renamed aside first (a crash between the two
+// renames leaves path missing and the old model in ".NAME.tmp-N").
 func exchange(tmp, real string) (string, error) {
-	err := unix.Renameat2(unix.AT_FDCWD, tmp, unix.AT_FDCWD, real, unix.RENAME_EXCHANGE)
+	err := renameExchange(tmp, real)
 	if err == nil {
 		return tmp, nil
 	}
