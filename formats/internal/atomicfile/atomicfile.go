@@ -201,18 +201,19 @@ func mkdirTemp(target string) (string, error) {
 // replaced. fi is nil when that file does not exist yet (its directory
 // must). A dangling link is refused: where it points is not ours to create.
 func resolve(path string) (real string, fi fs.FileInfo, err error) {
-	li, err := os.Lstat(path)
+	clean := filepath.Clean(path) // "out/" names out, not a file in it
+	li, err := os.Lstat(clean)
 	if errors.Is(err, fs.ErrNotExist) {
-		if _, err := os.Stat(filepath.Dir(path)); err != nil {
-			return "", nil, fmt.Errorf("write %s: directory %s: %w", path, filepath.Dir(path), err)
+		if _, err := os.Stat(filepath.Dir(clean)); err != nil {
+			return "", nil, fmt.Errorf("write %s: directory %s: %w", path, filepath.Dir(clean), err)
 		}
-		return path, nil, nil
+		return clean, nil, nil
 	}
 	if err != nil {
 		return "", nil, fmt.Errorf("write %s: %w", path, err)
 	}
 	if li.Mode()&fs.ModeSymlink == 0 {
-		return path, li, nil
+		return clean, li, nil
 	}
 	real, err = filepath.EvalSymlinks(path)
 	if err != nil {

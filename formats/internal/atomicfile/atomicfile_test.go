@@ -150,6 +150,13 @@ func TestWriteDirReplaces(t *testing.T) {
 	if err := WriteDir(other, true, fillModel("new", "config.json")); err == nil || !strings.Contains(err.Error(), "holds no model") {
 		t.Fatalf("forced over a non-model directory: err = %v", err)
 	}
+	// "out/" is out itself.
+	if err := WriteDir(out+"/", true, fillModel("slash", "config.json")); err != nil {
+		t.Fatal(err)
+	}
+	if names := listDir(out); names != "config.json" {
+		t.Fatalf("after writing %s/: %q", out, names)
+	}
 	// An empty directory is simply filled.
 	empty := filepath.Join(dir, "empty")
 	os.Mkdir(empty, 0o700)

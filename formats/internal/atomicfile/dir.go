@@ -39,7 +39,7 @@ var ErrNotEmpty = errors.New("directory is not empty")
 func WriteDir(path string, force bool, fill func(dir string) error) error {
 	// Missing parents are created (they are not part of the output and
 	// block nothing if the write fails).
-	if err := os.MkdirAll(filepath.Dir(path), 0o777); err != nil {
+	if err := os.MkdirAll(filepath.Dir(filepath.Clean(path)), 0o777); err != nil {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	real, fi, err := resolve(path)
