@@ -45,7 +45,8 @@ type File struct {
 	w      *bufio.Writer
 	path   string      // as given, for messages
 	real   string      // path with symbolic links resolved: what is replaced
-	mode   fs.FileMode // mode of the file replaced (0: new file, keep the umask's)
+	old    bool        // a file is replaced (else a new one is created)
+	mode   fs.FileMode // mode of the file replaced
 	tmp    *os.File
 	crc    hash.Hash32
 	n      int64
@@ -68,7 +69,7 @@ func Create(path string) (*File, error) {
 	}
 	f := &File{path: path, real: real, tmp: tmp, crc: crc32.New(crc32.MakeTable(crc32.Castagnoli))}
 	if fi != nil {
-		f.mode = fi.Mode().Perm()
+		f.old, f.mode = true, fi.Mode().Perm()
 	}
 	f.w = bufio.NewWriterSize(tmp, 1<<20)
 	return f, nil
@@ -107,6 +108,25 @@ func CommitAll(files ...*File) error {
 			f.Abort()
 		}
 	}
+	// A rename over a file frees the old file's blocks inside the rename
+	// call, which for a large file takes long enough for a kill to land
+	// between two renames (the signal is delivered as the call returns).
+	// Keeping each old file linked under a temporary name until all are
+	// renamed makes the renames quick; the old data is freed afterwards.
+	var keep []string
+	for _, f := range files {
+		if err == nil && f.old {
+			name := tempPrefix(f.real) + strconv.FormatUint(uint64(rand.Uint32()), 10)
+			if os.Link(f.real, name) == nil {
+				keep = append(keep, name)
+			}
+		}
+	}
+	defer func() {
+		for _, k := range keep {
+			os.Remove(k)
+		}
+	}()
 	for _, f := range files {
 		if err == nil {
 			if err = os.Rename(f.tmp.Name(), f.real); err != nil {
@@ -144,7 +164,7 @@ func (f *File) prepare() error {
 	if cerr := f.tmp.Close(); err == nil {
 		err = cerr
 	}
-	if err == nil && f.mode != 0 {
+	if err == nil && f.old {
 		err = os.Chmod(f.tmp.Name(), f.mode)
 	}
 	if err != nil {
