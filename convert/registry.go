@@ -12,6 +12,7 @@ import (
 	"qtool/formats/autoawq"
 	"qtool/formats/gptq"
 	"qtool/formats/hf"
+	"qtool/formats/infile"
 	"qtool/formats/kuiper"
 	"qtool/formats/model"
 	"qtool/formats/msmodelslim"
@@ -89,24 +90,24 @@ var codecs = []*Codec{
 		Doc:    "Hugging Face safetensors checkpoint (F32/F16/BF16, single or sharded)",
 		detect: func(pr *probe) (bool, error) { m, ok, err := pr.quantMethod(); return ok && m == "", err },
 		open:   func(path string, _ Options) (*model.Model, error) { return hf.Open(path) },
-		write: func(m *model.Model, out string, _ SaveOptions, _ *profile) error {
-			return hf.Write(m, out, hf.WriteOptions{})
+		write: func(m *model.Model, out string, opt SaveOptions, _ *profile) error {
+			return hf.Write(m, out, hf.WriteOptions{Force: opt.Force})
 		},
 		holds: func(p *profile) error { return p.noNormBias() }},
 	{Name: FormatAutoAWQ, Aliases: []string{"awq"}, Kind: KindAutoAWQ,
 		Doc:    "AutoAWQ GEMM checkpoint (4-bit per-group)",
 		detect: func(pr *probe) (bool, error) { m, ok, err := pr.quantMethod(); return ok && m == "awq", err },
 		open:   func(path string, _ Options) (*model.Model, error) { return autoawq.Open(path) },
-		write: func(m *model.Model, out string, _ SaveOptions, _ *profile) error {
-			return autoawq.Write(m, out, autoawq.WriteOptions{})
+		write: func(m *model.Model, out string, opt SaveOptions, _ *profile) error {
+			return autoawq.Write(m, out, autoawq.WriteOptions{Force: opt.Force})
 		},
 		holds: holdsAutoAWQ},
 	{Name: FormatGPTQ, Kind: KindGPTQ,
 		Doc:    "GPTQ v1 checkpoint (2/3/4/8 bits, act-order g_idx)",
 		detect: func(pr *probe) (bool, error) { m, ok, err := pr.quantMethod(); return ok && m == "gptq", err },
 		open:   func(path string, _ Options) (*model.Model, error) { return gptq.Open(path) },
-		write: func(m *model.Model, out string, _ SaveOptions, _ *profile) error {
-			return gptq.Write(m, out, gptq.WriteOptions{})
+		write: func(m *model.Model, out string, opt SaveOptions, _ *profile) error {
+			return gptq.Write(m, out, gptq.WriteOptions{Force: opt.Force})
 		},
 		holds: holdsGPTQ},
 	{Name: FormatMsModelSlim, Kind: KindMsModelSlim, early: true,
@@ -115,8 +116,8 @@ var codecs = []*Codec{
 			return pr.dir && pr.has("quant_model_description.json"), nil
 		},
 		open: func(path string, _ Options) (*model.Model, error) { return msmodelslim.Open(path) },
-		write: func(m *model.Model, out string, _ SaveOptions, _ *profile) error {
-			return msmodelslim.Write(m, out, msmodelslim.WriteOptions{})
+		write: func(m *model.Model, out string, opt SaveOptions, _ *profile) error {
+			return msmodelslim.Write(m, out, msmodelslim.WriteOptions{Force: opt.Force})
 		},
 		holds: holdsMsModelSlim},
 	{Name: FormatShard, Aliases: []string{"qtool-shard"}, Kind: KindShard, rope: ropeKeep, early: true,
@@ -130,7 +131,7 @@ var codecs = []*Codec{
 			if opt.TP < 1 {
 				return fmt.Errorf("convert %s: a shard directory needs the number of ranks (qtool shard --tp N)", out)
 			}
-			_, err := shard.Write(m, opt.TP, out)
+			_, err := shard.WriteWith(m, opt.TP, out, shard.WriteOptions{Force: opt.Force})
 			return err
 		},
 		holds: func(*profile) error { return nil }},
@@ -259,7 +260,7 @@ func (pr *probe) quantMethod() (method string, ok bool, err error) {
 	if !pr.cfgRead {
 		pr.cfgRead = true
 		file := filepath.Join(pr.path, "config.json")
-		data, err := os.ReadFile(file)
+		data, err := infile.ReadFile(file, infile.MetaLimit)
 		if err == nil {
 			pr.hasConfig = true
 			var raw struct {

@@ -29,6 +29,9 @@ type SaveOptions struct {
 	// QtoolOnly allows ak47/ak48 files for Qwen3 shapes OrinMLLM cannot read
 	// (heads × head_dim ≠ hidden): only qtool reads them back.
 	QtoolOnly bool
+	// Force replaces a directory output that already holds a model: the
+	// old model is removed entirely once the new one is complete.
+	Force bool
 	// Kuiper carries the Kuiper writer's own settings (SeqLen, NoSidecar,
 	// Progress); Format, Rope and GroupSize are set from the above.
 	Kuiper kuiper.WriteOptions

@@ -55,9 +55,15 @@ func Generate(m *Model, prompt []int, opt GenOptions) ([]int, error) {
 	if math.IsNaN(opt.Temperature) || math.IsInf(opt.Temperature, 0) {
 		return nil, fmt.Errorf("generate: temperature %g is not a finite number", opt.Temperature)
 	}
-	total := len(prompt) + opt.MaxNew
-	if cfg.MaxSeq > 0 && total > cfg.MaxSeq {
+	if cfg.MaxSeq > 0 && opt.MaxNew > cfg.MaxSeq-len(prompt) { // not len+MaxNew: that can overflow
 		return nil, fmt.Errorf("generate: prompt (%d) + new tokens (%d) exceed the model's max_position_embeddings %d", len(prompt), opt.MaxNew, cfg.MaxSeq)
+	}
+	if opt.MaxNew > math.MaxInt32 {
+		return nil, fmt.Errorf("generate: %d new tokens: more than %d", opt.MaxNew, math.MaxInt32)
+	}
+	total := len(prompt) + opt.MaxNew
+	if err := checkKV(fmt.Sprintf("generate: prompt (%d) + new tokens (%d)", len(prompt), opt.MaxNew), cfg, total); err != nil {
+		return nil, err
 	}
 	if opt.MaxNew == 0 {
 		return nil, nil

@@ -85,6 +85,9 @@ func Perplexity(m *Model, ids []int, opt PPLOptions) (PPLResult, error) {
 	if cfg.MaxSeq > 0 && ctx > cfg.MaxSeq {
 		return res, fmt.Errorf("perplexity: context %d exceeds the model's max_position_embeddings %d", ctx, cfg.MaxSeq)
 	}
+	if err := checkKV(fmt.Sprintf("perplexity: context %d", ctx), cfg, ctx); err != nil {
+		return res, err
+	}
 	n := len(ids) / ctx
 	if n == 0 {
 		return res, fmt.Errorf("perplexity: the text has %d tokens, fewer than one chunk of %d", len(ids), ctx)

@@ -15,7 +15,7 @@ func convertCommand() *cli.Command {
 	return &cli.Command{
 		Name:      "convert",
 		Usage:     "rewrite a model in another format without re-quantizing it",
-		UsageText: "qtool convert --to FORMAT MODEL -o OUT [--rope half|interleaved] [--tp N] [--qtool-only]\n   qtool convert --list MODEL",
+		UsageText: "qtool convert --to FORMAT MODEL -o OUT [--force] [--rope half|interleaved] [--tp N] [--qtool-only]\n   qtool convert --list MODEL",
 		Description: "Reads MODEL (any format below) and writes it as FORMAT:\n" +
 			formatTable() +
 			"Quantized weights are kept as they are; a format that would have to re-quantize them refuses and\n" +
@@ -23,7 +23,8 @@ func convertCommand() *cli.Command {
 			"AutoAWQ and GPTQ store scales and other tensors as fp16. The q/k rows follow the rope layout of each\n" +
 			"side: HF-style formats hold the half layout, llama2.c's (kuiper-fp32, ak42-v1, ak42-v2) take Llama\n" +
 			"models interleaved, the others keep MODEL's layout and record it (--rope overrides). --to shard\n" +
-			"needs --tp N. Examples:\n" +
+			"needs --tp N. OUT appears complete or not at all; a directory that is not empty is refused unless\n" +
+			"--force, which replaces it entirely (the old model is removed). Examples:\n" +
 			"   qtool convert --to ak48 qwen3-awq/ -o qwen3.ak48          (seed 002: AutoAWQ → OrinMLLM v5)\n" +
 			"   qtool convert --to msmodelslim llama-gptq/ -o llama-w4a16/\n" +
 			"   qtool convert --to gptq llama-w8a16/ -o llama-gptq8/       (reverse of Ascend's ms_to_vllm.py)",
@@ -34,6 +35,7 @@ func convertCommand() *cli.Command {
 			&cli.StringFlag{Name: "rope", Usage: "q/k layout to write: half or interleaved (default: the format's, see above)"},
 			&cli.IntFlag{Name: "tp", Usage: "ranks of a shard directory (--to shard)"},
 			&cli.BoolFlag{Name: "qtool-only", Usage: "allow ak47/ak48 for Qwen3 shapes OrinMLLM cannot read"},
+			&cli.BoolFlag{Name: "force", Usage: "replace an output directory that already holds a model (the old model is removed entirely)"},
 		},
 		Action: runConvert,
 	}
@@ -52,14 +54,14 @@ func runConvert(c *cli.Context) error {
 			pos = append(pos, a)
 			continue
 		}
-		if name == "list" || name == "qtool-only" {
+		if name == "list" || name == "qtool-only" || name == "force" {
 			if err := c.Set(name, "true"); err != nil {
 				return err
 			}
 			continue
 		}
 		if name != "o" && name != "out" && name != "to" && name != "rope" && name != "tp" {
-			return fmt.Errorf("convert: unknown option %q (options: --to FORMAT, -o OUT, --list, --rope, --tp, --qtool-only)", a)
+			return fmt.Errorf("convert: unknown option %q (options: --to FORMAT, -o OUT, --list, --rope, --tp, --qtool-only, --force)", a)
 		}
 		if !hasVal {
 			if i+1 >= len(args) {
@@ -106,7 +108,7 @@ func runConvert(c *cli.Context) error {
 	if err != nil {
 		return fmt.Errorf("convert: --to: %w", err)
 	}
-	opt := convert.SaveOptions{Rope: rope, TP: c.Int("tp"), QtoolOnly: c.Bool("qtool-only")}
+	opt := convert.SaveOptions{Rope: rope, TP: c.Int("tp"), QtoolOnly: c.Bool("qtool-only"), Force: c.Bool("force")}
 	if err := convert.SaveWith(m, f, out, opt); err != nil {
 		return err
 	}

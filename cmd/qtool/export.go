@@ -53,7 +53,8 @@ func exportCommand() *cli.Command {
 		Usage:     "write a Kuiper / llama2.c / OrinMLLM single-file model",
 		UsageText: "qtool export --hf DIR --q8 OUT [--group 64] [--rope interleaved]\n   qtool export --hf DIR --fp32 OUT\n   qtool export --hf QWEN3_AWQ_DIR --v5 OUT    (AutoAWQ Qwen3 → ak48, no re-quantization)",
 		Description: "Streams the model tensor by tensor into OUT (written atomically: on error nothing is left)\n" +
-			"and writes OUT.json with what the binary format cannot hold. Int8 files always carry a\n" +
+			"and writes OUT.json with what the binary format cannot hold, and OUT's size and CRC-32C (a file\n" +
+			"beside another run's OUT.json is refused when read). Int8 files always carry a\n" +
 			"quantized classifier (vocab = -V), the quantized embedding for tied models.",
 		Flags:  flags,
 		Action: runExport,

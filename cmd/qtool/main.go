@@ -16,7 +16,7 @@ func newApp() *cli.App {
 		Description: "qtool reads Hugging Face checkpoints (float, AutoAWQ, GPTQ), msmodelslim directories and\n" +
 			"Kuiper/llama2.c files, quantizes them (RTN with `qtool quantize`, GPTQ, AWQ, SmoothQuant) and writes any of these\n" +
 			"formats. `qtool verify` runs a model in the bundled runtime (CPU, or CUDA when present).",
-		Commands: []*cli.Command{
+		Commands: withFlagChecks([]*cli.Command{
 			exportCommand(),
 			inspectCommand(),
 			verifyCommand(),
@@ -28,7 +28,7 @@ func newApp() *cli.App {
 			shardCommand(),
 			convertCommand(),
 			reportCommand(),
-		},
+		}),
 		EnableBashCompletion: true,
 	}
 }

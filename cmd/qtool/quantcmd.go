@@ -20,6 +20,7 @@ import (
 
 	"qtool/convert"
 	"qtool/formats/hf"
+	"qtool/formats/infile"
 	"qtool/formats/model"
 	"qtool/quantize/calib"
 	"qtool/runtime"
@@ -283,7 +284,7 @@ func verifyWritten(out, hfDir, textFile string, maxChunks int, be runtime.Backen
 			return nil, err
 		}
 	}
-	text, err := os.ReadFile(textFile)
+	text, err := infile.ReadFile(textFile, infile.TextLimit)
 	if err != nil {
 		return nil, err
 	}

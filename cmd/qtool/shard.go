@@ -32,7 +32,7 @@ func shardCommand() *cli.Command {
 			&cli.IntFlag{Name: "tp", Usage: "number of ranks `N`", Required: true},
 			&cli.StringFlag{Name: "output", Aliases: []string{"o"}, Usage: "output directory `DIR`", TakesFile: true},
 			&cli.BoolFlag{Name: "check", Usage: "only check that MODEL can be split over N ranks; write nothing"},
-			&cli.BoolFlag{Name: "force", Usage: "write into DIR even if it already holds a manifest"},
+			&cli.BoolFlag{Name: "force", Usage: "replace DIR when it already holds a model (the old one is removed entirely)"},
 			&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "print only the written manifest (or the check result)"},
 		},
 		Action: runShard,
@@ -79,9 +79,6 @@ func runShard(c *cli.Context) error {
 	if n < 1 {
 		return fmt.Errorf("shard: --tp %d: want at least 1", n)
 	}
-	if out != "" && !c.Bool("force") && shard.IsDir(out) {
-		return fmt.Errorf("shard: %s already holds a shard manifest (use --force to overwrite)", out)
-	}
 	m, err := convert.Open(in)
 	if err != nil {
 		return fmt.Errorf("shard: %w", err)
@@ -91,7 +88,7 @@ func runShard(c *cli.Context) error {
 	if c.Bool("check") {
 		man, err = shard.Plan(m, n)
 	} else {
-		man, err = shard.Write(m, n, out)
+		man, err = shard.WriteWith(m, n, out, shard.WriteOptions{Force: c.Bool("force")})
 	}
 	if err != nil {
 		return fmt.Errorf("shard: %w", err)

@@ -29,7 +29,7 @@ func TestShardCommand(t *testing.T) {
 		err  bool
 	}{
 		{"flag after model", []string{"--tp", "2", llamaMini, "-o", dir}, "rank 1", false},
-		{"existing manifest", []string{"--tp", "2", "-o", dir, llamaMini}, "already holds a shard manifest", true},
+		{"existing manifest", []string{"--tp", "2", "-o", dir, llamaMini}, "--force replaces it", true},
 		{"force", []string{"--tp", "2", "--force", "-o", dir, llamaMini}, "20 column-parallel, 8 row-parallel, 2 vocab-parallel, 9 replicated", false},
 		{"bad tp", []string{"--tp", "3", "--check", llamaMini}, "sizes that work: 1, 2", true},
 		{"check", []string{"--tp", "2", "--check", llamaMini}, "check   ok", false},

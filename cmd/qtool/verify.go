@@ -15,6 +15,7 @@ import (
 	"github.com/urfave/cli/v2"
 	"golang.org/x/term"
 
+	"qtool/formats/infile"
 	"qtool/formats/model"
 	"qtool/runtime"
 	"qtool/runtime/cpu"
@@ -140,7 +141,7 @@ func runVerify(c *cli.Context) error {
 		if pplPath, err = resolvePPLFile(p); err != nil {
 			return err
 		}
-		if text, err = os.ReadFile(pplPath); err != nil {
+		if text, err = infile.ReadFile(pplPath, infile.TextLimit); err != nil {
 			return fmt.Errorf("verify: --ppl: %w", err)
 		}
 		if len(strings.TrimSpace(string(text))) == 0 {
@@ -226,7 +227,10 @@ func runVerify(c *cli.Context) error {
 	if prompt != "" {
 		ids := tokenizer.EncodeWithBOS(tok, prompt)
 		if len(ids) == 0 {
-			return fmt.Errorf("verify: --prompt %q encodes to no tokens", prompt)
+			return fmt.Errorf("verify: --prompt %s encodes to no tokens", abbreviate(prompt))
+		}
+		if cfg.MaxSeq > 0 && len(ids) >= cfg.MaxSeq {
+			return fmt.Errorf("verify: --prompt %s is %d tokens; the model holds %d positions (max_position_embeddings), so at most %d prompt tokens", abbreviate(prompt), len(ids), cfg.MaxSeq, cfg.MaxSeq-1)
 		}
 		eos := tok.EOS()
 		for _, e := range cfg.EOS {
@@ -238,19 +242,27 @@ func runVerify(c *cli.Context) error {
 			eos = []int{}
 		}
 		maxNew := c.Int("max-new")
-		if cfg.MaxSeq > 0 && len(ids)+maxNew > cfg.MaxSeq {
-			maxNew = max(0, cfg.MaxSeq-len(ids))
+		if cfg.MaxSeq > 0 && maxNew > cfg.MaxSeq-len(ids) { // no overflow: both sides are in range
+			maxNew = cfg.MaxSeq - len(ids)
 		}
+		// The prompt is echoed with the first token, so that an error
+		// (a prompt too long, a --max-new too large) comes without it.
 		var stream io.Writer
+		echo := func() {}
 		if !jsonOut {
-			stream = stdout
-			fmt.Fprintf(stdout, "prompt  %s", prompt)
+			echo = func() {
+				if stream == nil {
+					stream = stdout
+					fmt.Fprintf(stdout, "prompt  %s", prompt)
+				}
+			}
 		}
 		start := time.Now()
 		out, err := runtime.Generate(m, ids, runtime.GenOptions{
 			MaxNew: maxNew, Temperature: c.Float64("temperature"), TopK: c.Int("top-k"), TopP: c.Float64("top-p"),
 			Seed: c.Uint64("seed"), EOS: eos,
 			OnToken: func(id int) {
+				echo()
 				if stream != nil {
 					fmt.Fprint(stream, tok.DecodeToken(id))
 				}
@@ -259,6 +271,7 @@ func runVerify(c *cli.Context) error {
 		if err != nil {
 			return fmt.Errorf("verify: %w", err)
 		}
+		echo()
 		sec := time.Since(start).Seconds()
 		g := &generation{Prompt: prompt, PromptIDs: ids, IDs: out, Text: tok.Decode(out)}
 		if g.IDs == nil {
@@ -285,8 +298,8 @@ func resolvePPLFile(arg string) (string, error) {
 		if err != nil {
 			return "", fmt.Errorf("verify: --ppl: %w", err)
 		}
-		if fi.IsDir() {
-			return "", fmt.Errorf("verify: --ppl %s is a directory; give a text file", arg)
+		if !fi.Mode().IsRegular() {
+			return "", fmt.Errorf("verify: --ppl %s is %s; give a text file", arg, infile.Kind(fi.Mode()))
 		}
 		return arg, nil
 	}
@@ -409,4 +422,12 @@ func newBackend(device string, threads, tpN int, mm *model.Model) (runtime.Backe
 func isTerminal(w io.Writer) bool {
 	f, ok := w.(*os.File)
 	return ok && term.IsTerminal(int(f.Fd()))
+}
+
+// abbreviate quotes s for a message, cut to its first 60 characters.
+func abbreviate(s string) string {
+	if r := []rune(s); len(r) > 60 {
+		return fmt.Sprintf("%q… (%d characters)", string(r[:60]), len(r))
+	}
+	return fmt.Sprintf("%q", s)
 }

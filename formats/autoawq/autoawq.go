@@ -99,18 +99,21 @@ type WriteOptions struct {
 	// MaxShard splits the weights into shards of at most this many bytes
 	// plus model.safetensors.index.json (0: one model.safetensors).
 	MaxShard int64
+	// Force replaces a dir that is not empty (see hf.WriteDir).
+	Force bool
 }
 
-// Write saves m as an AutoAWQ GEMM checkpoint in dir (created if needed).
+// Write saves m as an AutoAWQ GEMM checkpoint in dir.
 // Every *model.Quantized decoder linear must be 4-bit with one common group
 // size and no g_idx; its scales are rounded to fp16 (see Pack). Float decoder
 // linears are written as plain fp16 weights and listed in
 // modules_to_not_convert. Every other tensor is written as fp16 (quantized
 // ones dequantized first). config.json gets the quantization_config and the
-// tokenizer files of m.TokenizerDir are copied.
+// tokenizer files of m.TokenizerDir are copied. dir appears complete or not
+// at all (hf.WriteDir).
 func Write(m *model.Model, dir string, opt WriteOptions) error {
 	qc := QuantConfig{Bits: 4, ZeroPoint: true, Version: "gemm"}
-	return hf.WriteQuantized(m, dir, opt.MaxShard, hf.QuantizedWriter{
+	return hf.WriteQuantized(m, dir, hf.WriteOptions{MaxShard: opt.MaxShard, Force: opt.Force}, hf.QuantizedWriter{
 		Codec: "AutoAWQ",
 		Linear: func(canon, mod string, q *model.Quantized) ([]safetensors.Entry, error) {
 			if err := checkPackable(q); err != nil {

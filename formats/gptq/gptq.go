@@ -118,6 +118,8 @@ type WriteOptions struct {
 	// MaxShard splits the weights into shards of at most this many bytes
 	// plus model.safetensors.index.json (0: one model.safetensors).
 	MaxShard int64
+	// Force replaces a dir that is not empty (see hf.WriteDir).
+	Force bool
 }
 
 // Write saves m as a GPTQ v1 checkpoint (checkpoint_format "gptq") in dir.
@@ -127,10 +129,11 @@ type WriteOptions struct {
 // sym is true when no layer has zero points. Float decoder linears stay
 // plain fp16 weights; every other tensor is written as fp16 (quantized ones
 // dequantized). config.json gets the quantization_config and the tokenizer
-// files of m.TokenizerDir are copied.
+// files of m.TokenizerDir are copied. dir appears complete or not at all
+// (hf.WriteDir).
 func Write(m *model.Model, dir string, opt WriteOptions) error {
 	qc := QuantConfig{Sym: true, CheckpointFormat: "gptq"}
-	return hf.WriteQuantized(m, dir, opt.MaxShard, hf.QuantizedWriter{
+	return hf.WriteQuantized(m, dir, hf.WriteOptions{MaxShard: opt.MaxShard, Force: opt.Force}, hf.QuantizedWriter{
 		Codec: "GPTQ",
 		Linear: func(canon, mod string, q *model.Quantized) ([]safetensors.Entry, error) {
 			if err := checkPackable(q); err != nil {

@@ -5,11 +5,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
+	"qtool/formats/infile"
 	"qtool/formats/internal/atomicfile"
 	"qtool/formats/model"
 	"qtool/formats/safetensors"
@@ -19,7 +22,7 @@ import (
 // that need more (such as "quantization_config").
 func ReadConfig(dir string) (cfg model.Config, raw map[string]json.RawMessage, err error) {
 	path := filepath.Join(dir, "config.json")
-	data, err := os.ReadFile(path)
+	data, err := infile.ReadFile(path, infile.MetaLimit)
 	if err != nil {
 		return model.Config{}, nil, fmt.Errorf("%s: no config.json: %w", dir, err)
 	}
@@ -109,20 +112,21 @@ type WriteOptions struct {
 	DType model.DType
 	// MaxShard splits the weights into shards of at most this many bytes (0: one file).
 	MaxShard int64
+	// Force replaces a dir that is not empty (see atomicfile.WriteDir).
+	Force bool
 }
 
-// Write saves m as an HF float checkpoint in dir (created if needed):
-// config.json, model.safetensors (or shards and an index) and the tokenizer
-// files found in m.TokenizerDir. Quantized tensors are dequantized. A model
-// whose q/k rows are in the interleaved rope layout is permuted to the HF
-// layout first (model.WithRope).
+// Write saves m as an HF float checkpoint in dir: config.json,
+// model.safetensors (or shards and an index) and the tokenizer files found
+// in m.TokenizerDir. Quantized tensors are dequantized. A model whose q/k
+// rows are in the interleaved rope layout is permuted to the HF layout
+// first (model.WithRope). dir appears complete or not at all (see
+// atomicfile.WriteDir: a dir that is not empty is replaced only with
+// opt.Force).
 func Write(m *model.Model, dir string, opt WriteOptions) error {
 	m, err := model.WithRope(m, model.RopeHalf)
 	if err != nil {
 		return fmt.Errorf("write %s: %w", dir, err)
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
 	}
 	cfg := m.Config
 	switch opt.DType {
@@ -145,24 +149,54 @@ func Write(m *model.Model, dir string, opt WriteOptions) error {
 		t, _ := m.Lookup(canon)
 		entries = append(entries, FloatEntry(name, t, opt.DType))
 	}
-	return writeCheckpoint(dir, entries, opt.MaxShard, cfg, nil, m.TokenizerDir)
+	return writeCheckpoint(dir, opt, entries, cfg, nil, m.TokenizerDir)
 }
 
-// writeCheckpoint writes the weights (shards of at most maxShard bytes,
+// writeCheckpoint writes the weights (shards of at most opt.MaxShard bytes,
 // 0: one file), config.json of cfg with the extra keys, and the tokenizer
-// files of tokDir into dir, which exists.
-func writeCheckpoint(dir string, entries []safetensors.Entry, maxShard int64, cfg model.Config, extra map[string]any, tokDir string) error {
-	if err := safetensors.WriteCheckpoint(dir, "model", entries, map[string]string{"format": "pt"}, maxShard); err != nil {
-		return err
-	}
+// files of tokDir as the checkpoint directory dir (WriteModelDir).
+func writeCheckpoint(dir string, opt WriteOptions, entries []safetensors.Entry, cfg model.Config, extra map[string]any, tokDir string) error {
 	js, err := MarshalConfig(cfg, extra)
 	if err != nil {
 		return err
 	}
-	if err := WriteFile(filepath.Join(dir, "config.json"), js); err != nil {
-		return err
-	}
-	return CopyTokenizer(tokDir, dir)
+	return WriteModelDir(dir, opt.Force, ModelFiles{Base: "model", Entries: entries, Metadata: map[string]string{"format": "pt"},
+		MaxShard: opt.MaxShard, Files: map[string][]byte{"config.json": js}, TokenizerDir: tokDir})
+}
+// ModelFiles is what WriteModelDir writes into a checkpoint directory.
+type ModelFiles struct {
+	Base     string // weights file base name: "model" → model.safetensors
+	Entries  []safetensors.Entry
+	Metadata map[string]string // safetensors __metadata__
+	MaxShard int64             // see safetensors.WriteCheckpoint
+	// Files are small files by name: config.json, a description, ...
+	Files map[string][]byte
+	// TokenizerDir's tokenizer files are copied (none when empty).
+	TokenizerDir string
+}
+
+// WriteModelDir writes f into dir as one unit (see WriteDir): the weights,
+// the small files and the tokenizer.
+func WriteModelDir(dir string, force bool, f ModelFiles) error {
+	return WriteDir(dir, force, func(tmp string) error {
+		if err := safetensors.WriteCheckpoint(tmp, f.Base, f.Entries, f.Metadata, f.MaxShard); err != nil {
+			return err
+		}
+		for _, name := range slices.Sorted(maps.Keys(f.Files)) {
+			if err := WriteFile(filepath.Join(tmp, name), f.Files[name]); err != nil {
+				return err
+			}
+		}
+		return CopyTokenizer(f.TokenizerDir, tmp)
+	})
+}
+
+// WriteDir writes a checkpoint directory as one unit: fill writes into a
+// staging directory that then replaces dir (atomicfile.WriteDir: dir
+// appears complete or not at all; a dir that is not empty is replaced only
+// with force, and only when it holds a model).
+func WriteDir(dir string, force bool, fill func(tmp string) error) error {
+	return atomicfile.WriteDir(dir, force, fill)
 }
 
 // FloatEntry makes a lazily converted safetensors entry for t in dtype dt
@@ -222,7 +256,7 @@ func CopyTokenizer(src, dst string) error {
 		return nil
 	}
 	for _, name := range TokenizerFiles {
-		in, err := os.Open(filepath.Join(src, name))
+		in, _, err := infile.Open(filepath.Join(src, name))
 		if os.IsNotExist(err) {
 			continue
 		}
@@ -247,15 +281,5 @@ func CopyTokenizer(src, dst string) error {
 	return nil
 }
 
-// WriteFile writes data to path atomically.
-func WriteFile(path string, data []byte) error {
-	out, err := atomicfile.Create(path)
-	if err != nil {
-		return err
-	}
-	defer out.Abort()
-	if _, err := out.Write(data); err != nil {
-		return err
-	}
-	return out.Commit()
-}
+// WriteFile writes data to path atomically (atomicfile.WriteFile).
+func WriteFile(path string, data []byte) error { return atomicfile.WriteFile(path, data) }

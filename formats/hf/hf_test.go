@@ -118,7 +118,7 @@ func TestOpenAndWriteRoundTrip(t *testing.T) {
 			}
 			out := t.TempDir()
 			for _, shard := range []int64{0, 1 << 20} {
-				if err := Write(m, out, WriteOptions{MaxShard: shard}); err != nil {
+				if err := Write(m, out, WriteOptions{MaxShard: shard, Force: true}); err != nil { // the second write replaces the first
 					t.Fatal(err)
 				}
 				back, err := Open(out)

@@ -4,10 +4,10 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 
+	"qtool/formats/infile"
 	"qtool/formats/model"
 	"qtool/formats/safetensors"
 )
@@ -98,7 +98,7 @@ func QuantizationConfig(dir string, raw map[string]json.RawMessage, fallback, co
 		return data, path, nil
 	}
 	path = filepath.Join(dir, fallback)
-	if data, err = os.ReadFile(path); err != nil {
+	if data, err = infile.ReadFile(path, infile.MetaLimit); err != nil {
 		return nil, "", fmt.Errorf("%s: config.json has no quantization_config and there is no %s: not %s checkpoint", dir, fallback, codec)
 	}
 	return data, path, nil
@@ -131,7 +131,7 @@ type QuantizedWriter struct {
 // quantization_config and the tokenizer files of m.TokenizerDir are copied.
 // maxShard splits the weights into shards of at most this many bytes plus
 // model.safetensors.index.json (0: one model.safetensors).
-func WriteQuantized(m *model.Model, dir string, maxShard int64, qw QuantizedWriter) error {
+func WriteQuantized(m *model.Model, dir string, opt WriteOptions, qw QuantizedWriter) error {
 	m, err := model.WithRope(m, model.RopeHalf)
 	if err != nil {
 		return fmt.Errorf("write %s: %w", dir, err)
@@ -170,12 +170,9 @@ func WriteQuantized(m *model.Model, dir string, maxShard int64, qw QuantizedWrit
 	if err != nil {
 		return fmt.Errorf("write %s: %w", dir, err)
 	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
 	cfg := m.Config
 	cfg.DType = "float16"
-	return writeCheckpoint(dir, entries, maxShard, cfg, map[string]any{"quantization_config": qc}, m.TokenizerDir)
+	return writeCheckpoint(dir, opt, entries, cfg, map[string]any{"quantization_config": qc}, m.TokenizerDir)
 }
 
 // Int32Bytes encodes v little-endian (safetensors I32 data).

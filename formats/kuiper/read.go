@@ -4,12 +4,13 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"math"
-	"os"
 	"syscall"
 
 	"qtool/formats/autoawq"
+	"qtool/formats/infile"
 	"qtool/formats/model"
 )
 
@@ -42,15 +43,11 @@ type Info struct {
 // DecodeHeader reads only the header (and the sidecar) of path, works out
 // the format and checks that the file size matches the layout exactly.
 func DecodeHeader(path string, opt OpenOptions) (*Info, error) {
-	f, err := os.Open(path)
+	f, fi, err := infile.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
 	prefix := make([]byte, VersionedHeaderSize)
 	n, err := io.ReadFull(f, prefix)
 	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
@@ -70,6 +67,18 @@ func DecodeHeader(path string, opt OpenOptions) (*Info, error) {
 // their magic; the headerless FP32 and Int8 files by the exact size each
 // header implies.
 func Sniff(path string, prefix []byte, size int64, side *Sidecar, opt OpenOptions) (*Info, error) {
+	info, err := sniff(path, prefix, size, side, opt)
+	if side != nil && side.FileSize > 0 && side.FileSize != size {
+		mismatch := fmt.Sprintf("file is %d bytes but its sidecar %s describes a file of %d bytes: the two come from different runs (an interrupted write?) or the file was cut; write the file again, or remove the sidecar to read the file without it", size, SidecarPath(path), side.FileSize)
+		if err != nil {
+			return nil, fmt.Errorf("%w (%s)", err, mismatch)
+		}
+		return nil, errf(path, "", "%s", mismatch)
+	}
+	return info, err
+}
+
+func sniff(path string, prefix []byte, size int64, side *Sidecar, opt OpenOptions) (*Info, error) {
 	format := opt.Format
 	if format == "" && side != nil {
 		format = side.Format
@@ -227,15 +236,11 @@ func configFor(h Header, side *Sidecar, opt OpenOptions) (model.Config, Shapes) 
 // closed; int8 and AWQ tensors are decoded into *model.Quantized (int8
 // tensors whose groups cross rows are dequantized to F32 instead).
 func Open(path string, opt OpenOptions) (*model.Model, error) {
-	f, err := os.Open(path)
+	f, fi, err := infile.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
 	if fi.Size() < FP32HeaderSize {
 		return nil, errf(path, "", "file is %d bytes, too short for any Kuiper header", fi.Size())
 	}
@@ -280,6 +285,11 @@ func decode(path string, data []byte, side *Sidecar, opt OpenOptions) (*model.Mo
 	info, err := Sniff(path, prefix, int64(len(data)), side, opt)
 	if err != nil {
 		return nil, err
+	}
+	if side != nil && side.FileCRC32C != "" {
+		if sum := fmt.Sprintf("%08x", crc32.Checksum(data, crc32.MakeTable(crc32.Castagnoli))); sum != side.FileCRC32C {
+			return nil, errf(path, "", "CRC-32C %s, but its sidecar %s describes a file with CRC-32C %s: the two come from different runs (an interrupted write?) or the file changed; write it again, or remove the sidecar to read the file without it", sum, SidecarPath(path), side.FileCRC32C)
+		}
 	}
 	m := model.New(info.Config)
 	m.Source, m.Format = path, string(info.Header.Format)

@@ -5,10 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"path/filepath"
 	"strings"
 
+	"qtool/formats/infile"
 	"qtool/formats/model"
 )
 
@@ -39,8 +39,12 @@ type Sidecar struct {
 	// then move as a whole), else absolute. Readers resolve it with
 	// Sidecar.Tokenizer.
 	TokenizerDir string `json:"tokenizer_dir,omitempty"`
-	// FileSize is the size of the binary file this sidecar describes.
+	// FileSize is the size of the binary file this sidecar describes;
+	// readers refuse a file of another size (0: not recorded).
 	FileSize int64 `json:"file_size"`
+	// FileCRC32C is the CRC-32C (Castagnoli, 8 hex digits) of that file;
+	// Open refuses a file whose checksum differs (empty: not recorded).
+	FileCRC32C string `json:"file_crc32c,omitempty"`
 	// Extension lists the tensors appended after the standard layout.
 	Extension []string `json:"extension_tensors,omitempty"`
 }
@@ -51,7 +55,7 @@ func SidecarPath(path string) string { return path + ".json" }
 // ReadSidecar reads PATH.json; it returns nil and no error when there is none.
 func ReadSidecar(path string) (*Sidecar, error) {
 	sp := SidecarPath(path)
-	data, err := os.ReadFile(sp)
+	data, err := infile.ReadFile(sp, infile.MetaLimit)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}

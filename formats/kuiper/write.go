@@ -59,6 +59,10 @@ const chunkElems = 1 << 16
 
 // Write saves m to path in opt.Format, streaming tensor by tensor. The file
 // (and its sidecar) appear only when complete; on error nothing is left.
+// path is locked against other writers (atomicfile.LockTarget); a symbolic
+// link is written through, a special file or directory refused. The
+// sidecar records the file's size and CRC-32C, so that a reader refuses a
+// file and sidecar from different runs.
 // Float tensors are converted to the format's dtype; linears of the int8
 // formats are quantized with the Kuiper rule (quantize.Int8Sym) unless they
 // already are int8 with the same groups; AK48 linears must be 4-bit
@@ -69,6 +73,11 @@ func Write(m *model.Model, path string, opt WriteOptions) error {
 	if err != nil {
 		return err
 	}
+	lock, err := atomicfile.LockTarget(path, "json")
+	if err != nil {
+		return err
+	}
+	defer lock.Unlock()
 	out, err := atomicfile.Create(path)
 	if err != nil {
 		return err
@@ -88,6 +97,10 @@ func Write(m *model.Model, path string, opt WriteOptions) error {
 		}
 		return nil
 	}
+	// The sidecar names the file it describes by size and checksum: the
+	// two are renamed into place one after the other, and a reader must
+	// be able to tell a new file beside an old sidecar (or the reverse).
+	plan.side.FileCRC32C = fmt.Sprintf("%08x", out.CRC32C())
 	js, err := json.MarshalIndent(plan.side, "", "  ")
 	if err != nil {
 		return err
@@ -100,14 +113,9 @@ func Write(m *model.Model, path string, opt WriteOptions) error {
 	if _, err := so.Write(append(js, '\n')); err != nil {
 		return err
 	}
-	if err := out.Commit(); err != nil {
-		return err
-	}
-	if err := so.Commit(); err != nil {
-		os.Remove(path)
-		return err
-	}
-	return nil
+	// Both are synced before either is renamed: a kill leaves a new file
+	// beside an old sidecar only between two renames.
+	return atomicfile.CommitAll(out, so)
 }
 
 type plan struct {

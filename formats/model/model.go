@@ -326,6 +326,20 @@ func (m *Model) CheckShapes() error {
 			return fmt.Errorf("%s: tensor %q has shape %v, config implies %v", src, n, t.Shape(), want[n])
 		}
 	}
+	var extra []string
+	for n := range m.tensors {
+		if l, _, _ := ParseName(n); l >= c.Layers {
+			extra = append(extra, n)
+		}
+	}
+	if len(extra) > 0 {
+		sort.Strings(extra)
+		list := strings.Join(extra[:min(len(extra), 3)], ", ")
+		if len(extra) > 3 {
+			list += ", …"
+		}
+		return fmt.Errorf("%s: %d tensors belong to layers beyond the config's %d (num_hidden_layers) (%s): the config and the weights disagree", src, len(extra), c.Layers, list)
+	}
 	return nil
 }
 

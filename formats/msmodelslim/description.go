@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -63,7 +65,8 @@ func ParseDescription(data []byte) (*Description, error) {
 		}
 		return s, nil
 	}
-	for key, msg := range raw {
+	for _, key := range slices.Sorted(maps.Keys(raw)) { // sorted: the same fault is named on every run
+		msg := raw[key]
 		var err error
 		switch key {
 		case "model_quant_type":

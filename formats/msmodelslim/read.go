@@ -4,10 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"os"
 	"path/filepath"
 
 	"qtool/formats/hf"
+	"qtool/formats/infile"
 	"qtool/formats/model"
 	"qtool/formats/safetensors"
 )
@@ -55,7 +55,7 @@ func Open(dir string) (*model.Model, error) {
 		return nil, err
 	}
 	descPath := filepath.Join(dir, DescriptionFile)
-	data, err := os.ReadFile(descPath)
+	data, err := infile.ReadFile(descPath, infile.MetaLimit)
 	if err != nil {
 		return nil, fmt.Errorf("%s: not an msmodelslim export: %w", dir, err)
 	}

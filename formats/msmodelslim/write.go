@@ -4,8 +4,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
-	"os"
-	"path/filepath"
 
 	"qtool/formats/hf"
 	"qtool/formats/model"
@@ -23,11 +21,13 @@ type WriteOptions struct {
 	// DeqScaleInt64 writes W8A8 deq_scale as int64 (the fp32 bit pattern
 	// sign-extended, as msmodelslim does for fp16 models) instead of fp32.
 	DeqScaleInt64 bool
+	// Force replaces a dir that is not empty (see hf.WriteDir).
+	Force bool
 }
 
 // Write saves m in the msmodelslim layout of seed 001: config.json,
 // quant_model_description.json and the weights file, plus the tokenizer
-// files of m.TokenizerDir.
+// files of m.TokenizerDir. dir appears complete or not at all (hf.WriteDir).
 //
 //   - *model.Quantized decoder linears (8 bits → W8A16, 4 bits → W4A16; no
 //     GIdx) are written as weight int8 [n,k], weight_scale fp32 ([n] when
@@ -59,31 +59,20 @@ func Write(m *model.Model, dir string, opt WriteOptions) error {
 	if err := w.collect(); err != nil {
 		return err
 	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
 	base := WeightBaseV0
 	if opt.V1Name {
 		base = WeightBaseV1
 	}
-	if err := safetensors.WriteCheckpoint(dir, base, w.entries, nil, opt.MaxShard); err != nil {
-		return err
-	}
 	js, err := w.desc.Marshal(w.order)
 	if err != nil {
-		return err
-	}
-	if err := hf.WriteFile(filepath.Join(dir, DescriptionFile), js); err != nil {
 		return err
 	}
 	cj, err := hf.MarshalConfig(m.Config, nil)
 	if err != nil {
 		return err
 	}
-	if err := hf.WriteFile(filepath.Join(dir, "config.json"), cj); err != nil {
-		return err
-	}
-	return hf.CopyTokenizer(m.TokenizerDir, dir)
+	return hf.WriteModelDir(dir, opt.Force, hf.ModelFiles{Base: base, Entries: w.entries, MaxShard: opt.MaxShard,
+		Files: map[string][]byte{DescriptionFile: js, "config.json": cj}, TokenizerDir: m.TokenizerDir})
 }
 
 type writer struct {

@@ -4,11 +4,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 
+	"qtool/formats/infile"
 	"qtool/formats/model"
 )
 
@@ -32,7 +35,17 @@ func OpenCheckpoint(dir, base string) (*Checkpoint, error) {
 	}
 	single := filepath.Join(dir, base+".safetensors")
 	if _, err := os.Stat(single); err != nil {
-		return nil, fmt.Errorf("%s: %w (looked for %s.safetensors and %s.safetensors.index.json)", dir, ErrNotFound, base, base)
+		others, _ := filepath.Glob(filepath.Join(dir, "*.safetensors"))
+		for _, o := range others {
+			if b := filepath.Base(o); strings.HasPrefix(b, "quant_model_weight") && !strings.HasPrefix(base, "quant_model_weight") {
+				return nil, &notFound{fmt.Sprintf("%s: an msmodelslim export without its quant_model_description.json (it has %s but no %s.safetensors); restore the description file", dir, b, base)}
+			}
+		}
+		hint := ""
+		if len(others) > 0 {
+			hint = fmt.Sprintf("; it has %s", filepath.Base(others[0]))
+		}
+		return nil, fmt.Errorf("%s: %w (looked for %s.safetensors and %s.safetensors.index.json%s)", dir, ErrNotFound, base, base, hint)
 	}
 	f, err := Open(single)
 	if err != nil {
@@ -58,7 +71,8 @@ func ParseIndex(path string, data []byte) (Index, error) {
 	if len(idx.WeightMap) == 0 {
 		return Index{}, fmt.Errorf("%s: weight_map is empty", path)
 	}
-	for name, s := range idx.WeightMap {
+	for _, name := range slices.Sorted(maps.Keys(idx.WeightMap)) {
+		s := idx.WeightMap[name]
 		if s == "" || s != filepath.Base(s) || strings.HasPrefix(s, ".") {
 			return Index{}, fmt.Errorf("%s: tensor %q: shard name %q must be a plain file name in the same directory", path, name, s)
 		}
@@ -69,7 +83,7 @@ func ParseIndex(path string, data []byte) (Index, error) {
 // OpenIndex opens every shard an index file names and checks that each shard
 // holds the tensors the index assigns to it.
 func OpenIndex(indexPath string) (*Checkpoint, error) {
-	data, err := os.ReadFile(indexPath)
+	data, err := infile.ReadFile(indexPath, infile.MetaLimit)
 	if err != nil {
 		return nil, err
 	}
@@ -102,7 +116,8 @@ func OpenIndex(indexPath string) (*Checkpoint, error) {
 		shards[s] = f
 		files = append(files, f)
 	}
-	for name, s := range idx.WeightMap {
+	for _, name := range slices.Sorted(maps.Keys(idx.WeightMap)) {
+		s := idx.WeightMap[name]
 		if !shards[s].Has(name) {
 			closeAll()
 			return nil, fmt.Errorf("%s: tensor %q is mapped to shard %s, which does not hold it", indexPath, name, s)
@@ -170,3 +185,9 @@ func (c *Checkpoint) Close() error {
 	}
 	return errors.Join(errs...)
 }
+
+// notFound is ErrNotFound with a message of its own.
+type notFound struct{ msg string }
+
+func (e *notFound) Error() string { return e.msg }
+func (e *notFound) Unwrap() error { return ErrNotFound }

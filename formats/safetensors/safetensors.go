@@ -15,13 +15,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
-	"os"
+	"slices"
 	"sort"
 	"syscall"
 
 	st "github.com/nlpodyssey/safetensors"
 
+	"qtool/formats/infile"
 	"qtool/formats/model"
 )
 
@@ -50,15 +52,11 @@ type File struct {
 
 // Open maps path and validates its header.
 func Open(path string) (*File, error) {
-	f, err := os.Open(path)
+	f, fi, err := infile.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
 	if fi.Size() < 8 {
 		return nil, fmt.Errorf("%s: file is %d bytes, too short for a safetensors header", path, fi.Size())
 	}
@@ -105,7 +103,10 @@ func parse(path string, data []byte) (*File, error) {
 	}
 	sf := &File{Path: path, byName: map[string]int{}}
 	dataLen := int64(uint64(len(data)) - 8 - n)
-	for name, msg := range raw {
+	// Sorted, so that a header with several faults names the same tensor
+	// on every run.
+	for _, name := range slices.Sorted(maps.Keys(raw)) {
+		msg := raw[name]
 		if name == "__metadata__" {
 			if err := json.Unmarshal(msg, &sf.Metadata); err != nil {
 				return nil, fmt.Errorf("%s: __metadata__ must map strings to strings: %w", path, err)
@@ -142,7 +143,8 @@ func parse(path string, data []byte) (*File, error) {
 		sf.infos = append(sf.infos, Info{Name: name, DType: dt, Shape: shape, Begin: b, End: e, dtName: ri.DType})
 	}
 	sort.Slice(sf.infos, func(i, j int) bool {
-		return sf.infos[i].Begin < sf.infos[j].Begin || (sf.infos[i].Begin == sf.infos[j].Begin && sf.infos[i].End < sf.infos[j].End)
+		a, b := sf.infos[i], sf.infos[j]
+		return a.Begin < b.Begin || (a.Begin == b.Begin && (a.End < b.End || (a.End == b.End && a.Name < b.Name)))
 	})
 	var pos int64
 	for i, in := range sf.infos {

@@ -96,11 +96,17 @@ func writeTo(out *atomicfile.File, entries []Entry, metadata map[string]string) 
 }
 
 // Write streams entries into a single safetensors file at path. The file
-// appears only when complete.
+// appears only when complete; path is locked against other writers while
+// it is written (see atomicfile).
 func Write(path string, entries []Entry, metadata map[string]string) error {
 	if err := checkEntries(entries); err != nil {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
+	lock, err := atomicfile.LockTarget(path)
+	if err != nil {
+		return err
+	}
+	defer lock.Unlock()
 	out, err := atomicfile.Create(path)
 	if err != nil {
 		return err
@@ -172,10 +178,5 @@ func WriteCheckpoint(dir, base string, entries []Entry, metadata map[string]stri
 	if _, err := ix.Write(append(js, '\n')); err != nil {
 		return err
 	}
-	for _, o := range outs {
-		if err := o.Commit(); err != nil {
-			return err
-		}
-	}
-	return nil
+	return atomicfile.CommitAll(outs...)
 }

@@ -13,6 +13,7 @@ import (
 	"strconv"
 
 	"qtool/formats/hf"
+	"qtool/formats/infile"
 	"qtool/formats/model"
 	"qtool/formats/safetensors"
 )
@@ -67,17 +68,37 @@ func Plan(m *model.Model, n int) (*Manifest, error) {
 	return man, nil
 }
 
-// Write splits m over n ranks into dir (created if needed): one safetensors
-// file per rank, the tokenizer files of m.TokenizerDir, and manifest.json,
-// written last. Nothing is written when the model cannot be split.
+// Write splits m over n ranks into dir: one safetensors file per rank, the
+// tokenizer files of m.TokenizerDir, and manifest.json. Nothing is written
+// when the model cannot be split; dir appears complete or not at all, and a
+// dir that is not empty is refused (see WriteWith).
 func Write(m *model.Model, n int, dir string) (*Manifest, error) {
+	return WriteWith(m, n, dir, WriteOptions{})
+}
+
+// WriteOptions controls WriteWith.
+type WriteOptions struct {
+	// Force replaces a dir that is not empty (see hf.WriteDir).
+	Force bool
+}
+
+// WriteWith is Write with options.
+func WriteWith(m *model.Model, n int, dir string, opt WriteOptions) (*Manifest, error) {
 	man, err := Plan(m, n)
 	if err != nil {
 		return nil, err
 	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	err = hf.WriteDir(dir, opt.Force, func(tmp string) error { return writeFiles(m, man, tmp) })
+	if err != nil {
 		return nil, err
 	}
+	return man, nil
+}
+
+// writeFiles writes the rank files, the tokenizer and the manifest of man
+// into dir.
+func writeFiles(m *model.Model, man *Manifest, dir string) error {
+	n := man.WorldSize
 	for r := 0; r < n; r++ {
 		var entries []safetensors.Entry
 		for i := range man.Tensors {
@@ -110,20 +131,17 @@ func Write(m *model.Model, n int, dir string) (*Manifest, error) {
 		}
 		meta := map[string]string{"format": "pt", metaRank: strconv.Itoa(r), metaWorld: strconv.Itoa(n)}
 		if err := safetensors.Write(filepath.Join(dir, man.Files[r]), entries, meta); err != nil {
-			return nil, fmt.Errorf("shard rank %d: %w", r, err)
+			return fmt.Errorf("shard rank %d: %w", r, err)
 		}
 	}
 	if err := hf.CopyTokenizer(m.TokenizerDir, dir); err != nil {
-		return nil, err
+		return err
 	}
 	js, err := json.MarshalIndent(man, "", "  ")
 	if err != nil {
-		return nil, err
+		return err
 	}
-	if err := hf.WriteFile(filepath.Join(dir, ManifestFile), append(js, '\n')); err != nil {
-		return nil, err
-	}
-	return man, nil
+	return hf.WriteFile(filepath.Join(dir, ManifestFile), append(js, '\n'))
 }
 
 // partSpec is one safetensors tensor of a rank piece.
@@ -292,7 +310,7 @@ func Open(dir string) (ranks []*model.Model, man *Manifest, err error) {
 // ReadManifest reads and validates dir/manifest.json.
 func ReadManifest(dir string) (*Manifest, error) {
 	path := filepath.Join(dir, ManifestFile)
-	data, err := os.ReadFile(path)
+	data, err := infile.ReadFile(path, infile.MetaLimit)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("%s: not a shard directory (no %s)", dir, ManifestFile)
 	}

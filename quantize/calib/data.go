@@ -18,6 +18,7 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"qtool/formats/infile"
 	"qtool/runtime/tokenizer"
 )
 
@@ -48,7 +49,7 @@ func ReadText(path string) (string, error) {
 	if fi.Size() > maxCalibFile {
 		return "", fmt.Errorf("calibration data: %s is %d bytes, more than the %d this tool reads", path, fi.Size(), int64(maxCalibFile))
 	}
-	data, err := os.ReadFile(path)
+	data, err := infile.ReadFile(path, maxCalibFile)
 	if err != nil {
 		return "", fmt.Errorf("calibration data: %w", err)
 	}

@@ -24,6 +24,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+
+	"qtool/formats/infile"
 )
 
 // Tokenizer turns text into ids and back.
@@ -157,22 +159,7 @@ func EncodeWithBOS(t Tokenizer, text string) []int {
 }
 
 func readLimited(path string) ([]byte, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, fmt.Errorf("tokenizer: %w", err)
-	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("tokenizer: %s: %w", path, err)
-	}
-	if st.IsDir() {
-		return nil, fmt.Errorf("tokenizer: %s is a directory, want a tokenizer file", path)
-	}
-	if st.Size() > maxTokenizerFile {
-		return nil, fmt.Errorf("tokenizer: %s is %d bytes, larger than the %d-byte limit", path, st.Size(), maxTokenizerFile)
-	}
-	data, err := os.ReadFile(path)
+	data, err := infile.ReadFile(path, maxTokenizerFile)
 	if err != nil {
 		return nil, fmt.Errorf("tokenizer: %w", err)
 	}
@@ -193,7 +180,7 @@ func readSidecars(dir string) (sidecars, error) {
 	var s sidecars
 	for _, name := range []string{"generation_config.json", "config.json"} {
 		p := filepath.Join(dir, name)
-		raw, err := os.ReadFile(p)
+		raw, err := infile.ReadFile(p, infile.MetaLimit)
 		if errors.Is(err, os.ErrNotExist) {
 			continue
 		}
@@ -224,7 +211,7 @@ func readSidecars(dir string) (sidecars, error) {
 		}
 	}
 	p := filepath.Join(dir, "tokenizer_config.json")
-	raw, err := os.ReadFile(p)
+	raw, err := infile.ReadFile(p, infile.MetaLimit)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return s, fmt.Errorf("tokenizer: %w", err)
 	}
