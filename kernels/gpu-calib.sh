@@ -50,7 +50,7 @@ if has 7b-gptq || has 7b-awq || has 7b-sq || has ref; then
   python3 .devdata/synth_hf.py llama2-7b /tmp/l7b --tokenizer testdata/llama-mini > "$OUT/synth.log" 2>&1 || { tail "$OUT/synth.log"; exit 1; }
   echo "synth $(( $(date +%s) - ts )) s: $(tail -1 "$OUT/synth.log")"
 fi
-for m in gptq:gptq awq:autoawq sq:msmodelslim; do
+for m in ${ORDER:-gptq:gptq awq:autoawq sq:msmodelslim}; do
   meth=${m%%:*}; fmt=${m##*:}
   has "7b-$meth" || continue
   cmd=$meth; [ "$meth" = sq ] && cmd=smoothquant

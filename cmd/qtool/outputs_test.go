@@ -151,11 +151,11 @@ func TestKuiperMismatchedSidecar(t *testing.T) {
 		inspects bool // inspect (header only) sees it too
 	}{
 		{"size", []string{"--q8"}, []string{"--q8", "--group", "32"}, "different runs", true},
-		{"contents", []string{"--fp32"}, []string{"--fp32", "--rope", "interleaved"}, "CRC-32C", false},
+		{"contents", []string{"--fp32", "--rope", "half"}, []string{"--fp32", "--rope", "interleaved"}, "CRC-32C", false},
 	} {
 		dir := t.TempDir()
 		a, b := filepath.Join(dir, "a.bin"), filepath.Join(dir, "b.bin")
-		if _, err := runApp(t, "export", "-q", "--hf", llamaMini, c.a[0], a); err != nil {
+		if _, err := runApp(t, append([]string{"export", "-q", "--hf", llamaMini, c.a[0], a}, c.a[1:]...)...); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := runApp(t, append([]string{"export", "-q", "--hf", llamaMini, c.b[0], b}, c.b[1:]...)...); err != nil {
