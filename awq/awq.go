@@ -116,7 +116,7 @@ func (o Options) Quantize(w []float32, rows, cols int) (*model.Quantized, error)
 	off := float32(q.Offset())
 	umax := float32(int(1)<<o.Bits - 1)
 	G := cols / gs
-	quantize.Parallel(rows, max(1, (1<<16)/cols), func(r0, r1 int) { o.fp16Rows(q, w, r0, r1, cols, gs, G, off, umax) })
+	model.Parallel(rows, max(1, (1<<16)/cols), func(r0, r1 int) { o.fp16Rows(q, w, r0, r1, cols, gs, G, off, umax) })
 	return q, nil
 }
 

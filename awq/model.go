@@ -5,7 +5,6 @@ import (
 
 	"qtool/formats/model"
 	"qtool/gptq"
-	"qtool/quantize"
 	"qtool/quantize/calib"
 	"qtool/runtime"
 )
@@ -514,7 +513,7 @@ func (q *layerQuant) divBias(l int, r model.Role, sc []float32) error {
 
 // scaleCols multiplies column c of w [rows, cols] by s[c].
 func scaleCols(w []float32, rows, cols int, s []float32) {
-	quantize.Parallel(rows, max(1, (1<<16)/cols), func(r0, r1 int) {
+	model.Parallel(rows, max(1, (1<<16)/cols), func(r0, r1 int) {
 		for r := r0; r < r1; r++ {
 			for c := 0; c < cols; c++ {
 				w[r*cols+c] *= s[c]
@@ -525,7 +524,7 @@ func scaleCols(w []float32, rows, cols int, s []float32) {
 
 // divRows divides row r of w [rows, cols] by s[r].
 func divRows(w []float32, rows, cols int, s []float32) {
-	quantize.Parallel(rows, max(1, (1<<16)/cols), func(r0, r1 int) {
+	model.Parallel(rows, max(1, (1<<16)/cols), func(r0, r1 int) {
 		for r := r0; r < r1; r++ {
 			for c := 0; c < cols; c++ {
 				w[r*cols+c] /= s[r]

@@ -19,8 +19,6 @@ package quantize
 import (
 	"fmt"
 	"math"
-	goruntime "runtime"
-	"sync"
 	"sync/atomic"
 
 	"qtool/formats/model"
@@ -210,7 +208,7 @@ func RTN(w []float32, rows, cols int, p Params) (*model.Quantized, error) {
 	// over the cores (on an error the whole matrix is redone sequentially,
 	// so the message names the global index).
 	var failed atomic.Bool
-	Parallel(ng, max(1, (1<<16)/g), func(lo, hi int) {
+	model.Parallel(ng, max(1, (1<<16)/g), func(lo, hi int) {
 		var zero []float32
 		if out.Zero != nil {
 			zero = out.Zero[lo:hi]
@@ -225,28 +223,6 @@ func RTN(w []float32, rows, cols int, p Params) (*model.Quantized, error) {
 		}
 	}
 	return out, nil
-}
-
-// Parallel runs fn over [0, n) split into contiguous ranges of at least
-// grain elements, on up to GOMAXPROCS goroutines.
-func Parallel(n, grain int, fn func(lo, hi int)) {
-	parts := min(goruntime.GOMAXPROCS(0), n/max(grain, 1))
-	if parts <= 1 {
-		if n > 0 {
-			fn(0, n)
-		}
-		return
-	}
-	var wg sync.WaitGroup
-	for p := 0; p < parts; p++ {
-		lo, hi := n*p/parts, n*(p+1)/parts
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			fn(lo, hi)
-		}()
-	}
-	wg.Wait()
 }
 
 // Tensor quantizes a 2-D tensor (a linear weight [out, in]). name is used in

@@ -117,7 +117,7 @@ func W8A8(w []float32, rows, cols int, bias []float32, inScale, inOffset float32
 // rowSums returns Σ_k W_q[r, k] per row of the int8 weight q.
 func rowSums(q *model.Quantized) []int64 {
 	sums := make([]int64, q.Rows)
-	quantize.Parallel(q.Rows, 64, func(lo, hi int) {
+	model.Parallel(q.Rows, 64, func(lo, hi int) {
 		for r := lo; r < hi; r++ {
 			for _, v := range q.Q[r*q.Cols : (r+1)*q.Cols] {
 				sums[r] += int64(v)
@@ -419,7 +419,7 @@ func biasRole(r model.Role) model.Role {
 // scaledCopy divides (div) or multiplies the columns of x [rows, cols] by s.
 func scaledCopy(x []float32, rows, cols int, s []float32, div bool) []float32 {
 	out := make([]float32, len(x))
-	quantize.Parallel(rows, max(1, (1<<16)/cols), func(r0, r1 int) {
+	model.Parallel(rows, max(1, (1<<16)/cols), func(r0, r1 int) {
 		for r := r0; r < r1; r++ {
 			for c := 0; c < cols; c++ {
 				if div {

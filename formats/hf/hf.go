@@ -163,6 +163,7 @@ func writeCheckpoint(dir string, opt WriteOptions, entries []safetensors.Entry, 
 	return WriteModelDir(dir, opt.Force, ModelFiles{Base: "model", Entries: entries, Metadata: map[string]string{"format": "pt"},
 		MaxShard: opt.MaxShard, Files: map[string][]byte{"config.json": js}, TokenizerDir: tokDir})
 }
+
 // ModelFiles is what WriteModelDir writes into a checkpoint directory.
 type ModelFiles struct {
 	Base     string // weights file base name: "model" → model.safetensors

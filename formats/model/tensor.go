@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	goruntime "runtime"
 	"sync"
 
 	"github.com/x448/float16"
@@ -133,18 +132,15 @@ func (d *Dense) Float32Into(dst []float32) error {
 	if n < parallelConvert || d.DType.Size() <= 0 {
 		return d.convert(dst, 0)
 	}
-	parts := min(goruntime.NumCPU(), n/(parallelConvert/4))
-	errs := make([]error, parts)
-	var wg sync.WaitGroup
-	for p := 0; p < parts; p++ {
-		lo, hi := n*p/parts, n*(p+1)/parts
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[p] = d.convert(dst[lo:hi], lo)
-		}()
-	}
-	wg.Wait()
+	var mu sync.Mutex
+	var errs []error
+	Parallel(n, parallelConvert/4, func(lo, hi int) {
+		if err := d.convert(dst[lo:hi], lo); err != nil {
+			mu.Lock()
+			errs = append(errs, err)
+			mu.Unlock()
+		}
+	})
 	return errors.Join(errs...)
 }
 
