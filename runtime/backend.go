@@ -1,8 +1,11 @@
 // Package runtime is qtool's bundled inference engine: one forward pass for
 // the Llama/Qwen families written once over the Backend interface. The CPU
 // backend (runtime/cpu) is pure Go; the CUDA backend (runtime/cuda) drives a
-// GPU through the driver API. Calibration (GPTQ, AWQ, SmoothQuant) reuses
-// the same forward, layer by layer, with capture points at linear inputs.
+// GPU through the driver API. Model.Layer is composed of blocks (AttnNorm,
+// Attention, Project, MLPNorm, MLPHidden) that take weight overrides;
+// calibration (GPTQ, AWQ, SmoothQuant, package quantize/calib) drives those
+// same blocks on any backend that is a Calibrator, so it has no forward
+// pass of its own.
 package runtime
 
 import "qtool/formats/model"

@@ -2,9 +2,10 @@
 // SmoothQuant) shares: the calibration data (text or JSONL, tokenized with
 // the model's tokenizer and cut into evenly spaced windows as
 // shared/docs/protocol.md prescribes) and Session, the layer-by-layer driver
-// that runs the runtime's forward over the windows one decoder layer at a
-// time, hands the inputs of each linear group to the quantizer, and
-// propagates the quantized layer's outputs to the next layer.
+// that runs the runtime's forward blocks (runtime.Model) over the windows
+// one decoder layer at a time on a runtime.Calibrator backend (CPU or GPU),
+// hands the inputs of each linear group to the quantizer, and propagates the
+// quantized layer's outputs to the next layer.
 package calib
 
 import (
