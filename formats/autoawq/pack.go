@@ -72,18 +72,20 @@ func unpack(qweight, qzeros []int32, scales []float32, in, out, group int) *mode
 	ow := out / PackFactor
 	q := &model.Quantized{Bits: 4, GroupSize: group, Rows: out, Cols: in,
 		Q: make([]int8, out*in), Scale: make([]float32, out*G), Zero: make([]float32, out*G)}
-	var rows [PackFactor][]int8
-	for c := 0; c < ow; c++ {
-		for i, j := range Order {
-			rows[i] = q.Q[(PackFactor*c+j)*in : (PackFactor*c+j+1)*in]
-		}
-		for k := 0; k < in; k++ {
-			u := uint32(qweight[k*ow+c])
-			for i := range rows {
-				rows[i][k] = int8(int32((u>>(4*i))&15) - 8)
+	model.Parallel(ow, max(1, (1<<13)/in), func(c0, c1 int) {
+		var rows [PackFactor][]int8
+		for c := c0; c < c1; c++ {
+			for i, j := range Order {
+				rows[i] = q.Q[(PackFactor*c+j)*in : (PackFactor*c+j+1)*in]
+			}
+			for k := 0; k < in; k++ {
+				u := uint32(qweight[k*ow+c])
+				for i := range rows {
+					rows[i][k] = int8(int32((u>>(4*i))&15) - 8)
+				}
 			}
 		}
-	}
+	})
 	for gi := 0; gi < G; gi++ {
 		for n := 0; n < out; n++ {
 			q.Scale[n*G+gi] = scales[gi*out+n]
@@ -170,19 +172,21 @@ func packWeight(q *model.Quantized) []int32 {
 	out, in := q.Rows, q.Cols
 	ow := out / PackFactor
 	qweight := make([]int32, in*ow)
-	var rows [PackFactor][]int8
-	for c := 0; c < ow; c++ {
-		for i, j := range Order {
-			rows[i] = q.Q[(PackFactor*c+j)*in : (PackFactor*c+j+1)*in]
-		}
-		for k := 0; k < in; k++ {
-			var w uint32
-			for i := range rows {
-				w |= uint32(int32(rows[i][k])+8) << (4 * i)
+	model.Parallel(ow, max(1, (1<<13)/in), func(c0, c1 int) {
+		var rows [PackFactor][]int8
+		for c := c0; c < c1; c++ {
+			for i, j := range Order {
+				rows[i] = q.Q[(PackFactor*c+j)*in : (PackFactor*c+j+1)*in]
 			}
-			qweight[k*ow+c] = int32(w)
+			for k := 0; k < in; k++ {
+				var w uint32
+				for i := range rows {
+					w |= uint32(int32(rows[i][k])+8) << (4 * i)
+				}
+				qweight[k*ow+c] = int32(w)
+			}
 		}
-	}
+	})
 	return qweight
 }
 

@@ -141,18 +141,20 @@ func packWeight(q *model.Quantized) []int32 {
 	in, out, bits := q.Cols, q.Rows, q.Bits
 	nw := in * bits / 32
 	off := q.Offset()
-	col := make([]uint32, nw)
 	qweight := make([]int32, nw*out)
-	for n := 0; n < out; n++ {
-		clear(col)
-		row := q.Q[n*in : (n+1)*in]
-		for k, v := range row {
-			putBits(col, k, bits, uint32(int(v)+off))
+	model.Parallel(out, max(1, (1<<16)/in), func(n0, n1 int) {
+		col := make([]uint32, nw)
+		for n := n0; n < n1; n++ {
+			clear(col)
+			row := q.Q[n*in : (n+1)*in]
+			for k, v := range row {
+				putBits(col, k, bits, uint32(int(v)+off))
+			}
+			for w, x := range col {
+				qweight[w*out+n] = int32(x)
+			}
 		}
-		for w, x := range col {
-			qweight[w*out+n] = int32(x)
-		}
-	}
+	})
 	return qweight
 }
 
@@ -253,16 +255,18 @@ func unpack(qweight, qzeros []int32, scales []float32, gIdx []int32, l Layer, ze
 		Q: make([]int8, out*in), Scale: make([]float32, out*G), Zero: make([]float32, out*G)}
 	off := q.Offset()
 	nw := in * bits / 32
-	col := make([]uint32, nw)
-	for n := 0; n < out; n++ {
-		for w := range col {
-			col[w] = uint32(qweight[w*out+n])
+	model.Parallel(out, max(1, (1<<16)/in), func(n0, n1 int) {
+		col := make([]uint32, nw)
+		for n := n0; n < n1; n++ {
+			for w := range col {
+				col[w] = uint32(qweight[w*out+n])
+			}
+			row := q.Q[n*in : (n+1)*in]
+			for k := range row {
+				row[k] = int8(int(getBits(col, k, bits)) - off)
+			}
 		}
-		row := q.Q[n*in : (n+1)*in]
-		for k := range row {
-			row[k] = int8(int(getBits(col, k, bits)) - off)
-		}
-	}
+	})
 	nz := out * bits / 32
 	zrow := make([]uint32, nz)
 	sym := true
