@@ -4,12 +4,15 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"qtool/quantize/calib"
 )
@@ -281,5 +284,74 @@ func TestResumeRefused(t *testing.T) {
 			t.Fatal(err)
 		}
 		refuse(d.name, base, "is damaged", d.want, "remove it to start over")
+	}
+}
+
+// TestResumeKillLoop kills `qtool gptq --resume` and `qtool awq --resume`
+// at random times (in the middle of a layer, of a checkpoint write or of
+// the output's), resumes until a run finishes, and compares the output
+// with an uninterrupted run's. Set QTOOL_RESUME_LOOP=N to run it with N
+// complete runs per method.
+func TestResumeKillLoop(t *testing.T) {
+	n, _ := strconv.Atoi(os.Getenv("QTOOL_RESUME_LOOP"))
+	if n <= 0 {
+		t.Skip("set QTOOL_RESUME_LOOP=N to run N kill-and-resume chains per method")
+	}
+	bin := qtoolBinary(t)
+	for _, method := range []string{"gptq", "awq"} {
+		t.Run(method, func(t *testing.T) {
+			work := t.TempDir()
+			ref := filepath.Join(work, "ref")
+			start := time.Now()
+			if out, err := exec.Command(bin, resumeArgs(t, method, ref, "-q")...).CombinedOutput(); err != nil {
+				t.Fatalf("reference run: %v\n%s", err, out)
+			}
+			full := time.Since(start)
+			want, err := readTree(ref)
+			if err != nil {
+				t.Fatal(err)
+			}
+			kills, leftWorkDir := 0, 0
+			for i := range n {
+				out := filepath.Join(work, fmt.Sprintf("out%d", i))
+				args := resumeArgs(t, method, out, "--resume", "-q")
+				for try := 0; ; try++ {
+					if _, err := os.Stat(out); err == nil {
+						// Killed after the output was in place, before its
+						// work directory was removed.
+						leftWorkDir++
+						break
+					}
+					cmd := exec.Command(bin, args...)
+					var buf strings.Builder
+					cmd.Stdout, cmd.Stderr = &buf, &buf
+					if err := cmd.Start(); err != nil {
+						t.Fatal(err)
+					}
+					timer := time.AfterFunc(time.Duration(rand.Int64N(int64(full))), func() { cmd.Process.Kill() })
+					err := cmd.Wait()
+					timer.Stop()
+					if err == nil {
+						break
+					}
+					if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != -1 {
+						t.Fatalf("try %d: %v\n%s", try, err, buf.String())
+					}
+					kills++
+					if try > 50 {
+						t.Fatal("no run finished in 50 tries")
+					}
+				}
+				got, err := readTree(out)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !sameTree(got, want) {
+					t.Fatalf("chain %d: output differs from the uninterrupted run's", i)
+				}
+			}
+			t.Logf("%s: %d chains, %d kills at random times, all outputs byte-identical; %d killed between writing the output and removing the work directory",
+				method, n, kills, leftWorkDir)
+		})
 	}
 }
