@@ -7,6 +7,7 @@ package calib
 // layer's module statistics.
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/binary"
 	"encoding/gob"
@@ -14,12 +15,13 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io"
 	"io/fs"
-	"math"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -58,14 +60,17 @@ type layerRecord struct {
 }
 
 // tensorRecord is a tensor of Out as the layer left it: Deleted, or one of
-// Dense, Quant, W8A8 (with the int8 codes in Q, gob's compact []byte).
+// Dense, Quant, W8A8. The int8 codes of Quant and W8A8 are not in the gob
+// message (gob would copy them, element by element for []int8): the layer
+// file holds them raw after it, Codes bytes per tensor in order.
 type tensorRecord struct {
 	Name    string
 	Deleted bool
 	Dense   *model.Dense
 	Quant   *model.Quantized
 	W8A8    *model.W8A8
-	Q       []byte
+	Codes   int
+	codes   []byte // shared with the tensor
 }
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -153,8 +158,20 @@ func (c *Checkpoint) read() error {
 			return err
 		}
 		var rec layerRecord
-		if err := gob.NewDecoder(bytes.NewReader(b)).Decode(&rec); err != nil {
+		rd := bytes.NewReader(b)
+		if err := gob.NewDecoder(rd).Decode(&rec); err != nil {
 			return c.corrupt("%s: %v", name, err)
+		}
+		codes := b[len(b)-rd.Len():]
+		for i := range rec.Tensors {
+			t := &rec.Tensors[i]
+			if t.Codes < 0 || t.Codes > len(codes) {
+				return c.corrupt("%s: %s has %d codes, %d bytes left", name, t.Name, t.Codes, len(codes))
+			}
+			t.codes, codes = codes[:t.Codes], codes[t.Codes:]
+		}
+		if len(codes) != 0 {
+			return c.corrupt("%s: %d bytes after the last tensor", name, len(codes))
 		}
 		if rec.Layer != l {
 			return c.corrupt("%s holds layer %d", name, rec.Layer)
@@ -178,9 +195,7 @@ func (c *Checkpoint) read() error {
 			return c.corrupt("%s has %d bytes, want %d", st.Residual, len(b), 4*st.ResidualRows*st.ResidualCols)
 		}
 		c.resid = make([]float32, len(b)/4)
-		for i := range c.resid {
-			c.resid[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
-		}
+		copy(f32Bytes(c.resid), b)
 	}
 	c.state = st
 	return nil
@@ -269,16 +284,17 @@ func (r *tensorRecord) pack(t model.Tensor) error {
 		r.Dense = t
 	case *model.Quantized:
 		q := *t
-		r.Q, q.Q = int8Bytes(t.Q), nil
+		r.codes, q.Q = int8Bytes(t.Q), nil
 		r.Quant = &q
 	case *model.W8A8:
 		w, q := *t, *t.Weight
-		r.Q, q.Q = int8Bytes(t.Weight.Q), nil
+		r.codes, q.Q = int8Bytes(t.Weight.Q), nil
 		w.Weight = &q
 		r.W8A8 = &w
 	default:
 		return fmt.Errorf("resume: %s: cannot save a tensor of type %T", r.Name, t)
 	}
+	r.Codes = len(r.codes)
 	return nil
 }
 
@@ -298,14 +314,14 @@ func (r *tensorRecord) unpack() error {
 		q = r.W8A8.Weight
 	}
 	if q != nil {
-		if q.Rows < 0 || q.Cols < 0 || len(r.Q) != q.Rows*q.Cols {
-			return fmt.Errorf("%s: %d codes for [%d, %d]", r.Name, len(r.Q), q.Rows, q.Cols)
+		if q.Rows < 0 || q.Cols < 0 || len(r.codes) != q.Rows*q.Cols {
+			return fmt.Errorf("%s: %d codes for [%d, %d]", r.Name, len(r.codes), q.Rows, q.Cols)
 		}
-		q.Q = make([]int8, len(r.Q))
-		for i, b := range r.Q {
-			q.Q[i] = int8(b)
-		}
-		r.Q = nil
+		q.Q = make([]int8, len(r.codes))
+		copy(int8Bytes(q.Q), r.codes)
+		r.codes = nil
+	} else if r.Codes != 0 {
+		return fmt.Errorf("%s: %d codes without a quantized tensor", r.Name, r.Codes)
 	}
 	if r.Dense != nil && model.NumElements(r.Dense.Dims)*r.Dense.DType.Size() != len(r.Dense.Data) {
 		return fmt.Errorf("%s: %d bytes for %v of %v", r.Name, len(r.Dense.Data), r.Dense.Dims, r.Dense.DType)
@@ -323,13 +339,22 @@ func (r *tensorRecord) tensor() model.Tensor {
 	return r.W8A8
 }
 
+// int8Bytes is the memory of v as bytes (shared, not copied).
 func int8Bytes(v []int8) []byte {
-	b := make([]byte, len(v))
-	for i, x := range v {
-		b[i] = byte(x)
-	}
-	return b
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(v))), len(v))
 }
+
+// f32Bytes is the memory of v as bytes (shared, not copied): the
+// little-endian float32 values of the work directory's files, as qtool's
+// targets (amd64, arm64) are little-endian.
+func f32Bytes(v []float32) []byte {
+	if !littleEndian {
+		panic("calib: the work directory's float32 files need a little-endian host")
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(v))), 4*len(v))
+}
+
+var littleEndian = binary.NativeEndian.Uint16([]byte{1, 0}) == 1
 
 // touch records that the tensor name of Out changed in the current layer.
 func (c *Checkpoint) touch(name string) {
@@ -390,23 +415,28 @@ func (c *Checkpoint) layerDone(l int, out *model.Model, resid []float32, rows, c
 		}
 		rec.Tensors = append(rec.Tensors, r)
 	}
-	var buf bytes.Buffer
-	if err := gob.NewEncoder(&buf).Encode(&rec); err != nil {
-		return fmt.Errorf("resume: layer %d: %w", l, err)
-	}
-	layerCRC := crc32.Checksum(buf.Bytes(), castagnoli)
-	if err := writeAtomic(filepath.Join(c.dir, layerFile(l)), buf.Bytes()); err != nil {
+	layerCRC, err := writeAtomic(filepath.Join(c.dir, layerFile(l)), func(w io.Writer) error {
+		if err := gob.NewEncoder(w).Encode(&rec); err != nil {
+			return err
+		}
+		for _, t := range rec.Tensors {
+			if _, err := w.Write(t.codes); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
 		return err
-	}
-	rb := make([]byte, 4*len(resid))
-	for i, v := range resid {
-		binary.LittleEndian.PutUint32(rb[4*i:], math.Float32bits(v))
 	}
 	st := c.state
 	prev := st.Residual
 	st.Residual, st.ResidualRows, st.ResidualCols = residualFile(l), rows, cols
-	st.ResidualCRC = crc32.Checksum(rb, castagnoli)
-	if err := writeAtomic(filepath.Join(c.dir, st.Residual), rb); err != nil {
+	st.ResidualCRC, err = writeAtomic(filepath.Join(c.dir, st.Residual), func(w io.Writer) error {
+		_, err := w.Write(f32Bytes(resid))
+		return err
+	})
+	if err != nil {
 		return err
 	}
 	st.LayersDone = l + 1
@@ -415,7 +445,10 @@ func (c *Checkpoint) layerDone(l int, out *model.Model, resid []float32, rows, c
 	if err != nil {
 		return err
 	}
-	if err := writeAtomic(filepath.Join(c.dir, "state.json"), append(js, '\n')); err != nil {
+	if _, err := writeAtomic(filepath.Join(c.dir, "state.json"), func(w io.Writer) error {
+		_, err := w.Write(append(js, '\n'))
+		return err
+	}); err != nil {
 		return err
 	}
 	c.state = st
@@ -426,16 +459,21 @@ func (c *Checkpoint) layerDone(l int, out *model.Model, resid []float32, rows, c
 	return nil
 }
 
-// writeAtomic writes data to path through a temporary file that is synced
-// and renamed over it, then syncs the directory: after a crash path holds
-// the old or the new contents.
-func writeAtomic(path string, data []byte) error {
+// writeAtomic writes a file through a temporary file that is synced and
+// renamed over path, then syncs the directory: after a crash path holds the
+// old or the new contents. It returns the CRC-32C of what write wrote.
+func writeAtomic(path string, write func(io.Writer) error) (uint32, error) {
 	tmp := path + ".tmp"
 	f, err := os.Create(tmp)
 	if err != nil {
-		return fmt.Errorf("resume: %w", err)
+		return 0, fmt.Errorf("resume: %w", err)
 	}
-	_, err = f.Write(data)
+	h := crc32.New(castagnoli)
+	bw := bufio.NewWriterSize(io.MultiWriter(f, h), 1<<20)
+	err = write(bw)
+	if err == nil {
+		err = bw.Flush()
+	}
 	if err == nil {
 		err = f.Sync()
 	}
@@ -447,11 +485,11 @@ func writeAtomic(path string, data []byte) error {
 	}
 	if err != nil {
 		os.Remove(tmp)
-		return fmt.Errorf("resume: %w", err)
+		return 0, fmt.Errorf("resume: %s: %w", path, err)
 	}
 	if d, err := os.Open(filepath.Dir(path)); err == nil {
 		d.Sync()
 		d.Close()
 	}
-	return nil
+	return h.Sum32(), nil
 }

@@ -1,7 +1,9 @@
 package calib
 
 import (
+	"fmt"
 	"math"
+	"os"
 	"path/filepath"
 	"reflect"
 	"strings"
@@ -83,5 +85,51 @@ func TestCheckpointRoundTrip(t *testing.T) {
 	_, err = OpenCheckpoint(dir, []KeyField{{"command", "gptq"}, {"--bits", "3"}, {"--sym", "true"}})
 	if err == nil || !strings.Contains(err.Error(), "--bits: 4 in the work dir, 3 now; --sym: absent in the work dir, true now") {
 		t.Fatalf("other key: %v", err)
+	}
+}
+
+// BenchmarkCheckpointLayer7B saves one layer of the 7B shape (hidden 4096,
+// intermediate 11008, 4-bit group-128 codes) with the residual stream of
+// the default calibration (128 × 512 tokens: 1 GiB) to a temporary
+// directory: the cost --resume adds per layer. Set QTOOL_BENCH_7B=1.
+func BenchmarkCheckpointLayer7B(b *testing.B) {
+	if os.Getenv("QTOOL_BENCH_7B") == "" {
+		b.Skip("set QTOOL_BENCH_7B=1 (needs about 4 GiB of memory and disk)")
+	}
+	const H, I, rows = 4096, 11008, 128 * 512
+	out := model.New(model.Config{})
+	lin := func(name string, r, c int) {
+		g := c / 128
+		q := &model.Quantized{Bits: 4, GroupSize: 128, Rows: r, Cols: c, Q: make([]int8, r*c),
+			Scale: make([]float32, r*g), Zero: make([]float32, r*g)}
+		for i := range q.Q {
+			q.Q[i] = int8(i%16 - 8)
+		}
+		out.Set(name, q)
+	}
+	for _, n := range []string{"q", "k", "v", "o"} {
+		lin(n, H, H)
+	}
+	lin("gate", I, H)
+	lin("up", I, H)
+	lin("down", H, I)
+	resid := make([]float32, rows*H)
+	for i := range resid {
+		resid[i] = float32(i % 1000)
+	}
+	dir := b.TempDir()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		c, err := OpenCheckpoint(filepath.Join(dir, fmt.Sprint(i)), nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, n := range out.Names() {
+			c.touch(n)
+		}
+		if err := c.layerDone(0, out, resid, rows, H); err != nil {
+			b.Fatal(err)
+		}
+		c.Remove()
 	}
 }
