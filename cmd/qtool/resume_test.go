@@ -19,8 +19,13 @@ import (
 
 // resumeArgs is a calibration command on llama-mini (4 layers) writing out.
 func resumeArgs(t *testing.T, method, out string, extra ...string) []string {
+	return resumeArgsOn(t, llamaMini, method, out, extra...)
+}
+
+// resumeArgsOn is resumeArgs on another 4-layer model.
+func resumeArgsOn(t *testing.T, src, method, out string, extra ...string) []string {
 	t.Helper()
-	mini, err := filepath.Abs(llamaMini)
+	mini, err := filepath.Abs(src)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -93,24 +98,27 @@ func TestResumeAfterKill(t *testing.T) {
 		t.Skip("builds qtool and runs a dozen quantizations")
 	}
 	bin := qtoolBinary(t)
+	const qwen3 = "../../testdata/qwen3-mini"
 	type plan struct {
-		method string
-		kills  [][]int // each: the layers after which successive runs are killed
+		model, method string
+		kills         [][]int // each: the layers after which successive runs are killed
 	}
 	plans := []plan{
-		{"gptq", [][]int{{1}, {2}, {1, 3}}},
-		{"awq", [][]int{{1}, {3}}},
-		{"smoothquant", [][]int{{2}}},
+		{llamaMini, "gptq", [][]int{{1}, {2}, {1, 3}}},
+		{llamaMini, "awq", [][]int{{1}, {3}}},
+		{llamaMini, "smoothquant", [][]int{{2}}},
+		{qwen3, "awq", [][]int{{2}}},
 	}
 	if os.Getenv("QTOOL_RESUME_ALL") != "" {
 		all := [][]int{{1}, {2}, {3}, {4}, {1, 2}, {1, 3}, {2, 3, 4}}
-		plans = []plan{{"gptq", all}, {"awq", all}, {"smoothquant", all}}
+		plans = []plan{{llamaMini, "gptq", all}, {llamaMini, "awq", all}, {llamaMini, "smoothquant", all},
+			{qwen3, "gptq", all}, {qwen3, "awq", all}}
 	}
 	for _, p := range plans {
-		t.Run(p.method, func(t *testing.T) {
+		t.Run(filepath.Base(p.model)+"/"+p.method, func(t *testing.T) {
 			work := t.TempDir()
 			ref := filepath.Join(work, "ref")
-			if out, err := exec.Command(bin, resumeArgs(t, p.method, ref, "-q")...).CombinedOutput(); err != nil {
+			if out, err := exec.Command(bin, resumeArgsOn(t, p.model, p.method, ref, "-q")...).CombinedOutput(); err != nil {
 				t.Fatalf("reference run: %v\n%s", err, out)
 			}
 			want, err := readTree(ref)
@@ -120,7 +128,7 @@ func TestResumeAfterKill(t *testing.T) {
 			wantReport := readReport(t, ref)
 			for i, ks := range p.kills {
 				out := filepath.Join(work, fmt.Sprintf("out%d", i))
-				args := resumeArgs(t, p.method, out, "--resume")
+				args := resumeArgsOn(t, p.model, p.method, out, "--resume")
 				for _, k := range ks {
 					before := 0
 					if _, err := os.Stat(calib.CheckpointDir(out)); err == nil {
