@@ -18,6 +18,7 @@ type progress struct {
 	plain bool
 	start time.Time
 	done  int
+	skip  int // of done, steps finished before this run
 }
 
 // newProgress starts reporting on w; the bar is drawn only when w is a
@@ -50,11 +51,21 @@ func (p *progress) Step(desc string) {
 	}
 	el := time.Since(p.start)
 	left := time.Duration(0)
-	if p.done > 0 && p.done < p.total {
-		left = el / time.Duration(p.done) * time.Duration(p.total-p.done)
+	if ran := p.done - p.skip; ran > 0 && p.done < p.total {
+		left = el / time.Duration(ran) * time.Duration(p.total-p.done)
 	}
 	fmt.Fprintf(p.w, "%s %d/%d %s; elapsed %s, remaining ~%s\n", p.what, p.done, p.total, desc,
 		el.Round(100*time.Millisecond), left.Round(time.Second))
+}
+
+// Skip counts n steps done before this run (a resumed job): the bar and
+// the plain lines go on from there.
+func (p *progress) Skip(n int) {
+	p.done += n
+	p.skip += n
+	if p.bar != nil {
+		_ = p.bar.Add(n)
+	}
 }
 
 // Describe changes the bar's description without a step (no plain line).

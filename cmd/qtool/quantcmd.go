@@ -95,6 +95,7 @@ func quantFlags(defBits, defGroup int, defFormat string) []cli.Flag {
 		&cli.StringFlag{Name: "device", Value: "auto", Usage: "where calibration runs: auto (the GPU when one is usable, else the CPU), cpu or cuda"},
 		&cli.BoolFlag{Name: "json", Usage: "print a JSON summary instead of the table"},
 		&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress bars"},
+		&cli.BoolFlag{Name: "resume", Usage: "keep finished layers in a work directory .OUT.resume beside the output and continue a killed run from it (same flags, model and calibration; removed once the output is written)"},
 	}
 }
 
@@ -127,6 +128,11 @@ func runQuant(c *cli.Context, job quantJob) error {
 		return fmt.Errorf("%s: --nsamples %d --seqlen %d: want > 0 and >= 2", job.cmd, ns, sl)
 	}
 	if _, err := os.Stat(out); err == nil {
+		if wd := calib.CheckpointDir(out); c.Bool("resume") {
+			if _, err := os.Stat(wd); err == nil {
+				return fmt.Errorf("%s: %s already exists: the run was written completely (outputs appear whole) and killed before it removed its work directory %s, which can be removed", job.cmd, out, wd)
+			}
+		}
 		return fmt.Errorf("%s: %s already exists; remove it or choose another --out", job.cmd, out)
 	}
 	verifyFile := c.String("verify")
@@ -185,6 +191,26 @@ func runQuant(c *cli.Context, job quantJob) error {
 	defer s.Close()
 	quiet := c.Bool("quiet") || c.Bool("json")
 	bar := newProgress(stderr, quiet, job.cmd+" layer", s.Cfg.Layers)
+	var ckpt *calib.Checkpoint
+	if workDir := calib.CheckpointDir(out); c.Bool("resume") {
+		key, err := resumeKey(c, dir, threads, be.Name(), windows)
+		if err != nil {
+			return fmt.Errorf("%s: --resume: %w", job.cmd, err)
+		}
+		if ckpt, err = calib.OpenCheckpoint(workDir, key); err != nil {
+			return fmt.Errorf("%s: %w", job.cmd, err)
+		}
+		defer ckpt.Close()
+		if err := s.SetCheckpoint(ckpt); err != nil {
+			return fmt.Errorf("%s: %w", job.cmd, err)
+		}
+		if n := ckpt.LayersDone(); n > 0 {
+			fmt.Fprintf(notices, "qtool: resuming after layer %d/%d from %s\n", n, s.Cfg.Layers, workDir)
+			bar.Skip(n)
+		}
+	} else if _, err := os.Stat(workDir); err == nil {
+		fmt.Fprintf(notices, "qtool: %s holds the state of an interrupted run; --resume continues it, this run ignores it\n", workDir)
+	}
 	var layerStats []*calib.ModuleStat
 	endLayer := func() {
 		if len(layerStats) == 0 {
@@ -209,6 +235,9 @@ func runQuant(c *cli.Context, job quantJob) error {
 			bar.Describe(fmt.Sprintf("%d/%d", l+1, s.Cfg.Layers))
 			return
 		}
+		if ckpt != nil {
+			ckpt.Stat(*st)
+		}
 		layerStats = append(layerStats, st)
 		bar.Describe(fmt.Sprintf("%d/%d %s", l+1, s.Cfg.Layers, st.Role))
 	}
@@ -220,9 +249,17 @@ func runQuant(c *cli.Context, job quantJob) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
+	if ckpt != nil {
+		stats = append(ckpt.ResumedStats(), stats...)
+	}
 	tw := time.Now()
 	if err := convert.SaveWith(s.Out, format, out, convert.SaveOptions{QtoolOnly: c.Bool("qtool-only")}); err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
+	}
+	if ckpt != nil {
+		if err := ckpt.Remove(); err != nil {
+			fmt.Fprintf(stderr, "qtool: warning: %s written, but its work directory stays: %v\n", out, err)
+		}
 	}
 	phases := s.Phases()
 	phases["write"] = time.Since(tw).Seconds()

@@ -43,6 +43,9 @@ type Session struct {
 	layer int                  // layer whose host weights are cached
 	cur   map[string][]float32 // current float weights of that layer
 
+	ckpt  *Checkpoint // records finished layers (nil: none)
+	start int         // first layer Run calibrates (after resumed ones)
+
 	phases map[string]float64 // wall seconds by phase, see Phase
 	inStep time.Duration      // time spent inside steps during Layer
 }
@@ -190,6 +193,7 @@ func (s *Session) SetLinear(l int, r model.Role, t model.Tensor) error {
 	}
 	delete(s.cur, model.Name(l, r))
 	s.Out.Set(model.Name(l, r), t)
+	s.touch(model.Name(l, r))
 	return nil
 }
 
@@ -198,6 +202,7 @@ func (s *Session) SetLinear(l int, r model.Role, t model.Tensor) error {
 func (s *Session) SetVector(l int, r model.Role, v []float32) error {
 	s.load(l)
 	name := model.Name(l, r)
+	s.touch(name)
 	if v == nil {
 		if err := s.RT.SetVector(name, nil); err != nil {
 			return err
@@ -444,15 +449,50 @@ func (s *Session) RelErrOf(x, w runtime.Buf, l int, r model.Role, maxRows int) f
 }
 
 // Run calibrates every decoder layer in order with step, reporting the start
-// of each layer to progress (when not nil).
+// of each layer to progress (when not nil). With a checkpoint attached
+// (SetCheckpoint) it starts after the layers resumed from it and saves each
+// layer it finishes.
 func (s *Session) Run(step Step, progress Progress) error {
-	for l := 0; l < s.Cfg.Layers; l++ {
+	for l := s.start; l < s.Cfg.Layers; l++ {
 		if progress != nil {
 			progress(l, nil)
 		}
 		if err := s.Layer(l, step); err != nil {
 			return fmt.Errorf("layer %d: %w", l, err)
 		}
+		if s.ckpt != nil {
+			done := s.Phase("checkpoint")
+			err := s.ckpt.layerDone(l, s.Out, s.Download(s.x), s.x.Rows(), s.x.Cols())
+			done()
+			if err != nil {
+				return fmt.Errorf("layer %d: %w", l, err)
+			}
+		}
 	}
 	return nil
+}
+
+// SetCheckpoint attaches c before Run: the layers c holds are installed in
+// Out, the residual stream after them replaces the embedded windows, and Run
+// continues with the next layer, saving every layer it finishes to c.
+func (s *Session) SetCheckpoint(c *Checkpoint) error {
+	resid, err := c.apply(s.Out, s.Rows(), s.Cfg.Hidden)
+	if err != nil {
+		return err
+	}
+	if c.LayersDone() > s.Cfg.Layers {
+		return c.corrupt("%d layers done, the model has %d", c.LayersDone(), s.Cfg.Layers)
+	}
+	if resid != nil {
+		s.be.Upload(s.x, resid)
+	}
+	s.ckpt, s.start = c, c.LayersDone()
+	return nil
+}
+
+// touch records a change of Out for the checkpoint.
+func (s *Session) touch(name string) {
+	if s.ckpt != nil {
+		s.ckpt.touch(name)
+	}
 }
