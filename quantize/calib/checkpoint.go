@@ -86,7 +86,8 @@ type Checkpoint struct {
 	// of the current layer
 	stats   []ModuleStat
 	touched map[string]bool
-	// resumed holds the finished layers found on disk, applied by Resume.
+	// resumed holds the finished layers found on disk, installed by
+	// Session.SetCheckpoint.
 	resumed []layerRecord
 	resid   []float32
 }
@@ -101,7 +102,7 @@ func CheckpointDir(out string) string {
 // OpenCheckpoint opens (creating it when absent) the work directory dir for
 // a run identified by key, and locks it against a concurrent run. When dir
 // holds finished layers of a run with the same key, they are read and
-// checked and Resume will apply them; a different key is refused with the
+// checked and Session.SetCheckpoint installs them; a different key is refused with the
 // fields that differ.
 func OpenCheckpoint(dir string, key []KeyField) (*Checkpoint, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
