@@ -196,7 +196,9 @@ func readReport(t *testing.T, out string) calib.RunReport {
 
 // TestResumeRefused checks that --resume refuses a work directory of a run
 // with other inputs, naming each difference, and a damaged one, without
-// touching it or writing the output.
+// touching it or writing the output; that a run without --resume leaves the
+// work directory alone and says it is there; and that --resume with the
+// output already in place says the run was complete.
 func TestResumeRefused(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds qtool")
@@ -255,6 +257,25 @@ func TestResumeRefused(t *testing.T) {
 		"--threads: 2 in the work dir, 1 now", "--act-order: false in the work dir, true now")
 	if !sameTree(snapshot(), orig) {
 		t.Fatal("a refused resume changed the work directory")
+	}
+	// Without --resume a run starts over, says so, and leaves the work
+	// directory alone; a --resume run then finds the output in place.
+	plain := slices.DeleteFunc(slices.Clone(base), func(a string) bool { return a == "--resume" })
+	res, err := exec.Command(bin, plain...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("run without --resume: %v\n%s", err, res)
+	}
+	if !strings.Contains(string(res), "holds the state of an interrupted run; --resume continues it") {
+		t.Errorf("run without --resume beside a work directory did not say so:\n%s", res)
+	}
+	if !sameTree(snapshot(), orig) {
+		t.Fatal("a run without --resume changed the work directory")
+	}
+	if res, err := exec.Command(bin, base...).CombinedOutput(); err == nil || !strings.Contains(string(res), "was written completely") {
+		t.Fatalf("--resume with the output in place: %v\n%s", err, res)
+	}
+	if err := os.RemoveAll(out); err != nil {
+		t.Fatal(err)
 	}
 
 	// Damage: each case on a fresh copy of the work directory.
