@@ -130,7 +130,7 @@ func runQuant(c *cli.Context, job quantJob) error {
 	if _, err := os.Stat(out); err == nil {
 		if wd := calib.CheckpointDir(out); c.Bool("resume") {
 			if _, err := os.Stat(wd); err == nil {
-				return fmt.Errorf("%s: %s already exists: the run was written completely (outputs appear whole) and killed before it removed its work directory %s, which can be removed", job.cmd, out, wd)
+				return fmt.Errorf("%s: %s already exists beside the work directory %s: a --resume run was written completely and stopped before it removed its work directory, which can be removed", job.cmd, out, wd)
 			}
 		}
 		return fmt.Errorf("%s: %s already exists; remove it or choose another --out", job.cmd, out)

@@ -476,12 +476,12 @@ func (s *Session) Run(step Step, progress Progress) error {
 // Out, the residual stream after them replaces the embedded windows, and Run
 // continues with the next layer, saving every layer it finishes to c.
 func (s *Session) SetCheckpoint(c *Checkpoint) error {
+	if c.LayersDone() > s.Cfg.Layers {
+		return c.corrupt("%d layers done, the model has %d", c.LayersDone(), s.Cfg.Layers)
+	}
 	resid, err := c.apply(s.Out, s.Rows(), s.Cfg.Hidden)
 	if err != nil {
 		return err
-	}
-	if c.LayersDone() > s.Cfg.Layers {
-		return c.corrupt("%d layers done, the model has %d", c.LayersDone(), s.Cfg.Layers)
 	}
 	if resid != nil {
 		s.be.Upload(s.x, resid)
