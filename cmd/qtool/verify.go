@@ -388,6 +388,14 @@ func newBackend(device string, threads, tpN int, mm *model.Model) (runtime.Backe
 		if device == "cpu" {
 			return tp.NewCPU(mm, tpN, threads)
 		}
+		ranks := max(tpN, tp.ShardedSize(mm))
+		if n, err := cuda.DeviceCount(); err == nil && n < ranks {
+			if device == "cuda" {
+				return nil, fmt.Errorf("verify: --device cuda --tp %d: %d GPU(s) present, one per rank is needed (--device cpu runs the ranks on the CPU)", ranks, n)
+			}
+			fmt.Fprintf(os.Stderr, "qtool: %d GPU(s) present for %d ranks; running the ranks on the CPU\n", n, ranks)
+			return tp.NewCPU(mm, tpN, threads)
+		}
 		be, err := tp.NewGPU(mm, tpN, cuda.NewRank)
 		switch {
 		case err == nil:

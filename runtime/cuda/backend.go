@@ -120,6 +120,16 @@ func NewDevice(d int) (*Backend, error) {
 		GEMVVariant: os.Getenv("QTOOL_GEMV_VARIANT")})
 }
 
+// DeviceCount returns the number of CUDA devices (an error wrapping
+// ErrNoDriver without a usable driver).
+func DeviceCount() (int, error) {
+	drv, err := driver.Open()
+	if err != nil {
+		return 0, err
+	}
+	return drv.DeviceCount()
+}
+
 // NewRank is NewDevice typed for tp.NewGPU: the backend of the
 // tensor-parallel rank on GPU d.
 func NewRank(d int) (runtime.Backend, error) {
