@@ -326,10 +326,13 @@ func Quantize(w []float32, rows, cols int, h *Hessian, opt Options) (*Result, er
 	}
 	res := &Result{}
 
-	// Dead columns: no activation ever reached them; their weights do not
-	// matter, so quantize them as zeros and keep H invertible.
-	for i := 0; i < cols; i++ {
-		if H[i*cols+i] == 0 {
+	hd := make([]float64, cols)
+	for i := range hd {
+		hd[i] = H[i*cols+i]
+	}
+	dead, perm := columnOrder(hd, opt.ActOrder)
+	for i, d := range dead {
+		if d {
 			H[i*cols+i] = 1
 			for r := 0; r < rows; r++ {
 				W[r*cols+i] = 0
@@ -347,14 +350,6 @@ func Quantize(w []float32, rows, cols int, h *Hessian, opt Options) (*Result, er
 			static[g] = newGrid()
 			static[g].fit(W, 0, rows, cols, g*gs, (g+1)*gs)
 		}
-	}
-
-	perm := make([]int, cols)
-	for i := range perm {
-		perm[i] = i
-	}
-	if opt.ActOrder {
-		sort.SliceStable(perm, func(a, b int) bool { return H[perm[a]*cols+perm[a]] > H[perm[b]*cols+perm[b]] })
 		W = permuteCols(W, rows, cols, perm)
 		H = permuteSym(H, cols, perm)
 	}
@@ -402,6 +397,31 @@ func Quantize(w []float32, rows, cols int, h *Hessian, opt Options) (*Result, er
 	}
 	res.Q = q
 	return res, nil
+}
+
+// columnOrder returns the dead columns (diagonal of H 0: no activation
+// ever reached them; their weights do not matter, so they are quantized as
+// zeros with H's diagonal set to 1 to keep it invertible) and the order the
+// columns are quantized in: by decreasing diag(H) (dead ones counting as 1)
+// with act-order, else the natural order.
+func columnOrder(hdiag []float64, actOrder bool) (dead []bool, perm []int) {
+	n := len(hdiag)
+	dead = make([]bool, n)
+	d := make([]float64, n)
+	for i, v := range hdiag {
+		d[i] = v
+		if v == 0 {
+			dead[i], d[i] = true, 1
+		}
+	}
+	perm = make([]int, n)
+	for i := range perm {
+		perm[i] = i
+	}
+	if actOrder {
+		sort.SliceStable(perm, func(a, b int) bool { return d[perm[a]] > d[perm[b]] })
+	}
+	return dead, perm
 }
 
 // pack builds the quantized weight from unsigned codes in the column order

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"sort"
 
 	"qtool/formats/model"
 	"qtool/quantize/calib"
@@ -129,7 +128,7 @@ func QuantizeOn(dev Device, g runtime.Buf, tokens int, w runtime.Buf, opt Option
 	}
 	diag := dev.Diagonal(g)
 	job := runtime.GPTQJob{Rows: rows, Cols: cols, Bits: opt.Bits, GroupSize: opt.GroupSize, BlockSize: opt.BlockSize,
-		Sym: opt.Sym, FP16Scales: !opt.FP32Scales, Dead: make([]bool, cols)}
+		Sym: opt.Sym, FP16Scales: !opt.FP32Scales}
 	if job.GroupSize == 0 {
 		job.GroupSize = cols
 	}
@@ -143,6 +142,7 @@ func QuantizeOn(dev Device, g runtime.Buf, tokens int, w runtime.Buf, opt Option
 		job.BlockSize = job.GroupSize // as in Quantize: blocks aligned to groups
 	}
 	res := &Result{}
+	hd := make([]float64, cols)
 	mean := 0.0
 	f := 2 / float64(tokens)
 	for i, d := range diag {
@@ -150,26 +150,19 @@ func QuantizeOn(dev Device, g runtime.Buf, tokens int, w runtime.Buf, opt Option
 		if math.IsNaN(v) || math.IsInf(v, 0) {
 			return nil, fmt.Errorf("gptq: Hessian entry (%d,%d) is %g: the calibration activations overflow", i, i, v)
 		}
+		hd[i] = v
 		if v == 0 {
-			job.Dead[i] = true
 			res.DeadCols++
 			v = 1
 		}
 		mean += v
 	}
 	mean /= float64(cols)
+	var perm []int
+	job.Dead, perm = columnOrder(hd, opt.ActOrder)
+	job.HDiag = hd
 	if opt.ActOrder {
-		job.Perm = make([]int, cols)
-		for i := range job.Perm {
-			job.Perm[i] = i
-		}
-		hd := func(i int) float64 {
-			if job.Dead[i] {
-				return 1 / f
-			}
-			return float64(diag[i])
-		}
-		sort.SliceStable(job.Perm, func(a, b int) bool { return hd(job.Perm[a]) > hd(job.Perm[b]) })
+		job.Perm = perm
 	}
 	var out *runtime.GPTQOutput
 	var err error
@@ -189,20 +182,8 @@ func QuantizeOn(dev Device, g runtime.Buf, tokens int, w runtime.Buf, opt Option
 		return nil, fmt.Errorf("gptq: %w", err)
 	}
 	res.Loss = out.Loss
-	perm := job.Perm
-	if perm == nil {
-		perm = identity(cols)
-	}
 	if res.Q, err = pack(out.Codes, perm, out.Scale, out.Zero, rows, cols, opt); err != nil {
 		return nil, err
 	}
 	return res, nil
-}
-
-func identity(n int) []int {
-	p := make([]int, n)
-	for i := range p {
-		p[i] = i
-	}
-	return p
 }

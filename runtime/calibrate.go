@@ -73,6 +73,8 @@ type GPTQJob struct {
 	// Dead marks input columns whose Hessian diagonal is 0: their weights
 	// are zeroed and the diagonal set to 1.
 	Dead []bool
+	// HDiag is the diagonal of H = 2/tokens·h (the hmse search's weights).
+	HDiag []float64
 	// Damp is added to the Hessian's diagonal (absolute).
 	Damp float64
 }

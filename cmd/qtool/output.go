@@ -10,6 +10,7 @@ import (
 	"github.com/schollz/progressbar/v3"
 	"github.com/urfave/cli/v2"
 
+	"qtool/formats/infile"
 	"qtool/formats/model"
 	"qtool/runtime"
 )
@@ -49,7 +50,7 @@ func readPPLText(arg string) (path string, text []byte, err error) {
 	if path, err = resolvePPLFile(arg); err != nil {
 		return "", nil, err
 	}
-	if text, err = os.ReadFile(path); err != nil {
+	if text, err = infile.ReadFile(path, infile.TextLimit); err != nil {
 		return "", nil, fmt.Errorf("verify: --ppl: %w", err)
 	}
 	if len(bytes.TrimSpace(text)) == 0 {

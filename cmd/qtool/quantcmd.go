@@ -114,14 +114,7 @@ func runQuant(c *cli.Context, job quantJob) error {
 	if c.NArg() > 0 {
 		return fmt.Errorf("%s: unexpected arguments %q", job.cmd, c.Args().Slice())
 	}
-	stdout := c.App.Writer
-	if stdout == nil {
-		stdout = os.Stdout
-	}
-	stderr := c.App.ErrWriter
-	if stderr == nil {
-		stderr = os.Stderr
-	}
+	stdout, stderr, _ := outputs(c)
 	dir, out := c.String("hf"), c.String("out")
 	ns, sl := c.Int("nsamples"), c.Int("seqlen")
 	if ns <= 0 || sl < 2 {
@@ -175,8 +168,9 @@ func runQuant(c *cli.Context, job quantJob) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
+	quiet := c.Bool("quiet") || c.Bool("json")
 	notices := stderr
-	if c.Bool("quiet") || c.Bool("json") {
+	if quiet {
 		notices = io.Discard
 	}
 	be, err := calibBackend(c.String("device"), threads, notices)
@@ -189,7 +183,6 @@ func runQuant(c *cli.Context, job quantJob) error {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
 	defer s.Close()
-	quiet := c.Bool("quiet") || c.Bool("json")
 	bar := newProgress(stderr, quiet, job.cmd+" layer", s.Cfg.Layers)
 	var ckpt *calib.Checkpoint
 	if workDir := calib.CheckpointDir(out); c.Bool("resume") {

@@ -11,7 +11,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/schollz/progressbar/v3"
 	"github.com/urfave/cli/v2"
 	"golang.org/x/term"
 
@@ -112,19 +111,7 @@ func runVerify(c *cli.Context) error {
 		return fmt.Errorf("verify: want exactly one MODEL argument, got %d (see `qtool verify --help`)", c.NArg())
 	}
 	path := c.Args().First()
-	stdout, stderr := c.App.Writer, c.App.ErrWriter
-	if stdout == nil {
-		stdout = os.Stdout
-	}
-	if stderr == nil {
-		stderr = os.Stderr
-	}
-	jsonOut := c.Bool("json")
-	logf := func(format string, a ...any) {
-		if !jsonOut {
-			fmt.Fprintf(stdout, format, a...)
-		}
-	}
+	stdout, stderr, logf := outputs(c)
 
 	// Validate the cheap options before reading anything big.
 	proto := c.String("protocol")
@@ -138,14 +125,8 @@ func runVerify(c *cli.Context) error {
 	var text []byte
 	if p := c.String("ppl"); p != "" {
 		var err error
-		if pplPath, err = resolvePPLFile(p); err != nil {
+		if pplPath, text, err = readPPLText(p); err != nil {
 			return err
-		}
-		if text, err = infile.ReadFile(pplPath, infile.TextLimit); err != nil {
-			return fmt.Errorf("verify: --ppl: %w", err)
-		}
-		if len(strings.TrimSpace(string(text))) == 0 {
-			return fmt.Errorf("verify: --ppl %s is empty", pplPath)
 		}
 	}
 	prompt := c.String("prompt")
@@ -166,15 +147,11 @@ func runVerify(c *cli.Context) error {
 	if err := checkTokenizer(tok, cfg); err != nil {
 		return err
 	}
-	be, err := newBackend(c.String("device"), c.Int("threads"), c.Int("tp"), mm)
+	m, be, err := loadOn(c, mm)
 	if err != nil {
 		return err
 	}
 	defer be.Close()
-	m, err := runtime.Load(mm, be)
-	if err != nil {
-		return fmt.Errorf("verify: %w", err)
-	}
 	res := verifyResult{Model: path, Device: be.Name()}
 	logf("model   %s (%s, %s, %d layers, hidden %d, vocab %d)\n", path, mm.Format, cfg.Arch, cfg.Layers, cfg.Hidden, cfg.Vocab)
 	logf("device  %s\n", be.Name())
@@ -191,16 +168,7 @@ func runVerify(c *cli.Context) error {
 			total = opt.MaxChunks
 		}
 		start := time.Now()
-		var bar *progressbar.ProgressBar
-		if !c.Bool("quiet") && isTerminal(stderr) {
-			bar = progressbar.NewOptions(total,
-				progressbar.OptionSetWriter(stderr),
-				progressbar.OptionSetDescription("perplexity"),
-				progressbar.OptionShowCount(),
-				progressbar.OptionSetWidth(30),
-				progressbar.OptionThrottle(200*time.Millisecond),
-				progressbar.OptionClearOnFinish())
-		}
+		bar := chunkBar(c, stderr, total, "perplexity")
 		opt.Progress = func(done, total int, running float64) {
 			if bar == nil {
 				return
@@ -249,7 +217,7 @@ func runVerify(c *cli.Context) error {
 		// (a prompt too long, a --max-new too large) comes without it.
 		var stream io.Writer
 		echo := func() {}
-		if !jsonOut {
+		if !c.Bool("json") {
 			echo = func() {
 				if stream == nil {
 					stream = stdout
@@ -283,7 +251,7 @@ func runVerify(c *cli.Context) error {
 		res.Generation = g
 		logf("\n        (%d new tokens, %.1f tokens/s)\n", len(out), g.TokensPerS)
 	}
-	if jsonOut {
+	if c.Bool("json") {
 		return json.NewEncoder(stdout).Encode(res)
 	}
 	return nil

@@ -12,8 +12,8 @@ import (
 	"slices"
 	"strings"
 
+	"qtool/formats/atomicfile"
 	"qtool/formats/infile"
-	"qtool/formats/internal/atomicfile"
 	"qtool/formats/model"
 	"qtool/formats/safetensors"
 )

@@ -8,8 +8,8 @@ import (
 	"os"
 	"slices"
 
+	"qtool/formats/atomicfile"
 	"qtool/formats/autoawq"
-	"qtool/formats/internal/atomicfile"
 	"qtool/formats/model"
 	"qtool/quantize"
 )

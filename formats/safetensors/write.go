@@ -7,7 +7,7 @@ import (
 
 	st "github.com/nlpodyssey/safetensors"
 
-	"qtool/formats/internal/atomicfile"
+	"qtool/formats/atomicfile"
 	"qtool/formats/model"
 )
 

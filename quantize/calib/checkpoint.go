@@ -7,7 +7,6 @@ package calib
 // layer's module statistics.
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/binary"
 	"encoding/gob"
@@ -23,8 +22,7 @@ import (
 	"strings"
 	"unsafe"
 
-	"golang.org/x/sys/unix"
-
+	"qtool/formats/atomicfile"
 	"qtool/formats/model"
 )
 
@@ -81,7 +79,7 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 type Checkpoint struct {
 	dir   string
 	key   []KeyField
-	lock  *os.File
+	lock  *atomicfile.Lock
 	state checkpointState // as on disk
 	// of the current layer
 	stats   []ModuleStat
@@ -108,12 +106,8 @@ func OpenCheckpoint(dir string, key []KeyField) (*Checkpoint, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("resume: %w", err)
 	}
-	lock, err := os.OpenFile(filepath.Join(dir, "lock"), os.O_RDWR|os.O_CREATE, 0o644)
+	lock, err := atomicfile.LockTarget(dir)
 	if err != nil {
-		return nil, fmt.Errorf("resume: %w", err)
-	}
-	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
-		lock.Close()
 		return nil, fmt.Errorf("resume: %s is in use by another run (%v)", dir, err)
 	}
 	c := &Checkpoint{dir: dir, key: key, lock: lock, state: checkpointState{Version: checkpointVersion, Key: key}}
@@ -264,7 +258,7 @@ func (c *Checkpoint) ResumedStats() []ModuleStat {
 // Close releases the lock (the work directory stays).
 func (c *Checkpoint) Close() {
 	if c.lock != nil {
-		c.lock.Close()
+		c.lock.Unlock()
 		c.lock = nil
 	}
 }
@@ -460,37 +454,20 @@ func (c *Checkpoint) layerDone(l int, out *model.Model, resid []float32, rows, c
 	return nil
 }
 
-// writeAtomic writes a file through a temporary file that is synced and
-// renamed over path, then syncs the directory: after a crash path holds the
-// old or the new contents. It returns the CRC-32C of what write wrote.
+// writeAtomic writes path whole or not at all (atomicfile: a synced
+// temporary renamed over it) and returns the CRC-32C of what write wrote.
 func writeAtomic(path string, write func(io.Writer) error) (uint32, error) {
-	tmp := path + ".tmp"
-	f, err := os.Create(tmp)
+	f, err := atomicfile.Create(path)
 	if err != nil {
 		return 0, fmt.Errorf("resume: %w", err)
 	}
-	h := crc32.New(castagnoli)
-	bw := bufio.NewWriterSize(io.MultiWriter(f, h), 1<<20)
-	err = write(bw)
-	if err == nil {
-		err = bw.Flush()
-	}
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		os.Remove(tmp)
+	defer f.Abort()
+	if err := write(f); err != nil {
 		return 0, fmt.Errorf("resume: %s: %w", path, err)
 	}
-	if d, err := os.Open(filepath.Dir(path)); err == nil {
-		d.Sync()
-		d.Close()
+	crc := f.CRC32C()
+	if err := f.Commit(); err != nil {
+		return 0, fmt.Errorf("resume: %w", err)
 	}
-	return h.Sum32(), nil
+	return crc, nil
 }

@@ -350,17 +350,6 @@ func (s *Session) AttentionOutputs(l int, windows []int, ov runtime.Overrides) r
 	return out
 }
 
-// WindowRows returns the residual-stream rows of the given windows as a
-// new buffer.
-func (s *Session) WindowRows(windows []int) runtime.Buf {
-	T := s.seqLen
-	out := s.be.Alloc(len(windows)*T, s.Cfg.Hidden)
-	for i, w := range windows {
-		s.be.CopyRows(out, i*T, s.x, w*T, T)
-	}
-	return out
-}
-
 // Subsample returns at most maxRows rows of x taken at an even stride (as
 // a new buffer, also when all rows are taken).
 func (s *Session) Subsample(x runtime.Buf, maxRows int) runtime.Buf {

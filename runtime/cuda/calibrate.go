@@ -119,17 +119,11 @@ func (b *Backend) gemm(f64 bool, m, n, k int, alpha float64, a driver.DevicePtr,
 		return
 	}
 	grid := [3]uint32{uint32((n + 63) / 64), uint32((m + 63) / 64), 1}
-	bi := func(v bool) int {
-		if v {
-			return 1
-		}
-		return 0
-	}
 	if f64 {
-		b.launch("cal_gemm_f64", grid, block256, m, n, k, alpha, a, int64(lda), bi(ta), bb, int64(ldb), bi(tb), beta, c, int64(ldc), bi(lower))
+		b.launch("cal_gemm_f64", grid, block256, m, n, k, alpha, a, int64(lda), boolInt(ta), bb, int64(ldb), boolInt(tb), beta, c, int64(ldc), boolInt(lower))
 		return
 	}
-	b.launch("cal_gemm_f32", grid, block256, m, n, k, float32(alpha), a, int64(lda), bi(ta), bb, int64(ldb), bi(tb), float32(beta), c, int64(ldc), bi(lower))
+	b.launch("cal_gemm_f32", grid, block256, m, n, k, float32(alpha), a, int64(lda), boolInt(ta), bb, int64(ldb), boolInt(tb), float32(beta), c, int64(ldc), boolInt(lower))
 }
 
 // AddGram implements runtime.Calibrator: the lower triangle with the SIMT
@@ -282,7 +276,7 @@ func (b *Backend) PeakBytes() int64 { return b.peakBytes }
 func (b *Backend) GPTQ(h, w runtime.Buf, tokens int, job runtime.GPTQJob) (*runtime.GPTQOutput, error) {
 	n, rows := job.Cols, job.Rows
 	hm, wm := buf(h), buf(w)
-	if hm.rows != n || hm.cols != n || wm.rows != rows || wm.cols != n || len(job.Dead) != n || (job.Perm != nil && len(job.Perm) != n) {
+	if hm.rows != n || hm.cols != n || wm.rows != rows || wm.cols != n || len(job.Dead) != n || len(job.HDiag) != n || (job.Perm != nil && len(job.Perm) != n) {
 		panic(fmt.Sprintf("cuda backend: GPTQ of w [%d %d] with h [%d %d] for a %d×%d job", wm.rows, wm.cols, hm.rows, hm.cols, rows, n))
 	}
 	gs, bs := job.GroupSize, job.BlockSize
@@ -332,12 +326,11 @@ func (b *Backend) GPTQ(h, w runtime.Buf, tokens int, job runtime.GPTQJob) (*runt
 	maxq := float32(int(1)<<job.Bits - 1)
 	sym, fp16 := boolInt(job.Sym), boolInt(job.FP16Scales)
 	ng := n / gs
-	// hdiag for the hmse search: diag(2/tokens·h), 0 for dead columns.
-	diag := b.diagOf(hm.p, n)
+	// the hmse search's weights: H's diagonal, 0 for dead columns
 	hd := make([]float32, n)
-	for i, d := range diag {
+	for i, d := range job.HDiag {
 		if !job.Dead[i] {
-			hd[i] = d * float32(2/float64(tokens))
+			hd[i] = float32(d)
 		}
 	}
 	hdP := uploadSlice(b, hd)
