@@ -72,10 +72,21 @@ __device__ __forceinline__ int q4_shift(int e) { return ((e & 1) ? 16 : 0) + (e 
 // ---------------------------------------------------------------------------
 // Elementwise and normalisation.
 
+// The embedding kernels look up row ids[r] − lo of a table of n rows; an id
+// outside lo..lo+n−1 (another rank's slice of a vocabulary-split table)
+// gives a row of zeros.
+__device__ __forceinline__ bool embed_zero(float* __restrict__ dst, int r, int id, int n, int cols) {
+    if (id >= 0 && id < n) return false;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[(size_t)r * cols + c] = 0.f;
+    return true;
+}
+
 extern "C" __global__ void embed_dense(float* __restrict__ dst, const void* __restrict__ table,
-                                       const int* __restrict__ ids, int cols, int dt) {
+                                       const int* __restrict__ ids, int cols, int dt, int lo, int n) {
     int r = blockIdx.x;
-    size_t base = (size_t)ids[r] * cols;
+    int id = ids[r] - lo;
+    if (embed_zero(dst, r, id, n, cols)) return;
+    size_t base = (size_t)id * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[(size_t)r * cols + c] = load_dense(table, base + c, dt);
 }
 
@@ -86,9 +97,10 @@ __device__ __forceinline__ int q_group(int c, int gs, const int* gidx) {
 
 extern "C" __global__ void embed_q8(float* __restrict__ dst, const int8_t* __restrict__ q,
                                     const float2* __restrict__ sz, const int* __restrict__ gidx,
-                                    const int* __restrict__ ids, int cols, int gs, int G) {
+                                    const int* __restrict__ ids, int cols, int gs, int G, int lo, int n) {
     int r = blockIdx.x;
-    int id = ids[r];
+    int id = ids[r] - lo;
+    if (embed_zero(dst, r, id, n, cols)) return;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         float2 s = sz[(size_t)id * G + q_group(c, gs, gidx)];
         dst[(size_t)r * cols + c] = ((float)q[(size_t)id * cols + c] - s.y) * s.x;
@@ -97,9 +109,10 @@ extern "C" __global__ void embed_q8(float* __restrict__ dst, const int8_t* __res
 
 extern "C" __global__ void embed_q4(float* __restrict__ dst, const uint32_t* __restrict__ q,
                                     const float2* __restrict__ sz, const int* __restrict__ ids,
-                                    int cols, int gs, int G) {
+                                    int cols, int gs, int G, int lo, int n) {
     int r = blockIdx.x;
-    int id = ids[r];
+    int id = ids[r] - lo;
+    if (embed_zero(dst, r, id, n, cols)) return;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         float2 s = sz[(size_t)id * G + c / gs];
         __half2 zh = *reinterpret_cast<__half2*>(&s.y);

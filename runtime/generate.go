@@ -31,10 +31,18 @@ type GenOptions struct {
 	// OnToken, when not nil, is called with every generated token as it is
 	// produced.
 	OnToken func(id int)
+	// NoGraph turns off graph decoding (see Generate).
+	NoGraph bool
 }
 
 // Generate continues prompt and returns the new tokens only (without the
 // prompt and without a final EOS).
+//
+// Greedy decoding on a backend that is a DecodeGrapher (CUDA) replays a
+// captured decode step from the third new token on, graphChunk steps per
+// host round trip: the tokens are the same as step by step (the same
+// kernels run), only the launch overhead goes. Tokens after an EOS within
+// the last chunk are computed and dropped. opt.NoGraph turns this off.
 func Generate(m *Model, prompt []int, opt GenOptions) ([]int, error) {
 	if len(prompt) == 0 {
 		return nil, ErrEmptyPrompt
@@ -101,7 +109,79 @@ func Generate(m *Model, prompt []int, opt GenOptions) ([]int, error) {
 		if len(out) == opt.MaxNew {
 			break
 		}
+		if len(out) >= 2 && opt.Temperature <= 0 && !opt.NoGraph {
+			// A single-token step has run uncaptured: capture the next.
+			if g, ok := be.(DecodeGrapher); ok {
+				return graphDecode(m, g, cache, out, id, pos, total, eos, opt)
+			}
+		}
 		last = m.Hidden([]int{id}, pos, cache)
+		pos++
+	}
+	return out, nil
+}
+
+// graphChunk is the number of graph replays Generate queues between two
+// reads of the generated tokens.
+const graphChunk = 16
+
+// graphDecode continues greedy generation with a captured decode step:
+// out holds the tokens so far, id the last one (not yet run), at position
+// pos. A single-token step has run uncaptured before, so every buffer the
+// step needs exists.
+func graphDecode(m *Model, g DecodeGrapher, cache KVCache, out []int, id, pos, total int, eos []int, opt GenOptions) ([]int, error) {
+	be := m.Backend()
+	if err := g.BeginCapture(pos, total); err != nil {
+		if errors.Is(err, ErrNoCapture) {
+			return stepDecode(m, cache, out, id, pos, eos, opt)
+		}
+		return out, fmt.Errorf("generate: %w", err)
+	}
+	logits := m.Forward([]int{0}, pos, cache) // the id and position come from the device
+	g.GreedyAdvance(logits)
+	be.Free(logits)
+	graph, err := g.EndCapture()
+	if err != nil {
+		return out, fmt.Errorf("generate: %w", err)
+	}
+	defer graph.Destroy()
+	g.SetDecodeState(id, pos)
+	for len(out) < opt.MaxNew {
+		n := min(graphChunk, opt.MaxNew-len(out))
+		for range n {
+			graph.Launch()
+		}
+		for _, next := range g.History(pos, pos+n) {
+			if slices.Contains(eos, next) {
+				return out, nil
+			}
+			out = append(out, next)
+			if opt.OnToken != nil {
+				opt.OnToken(next)
+			}
+		}
+		pos += n
+	}
+	return out, nil
+}
+
+// stepDecode continues greedy generation step by step, as graphDecode's
+// fallback: id at position pos is the last token, not yet run.
+func stepDecode(m *Model, cache KVCache, out []int, id, pos int, eos []int, opt GenOptions) ([]int, error) {
+	be := m.Backend()
+	row := make([]float32, m.Config().Vocab)
+	for len(out) < opt.MaxNew {
+		logits := m.Forward([]int{id}, pos, cache)
+		be.Download(row, logits)
+		be.Free(logits)
+		id = argmax(row)
+		if slices.Contains(eos, id) {
+			break
+		}
+		out = append(out, id)
+		if opt.OnToken != nil {
+			opt.OnToken(id)
+		}
 		pos++
 	}
 	return out, nil

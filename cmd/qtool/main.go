@@ -3,6 +3,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 
@@ -35,6 +36,10 @@ func newApp() *cli.App {
 
 func main() {
 	if err := newApp().Run(os.Args); err != nil {
+		var ee exitError
+		if errors.As(err, &ee) { // already reported (a rank process's own message)
+			os.Exit(ee.code)
+		}
 		fmt.Fprintln(os.Stderr, "qtool:", err)
 		os.Exit(1)
 	}

@@ -62,7 +62,16 @@ func readPPLText(arg string) (path string, text []byte, err error) {
 // loadOn makes the backend for --device/--threads/--tp and uploads mm to
 // it; close the backend when done.
 func loadOn(c *cli.Context, mm *model.Model) (*runtime.Model, runtime.Backend, error) {
-	be, err := newBackend(c.String("device"), c.Int("threads"), c.Int("tp"), mm)
+	job, isRank, err := rankJob(c)
+	if err != nil {
+		return nil, nil, err
+	}
+	var be runtime.Backend
+	if isRank {
+		be, err = newRankBackend(job, c.String("device"), c.Int("threads"), mm)
+	} else {
+		be, err = newBackend(c.String("device"), c.Int("threads"), c.Int("tp"), mm)
+	}
 	if err != nil {
 		return nil, nil, err
 	}

@@ -38,6 +38,8 @@ func verifyCommand() *cli.Command {
 			"   qtool verify --ppl wikitext --ctx 2048 --json /tmp/llama-mini-awq\n" +
 			"   qtool verify --prompt \"The State of the Union is\" --max-new 40 --tokenizer testdata/llama-mini /tmp/m.bin\n" +
 			"   qtool verify --device cuda --tp 2 --ppl FILE MODEL\n" +
+			"   qtool verify --tp 2 --tp-processes --ppl FILE MODEL      (one process per rank, on this machine)\n" +
+			"   torchrun --nnodes 2 --nproc-per-node 1 ... --no-python qtool verify --device cuda --ppl FILE MODEL\n" +
 			"   qtool verify --kld testdata/llama-mini --kld-cache /tmp/mini.kld --ppl testdata/corpus/sotu-test.raw --max-chunks 20 /tmp/llama-mini-awq\n" +
 			"   qtool verify --kld /tmp/mini.kld /tmp/llama-mini-gptq        (reuses the base's logits: text, ctx and protocol from the file)",
 		Description: "Perplexity follows the GPTQ/AWQ protocol by default (disjoint chunks of --ctx tokens, the\n" +
@@ -50,7 +52,12 @@ func verifyCommand() *cli.Command {
 			"percentiles, top-1 agreement, Δp (probability of the correct token, MODEL − BASE) and PPL(MODEL)/PPL(BASE),\n" +
 			"as llama.cpp's perplexity --kl-divergence prints them. --kld-cache FILE stores BASE's log-probabilities\n" +
 			"(16 bits a vocabulary entry, 2·vocab+12 bytes a scored token) or reuses them when FILE exists; a file made\n" +
-			"from another text, tokenization, ctx or protocol is refused with what differs.",
+			"from another text, tokenization, ctx or protocol is refused with what differs.\n" +
+			"Tensor parallelism: --tp N runs N ranks in this process; with --tp-processes, one process per rank on\n" +
+			"this machine. Started by a launcher (torchrun's WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT,\n" +
+			"or mpirun's or srun's rank variables), verify runs as one rank of the job: rank 0 listens at\n" +
+			"MASTER_ADDR:MASTER_PORT, GPU ranks use GPU LOCAL_RANK and NCCL (rank 0 hands out NCCL's id), CPU ranks\n" +
+			"exchange over TCP; only rank 0 prints. QTOOL_TP_TIMEOUT (e.g. 30m) bounds every wait for another rank.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "ppl", Usage: "measure perplexity on `FILE` (raw text), or on wikitext-2's test file with \"wikitext\""},
 			&cli.IntFlag{Name: "ctx", Value: runtime.DefaultCtx, Usage: "perplexity context length (512, or 2048 for the papers' wikitext2@2048)"},
@@ -65,6 +72,7 @@ func verifyCommand() *cli.Command {
 			&cli.StringFlag{Name: "device", Value: "auto", Usage: "where to run: auto (CUDA when a GPU and driver are present, else CPU), cuda or cpu"},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
 			&cli.IntFlag{Name: "tp", Usage: "run tensor-parallel over `N` ranks (a `qtool shard` directory runs on its own N)"},
+			&cli.BoolFlag{Name: "tp-processes", Usage: "with --tp N: run each rank in a process of its own on this machine"},
 			&cli.StringFlag{Name: "tokenizer", Usage: "tokenizer `PATH` (a directory, tokenizer.json or tokenizer.model); default: beside the model"},
 			&cli.StringFlag{Name: "kld", Usage: "KL divergence of MODEL from `BASE` (the float model, or a logits file from --kld-cache)"},
 			&cli.StringFlag{Name: "kld-cache", Usage: "with --kld BASE (a model): write BASE's logits to `FILE`, or read them when FILE exists", TakesFile: true},
@@ -99,6 +107,23 @@ type generation struct {
 }
 
 func runVerify(c *cli.Context) error {
+	job, isRank, err := rankJob(c)
+	if err != nil {
+		return err
+	}
+	if (isRank || c.Bool("tp-processes")) && (c.IsSet("kld") || c.IsSet("kld-cache")) {
+		return fmt.Errorf("verify: --kld runs in one process (use --tp N without --tp-processes or a launcher)")
+	}
+	if c.Bool("tp-processes") && !isRank {
+		if c.Int("tp") < 2 {
+			return fmt.Errorf("verify --tp-processes: give the number of ranks with --tp N (N ≥ 2)")
+		}
+		stdout, stderr, _ := outputs(c)
+		return launchRanks(c.Int("tp"), stdout, stderr)
+	}
+	if isRank && job.Rank != 0 {
+		c.App.Writer = io.Discard // only rank 0 reports
+	}
 	if c.IsSet("kld") || c.IsSet("kld-cache") {
 		return runVerifyKLD(c)
 	}

@@ -553,6 +553,20 @@ func (b *Backend) fill(p driver.DevicePtr, n int, seed uint64, mode int, a float
 
 // Embed implements runtime.Backend.
 func (b *Backend) Embed(dst runtime.Buf, table runtime.Linear, ids []int) {
+	w := lin(table)
+	for i, id := range ids {
+		if id < 0 || id >= w.out {
+			panic(fmt.Sprintf("cuda backend: token id %d at %d outside the table of %d rows", id, i, w.out))
+		}
+	}
+	b.EmbedRange(dst, table, ids, 0)
+}
+
+// EmbedRange is Embed for one slice of a vocabulary-split table (the
+// tensor-parallel backend's embedding): table holds the rows of ids
+// lo..lo+table.Out()−1, and an id outside that range gives a row of zeros.
+// Inside a decode-step capture the id comes from the device.
+func (b *Backend) EmbedRange(dst runtime.Buf, table runtime.Linear, ids []int, lo int) {
 	d, w := buf(dst), lin(table)
 	if d.rows != len(ids) || d.cols != w.in {
 		panic(fmt.Sprintf("cuda backend: Embed of %d ids into [%d %d] from a table of width %d", len(ids), d.rows, d.cols, w.in))
@@ -573,8 +587,8 @@ func (b *Backend) Embed(dst runtime.Buf, table runtime.Linear, ids []int) {
 	} else {
 		ids32 := make([]int32, len(ids))
 		for i, id := range ids {
-			if id < 0 || id >= w.out {
-				panic(fmt.Sprintf("cuda backend: token id %d outside the table of %d rows", id, w.out))
+			if id < 0 || id > math.MaxInt32 {
+				panic(fmt.Sprintf("cuda backend: token id %d at %d is negative or too large", id, i))
 			}
 			ids32[i] = int32(id)
 		}
@@ -585,11 +599,11 @@ func (b *Backend) Embed(dst runtime.Buf, table runtime.Linear, ids []int) {
 	}
 	switch w.kind {
 	case kindQ4:
-		b.launch("embed_q4", g1(len(ids)), block256, d.p, w.w, w.sz, idp, w.in, w.gs, w.groups)
+		b.launch("embed_q4", g1(len(ids)), block256, d.p, w.w, w.sz, idp, w.in, w.gs, w.groups, lo, w.out)
 	case kindQ8:
-		b.launch("embed_q8", g1(len(ids)), block256, d.p, w.w, w.sz, w.gidx, idp, w.in, w.gs, w.groups)
+		b.launch("embed_q8", g1(len(ids)), block256, d.p, w.w, w.sz, w.gidx, idp, w.in, w.gs, w.groups, lo, w.out)
 	default:
-		b.launch("embed_dense", g1(len(ids)), block256, d.p, w.w, idp, w.in, w.kind)
+		b.launch("embed_dense", g1(len(ids)), block256, d.p, w.w, idp, w.in, w.kind, lo, w.out)
 	}
 }
 

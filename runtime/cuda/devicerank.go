@@ -48,16 +48,3 @@ func (b *Backend) Copy2D(dst runtime.Buf, dstRow, dstCol int, src runtime.Buf, s
 	}
 	b.must(b.drv.MemcpyDtoD2DAsync(dp, uint64(4*d.cols), sp, uint64(4*s.cols), uint64(4*cols), uint64(rows), b.stream))
 }
-
-// ZeroRows queues on the stream the zeroing of rows row0..row0+n−1 of x.
-func (b *Backend) ZeroRows(x runtime.Buf, row0, n int) {
-	d := buf(x)
-	if row0 < 0 || n < 0 || row0+n > d.rows {
-		panic(fmt.Sprintf("cuda backend: ZeroRows %d..%d of %d rows", row0, row0+n-1, d.rows))
-	}
-	if n == 0 || d.cols == 0 {
-		return
-	}
-	defer b.enter()()
-	b.must(b.drv.MemsetD32Async(d.p+driver.DevicePtr(4*row0*d.cols), 0, uint64(n*d.cols), b.stream))
-}

@@ -61,9 +61,11 @@ func (b *Backend) GreedyAdvance(logits runtime.Buf) {
 	b.launch("decode_advance", g1(1), [3]uint32{32, 1, 1}, b.dstate, b.dstate+4, op, b.hist, b.histLen)
 }
 
-// EndCapture finishes the capture and instantiates the graph. Buffers
-// allocated during the capture belong to the graph until Destroy.
-func (b *Backend) EndCapture() (*Graph, error) {
+var _ runtime.DecodeGrapher = (*Backend)(nil)
+
+// EndCapture finishes the capture and instantiates the graph (a *Graph).
+// Buffers allocated during the capture belong to the graph until Destroy.
+func (b *Backend) EndCapture() (runtime.DecodeGraph, error) {
 	if !b.capturing {
 		return nil, fmt.Errorf("cuda: no capture in progress")
 	}

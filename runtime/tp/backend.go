@@ -31,9 +31,14 @@
 //   - RoPE, RMSNormHeads, AddBias, SiLUMul, StoreKV and Attention act on
 //     each rank's local heads or columns; the KV cache is split by KV heads.
 //
-// Ranks run concurrently. CPU ranks run each operation on a goroutine per
-// rank. Ranks that are DeviceRanks (CUDA backends) only queue work, so rank
-// 0 runs on the caller's goroutine and every other rank on a persistent
+// A Backend drives the ranks of its process: all of them (New), or one
+// rank of a job with a process per rank (NewRank; the communicator connects
+// the processes). Every process runs the same forward pass in lockstep and
+// ends with the same replicated results.
+//
+// Local ranks run concurrently. CPU ranks run each operation on a goroutine
+// per rank. Ranks that are DeviceRanks (CUDA backends) only queue work, so
+// the first runs on the caller's goroutine and every other on a persistent
 // worker goroutine locked to its OS thread; with a DeviceCommunicator
 // (NCCL) the collectives run on the device buffers, queued on the ranks'
 // streams, and layout changes stay on the device. Otherwise the
@@ -55,18 +60,24 @@ import (
 
 // Backend is a tensor-parallel runtime.Backend over one backend per rank.
 // Like every backend it is not safe for concurrent use of the same buffers.
+//
+// Per-rank slices (ranks, dev, workers, the parts of buffers and weights)
+// are indexed by the global rank and hold nil for ranks of other processes;
+// local lists the ranks of this process.
 type Backend struct {
 	cfg   model.Config
 	ranks []runtime.Backend
+	local []int
 	comm  Communicator
 	kv    [][2]int // KV-cache column range (by KV heads) of each rank
 
-	// With DeviceRanks: workers[r] runs rank r ≥ 1 (workers[0] is nil:
-	// rank 0 runs on the caller); dev are the ranks as DeviceRanks.
+	// With DeviceRanks: workers[r] runs local rank r except the first
+	// (which runs on the caller); dev are the ranks as DeviceRanks.
 	workers []*worker
 	dev     []DeviceRank
 	// dcomm, when the ranks are DeviceRanks and the communicator runs
-	// collectives on device buffers; streams are the ranks' streams.
+	// collectives on device buffers; streams are the local ranks' streams,
+	// in the order of local.
 	dcomm   DeviceCommunicator
 	streams []uintptr
 	// skipComm drops the collectives (benchmarks: wrong results).
@@ -84,6 +95,33 @@ var _ runtime.Backend = (*Backend)(nil)
 // that len(ranks) divides the heads and KV heads. Close closes the rank
 // backends and the communicator.
 func New(cfg model.Config, ranks []runtime.Backend, comm Communicator) (*Backend, error) {
+	for r, be := range ranks {
+		if be == nil {
+			return nil, fmt.Errorf("tp: rank %d has no backend", r)
+		}
+	}
+	return newBackend(cfg, ranks, comm)
+}
+
+// NewRank returns the tensor-parallel backend of one process of a job with
+// a process per rank: this process runs rank of world ranks on be, and comm
+// (a SocketCommunicator, or NCCL through NewNCCLRankCommunicator) connects
+// it to the others. Every process must run the same operations in the same
+// order, as they do running the same forward pass.
+func NewRank(cfg model.Config, world, rank int, be runtime.Backend, comm Communicator) (*Backend, error) {
+	if world < 1 || rank < 0 || rank >= world {
+		return nil, fmt.Errorf("tp: rank %d of %d", rank, world)
+	}
+	if be == nil {
+		return nil, fmt.Errorf("tp: rank %d has no backend", rank)
+	}
+	ranks := make([]runtime.Backend, world)
+	ranks[rank] = be
+	return newBackend(cfg, ranks, comm)
+}
+
+// newBackend makes the backend over ranks (nil for ranks of other processes).
+func newBackend(cfg model.Config, ranks []runtime.Backend, comm Communicator) (*Backend, error) {
 	n := len(ranks)
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("tp: %w", err)
@@ -92,44 +130,53 @@ func New(cfg model.Config, ranks []runtime.Backend, comm Communicator) (*Backend
 		return nil, fmt.Errorf("tp: %w", err)
 	}
 	if comm == nil || comm.Size() != n {
-		return nil, fmt.Errorf("tp: %d rank backends need a communicator of %d ranks", n, n)
-	}
-	for r, be := range ranks {
-		if be == nil {
-			return nil, fmt.Errorf("tp: rank %d has no backend", r)
-		}
+		return nil, fmt.Errorf("tp: %d ranks need a communicator of %d ranks", n, n)
 	}
 	_, kv, err := shard.Layout(cfg, n, model.Name(0, model.K), []int{cfg.KVDim(), cfg.Hidden})
 	if err != nil {
 		return nil, fmt.Errorf("tp: %w", err)
 	}
 	b := &Backend{cfg: cfg, ranks: ranks, comm: comm, kv: kv}
-	dev := make([]DeviceRank, n)
 	for r, be := range ranks {
-		d, ok := be.(DeviceRank)
+		if be != nil {
+			b.local = append(b.local, r)
+		}
+	}
+	if len(b.local) == 0 {
+		return nil, fmt.Errorf("tp: no rank backend")
+	}
+	dev := make([]DeviceRank, n)
+	for _, r := range b.local {
+		d, ok := ranks[r].(DeviceRank)
 		if !ok {
 			return b, nil
 		}
 		dev[r] = d
 	}
 	b.dev = dev
-	if n > 1 {
+	if len(b.local) > 1 {
 		b.workers = make([]*worker, n)
-		for r := 1; r < n; r++ {
+		for _, r := range b.local[1:] {
 			b.workers[r] = newWorker(r)
 		}
 	}
 	if dc, ok := comm.(DeviceCommunicator); ok {
 		b.dcomm = dc
 		b.rcomm, _ = comm.(RankDeviceCommunicator)
-		b.grouped = b.rcomm == nil || n == 1
-		b.streams = make([]uintptr, n)
-		for r, d := range dev {
-			b.streams[r] = d.Stream()
+		b.grouped = b.rcomm == nil || len(b.local) == 1
+		for _, r := range b.local {
+			b.streams = append(b.streams, dev[r].Stream())
 		}
 	}
 	return b, nil
 }
+
+// first is the first rank of this process: it holds the replicated
+// results the host reads.
+func (b *Backend) first() runtime.Backend { return b.ranks[b.local[0]] }
+
+// allLocal reports whether every rank runs in this process.
+func (b *Backend) allLocal() bool { return len(b.local) == len(b.ranks) }
 
 // DeviceCollectives reports whether the collectives run on the ranks'
 // device buffers (DeviceRanks and a DeviceCommunicator) rather than
@@ -141,7 +188,7 @@ func (b *Backend) DeviceCollectives() bool { return b.dcomm != nil }
 // the communicator is a RankDeviceCommunicator), each rank issues its own
 // from its own thread, concurrently.
 func (b *Backend) SetGroupedCollectives(grouped bool) {
-	b.grouped = grouped || b.rcomm == nil || len(b.ranks) == 1
+	b.grouped = grouped || b.rcomm == nil || len(b.local) == 1
 }
 
 // SkipCollectives, for benchmarks only, turns the collectives of the
@@ -208,20 +255,27 @@ func (b *Backend) TimeAllGather(rows, cols, reps int) time.Duration {
 // Size is the number of ranks.
 func (b *Backend) Size() int { return len(b.ranks) }
 
-// Rank returns the backend of rank r.
+// Rank returns the backend of rank r (nil for a rank of another process).
 func (b *Backend) Rank(r int) runtime.Backend { return b.ranks[r] }
+
+// Local lists the ranks this process runs.
+func (b *Backend) Local() []int { return slices.Clone(b.local) }
 
 // Ranks is the number of ranks.
 func (b *Backend) Ranks() int { return len(b.ranks) }
 
-// Name implements runtime.Backend: "tp<N>", the communicator when it has
-// a name, and rank 0's name, e.g. "tp2(nccl 22803):cuda:NVIDIA H200".
+// Name implements runtime.Backend: "tp<N>", the rank when this process runs
+// one, the communicator when it has a name, and the first local rank's
+// name, e.g. "tp2(nccl 22803):cuda:NVIDIA H200" or "tp2 rank 1(tcp):cpu".
 func (b *Backend) Name() string {
 	c := ""
-	if nc, ok := b.comm.(interface{ Name() string }); ok {
-		c = "(" + nc.Name() + ")"
+	if !b.allLocal() && len(b.local) == 1 {
+		c = fmt.Sprintf(" rank %d", b.local[0])
 	}
-	return fmt.Sprintf("tp%d%s:%s", len(b.ranks), c, b.ranks[0].Name())
+	if nc, ok := b.comm.(interface{ Name() string }); ok {
+		c += "(" + nc.Name() + ")"
+	}
+	return fmt.Sprintf("tp%d%s:%s", len(b.ranks), c, b.first().Name())
 }
 
 // Close implements runtime.Backend: it closes every rank backend and the
@@ -234,37 +288,37 @@ func (b *Backend) Close() error {
 	}
 	b.workers = nil
 	var errs []error
-	for _, be := range b.ranks {
-		errs = append(errs, be.Close())
+	for _, r := range b.local {
+		errs = append(errs, b.ranks[r].Close())
 	}
 	errs = append(errs, b.comm.Close())
 	return errors.Join(errs...)
 }
 
-// each runs fn for every rank concurrently and re-raises a rank's panic in
-// the caller.
+// each runs fn for every local rank concurrently and re-raises a rank's
+// panic in the caller.
 func (b *Backend) each(fn func(r int)) {
-	n := len(b.ranks)
-	if n == 1 {
-		fn(0)
+	if len(b.local) == 1 {
+		fn(b.local[0])
 		return
 	}
 	if b.workers != nil {
-		for _, w := range b.workers[1:] {
-			w.post(fn)
+		rest := b.local[1:]
+		for _, r := range rest {
+			b.workers[r].post(fn)
 		}
-		panics := make([]any, 0, n)
+		var panics []any
 		func() {
 			defer func() {
 				if p := recover(); p != nil {
-					panics = append(panics, fmt.Sprintf("tp rank 0: %v", p))
+					panics = append(panics, fmt.Sprintf("tp rank %d: %v", b.local[0], p))
 				}
 			}()
-			fn(0)
+			fn(b.local[0])
 		}()
-		for _, w := range b.workers[1:] {
-			if p := w.wait(); p != nil {
-				panics = append(panics, fmt.Sprintf("tp rank %d: %v", w.rank, p))
+		for _, r := range rest {
+			if p := b.workers[r].wait(); p != nil {
+				panics = append(panics, fmt.Sprintf("tp rank %d: %v", r, p))
 			}
 		}
 		if len(panics) > 0 {
@@ -273,8 +327,8 @@ func (b *Backend) each(fn func(r int)) {
 		return
 	}
 	var wg sync.WaitGroup
-	panics := make([]any, n)
-	for r := 0; r < n; r++ {
+	panics := make([]any, len(b.ranks))
+	for _, r := range b.local {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -290,11 +344,11 @@ func (b *Backend) each(fn func(r int)) {
 	}
 }
 
-// Buf is the tensor-parallel activation buffer: one buffer per rank, with
-// a layout.
+// Buf is the tensor-parallel activation buffer: one buffer per local rank,
+// with a layout.
 type Buf struct {
 	rows, cols int
-	parts      []runtime.Buf // nil until an operation writes it (zeros)
+	parts      []runtime.Buf // by rank; nil until an operation writes it (zeros)
 	split      [][2]int      // nil: replicated; else each rank's column range
 }
 
@@ -488,8 +542,8 @@ func (b *Backend) release(t *Buf) {
 	if t.parts == nil {
 		return
 	}
-	for r, p := range t.parts {
-		if p != nil {
+	for _, r := range b.local {
+		if p := t.parts[r]; p != nil {
 			b.ranks[r].Free(p)
 		}
 	}
@@ -516,8 +570,8 @@ func (b *Backend) layout(t *Buf, split [][2]int) {
 	if b.workers != nil {
 		b.each(func(r int) { parts[r] = b.ranks[r].Alloc(t.rows, width(t.cols, split, r)) })
 	} else {
-		for r, be := range b.ranks {
-			parts[r] = be.Alloc(t.rows, width(t.cols, split, r))
+		for _, r := range b.local {
+			parts[r] = b.ranks[r].Alloc(t.rows, width(t.cols, split, r))
 		}
 	}
 	t.parts, t.split = parts, split
@@ -653,8 +707,10 @@ func (b *Backend) Upload(dst runtime.Buf, src []float32) {
 	b.each(func(r int) { b.ranks[r].Upload(d.parts[r], src) })
 }
 
-// Download implements runtime.Backend: rank 0's copy of a replicated
-// buffer, or the column pieces of a split one put together.
+// Download implements runtime.Backend: the first local rank's copy of a
+// replicated buffer, or the column pieces of a split one put together (in
+// a process of a multi-process job: all-gathered first, so every process
+// must download it).
 func (b *Backend) Download(dst []float32, src runtime.Buf) {
 	s := bufOf(src)
 	if len(dst) != s.rows*s.cols {
@@ -664,7 +720,10 @@ func (b *Backend) Download(dst []float32, src runtime.Buf) {
 	case s.parts == nil:
 		clear(dst)
 	case s.split == nil:
-		b.ranks[0].Download(dst, s.parts[0])
+		b.first().Download(dst, s.parts[b.local[0]])
+	case !b.allLocal():
+		b.replicate(s) // the pieces of other processes' ranks come by all-gather
+		b.first().Download(dst, s.parts[b.local[0]])
 	default:
 		for r, be := range b.ranks {
 			c0, w := s.split[r][0], s.split[r][1]-s.split[r][0]
@@ -683,8 +742,8 @@ func (b *Backend) NewKVCache(layers, maxSeq, kvDim int) runtime.KVCache {
 		panic(fmt.Sprintf("tp.NewKVCache: kv dim %d, the model's is %d", kvDim, b.cfg.KVDim()))
 	}
 	c := &kvCache{maxSeq: maxSeq, parts: make([]runtime.KVCache, len(b.ranks))}
-	for r, be := range b.ranks {
-		c.parts[r] = be.NewKVCache(layers, maxSeq, b.kv[r][1]-b.kv[r][0])
+	for _, r := range b.local {
+		c.parts[r] = b.ranks[r].NewKVCache(layers, maxSeq, b.kv[r][1]-b.kv[r][0])
 	}
 	return c
 }
@@ -718,28 +777,7 @@ func (b *Backend) Embed(dst runtime.Buf, table runtime.Linear, ids []int) {
 		panic(fmt.Sprintf("tp.Embed: table %s is split %s, want vocab or replicated", tl.name, tl.split))
 	}
 	if b.dcomm != nil {
-		b.each(func(r int) {
-			lo, hi := tl.ranges[r][0], tl.ranges[r][1]
-			local := make([]int, len(ids))
-			for i, id := range ids {
-				if id >= lo && id < hi {
-					local[i] = id - lo
-				}
-			}
-			b.ranks[r].Embed(d.parts[r], tl.parts[r], local)
-			for i := 0; i < len(ids); { // zero the runs of rows of other ranks' ids
-				if ids[i] >= lo && ids[i] < hi {
-					i++
-					continue
-				}
-				j := i + 1
-				for j < len(ids) && (ids[j] < lo || ids[j] >= hi) {
-					j++
-				}
-				b.dev[r].ZeroRows(d.parts[r], i, j-i)
-				i = j
-			}
-		})
+		b.each(func(r int) { b.dev[r].EmbedRange(d.parts[r], tl.parts[r], ids, tl.ranges[r][0]) })
 		b.allReduceDevice(d)
 		return
 	}
@@ -891,19 +929,19 @@ func (b *Backend) Add(dst, x runtime.Buf) {
 	b.each(func(r int) { b.ranks[r].Add(d.parts[r], s.parts[r]) })
 }
 
-// NLL implements runtime.Backend: the logits are all-gathered and rank 0
-// computes the NLL exactly as an unsplit backend would.
+// NLL implements runtime.Backend: the logits are all-gathered and the
+// first local rank computes the NLL exactly as an unsplit backend would.
 func (b *Backend) NLL(out []float64, logits runtime.Buf, targets []int) {
 	l := bufOf(logits)
 	b.replicate(l)
-	b.ranks[0].NLL(out, l.parts[0], targets)
+	b.first().NLL(out, l.parts[b.local[0]], targets)
 }
 
 // Argmax implements runtime.Backend on the all-gathered logits.
 func (b *Backend) Argmax(logits runtime.Buf) []int {
 	l := bufOf(logits)
 	b.replicate(l)
-	return b.ranks[0].Argmax(l.parts[0])
+	return b.first().Argmax(l.parts[b.local[0]])
 }
 
 // evenSplit reports whether every rank holds the same number of columns,
@@ -929,19 +967,19 @@ func (b *Backend) allReduceDevice(t *Buf) {
 		errs := make([]error, len(b.ranks))
 		b.each(func(r int) {
 			p := b.dev[r].BufPtr(t.parts[r])
-			b.dev[r].Do(func() { errs[r] = b.rcomm.AllReduceSumDeviceRank(r, p, count, b.streams[r]) })
+			b.dev[r].Do(func() { errs[r] = b.rcomm.AllReduceSumDeviceRank(r, p, count, b.dev[r].Stream()) })
 		})
 		if err := errors.Join(errs...); err != nil {
 			panic(fmt.Sprintf("tp: all-reduce: %v", err))
 		}
 		return
 	}
-	ptrs := make([]uint64, len(b.ranks))
-	for r, d := range b.dev {
-		ptrs[r] = d.BufPtr(t.parts[r])
+	ptrs := make([]uint64, 0, len(b.local))
+	for _, r := range b.local {
+		ptrs = append(ptrs, b.dev[r].BufPtr(t.parts[r]))
 	}
 	var err error
-	b.dev[0].Do(func() { err = b.dcomm.AllReduceSumDevice(ptrs, count, b.streams) })
+	b.dev[b.local[0]].Do(func() { err = b.dcomm.AllReduceSumDevice(ptrs, count, b.streams) })
 	if err != nil {
 		panic(fmt.Sprintf("tp: all-reduce: %v", err))
 	}
@@ -965,17 +1003,20 @@ func (b *Backend) replicateDevice(t *Buf) {
 		}
 	})
 	if rows*w > 0 && !b.skipComm {
-		send, to := make([]uint64, n), make([]uint64, n)
-		for r, d := range b.dev {
-			send[r], to[r] = d.BufPtr(old[r]), d.BufPtr(recv[r])
-		}
 		var err error
 		if b.grouped {
-			b.dev[0].Do(func() { err = b.dcomm.AllGatherDevice(send, to, rows*w, b.streams) })
+			var send, to []uint64
+			for _, r := range b.local {
+				send, to = append(send, b.dev[r].BufPtr(old[r])), append(to, b.dev[r].BufPtr(recv[r]))
+			}
+			b.dev[b.local[0]].Do(func() { err = b.dcomm.AllGatherDevice(send, to, rows*w, b.streams) })
 		} else {
 			errs := make([]error, n)
 			b.each(func(r int) {
-				b.dev[r].Do(func() { errs[r] = b.rcomm.AllGatherDeviceRank(r, send[r], to[r], rows*w, b.streams[r]) })
+				d := b.dev[r]
+				d.Do(func() {
+					errs[r] = b.rcomm.AllGatherDeviceRank(r, d.BufPtr(old[r]), d.BufPtr(recv[r]), rows*w, d.Stream())
+				})
 			})
 			err = errors.Join(errs...)
 		}

@@ -25,8 +25,11 @@ type DeviceRank interface {
 	// Copy2D queues a copy of the rows×cols block at (srcRow, srcCol) of
 	// src to (dstRow, dstCol) of dst.
 	Copy2D(dst runtime.Buf, dstRow, dstCol int, src runtime.Buf, srcRow, srcCol, rows, cols int)
-	// ZeroRows queues the zeroing of rows row0..row0+n−1 of x.
-	ZeroRows(x runtime.Buf, row0, n int)
+	// EmbedRange queues the lookup of ids in table, the slice of a
+	// vocabulary-split table holding ids lo..lo+table.Out()−1; ids outside
+	// it give rows of zeros. Inside a decode-step capture the id is the
+	// one the device holds.
+	EmbedRange(dst runtime.Buf, table runtime.Linear, ids []int, lo int)
 	// Sync waits for all queued work.
 	Sync()
 }

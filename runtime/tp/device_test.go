@@ -67,10 +67,19 @@ func (f fakeDevice) Copy2D(dst runtime.Buf, dr, dc int, src runtime.Buf, sr, sc,
 		copy(d.Row(dr + i)[dc:dc+cols], s.Row(sr + i)[sc:sc+cols])
 	}
 }
-func (f fakeDevice) ZeroRows(x runtime.Buf, row0, n int) {
-	m := x.(*cpu.Mat)
-	for i := row0; i < row0+n; i++ {
-		clear(m.Row(i))
+func (f fakeDevice) EmbedRange(dst runtime.Buf, table runtime.Linear, ids []int, lo int) {
+	local := make([]int, len(ids))
+	for i, id := range ids {
+		if id >= lo && id < lo+table.Out() {
+			local[i] = id - lo
+		}
+	}
+	f.Embed(dst, table, local)
+	m := dst.(*cpu.Mat)
+	for i, id := range ids {
+		if id < lo || id >= lo+table.Out() {
+			clear(m.Row(i))
+		}
 	}
 }
 

@@ -242,15 +242,20 @@ func (n *NCCL) GroupStart() error { return n.check("ncclGroupStart", n.groupStar
 // GroupEnd closes the group opened by GroupStart and launches its calls.
 func (n *NCCL) GroupEnd() error { return n.check("ncclGroupEnd", n.groupEnd()) }
 
-// NCCLCommunicator is a Communicator over NCCL for ranks that are
-// goroutines of one process, one GPU each (ncclCommInitAll). As a
-// Communicator it works on host slices like InProcess, staging them through
-// a device buffer per rank, so it plugs into Backend with any rank
-// backends; as a DeviceCommunicator it runs the collectives of all ranks on
-// their device buffers and streams (what Backend uses with CUDA ranks).
+// NCCLCommunicator is a Communicator over NCCL for the ranks of this
+// process, one GPU each: every rank of the job (NewNCCLCommunicator,
+// ncclCommInitAll), or one rank of a job with a process per rank
+// (NewNCCLRankCommunicator, ncclCommInitRank). As a Communicator it works
+// on host slices like InProcess, staging them through a device buffer per
+// rank, so it plugs into Backend with any rank backends; as a
+// DeviceCommunicator it runs the collectives of the local ranks on their
+// device buffers and streams (what Backend uses with CUDA ranks). Per-rank
+// slices are indexed by local rank: global[i] is the rank of comms[i].
 type NCCLCommunicator struct {
 	lib     *NCCL
 	drv     *driver.Driver
+	world   int
+	global  []int
 	devices []driver.Device
 	ctxs    []driver.Context
 	comms   []Comm
@@ -264,8 +269,52 @@ type NCCLCommunicator struct {
 var _ Communicator = (*NCCLCommunicator)(nil)
 
 // NewNCCLCommunicator loads NCCL and the CUDA driver and creates a
-// communicator of one rank per listed GPU ordinal.
+// communicator of one rank per listed GPU ordinal, all in this process.
 func NewNCCLCommunicator(devices []int) (*NCCLCommunicator, error) {
+	global := make([]int, len(devices))
+	for i := range global {
+		global[i] = i
+	}
+	c, err := openNCCL(len(devices), global, devices)
+	if err != nil {
+		return nil, err
+	}
+	if c.comms, err = c.lib.CommInitAll(devices); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, c.makeStreams()
+}
+
+// NewNCCLRankCommunicator creates the communicator of one process of a job
+// with a process per rank: rank of world, on GPU device, joining the NCCL
+// communicator named by id (made by rank 0 with GetUniqueID and handed to
+// every rank, e.g. with SocketCommunicator.Broadcast).
+func NewNCCLRankCommunicator(world, rank, device int, id UniqueID) (*NCCLCommunicator, error) {
+	if world < 1 || rank < 0 || rank >= world {
+		return nil, fmt.Errorf("nccl: rank %d of %d", rank, world)
+	}
+	c, err := openNCCL(world, []int{rank}, []int{device})
+	if err != nil {
+		return nil, err
+	}
+	err = c.onRank(0, func() error {
+		cm, err := c.lib.CommInitRank(world, id, rank)
+		if err == nil {
+			c.comms = []Comm{cm}
+		}
+		return err
+	})
+	if err != nil {
+		c.Close()
+		return nil, fmt.Errorf("nccl: rank %d of %d on GPU %d: %w", rank, world, device, err)
+	}
+	return c, c.makeStreams()
+}
+
+// openNCCL loads NCCL and the CUDA driver and retains the contexts of the
+// local ranks' GPUs.
+func openNCCL(world int, global, devices []int) (*NCCLCommunicator, error) {
 	lib, err := LoadNCCL()
 	if err != nil {
 		return nil, err
@@ -279,7 +328,8 @@ func NewNCCLCommunicator(devices []int) (*NCCLCommunicator, error) {
 		return nil, err
 	}
 	n := len(devices)
-	c := &NCCLCommunicator{lib: lib, drv: drv, mu: make([]sync.Mutex, n), buf: make([]driver.DevicePtr, n), size: make([]uint64, n)}
+	c := &NCCLCommunicator{lib: lib, drv: drv, world: world, global: global,
+		mu: make([]sync.Mutex, n), buf: make([]driver.DevicePtr, n), size: make([]uint64, n)}
 	for _, d := range devices {
 		if d < 0 || d >= cnt {
 			return nil, fmt.Errorf("nccl: GPU %d requested, %d present", d, cnt)
@@ -295,24 +345,36 @@ func NewNCCLCommunicator(devices []int) (*NCCLCommunicator, error) {
 		}
 		c.devices, c.ctxs = append(c.devices, dev), append(c.ctxs, ctx)
 	}
-	if c.comms, err = lib.CommInitAll(devices); err != nil {
-		c.Close()
-		return nil, err
-	}
-	for r := range devices {
+	return c, nil
+}
+
+// makeStreams creates the local ranks' staging streams.
+func (c *NCCLCommunicator) makeStreams() error {
+	drv := c.drv
+	for r := range c.comms {
 		if err := c.onRank(r, func() error {
 			s, err := drv.StreamCreate(0)
 			c.streams = append(c.streams, s)
 			return err
 		}); err != nil {
 			c.Close()
-			return nil, err
+			return err
 		}
 	}
-	return c, nil
+	return nil
 }
 
-// onRank runs fn on a locked OS thread with rank r's context current.
+// local returns the local index of rank.
+func (c *NCCLCommunicator) local(rank int) (int, error) {
+	for i, g := range c.global {
+		if g == rank && i < len(c.comms) {
+			return i, nil
+		}
+	}
+	return 0, fmt.Errorf("nccl: rank %d is not a rank of this process (it runs %v of 0..%d)", rank, c.global, c.world-1)
+}
+
+// onRank runs fn on a locked OS thread with local rank r's context current.
 func (c *NCCLCommunicator) onRank(r int, fn func() error) error {
 	goruntime.LockOSThread()
 	defer goruntime.UnlockOSThread()
@@ -342,7 +404,7 @@ func (c *NCCLCommunicator) staging(r int, n uint64) (driver.DevicePtr, error) {
 }
 
 // Size implements Communicator.
-func (c *NCCLCommunicator) Size() int { return len(c.comms) }
+func (c *NCCLCommunicator) Size() int { return c.world }
 
 // Name is "nccl" and the library's version code.
 func (c *NCCLCommunicator) Name() string {
@@ -352,8 +414,9 @@ func (c *NCCLCommunicator) Name() string {
 
 // AllReduceSum implements Communicator.
 func (c *NCCLCommunicator) AllReduceSum(rank int, buf []float32) error {
-	if rank < 0 || rank >= len(c.comms) {
-		return fmt.Errorf("nccl: rank %d outside 0..%d", rank, len(c.comms)-1)
+	rank, err := c.local(rank)
+	if err != nil {
+		return err
 	}
 	if len(buf) == 0 {
 		return nil
@@ -381,11 +444,11 @@ func (c *NCCLCommunicator) AllReduceSum(rank int, buf []float32) error {
 
 // AllGather implements Communicator.
 func (c *NCCLCommunicator) AllGather(rank int, send, recv []float32) error {
-	n := len(c.comms)
-	if rank < 0 || rank >= n {
-		return fmt.Errorf("nccl: rank %d outside 0..%d", rank, n-1)
+	rank, err := c.local(rank)
+	if err != nil {
+		return err
 	}
-	if len(recv) != n*len(send) {
+	if len(recv) != c.world*len(send) {
 		return fmt.Errorf("nccl: all-gather of %d values per rank into %d", len(send), len(recv))
 	}
 	if len(send) == 0 {
@@ -415,11 +478,11 @@ func (c *NCCLCommunicator) AllGather(rank int, send, recv []float32) error {
 var _ DeviceCommunicator = (*NCCLCommunicator)(nil)
 
 // AllReduceSumDevice implements DeviceCommunicator: one NCCL group of the
-// ranks' in-place all-reduces, queued on their streams.
+// local ranks' in-place all-reduces, queued on their streams.
 func (c *NCCLCommunicator) AllReduceSumDevice(bufs []uint64, count int, streams []uintptr) error {
 	n := len(c.comms)
 	if len(bufs) != n || len(streams) != n {
-		return fmt.Errorf("nccl: all-reduce over %d buffers and %d streams, %d ranks", len(bufs), len(streams), n)
+		return fmt.Errorf("nccl: all-reduce over %d buffers and %d streams, %d local ranks", len(bufs), len(streams), n)
 	}
 	if count == 0 {
 		return nil
@@ -434,7 +497,7 @@ func (c *NCCLCommunicator) AllReduceSumDevice(bufs []uint64, count int, streams 
 func (c *NCCLCommunicator) AllGatherDevice(send, recv []uint64, count int, streams []uintptr) error {
 	n := len(c.comms)
 	if len(send) != n || len(recv) != n || len(streams) != n {
-		return fmt.Errorf("nccl: all-gather over %d/%d buffers and %d streams, %d ranks", len(send), len(recv), len(streams), n)
+		return fmt.Errorf("nccl: all-gather over %d/%d buffers and %d streams, %d local ranks", len(send), len(recv), len(streams), n)
 	}
 	if count == 0 {
 		return nil
@@ -448,8 +511,9 @@ var _ RankDeviceCommunicator = (*NCCLCommunicator)(nil)
 
 // AllReduceSumDeviceRank implements RankDeviceCommunicator.
 func (c *NCCLCommunicator) AllReduceSumDeviceRank(rank int, buf uint64, count int, stream uintptr) error {
-	if rank < 0 || rank >= len(c.comms) {
-		return fmt.Errorf("nccl: rank %d outside 0..%d", rank, len(c.comms)-1)
+	rank, err := c.local(rank)
+	if err != nil {
+		return err
 	}
 	if count == 0 {
 		return nil
@@ -459,8 +523,9 @@ func (c *NCCLCommunicator) AllReduceSumDeviceRank(rank int, buf uint64, count in
 
 // AllGatherDeviceRank implements RankDeviceCommunicator.
 func (c *NCCLCommunicator) AllGatherDeviceRank(rank int, send, recv uint64, count int, stream uintptr) error {
-	if rank < 0 || rank >= len(c.comms) {
-		return fmt.Errorf("nccl: rank %d outside 0..%d", rank, len(c.comms)-1)
+	rank, err := c.local(rank)
+	if err != nil {
+		return err
 	}
 	if count == 0 {
 		return nil
@@ -477,7 +542,7 @@ func (c *NCCLCommunicator) group(call func(r int) error) error {
 	var errs []error
 	for r := range c.comms {
 		if err := call(r); err != nil {
-			errs = append(errs, fmt.Errorf("rank %d: %w", r, err))
+			errs = append(errs, fmt.Errorf("rank %d: %w", c.global[r], err))
 		}
 	}
 	errs = append(errs, c.lib.GroupEnd())

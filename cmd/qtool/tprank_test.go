@@ -1,0 +1,95 @@
+package main
+
+import (
+	"encoding/json"
+	"math"
+	"os/exec"
+	"strings"
+	"testing"
+)
+
+// verifyJSON runs the built qtool binary's verify with --json and decodes
+// the result.
+func verifyJSON(t *testing.T, args ...string) verifyResult {
+	t.Helper()
+	cmd := exec.Command(qtoolBinary(t), append([]string{"verify", "--json", "--device", "cpu"}, args...)...)
+	out, err := cmd.Output()
+	if err != nil {
+		msg := ""
+		if ee, ok := err.(*exec.ExitError); ok {
+			msg = string(ee.Stderr)
+		}
+		t.Fatalf("qtool verify %s: %v\n%s", strings.Join(args, " "), err, msg)
+	}
+	var res verifyResult
+	if err := json.Unmarshal(out, &res); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	return res
+}
+
+// Two processes of one rank each give the perplexity and the greedy text
+// of the same two ranks in one process (bit for bit: the TCP collectives sum
+// in the same order), and of one unsplit process within rounding.
+func TestVerifyTPProcesses(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds qtool and starts processes")
+	}
+	for _, name := range []string{"llama-mini", "qwen3-mini"} {
+		t.Run(name, func(t *testing.T) {
+			dir := "../../testdata/" + name
+			ppl := []string{"--ppl", sotu, "--max-chunks", "3"}
+			one := verifyJSON(t, append(ppl, dir)...)
+			inproc := verifyJSON(t, append(ppl, "--tp", "2", dir)...)
+			procs := verifyJSON(t, append(ppl, "--tp", "2", "--tp-processes", dir)...)
+			if !strings.Contains(procs.Device, "tp2 rank 0(tcp)") {
+				t.Errorf("device %q: want rank 0 of a TCP job", procs.Device)
+			}
+			if *procs.PPL != *inproc.PPL {
+				t.Errorf("ppl: two processes %.12f, two ranks in one process %.12f", *procs.PPL, *inproc.PPL)
+			}
+			if d := math.Abs(*procs.PPL / *one.PPL - 1); d > 1e-6 {
+				t.Errorf("ppl: two processes %.10f, one process unsplit %.10f (%.1e relative)", *procs.PPL, *one.PPL, d)
+			}
+			gen := []string{"--prompt", "The State of the Union is", "--max-new", "12"}
+			g1 := verifyJSON(t, append(gen, "--tp", "2", dir)...)
+			g2 := verifyJSON(t, append(gen, "--tp", "2", "--tp-processes", dir)...)
+			if g1.Generation.Text != g2.Generation.Text {
+				t.Errorf("greedy text: two processes %q, one process %q", g2.Generation.Text, g1.Generation.Text)
+			}
+			t.Logf("%s: ppl %.10f (two processes) = %.10f (in-process TP=2), unsplit %.10f; %q", name, *procs.PPL, *inproc.PPL, *one.PPL, g2.Generation.Text)
+		})
+	}
+}
+
+// A rank that fails ends the job with its message, and flags that cannot
+// work are refused.
+func TestVerifyTPProcessesErrors(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds qtool and starts processes")
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		env  []string
+		want string
+	}{
+		{name: "no --tp", args: []string{"verify", "--tp-processes", "../../testdata/llama-mini"}, want: "give the number of ranks with --tp N"},
+		{name: "kld", args: []string{"verify", "--tp", "2", "--tp-processes", "--kld", "../../testdata/llama-mini", "../../testdata/llama-mini"}, want: "--kld runs in one process"},
+		{name: "heads do not split", args: []string{"verify", "--device", "cpu", "--tp", "3", "--tp-processes", "--max-new", "2", "../../testdata/llama-mini"}, want: "3"},
+		{name: "launcher disagrees with --tp", args: []string{"verify", "--tp", "4", "../../testdata/llama-mini"},
+			env: []string{"WORLD_SIZE=2", "RANK=0", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=1"}, want: "the launcher started 2 ranks"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cmd := exec.Command(qtoolBinary(t), tc.args...)
+			cmd.Env = append(cmd.Environ(), tc.env...)
+			out, err := cmd.CombinedOutput()
+			if err == nil || !strings.Contains(string(out), tc.want) {
+				t.Fatalf("err %v, output:\n%s\nwant it to mention %q", err, out, tc.want)
+			}
+			if strings.Contains(string(out), "panic") || strings.Contains(string(out), "goroutine ") {
+				t.Fatalf("a panic:\n%s", out)
+			}
+		})
+	}
+}
