@@ -175,6 +175,41 @@ func TestGreedy(t *testing.T) {
 	}
 }
 
+// noCapture is a backend that offers decode-step graphs but cannot make
+// them (as a tensor-parallel backend of CPU ranks): Generate falls back to
+// step-by-step decoding with the same result.
+type noCapture struct{ runtime.Backend }
+
+func (noCapture) BeginCapture(pos, maxHist int) error      { return runtime.ErrNoCapture }
+func (noCapture) GreedyAdvance(runtime.Buf)                { panic("not capturing") }
+func (noCapture) EndCapture() (runtime.DecodeGraph, error) { panic("not capturing") }
+func (noCapture) SetDecodeState(id, pos int)               { panic("not capturing") }
+func (noCapture) History(from, to int) []int               { panic("not capturing") }
+
+func TestGreedyWithoutCapture(t *testing.T) {
+	ref := loadReference(t, "llama-mini")
+	mm, err := hf.Open(filepath.Join(testdata, "llama-mini"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mm.Close()
+	m, err := runtime.Load(mm, noCapture{cpu.New(0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := ref.GreedyIDs[len(ref.GreedyPromptIDs):]
+	var streamed []int
+	got, err := runtime.Generate(m, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: len(want), EOS: []int{},
+		OnToken: func(id int) { streamed = append(streamed, id) }})
+	if err != nil || !equalInts(got, want) || !equalInts(streamed, want) {
+		t.Errorf("greedy ids %v (streamed %v, %v), want %v", got, streamed, err, want)
+	}
+	stop, _ := runtime.Generate(m, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: len(want), EOS: []int{want[4]}})
+	if !equalInts(stop, want[:4]) {
+		t.Errorf("EOS stop gave %v, want %v", stop, want[:4])
+	}
+}
+
 func equalInts(a, b []int) bool {
 	if len(a) != len(b) {
 		return false

@@ -114,6 +114,26 @@ func TestModels(t *testing.T) {
 			g.Destroy()
 			b.FreeKVCache(cache)
 
+			// runtime.Generate, with graphs (the default) and without.
+			for _, noGraph := range []bool{false, true} {
+				out, err := runtime.Generate(rm, prompt, runtime.GenOptions{MaxNew: len(want), EOS: []int{}, NoGraph: noGraph})
+				if err != nil {
+					t.Fatal(err)
+				}
+				for i := range want {
+					if i >= len(out) || out[i] != want[i] {
+						t.Errorf("Generate (NoGraph %v): %v, want %v", noGraph, out, want)
+						break
+					}
+				}
+				// Declaring the 7th greedy token an EOS stops before it
+				// (inside the first chunk of graph replays).
+				stop, err := runtime.Generate(rm, prompt, runtime.GenOptions{MaxNew: len(want), EOS: []int{want[6]}, NoGraph: noGraph})
+				if err != nil || len(stop) > 6 || len(stop) < 2 || stop[len(stop)-1] == want[6] {
+					t.Errorf("Generate (NoGraph %v) with EOS %d: %v, %v", noGraph, want[6], stop, err)
+				}
+			}
+
 			// Perplexity.
 			var ids []int
 			readJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)

@@ -22,8 +22,10 @@ import (
 const testdata = "../../../testdata"
 
 type reference struct {
-	LogitsInputIDs []int     `json:"logits_input_ids"`
-	LogitsLast     []float64 `json:"logits_last"`
+	LogitsInputIDs  []int     `json:"logits_input_ids"`
+	LogitsLast      []float64 `json:"logits_last"`
+	GreedyPromptIDs []int     `json:"greedy_prompt_ids"`
+	GreedyIDs       []int     `json:"greedy_ids"`
 }
 
 func readJSON(t *testing.T, path string, v any) {
@@ -122,6 +124,7 @@ func TestCUDATP2(t *testing.T) {
 				t.Errorf("TP=2 logits off: %.3g vs one GPU, %.3g vs reference", rel, relRef)
 			}
 			checkGathered(t, be, rm2, ref.LogitsInputIDs, got)
+			checkGenerate(t, rm1, rm2, ref)
 			opt := runtime.PPLOptions{MaxChunks: 4}
 			p1, err := runtime.Perplexity(rm1, ids, opt)
 			if err != nil {
@@ -160,6 +163,33 @@ func TestCUDATP2(t *testing.T) {
 				t.Errorf("TP=2 from the shard directory differs by %.3g", r)
 			}
 		})
+	}
+}
+
+// checkGenerate compares greedy generation at TP=2, replaying a captured
+// decode step per rank (NCCL inside the graphs) and step by step, with one
+// GPU's and with the reference's greedy ids.
+func checkGenerate(t *testing.T, one, two *runtime.Model, ref reference) {
+	t.Helper()
+	prompt, want := ref.GreedyPromptIDs, ref.GreedyIDs[len(ref.GreedyPromptIDs):]
+	gen := func(rm *runtime.Model, noGraph bool) []int {
+		out, err := runtime.Generate(rm, prompt, runtime.GenOptions{MaxNew: len(want), EOS: []int{}, NoGraph: noGraph})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	g1, g2, g2plain := gen(one, false), gen(two, false), gen(two, true)
+	if !slices.Equal(g2, g2plain) || !slices.Equal(g2, g1) {
+		t.Errorf("greedy ids: TP=2 graph %v, TP=2 step by step %v, 1 GPU graph %v", g2, g2plain, g1)
+	}
+	same := 0
+	for same < len(want) && g2[same] == want[same] {
+		same++
+	}
+	t.Logf("greedy: TP=2 with graphs = step by step = 1 GPU (%d ids); %d of %d equal the reference", len(g2), same, len(want))
+	if same < len(want)/2 {
+		t.Errorf("TP=2 greedy ids %v, reference %v", g2, want)
 	}
 }
 
