@@ -69,6 +69,7 @@ func verifyCommand() *cli.Command {
 			&cli.IntFlag{Name: "top-k", Usage: "sample from the `K` most likely tokens (0: all)"},
 			&cli.Float64Flag{Name: "top-p", Usage: "nucleus sampling probability mass (0 or 1: off)"},
 			&cli.Uint64Flag{Name: "seed", Usage: "random seed for sampling"},
+			&cli.BoolFlag{Name: "no-graph", Usage: "decode step by step, without replaying a captured step (CUDA graphs; to compare)"},
 			&cli.StringFlag{Name: "device", Value: "auto", Usage: "where to run: auto (CUDA when a GPU and driver are present, else CPU), cuda or cpu"},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
 			&cli.IntFlag{Name: "tp", Usage: "run tensor-parallel over `N` ranks (a `qtool shard` directory runs on its own N)"},
@@ -253,7 +254,7 @@ func runVerify(c *cli.Context) error {
 		start := time.Now()
 		out, err := runtime.Generate(m, ids, runtime.GenOptions{
 			MaxNew: maxNew, Temperature: c.Float64("temperature"), TopK: c.Int("top-k"), TopP: c.Float64("top-p"),
-			Seed: c.Uint64("seed"), EOS: eos,
+			Seed: c.Uint64("seed"), EOS: eos, NoGraph: c.Bool("no-graph"),
 			OnToken: func(id int) {
 				echo()
 				if stream != nil {

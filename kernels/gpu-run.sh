@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# GPU checks and measurements in one device call (issues 12, 14, 16): builds
+# the PTX, runs the GPU tests, then times `qtool verify` on random-weight
+# Llama-2-7B-shaped checkpoints (synth_hf.py: bf16 and its AutoAWQ twin) on
+# one GPU and at TP=2 (ranks in one process and one process per rank).
+# Needs: .devbin/*.gz (CGO_ENABLED=0 builds of qtool and the test binaries,
+# gzipped), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
+#   STEPS="build tests 7b tp kld anchor" kernels/gpu-run.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+FINAL=${OUT:-/tmp/out}
+OUT=/tmp/gpu-run
+rm -rf "$OUT"; mkdir -p "$OUT/ptx" "$FINAL"
+finish() {
+  cp "$OUT"/ptx/*.ptx "$FINAL"/ 2>/dev/null
+  tar -C "$OUT" -czf "$FINAL/logs.tgz" --exclude='*.ptx' . 2>/dev/null
+}
+trap finish EXIT
+STEPS=${STEPS:-build tests 7b tp}
+t0=$(date +%s)
+left() { echo $(( ${BUDGET:-570} - ($(date +%s) - t0) )); }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+mkdir -p bin; for f in .devbin/*.gz; do b=$(basename "$f" .gz); gunzip -c "$f" > "bin/$b"; chmod +x "bin/$b"; done
+if has build; then
+  bash kernels/build.sh "$OUT/ptx" > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  ls -l "$OUT"/ptx/*.ptx | awk '{print $5, $9}'
+  export QTOOL_CUDA_PTX="$OUT/ptx/qtool_sm90.ptx" QTOOL_CALIB_PTX="$OUT/ptx/calib_sm90.ptx"
+fi
+if has tests; then
+  for t in ${TESTS:-cuda kld gputest}; do
+    [ -x "bin/$t.test" ] || continue
+    dir=runtime/$t; [ "$t" = gputest ] && dir=runtime/tp/gputest
+    (cd "$dir" && timeout 240 "$OLDPWD/bin/$t.test" -test.v ${TESTRUN:+-test.run "$TESTRUN"} > "$OUT/test-$t.log" 2>&1)
+    echo "test $t rc=$? $(grep -c -- '--- PASS' "$OUT/test-$t.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-$t.log") fail, $(grep -c -- '--- SKIP' "$OUT/test-$t.log") skip"
+    grep -E -- "--- FAIL|panic|greedy|ppl|KLD|rel " "$OUT/test-$t.log" | head -20
+  done
+fi
+if has 7b; then
+  ts=$(date +%s)
+  python3 .devdata/synth_hf.py llama2-7b /tmp/l7b --tokenizer testdata/llama-mini --awq > "$OUT/synth.log" 2>&1 || { tail "$OUT/synth.log"; exit 1; }
+  echo "synth $(( $(date +%s) - ts )) s: $(grep -c . "$OUT/synth.log") lines"
+fi
+V="bin/qtool verify --json --ppl .devdata/sotu-test.raw --max-chunks ${CHUNKS:-16} --prompt The --max-new 256"
+run() { # name, args...
+  local name=$1; shift
+  lim=$(left); [ "$lim" -lt 40 ] && { echo "$name: no time left"; return; }
+  timeout "$lim" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
+  echo "$name rc=$? $(python3 - "$OUT/$name.json" <<'PY'
+import json,sys
+try: r=json.load(open(sys.argv[1]))
+except Exception as e: print("no json", e); sys.exit()
+g=r.get("generation") or {}
+print(f'ppl {r.get("ppl")} prefill {r.get("tokens_per_s",0):.0f} tok/s decode {g.get("tokens_per_s",0):.1f} tok/s ({len(g.get("ids",[]))} ids) ids[:8] {g.get("ids",[])[:8]} on {r.get("device")}')
+PY
+)"; tail -2 "$OUT/$name.err" | cut -c1-300
+}
+if has tp; then
+  for m in l7b-awq l7b; do
+    run "$m-1gpu" $V --device cuda /tmp/$m
+    run "$m-1gpu-nograph" $V --device cuda --no-graph /tmp/$m
+    run "$m-tp2" $V --device cuda --tp 2 /tmp/$m
+    run "$m-tp2-procs" $V --device cuda --tp 2 --tp-processes /tmp/$m
+  done
+fi
+if has kld; then
+  run kld-base bin/qtool verify --json --device cuda --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b
+  run kld-quant bin/qtool verify --json --device cuda --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b-awq
+  lim=$(left); ts=$(date +%s)
+  timeout "$lim" bin/qtool verify --json --device cuda --kld /tmp/l7b --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b-awq > "$OUT/kld.json" 2> "$OUT/kld.err"
+  echo "kld rc=$? wall $(( $(date +%s) - ts )) s: $(head -c 600 "$OUT/kld.json")"; tail -2 "$OUT/kld.err"
+fi
+if has anchor; then
+  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" python3 .devdata/torch_anchor.py --skip-prefill --json "$OUT/anchor.json" > "$OUT/anchor.log" 2>&1
+  grep -E "gptfast|copy_GBps" "$OUT/anchor.json" 2>/dev/null
+fi
+echo "total $(( $(date +%s) - t0 )) s"
