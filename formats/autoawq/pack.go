@@ -172,23 +172,37 @@ func packWeight(q *model.Quantized) []int32 {
 	out, in := q.Rows, q.Cols
 	ow := out / PackFactor
 	qweight := make([]int32, in*ow)
-	model.Parallel(ow, max(1, (1<<13)/in), func(c0, c1 int) {
+	// Words are made packTile output columns at a time into tile
+	// ([k][column]), so that the stores into qweight ([k][out/8]) are runs
+	// of packTile consecutive words rather than one word per cache line.
+	model.Parallel((ow+packTile-1)/packTile, max(1, (1<<13)/(in*packTile)), func(t0, t1 int) {
 		var rows [PackFactor][]int8
-		for c := c0; c < c1; c++ {
-			for i, j := range Order {
-				rows[i] = q.Q[(PackFactor*c+j)*in : (PackFactor*c+j+1)*in]
+		tile := make([]int32, in*packTile)
+		for t := t0; t < t1; t++ {
+			c0, c1 := t*packTile, min(ow, (t+1)*packTile)
+			for c := c0; c < c1; c++ {
+				for i, j := range Order {
+					rows[i] = q.Q[(PackFactor*c+j)*in : (PackFactor*c+j+1)*in]
+				}
+				for k := 0; k < in; k++ {
+					var w uint32
+					for i := range rows {
+						w |= uint32(int32(rows[i][k])+8) << (4 * i)
+					}
+					tile[k*packTile+c-c0] = int32(w)
+				}
 			}
 			for k := 0; k < in; k++ {
-				var w uint32
-				for i := range rows {
-					w |= uint32(int32(rows[i][k])+8) << (4 * i)
-				}
-				qweight[k*ow+c] = int32(w)
+				copy(qweight[k*ow+c0:k*ow+c1], tile[k*packTile:k*packTile+c1-c0])
 			}
 		}
 	})
 	return qweight
 }
+
+// packTile is the number of packed columns packWeight makes before
+// storing them.
+const packTile = 32
 
 // packZeros packs the zero points into qzeros [in/g, out/8]; code 8 when
 // symmetric.

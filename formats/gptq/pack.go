@@ -142,21 +142,44 @@ func packWeight(q *model.Quantized) []int32 {
 	nw := in * bits / 32
 	off := q.Offset()
 	qweight := make([]int32, nw*out)
-	model.Parallel(out, max(1, (1<<16)/in), func(n0, n1 int) {
+	// Rows are packed packTile at a time into tile ([word][row]), so that
+	// the transposed stores into qweight ([word][out]) are runs of
+	// packTile consecutive words rather than one word per cache line.
+	model.Parallel((out+packTile-1)/packTile, max(1, (1<<16)/(in*packTile)), func(t0, t1 int) {
 		col := make([]uint32, nw)
-		for n := n0; n < n1; n++ {
-			clear(col)
-			row := q.Q[n*in : (n+1)*in]
-			for k, v := range row {
-				putBits(col, k, bits, uint32(int(v)+off))
+		tile := make([]int32, nw*packTile)
+		for t := t0; t < t1; t++ {
+			n0, n1 := t*packTile, min(out, (t+1)*packTile)
+			for n := n0; n < n1; n++ {
+				row := q.Q[n*in : (n+1)*in]
+				if bits == 4 { // eight codes a word, the common case, without the bit-stream loop
+					for w := range col {
+						r := row[8*w : 8*w+8 : 8*w+8]
+						col[w] = uint32(int(r[0])+off)&15 | uint32(int(r[1])+off)&15<<4 |
+							uint32(int(r[2])+off)&15<<8 | uint32(int(r[3])+off)&15<<12 |
+							uint32(int(r[4])+off)&15<<16 | uint32(int(r[5])+off)&15<<20 |
+							uint32(int(r[6])+off)&15<<24 | uint32(int(r[7])+off)&15<<28
+					}
+				} else {
+					clear(col)
+					for k, v := range row {
+						putBits(col, k, bits, uint32(int(v)+off))
+					}
+				}
+				for w, x := range col {
+					tile[w*packTile+n-n0] = int32(x)
+				}
 			}
-			for w, x := range col {
-				qweight[w*out+n] = int32(x)
+			for w := 0; w < nw; w++ {
+				copy(qweight[w*out+n0:w*out+n1], tile[w*packTile:w*packTile+n1-n0])
 			}
 		}
 	})
 	return qweight
 }
+
+// packTile is the number of rows packWeight packs before storing them.
+const packTile = 32
 
 func packZeros(q *model.Quantized) []int32 {
 	out, bits, G := q.Rows, q.Bits, q.Groups()

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"strings"
+	"unsafe"
 
 	"qtool/formats/infile"
 	"qtool/formats/model"
@@ -175,20 +176,42 @@ func WriteQuantized(m *model.Model, dir string, opt WriteOptions, qw QuantizedWr
 	return writeCheckpoint(dir, opt, entries, cfg, map[string]any{"quantization_config": qc}, m.TokenizerDir)
 }
 
-// Int32Bytes encodes v little-endian (safetensors I32 data).
+// Int32Bytes encodes v little-endian (safetensors I32 data). On a
+// little-endian machine that is v's own memory, returned without a copy:
+// the caller hands it to the writer and does not change v meanwhile.
 func Int32Bytes(v []int32) []byte {
-	b := make([]byte, 0, 4*len(v))
-	for _, x := range v {
-		b = binary.LittleEndian.AppendUint32(b, uint32(x))
+	if len(v) == 0 {
+		return []byte{}
+	}
+	if littleEndianHost() {
+		return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
+	}
+	b := make([]byte, 4*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(b[4*i:], uint32(x))
 	}
 	return b
 }
 
-// Uint16Bytes encodes v little-endian (the bit patterns of F16 data).
+// Uint16Bytes encodes v little-endian (the bit patterns of F16 data),
+// without a copy on a little-endian machine as Int32Bytes.
 func Uint16Bytes(v []uint16) []byte {
-	b := make([]byte, 0, 2*len(v))
-	for _, x := range v {
-		b = binary.LittleEndian.AppendUint16(b, x)
+	if len(v) == 0 {
+		return []byte{}
+	}
+	if littleEndianHost() {
+		return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 2*len(v))
+	}
+	b := make([]byte, 2*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint16(b[2*i:], x)
 	}
 	return b
+}
+
+// littleEndianHost reports whether this machine stores integers
+// little-endian, as safetensors does.
+func littleEndianHost() bool {
+	x := uint16(1)
+	return *(*byte)(unsafe.Pointer(&x)) == 1
 }
