@@ -180,11 +180,8 @@ func WriteQuantized(m *model.Model, dir string, opt WriteOptions, qw QuantizedWr
 // little-endian machine that is v's own memory, returned without a copy:
 // the caller hands it to the writer and does not change v meanwhile.
 func Int32Bytes(v []int32) []byte {
-	if len(v) == 0 {
-		return []byte{}
-	}
-	if littleEndianHost() {
-		return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
+	if b, ok := hostBytes(v); ok {
+		return b
 	}
 	b := make([]byte, 4*len(v))
 	for i, x := range v {
@@ -196,17 +193,26 @@ func Int32Bytes(v []int32) []byte {
 // Uint16Bytes encodes v little-endian (the bit patterns of F16 data),
 // without a copy on a little-endian machine as Int32Bytes.
 func Uint16Bytes(v []uint16) []byte {
-	if len(v) == 0 {
-		return []byte{}
-	}
-	if littleEndianHost() {
-		return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 2*len(v))
+	if b, ok := hostBytes(v); ok {
+		return b
 	}
 	b := make([]byte, 2*len(v))
 	for i, x := range v {
 		binary.LittleEndian.PutUint16(b[2*i:], x)
 	}
 	return b
+}
+
+// hostBytes returns v's memory as bytes when that is its little-endian
+// encoding (empty v, or a little-endian machine).
+func hostBytes[T int32 | uint16](v []T) ([]byte, bool) {
+	if len(v) == 0 {
+		return []byte{}, true
+	}
+	if !littleEndianHost() {
+		return nil, false
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), len(v)*int(unsafe.Sizeof(v[0]))), true
 }
 
 // littleEndianHost reports whether this machine stores integers

@@ -196,37 +196,34 @@ func TestSocketCommunicatorErrors(t *testing.T) {
 			t.Fatalf("errors %v", errs)
 		}
 	})
-	t.Run("out of step", func(t *testing.T) {
-		comms, errs := dialAll(t, 2, []string{"j", "j"}, 10*time.Second)
-		if errs[0] != nil || errs[1] != nil {
-			t.Fatal(errs)
-		}
-		var wg sync.WaitGroup
-		wg.Add(2)
-		go func() { defer wg.Done(); errs[0] = comms[0].AllReduceSum(0, make([]float32, 4)) }()
-		go func() { defer wg.Done(); errs[1] = comms[1].AllGather(1, make([]float32, 4), make([]float32, 8)) }()
-		wg.Wait()
-		if errs[0] == nil || !strings.Contains(errs[0].Error(), "out of step") {
-			t.Fatalf("rank 0: %v", errs[0])
-		}
-		if errs[1] == nil || !strings.Contains(errs[1].Error(), "rank 0 closed the connection") {
-			t.Fatalf("rank 1: %v", errs[1])
-		}
-	})
-	t.Run("length differs", func(t *testing.T) {
-		comms, errs := dialAll(t, 2, []string{"j", "j"}, 10*time.Second)
-		if errs[0] != nil || errs[1] != nil {
-			t.Fatal(errs)
-		}
-		var wg sync.WaitGroup
-		wg.Add(2)
-		go func() { defer wg.Done(); errs[0] = comms[0].AllReduceSum(0, make([]float32, 4)) }()
-		go func() { defer wg.Done(); errs[1] = comms[1].AllReduceSum(1, make([]float32, 5)) }()
-		wg.Wait()
-		if errs[0] == nil || !strings.Contains(errs[0].Error(), "5 values where this rank has 4") {
-			t.Fatalf("rank 0: %v", errs[0])
-		}
-	})
+	// Two connected ranks make different calls at once.
+	for _, tc := range []struct {
+		name         string
+		rank1        func(c *SocketCommunicator) error
+		want0, want1 string
+	}{
+		{name: "out of step", rank1: func(c *SocketCommunicator) error { return c.AllGather(1, make([]float32, 4), make([]float32, 8)) },
+			want0: "out of step", want1: "rank 0 closed the connection"},
+		{name: "length differs", rank1: func(c *SocketCommunicator) error { return c.AllReduceSum(1, make([]float32, 5)) },
+			want0: "5 values where this rank has 4", want1: "rank 0 closed the connection"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			comms, errs := dialAll(t, 2, []string{"j", "j"}, 10*time.Second)
+			if errs[0] != nil || errs[1] != nil {
+				t.Fatal(errs)
+			}
+			var wg sync.WaitGroup
+			wg.Add(2)
+			go func() { defer wg.Done(); errs[0] = comms[0].AllReduceSum(0, make([]float32, 4)) }()
+			go func() { defer wg.Done(); errs[1] = tc.rank1(comms[1]) }()
+			wg.Wait()
+			for r, want := range []string{tc.want0, tc.want1} {
+				if errs[r] == nil || !strings.Contains(errs[r].Error(), want) {
+					t.Errorf("rank %d: %v, want an error containing %q", r, errs[r], want)
+				}
+			}
+		})
+	}
 	t.Run("peer exits", func(t *testing.T) {
 		comms, errs := dialAll(t, 2, []string{"j", "j"}, 10*time.Second)
 		if errs[0] != nil || errs[1] != nil {
