@@ -56,8 +56,9 @@ func verifyCommand() *cli.Command {
 			"Tensor parallelism: --tp N runs N ranks in this process; with --tp-processes, one process per rank on\n" +
 			"this machine. Started by a launcher (torchrun's WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT,\n" +
 			"or mpirun's or srun's rank variables), verify runs as one rank of the job: rank 0 listens at\n" +
-			"MASTER_ADDR:MASTER_PORT, GPU ranks use GPU LOCAL_RANK and NCCL (rank 0 hands out NCCL's id), CPU ranks\n" +
-			"exchange over TCP; only rank 0 prints. QTOOL_TP_TIMEOUT (e.g. 30m) bounds every wait for another rank.",
+			"MASTER_ADDR:MASTER_PORT (under torchrun, whose store holds that port, the port after it; QTOOL_TP_PORT\n" +
+			"names another), GPU ranks use GPU LOCAL_RANK and NCCL (rank 0 hands out NCCL's id), CPU ranks exchange\n" +
+			"over TCP; only rank 0 prints. QTOOL_TP_TIMEOUT (e.g. 30m) bounds every wait for another rank.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "ppl", Usage: "measure perplexity on `FILE` (raw text), or on wikitext-2's test file with \"wikitext\""},
 			&cli.IntFlag{Name: "ctx", Value: runtime.DefaultCtx, Usage: "perplexity context length (512, or 2048 for the papers' wikitext2@2048)"},

@@ -37,9 +37,12 @@ var launcherVars = [][3]string{
 // JobFromEnv reads the job of a process started by a launcher: the world
 // size, rank and local rank from torchrun's WORLD_SIZE, RANK and
 // LOCAL_RANK (or the same from mpirun, MPICH or srun), and rank 0's
-// address from MASTER_ADDR and MASTER_PORT, as torchrun sets them. ok is
-// false when no launcher variables are set or the world has one rank.
-// QTOOL_TP_TIMEOUT (a Go duration such as "30m") overrides the timeout.
+// address from MASTER_ADDR and MASTER_PORT, as torchrun sets them. Under
+// torchrun (TORCHELASTIC_RUN_ID set) MASTER_PORT is taken by torchrun's own
+// store, so rank 0 listens on the port after it; QTOOL_TP_PORT names
+// another port. ok is false when no launcher variables are set or the
+// world has one rank. QTOOL_TP_TIMEOUT (a Go duration such as "30m")
+// overrides the timeout.
 func JobFromEnv(getenv func(string) string) (job Job, ok bool, err error) {
 	for _, vars := range launcherVars {
 		if getenv(vars[0]) == "" {
@@ -72,10 +75,19 @@ func JobFromEnv(getenv func(string) string) (job Job, ok bool, err error) {
 		if host == "" || port == "" {
 			return Job{}, false, fmt.Errorf("tp: %s=%d but MASTER_ADDR and MASTER_PORT (rank 0's address) are not both set", vars[0], v[0])
 		}
-		if p, err := strconv.Atoi(port); err != nil || p <= 0 || p > 65535 {
+		p, err := strconv.Atoi(port)
+		if err != nil || p <= 0 || p > 65535 {
 			return Job{}, false, fmt.Errorf("tp: environment MASTER_PORT=%q: want a TCP port", port)
 		}
-		job.Addr = net.JoinHostPort(host, port)
+		if getenv("TORCHELASTIC_RUN_ID") != "" && p < 65535 {
+			p++ // torchrun's store listens on MASTER_PORT
+		}
+		if s := getenv("QTOOL_TP_PORT"); s != "" {
+			if p, err = strconv.Atoi(s); err != nil || p <= 0 || p > 65535 {
+				return Job{}, false, fmt.Errorf("tp: environment QTOOL_TP_PORT=%q: want a TCP port", s)
+			}
+		}
+		job.Addr = net.JoinHostPort(host, strconv.Itoa(p))
 		if s := getenv("QTOOL_TP_TIMEOUT"); s != "" {
 			d, err := time.ParseDuration(s)
 			if err != nil || d <= 0 {
