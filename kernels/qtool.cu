@@ -229,29 +229,48 @@ extern "C" __global__ void rope(float* __restrict__ x, int rows, int cols, int h
     }
 }
 
-// KV cache of one layer: kc, vc [maxSeq, kvDim] fp32.
-extern "C" __global__ void store_kv(float* __restrict__ kc, float* __restrict__ vc, const float* __restrict__ k,
-                                    const float* __restrict__ v, int rows, int kvDim, int pos0,
-                                    const int* __restrict__ dpos, int maxSeq) {
+// KV cache of one layer: kc, vc [maxSeq, kvDim], fp32 or fp16 (KV).
+__device__ __forceinline__ float kv_load(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float kv_load(const __half* p, size_t i) { return __half2float(p[i]); }
+__device__ __forceinline__ void kv_store(float* p, size_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void kv_store(__half* p, size_t i, float x) { p[i] = __float2half_rn(x); }
+
+template <typename KV>
+__device__ __forceinline__ void store_kv_body(KV* __restrict__ kc, KV* __restrict__ vc, const float* __restrict__ k,
+                                              const float* __restrict__ v, int rows, int kvDim, int pos0,
+                                              const int* __restrict__ dpos, int maxSeq) {
     long long n = (long long)rows * kvDim;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         int r = (int)(i / kvDim), c = (int)(i % kvDim);
         int pos = row_pos(pos0, dpos, r);
         if (pos >= maxSeq) continue;
-        kc[(size_t)pos * kvDim + c] = k[i];
-        vc[(size_t)pos * kvDim + c] = v[i];
+        kv_store(kc, (size_t)pos * kvDim + c, k[i]);
+        kv_store(vc, (size_t)pos * kvDim + c, v[i]);
     }
 }
 
+extern "C" __global__ void store_kv(float* __restrict__ kc, float* __restrict__ vc, const float* __restrict__ k,
+                                    const float* __restrict__ v, int rows, int kvDim, int pos0,
+                                    const int* __restrict__ dpos, int maxSeq) {
+    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq);
+}
+
+extern "C" __global__ void store_kv_f16(__half* __restrict__ kc, __half* __restrict__ vc, const float* __restrict__ k,
+                                        const float* __restrict__ v, int rows, int kvDim, int pos0,
+                                        const int* __restrict__ dpos, int maxSeq) {
+    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq);
+}
+
 // ---------------------------------------------------------------------------
-// Attention: causal GQA over the fp32 cache, flash-decoding style.
+// Attention: causal GQA over the fp32 or fp16 cache, flash-decoding style.
 // grid (heads, T, nsplit), block 128 (4 warps). Split s covers keys
 // [s*chunk, (s+1)*chunk) ∩ [0, pos_t]. With nsplit == 1 the kernel writes dst;
 // otherwise it writes partials (max, sum, acc[hd]) that attn_combine merges.
 #define ATT_WARPS 4
-extern "C" __global__ void __launch_bounds__(128) attention(
-    float* __restrict__ dst, const float* __restrict__ q, const float* __restrict__ kc,
-    const float* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
+template <typename KV>
+__device__ __forceinline__ void attention_body(
+    float* __restrict__ dst, const float* __restrict__ q, const KV* __restrict__ kc,
+    const KV* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
     int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
     int nsplit, int chunk) {
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, T = gridDim.y;
@@ -276,17 +295,17 @@ extern "C" __global__ void __launch_bounds__(128) attention(
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             int j = min(jb + u, j1 - 1);
-            const float* kp = kc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
+            const KV* kp = kc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
 #pragma unroll
-            for (int i = 0; i < 8; i++) kr[u][i] = i < V ? kp[i] : 0.f;
+            for (int i = 0; i < 8; i++) kr[u][i] = i < V ? kv_load(kp, i) : 0.f;
         }
         float vr[4][8];
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             int j = min(jb + u, j1 - 1);
-            const float* vp = vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
+            const KV* vp = vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
 #pragma unroll
-            for (int i = 0; i < 8; i++) vr[u][i] = i < V ? vp[i] : 0.f;
+            for (int i = 0; i < 8; i++) vr[u][i] = i < V ? kv_load(vp, i) : 0.f;
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
@@ -347,6 +366,22 @@ extern "C" __global__ void __launch_bounds__(128) attention(
         }
     }
     (void)T;
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention(
+    float* __restrict__ dst, const float* __restrict__ q, const float* __restrict__ kc,
+    const float* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
+    int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
+    int nsplit, int chunk) {
+    attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_f16(
+    float* __restrict__ dst, const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
+    int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
+    int nsplit, int chunk) {
+    attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk);
 }
 
 // grid (heads, T), block >= 32.

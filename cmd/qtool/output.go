@@ -13,6 +13,8 @@ import (
 	"qtool/formats/infile"
 	"qtool/formats/model"
 	"qtool/runtime"
+	"qtool/runtime/cuda"
+	"qtool/runtime/tp"
 )
 
 // outputs returns the command's stdout and stderr (the App's writers, else
@@ -75,10 +77,41 @@ func loadOn(c *cli.Context, mm *model.Model) (*runtime.Model, runtime.Backend, e
 	if err != nil {
 		return nil, nil, err
 	}
+	if err := setKVCache(be, c.String("kv-cache")); err != nil {
+		be.Close()
+		return nil, nil, err
+	}
 	m, err := runtime.Load(mm, be)
 	if err != nil {
 		be.Close()
 		return nil, nil, fmt.Errorf("verify: %s: %w", mm.Source, err)
 	}
 	return m, be, nil
+}
+
+// setKVCache applies --kv-cache to be: fp32 (or empty) keeps the default,
+// fp16 asks the CUDA backend (or every CUDA rank) for fp16 caches.
+func setKVCache(be runtime.Backend, kind string) error {
+	switch kind {
+	case "", "fp32":
+		return nil
+	case "fp16":
+	default:
+		return fmt.Errorf("verify: --kv-cache %q: want fp32 or fp16", kind)
+	}
+	ranks := []runtime.Backend{be}
+	if t, ok := be.(*tp.Backend); ok {
+		ranks = ranks[:0]
+		for _, r := range t.Local() {
+			ranks = append(ranks, t.Rank(r))
+		}
+	}
+	for _, r := range ranks {
+		cb, ok := r.(*cuda.Backend)
+		if !ok {
+			return fmt.Errorf("verify: --kv-cache fp16 needs the CUDA backend; %s keeps an fp32 cache", r.Name())
+		}
+		cb.Options().KVHalf = true
+	}
+	return nil
 }

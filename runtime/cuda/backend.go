@@ -57,6 +57,10 @@ type Options struct {
 	// CalibPTXPath likewise replaces the calibration kernels
 	// ($QTOOL_CALIB_PTX).
 	CalibPTXPath string
+	// KVHalf keeps the KV caches made afterwards in fp16: keys and values
+	// are rounded to fp16 when stored, which halves the cache's memory and
+	// attention's reads (attention still computes in fp32).
+	KVHalf bool
 }
 
 // Backend runs the forward pass on one CUDA device.
@@ -219,7 +223,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 func kernelNames() []string {
 	names := []string{
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_add", "rmsnorm_heads", "add_bias", "add_inplace",
-		"silu_mul", "rope", "store_kv", "attention", "attn_combine",
+		"silu_mul", "rope", "store_kv", "store_kv_f16", "attention", "attention_f16", "attn_combine",
 		"gemm_f32", "gemm_f16", "gemm_bf16", "gemm_q8", "gemm_q4",
 		"quant_act", "w8a8_gemm", "nll", "argmax", "decode_advance", "sample", "fill_random",
 	}
@@ -697,10 +701,20 @@ func (b *Backend) RoPE(x runtime.Buf, headDim, pos0 int, theta float64, layout m
 	b.launch("rope", b.gridFor(s.n()/2), block256, s.p, s.rows, s.cols, headDim, p, dp, theta, int(layout))
 }
 
-// KVCache is a device cache of fp32 keys and values, [layers][maxSeq][kvDim].
+// KVCache is a device cache of keys and values, [layers][maxSeq][kvDim], in
+// fp32 or (Options.KVHalf) fp16.
 type KVCache struct {
 	k, v                  driver.DevicePtr
 	layers, maxSeq, kvDim int
+	half                  bool // fp16 elements
+}
+
+// elem is the size of one cached value in bytes.
+func (c *KVCache) elem() int {
+	if c.half {
+		return 2
+	}
+	return 4
 }
 
 // MaxSeq implements runtime.KVCache.
@@ -710,9 +724,11 @@ func (c *KVCache) MaxSeq() int { return c.maxSeq }
 func (b *Backend) NewKVCache(layers, maxSeq, kvDim int) runtime.KVCache {
 	defer b.enter()()
 	n := layers * maxSeq * kvDim
-	c := &KVCache{k: b.alloc(4 * n), v: b.alloc(4 * n), layers: layers, maxSeq: maxSeq, kvDim: kvDim}
-	b.must(b.drv.MemsetD32Async(c.k, 0, uint64(n), b.stream))
-	b.must(b.drv.MemsetD32Async(c.v, 0, uint64(n), b.stream))
+	c := &KVCache{layers: layers, maxSeq: maxSeq, kvDim: kvDim, half: b.opt.KVHalf}
+	bytes := c.elem() * n
+	c.k, c.v = b.alloc(bytes), b.alloc(bytes)
+	b.must(b.drv.MemsetD32Async(c.k, 0, uint64(bytes/4), b.stream)) // kvDim is even: whole words
+	b.must(b.drv.MemsetD32Async(c.v, 0, uint64(bytes/4), b.stream))
 	return c
 }
 
@@ -733,7 +749,15 @@ func (b *Backend) FreeKVCache(c runtime.KVCache) {
 }
 
 func (c *KVCache) layerOff(layer int) driver.DevicePtr {
-	return driver.DevicePtr(4 * layer * c.maxSeq * c.kvDim)
+	return driver.DevicePtr(c.elem() * layer * c.maxSeq * c.kvDim)
+}
+
+// kernel names the variant of a cache kernel for c's element type.
+func (c *KVCache) kernel(name string) string {
+	if c.half {
+		return name + "_f16"
+	}
+	return name
 }
 
 // StoreKV implements runtime.Backend.
@@ -748,7 +772,7 @@ func (b *Backend) StoreKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf) 
 	defer b.enter()()
 	off := kc.layerOff(layer)
 	p, dp := b.posArgs(pos0)
-	b.launch("store_kv", b.gridFor(kb.n()), block256, kc.k+off, kc.v+off, kb.p, vb.p, kb.rows, kc.kvDim, p, dp, kc.maxSeq)
+	b.launch(kc.kernel("store_kv"), b.gridFor(kb.n()), block256, kc.k+off, kc.v+off, kb.p, vb.p, kb.rows, kc.kvDim, p, dp, kc.maxSeq)
 }
 
 // attnChunk is the number of keys per split in graph-captured decode steps.
@@ -785,7 +809,7 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 	off := kc.layerOff(layer)
 	p, dp := b.posArgs(pos0)
 	scale := float32(1 / math.Sqrt(float64(headDim)))
-	b.launch("attention", [3]uint32{uint32(heads), uint32(T), uint32(nsplit)}, [3]uint32{128, 1, 1},
+	b.launch(kc.kernel("attention"), [3]uint32{uint32(heads), uint32(T), uint32(nsplit)}, [3]uint32{128, 1, 1},
 		d.p, qb.p, kc.k+off, kc.v+off, ml, acc, heads, kvHeads, headDim, p, dp, scale, nsplit, chunk)
 	if nsplit > 1 {
 		b.launch("attn_combine", [3]uint32{uint32(heads), uint32(T), 1}, [3]uint32{uint32(min(headDim, 256)), 1, 1},

@@ -153,3 +153,49 @@ func TestModels(t *testing.T) {
 		})
 	}
 }
+
+// TestKVHalf runs llama-mini with an fp16 KV cache: the perplexity of 8
+// chunks within 1e-3 of the fp32 cache's, and the reference's greedy ids.
+func TestKVHalf(t *testing.T) {
+	b := newTestBackend(t)
+	dir := filepath.Join("..", "..", "testdata", "llama-mini")
+	var ref reference
+	readJSON(t, filepath.Join(dir, "reference.json"), &ref)
+	var ids []int
+	readJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
+	m, err := hf.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	rm, err := runtime.Load(m, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { b.Options().KVHalf = false }()
+	var ppl [2]float64
+	for i, half := range []bool{false, true} {
+		b.Options().KVHalf = half
+		r, err := runtime.Perplexity(rm, ids, runtime.PPLOptions{MaxChunks: 8})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ppl[i] = r.PPL
+		prompt, want := ref.GreedyPromptIDs, ref.GreedyIDs[len(ref.GreedyPromptIDs):]
+		out, err := runtime.Generate(rm, prompt, runtime.GenOptions{MaxNew: len(want), EOS: []int{}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		same := 0
+		for same < len(out) && same < len(want) && out[same] == want[same] {
+			same++
+		}
+		t.Logf("KVHalf %v: ppl %.6f (8 chunks); greedy %d of %d ids equal the reference", half, r.PPL, same, len(want))
+		if same < len(want) {
+			t.Errorf("KVHalf %v: greedy ids %v, reference %v", half, out, want)
+		}
+	}
+	if d := math.Abs(ppl[1]/ppl[0] - 1); d > 1e-3 {
+		t.Errorf("fp16 cache ppl %.6f, fp32 %.6f: %.2e apart", ppl[1], ppl[0], d)
+	}
+}
