@@ -1594,6 +1594,115 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
     }
 }
 
+// W8A8 GEMM on the int8 tensor cores (mma.sync m16n8k32 s8·s8→s32), for
+// M > a few rows: y[m,n] = (Σ_k xq[m,k]·W[n,k] + qbias[n])·deq[n] (+ bias[n]),
+// the same integers and float operations as w8a8_gemm, so the results are
+// identical. Block tile 128 (m) × 128 (n), K in steps of 64 through shared
+// memory (double-buffered cp.async, rows padded to 80 bytes: the fragment
+// loads of a warp hit 32 distinct banks); 8 warps, 4 along m × 2 along n,
+// each 32 × 64 (2 × 8 mma tiles). K % 16 == 0 (16-byte row chunks; chunks
+// past K or rows past M/N are zero-filled).
+#define W8_BM 128
+#define W8_BN 128
+#define W8_BK 64
+#define W8_LD 80
+__device__ __forceinline__ void cp_async16_zfill(void* s, const void* g, bool valid) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
+    float* __restrict__ y, const int8_t* __restrict__ xq, const int8_t* __restrict__ W,
+    const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias, int M, int N, int K) {
+    __shared__ __align__(16) int8_t As[2][W8_BM * W8_LD];
+    __shared__ __align__(16) int8_t Bs[2][W8_BN * W8_LD];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int gid = lane >> 2, tq = lane & 3;
+    int wm = warp & 3, wn = warp >> 2;  // warp tile: rows wm*32.., cols wn*64..
+    int bm = blockIdx.y * W8_BM, bn = blockIdx.x * W8_BN;
+    int nk = (K + W8_BK - 1) / W8_BK;
+    // Each thread copies 2 chunks of 16 bytes of A and of B per K step.
+    auto load = [&](int kt, int buf) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int c = tid + i * 256;  // 0..511: row c/4, chunk c%4
+            int r = c >> 2, kc = (c & 3) * 16, k = kt * W8_BK + kc;
+            bool kin = k < K;
+            int am = bm + r, bnr = bn + r;
+            bool va = kin && am < M, vb = kin && bnr < N;
+            cp_async16_zfill(&As[buf][r * W8_LD + kc], va ? (const void*)(xq + (size_t)am * K + k) : (const void*)xq, va);
+            cp_async16_zfill(&Bs[buf][r * W8_LD + kc], vb ? (const void*)(W + (size_t)bnr * K + k) : (const void*)W, vb);
+        }
+    };
+    int acc[2][8][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0;
+    load(0, 0);
+    cp_async_commit();
+    for (int kt = 0; kt < nk; kt++) {
+        int buf = kt & 1;
+        if (kt + 1 < nk) {
+            load(kt + 1, buf ^ 1);
+            cp_async_commit();
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        }
+        __syncthreads();
+        const int8_t* A = As[buf];
+        const int8_t* B = Bs[buf];
+#pragma unroll
+        for (int ks = 0; ks < W8_BK; ks += 32) {
+            uint32_t a[2][4], b[8][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                const int8_t* p = A + (wm * 32 + mt * 16 + gid) * W8_LD + ks + tq * 4;
+                a[mt][0] = *reinterpret_cast<const uint32_t*>(p);
+                a[mt][1] = *reinterpret_cast<const uint32_t*>(p + 8 * W8_LD);
+                a[mt][2] = *reinterpret_cast<const uint32_t*>(p + 16);
+                a[mt][3] = *reinterpret_cast<const uint32_t*>(p + 8 * W8_LD + 16);
+            }
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                const int8_t* p = B + (wn * 64 + nt * 8 + gid) * W8_LD + ks + tq * 4;
+                b[nt][0] = *reinterpret_cast<const uint32_t*>(p);
+                b[nt][1] = *reinterpret_cast<const uint32_t*>(p + 16);
+            }
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++)
+                    mma_s8(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[nt][0], b[nt][1]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int m = bm + wm * 32 + mt * 16 + gid + (e >> 1) * 8;
+                int n = bn + wn * 64 + nt * 8 + 2 * tq + (e & 1);
+                if (m < M && n < N) {
+                    float v = (float)(acc[mt][nt][e] + qbias[n]) * deq[n];
+                    if (bias) v += bias[n];
+                    y[(size_t)m * N + n] = v;
+                }
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Logits: NLL, argmax, sampling.
 

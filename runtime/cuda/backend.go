@@ -225,7 +225,7 @@ func kernelNames() []string {
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_add", "rmsnorm_heads", "add_bias", "add_inplace",
 		"silu_mul", "rope", "store_kv", "store_kv_f16", "attention", "attention_f16", "attn_combine",
 		"gemm_f32", "gemm_f16", "gemm_bf16", "gemm_q8", "gemm_q4",
-		"quant_act", "w8a8_gemm", "nll", "argmax", "decode_advance", "sample", "fill_random",
+		"quant_act", "w8a8_gemm", "w8a8_mma", "nll", "argmax", "decode_advance", "sample", "fill_random",
 	}
 	for k, vs := range gemvVariants {
 		for _, v := range vs {

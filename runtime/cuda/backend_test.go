@@ -257,10 +257,18 @@ func TestMatMul(t *testing.T) {
 	}
 }
 
+// TestW8A8 checks the W8A8 products against integer arithmetic: the dp4a
+// GEMV (M ≤ GEMVMaxRows) and the int8 tensor-core GEMM (partial 128-tiles
+// in M and N, K not a multiple of the 64-wide K step).
 func TestW8A8(t *testing.T) {
+	for _, shape := range [][2]int{{136, 256}, {200, 80}} {
+		testW8A8(t, shape[0], shape[1])
+	}
+}
+
+func testW8A8(t *testing.T, N, K int) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(3, 4))
-	const N, K = 136, 256
 	q := &model.Quantized{Bits: 8, Rows: N, Cols: K, Q: make([]int8, N*K), Scale: make([]float32, N)}
 	for i := range q.Q {
 		q.Q[i] = int8(r.IntN(255) - 127)
@@ -276,7 +284,7 @@ func TestW8A8(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, M := range []int{1, 7, 64} {
+	for _, M := range []int{1, 4, 7, 64, 130, 300} {
 		x := randVec(r, M*K, 2)
 		want := make([]float64, M*N)
 		for m := 0; m < M; m++ {
@@ -296,7 +304,7 @@ func TestW8A8(t *testing.T) {
 		xb := upload(b, M, K, x)
 		y := poisoned(b, M, N)
 		b.MatMul(y, xb, lw)
-		checkClose(t, fmt.Sprintf("w8a8 M=%d", M), download(b, y), want, 1e-6)
+		checkClose(t, fmt.Sprintf("w8a8 M=%d N=%d K=%d", M, N, K), download(b, y), want, 1e-6)
 	}
 }
 

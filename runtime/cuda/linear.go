@@ -349,7 +349,13 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 	if l.kind == kindW8A8 {
 		xq := b.scratchBuf("xq", M*K)
 		b.launch("quant_act", b.gridFor(M*K), block256, xq, s.p, int64(M*K), l.inScale, l.inOffset)
-		// one block row per activation row: at most 65535 rows a launch
+		if M > b.opt.GEMVMaxRows || forceGEMM { // the int8 tensor cores, 128 × 128 tiles
+			b.launch("w8a8_mma", [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}, block256,
+				d.p, xq, l.w, l.qbias, l.deq, l.bias, M, N, K)
+			return
+		}
+		// dp4a, one warp per output and one block row per activation row:
+		// at most 65535 rows a launch
 		for r0 := 0; r0 < M; r0 += 65535 {
 			m := min(65535, M-r0)
 			b.launch("w8a8_gemm", [3]uint32{uint32((N + 7) / 8), uint32(m), 1}, block256, d.p+driver.DevicePtr(4*r0*N),
