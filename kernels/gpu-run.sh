@@ -5,7 +5,7 @@
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz (CGO_ENABLED=0 builds of qtool and the test binaries,
 # gzipped), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build tests 7b tp kld anchor" kernels/gpu-run.sh
+#   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 bench anchor" kernels/gpu-run.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -69,6 +69,31 @@ if has kld; then
   lim=$(left); ts=$(date +%s)
   timeout "$lim" bin/qtool verify --json --device cuda --kld /tmp/l7b --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b-awq > "$OUT/kld.json" 2> "$OUT/kld.err"
   echo "kld rc=$? wall $(( $(date +%s) - ts )) s: $(head -c 600 "$OUT/kld.json")"; tail -2 "$OUT/kld.err"
+fi
+quant() { # method format: calibrate the 7B model on the GPU, timed, and read the output back
+  local meth=$1 fmt=$2
+  lim=$(left); [ "$lim" -lt 60 ] && { echo "7b $meth: no time left"; return; }
+  [ -f .devdata/train.txt ] || gunzip -k .devdata/train.txt.gz
+  ts=$(date +%s); rm -rf "/tmp/l7b-$meth"
+  timeout "$lim" /usr/bin/time -v bin/qtool "$meth" --hf /tmp/l7b --calib .devdata/train.txt -o "/tmp/l7b-$meth" --format "$fmt" \
+    --device cuda --verify .devdata/sotu-test.raw --verify-chunks 4 ${QARGS:-} > "$OUT/7b-$meth.txt" 2> "$OUT/7b-$meth.err"
+  echo "7b $meth rc=$? wall $(( $(date +%s) - ts )) s"
+  grep -E "^wrote|^phases|^verify" "$OUT/7b-$meth.txt"; grep -E "Maximum resident" "$OUT/7b-$meth.err"; tail -2 "$OUT/7b-$meth.err" | grep -v "Exit status" | cut -c1-300
+}
+has 7b-sq && quant smoothquant msmodelslim
+has 7b-gptq && quant gptq gptq
+if has w8a8; then
+  run l7b-w8a8 bin/qtool verify --json --device cuda --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b-smoothquant
+  run l7b-bf16-ppl bin/qtool verify --json --device cuda --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b
+fi
+if has kv16; then
+  for kv in fp32 fp16; do
+    run "l7b-awq-kv$kv-4k" bin/qtool verify --json --device cuda --kv-cache $kv --prompt "$(head -c 14000 .devdata/sotu-test.raw)" --max-new 256 /tmp/l7b-awq
+  done
+fi
+if has bench; then
+  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --kernels=false --decode 256 /tmp/l7b-awq > "$OUT/bench-awq.txt" 2>&1
+  grep -E "decode batch|prefill" "$OUT/bench-awq.txt"
 fi
 if has anchor; then
   lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" python3 .devdata/torch_anchor.py --skip-prefill --json "$OUT/anchor.json" > "$OUT/anchor.log" 2>&1
