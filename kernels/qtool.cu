@@ -1587,9 +1587,9 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL, acc, o);
-    if (lane == 0) {
-        float v = (float)(acc + qbias[n]) * deq[n];
-        if (bias) v += bias[n];
+    if (lane == 0) {  // multiply, then add: no fused multiply-add, as on the CPU
+        float v = __fmul_rn((float)(acc + qbias[n]), deq[n]);
+        if (bias) v = __fadd_rn(v, bias[n]);
         y[(size_t)m * N + n] = v;
     }
 }
@@ -1693,9 +1693,9 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
             for (int e = 0; e < 4; e++) {
                 int m = bm + wm * 32 + mt * 16 + gid + (e >> 1) * 8;
                 int n = bn + wn * 64 + nt * 8 + 2 * tq + (e & 1);
-                if (m < M && n < N) {
-                    float v = (float)(acc[mt][nt][e] + qbias[n]) * deq[n];
-                    if (bias) v += bias[n];
+                if (m < M && n < N) {  // rounded like w8a8_gemm's: no fused multiply-add
+                    float v = __fmul_rn((float)(acc[mt][nt][e] + qbias[n]), deq[n]);
+                    if (bias) v = __fadd_rn(v, bias[n]);
                     y[(size_t)m * N + n] = v;
                 }
             }
