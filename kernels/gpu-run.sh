@@ -36,7 +36,7 @@ if has tests; then
     grep -E -- "--- FAIL|panic|greedy|ppl|KLD|rel " "$OUT/test-$t.log" | head -20
   done
 fi
-if has 7b; then
+if has 7b || has 7b-sq || has 7b-gptq || has 7b-awq; then
   ts=$(date +%s)
   python3 .devdata/synth_hf.py llama2-7b /tmp/l7b --tokenizer testdata/llama-mini --awq > "$OUT/synth.log" 2>&1 || { tail "$OUT/synth.log"; exit 1; }
   echo "synth $(( $(date +%s) - ts )) s: $(grep -c . "$OUT/synth.log") lines"
@@ -82,6 +82,7 @@ quant() { # method format: calibrate the 7B model on the GPU, timed, and read th
 }
 has 7b-sq && quant smoothquant msmodelslim
 has 7b-gptq && quant gptq gptq
+has 7b-awq && quant awq autoawq
 if has w8a8; then
   run l7b-w8a8 bin/qtool verify --json --device cuda --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b-smoothquant
   run l7b-bf16-ppl bin/qtool verify --json --device cuda --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b
