@@ -51,6 +51,15 @@ func TestVerifyTPProcesses(t *testing.T) {
 			if d := math.Abs(*procs.PPL / *one.PPL - 1); d > 1e-6 {
 				t.Errorf("ppl: two processes %.10f, one process unsplit %.10f (%.1e relative)", *procs.PPL, *one.PPL, d)
 			}
+			// A shard directory runs on its own number of ranks.
+			sd := t.TempDir() + "/shard"
+			if out, err := exec.Command(qtoolBinary(t), "shard", "--tp", "2", dir, "-o", sd).CombinedOutput(); err != nil {
+				t.Fatalf("qtool shard: %v\n%s", err, out)
+			}
+			fromDir := verifyJSON(t, append(ppl, "--tp-processes", sd)...)
+			if *fromDir.PPL != *inproc.PPL {
+				t.Errorf("ppl: shard directory in two processes %.12f, in-process TP=2 %.12f", *fromDir.PPL, *inproc.PPL)
+			}
 			gen := []string{"--prompt", "The State of the Union is", "--max-new", "12"}
 			g1 := verifyJSON(t, append(gen, "--tp", "2", dir)...)
 			g2 := verifyJSON(t, append(gen, "--tp", "2", "--tp-processes", dir)...)

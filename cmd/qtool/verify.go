@@ -118,11 +118,18 @@ func runVerify(c *cli.Context) error {
 		return fmt.Errorf("verify: --kld runs in one process (use --tp N without --tp-processes or a launcher)")
 	}
 	if c.Bool("tp-processes") && !isRank {
-		if c.Int("tp") < 2 {
-			return fmt.Errorf("verify --tp-processes: give the number of ranks with --tp N (N ≥ 2)")
+		n := c.Int("tp")
+		if !c.IsSet("tp") && c.NArg() == 1 { // a shard directory knows its ranks
+			if mm, err := tp.OpenModel(c.Args().First()); err == nil {
+				n = tp.ShardedSize(mm)
+				mm.Close()
+			}
+		}
+		if n < 2 {
+			return fmt.Errorf("verify --tp-processes: give the number of ranks with --tp N (N ≥ 2), or a shard directory")
 		}
 		stdout, stderr, _ := outputs(c)
-		return launchRanks(c.Int("tp"), stdout, stderr)
+		return launchRanks(n, stdout, stderr)
 	}
 	if isRank && job.Rank != 0 {
 		c.App.Writer = io.Discard // only rank 0 reports
