@@ -31,6 +31,23 @@ func readJSON(t *testing.T, path string, v any) {
 	}
 }
 
+// loadFixture loads the float test model in dir on b, with its reference.
+func loadFixture(t *testing.T, b *Backend, dir string) (*runtime.Model, reference) {
+	t.Helper()
+	var ref reference
+	readJSON(t, filepath.Join(dir, "reference.json"), &ref)
+	m, err := hf.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	rm, err := runtime.Load(m, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rm, ref
+}
+
 // TestModels runs the float test models end to end on the GPU through the
 // shared forward pass and checks them against reference.json (HF fp32):
 // last-position logits, greedy ids (plain and CUDA-graph decode) and the
@@ -41,17 +58,7 @@ func TestModels(t *testing.T) {
 	for _, name := range []string{"llama-mini", "qwen3-mini"} {
 		t.Run(name, func(t *testing.T) {
 			dir := filepath.Join("..", "..", "testdata", name)
-			var ref reference
-			readJSON(t, filepath.Join(dir, "reference.json"), &ref)
-			m, err := hf.Open(dir)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer m.Close()
-			rm, err := runtime.Load(m, b)
-			if err != nil {
-				t.Fatal(err)
-			}
+			rm, ref := loadFixture(t, b, dir)
 			vocab := rm.Config().Vocab
 
 			// Logits of the last position.
@@ -159,19 +166,9 @@ func TestModels(t *testing.T) {
 func TestKVHalf(t *testing.T) {
 	b := newTestBackend(t)
 	dir := filepath.Join("..", "..", "testdata", "llama-mini")
-	var ref reference
-	readJSON(t, filepath.Join(dir, "reference.json"), &ref)
+	rm, ref := loadFixture(t, b, dir)
 	var ids []int
 	readJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
-	m, err := hf.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	rm, err := runtime.Load(m, b)
-	if err != nil {
-		t.Fatal(err)
-	}
 	defer func() { b.Options().KVHalf = false }()
 	var ppl [2]float64
 	for i, half := range []bool{false, true} {
