@@ -55,6 +55,9 @@ print(f'ppl {r.get("ppl")} prefill {r.get("tokens_per_s",0):.0f} tok/s decode {g
 PY
 )"; tail -2 "$OUT/$name.err" | cut -c1-300
 }
+if has one; then
+  for m in l7b-awq l7b; do run "$m-1gpu" $V --device cuda /tmp/$m; done
+fi
 if has tp; then
   for m in l7b-awq l7b; do
     run "$m-1gpu" $V --device cuda /tmp/$m
@@ -97,7 +100,7 @@ if has bench; then
   grep -E "decode batch|prefill" "$OUT/bench-awq.txt"
 fi
 if has anchor; then
-  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" python3 .devdata/torch_anchor.py --skip-prefill --json "$OUT/anchor.json" > "$OUT/anchor.log" 2>&1
-  grep -E "gptfast|copy_GBps" "$OUT/anchor.json" 2>/dev/null
+  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" python3 .devdata/torch_anchor.py --json "$OUT/anchor.json" > "$OUT/anchor.log" 2>&1
+  grep -E "gptfast|copy_GBps|hf_fp16|cublas_f16_gemm" "$OUT/anchor.json" 2>/dev/null || tail -5 "$OUT/anchor.log"
 fi
 echo "total $(( $(date +%s) - t0 )) s"
