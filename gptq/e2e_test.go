@@ -7,6 +7,10 @@ import (
 	"qtool/quantize/calib/calibtest"
 )
 
+func quant(opt Options) func(*calib.Session) error {
+	return func(s *calib.Session) error { _, err := QuantizeModel(s, opt, nil); return err }
+}
+
 // TestGPTQLlamaMini reproduces the issue's table rows: GPTQ g128 asym on
 // llama-mini, 128×512 calibration windows of train.txt, perplexity of
 // sotu-test.raw (all 371 chunks); the bounds are the results before the
@@ -14,12 +18,26 @@ import (
 // Behind QTOOL_LONG=1 (minutes on 2 cores).
 func TestGPTQLlamaMini(t *testing.T) {
 	calibtest.Long(t)
-	quant := func(opt Options) func(*calib.Session) error {
-		return func(s *calib.Session) error { _, err := QuantizeModel(s, opt, nil); return err }
-	}
 	calibtest.Table(t, "../testdata/llama-mini", []calibtest.Row{
 		{Name: "w4 g128 asym hmse", MaxPPL: 69.565, Quantize: quant(Options{Bits: 4, GroupSize: 128, Search: "hmse"})},
 		{Name: "w3 g128 asym hmse", MaxPPL: 70.997, Quantize: quant(Options{Bits: 3, GroupSize: 128, Search: "hmse"})},
+	})
+}
+
+// TestAsymLlamaMini checks issue 15's targets for asymmetric calibration
+// (gptq --asym: float-model targets, half the residual gap at o and down,
+// the classifier refit) on llama-mini with the protocol above, measured on
+// the GPTQ checkpoint written and read back: sotu-test.raw within R ≥ 75 %
+// of RTN's loss (w4 ≤ 69.32, w3 ≤ 70.37) and moby-test.raw below plain
+// GPTQ's (76.337 and 78.007). Behind QTOOL_LONG=1.
+func TestAsymLlamaMini(t *testing.T) {
+	calibtest.Long(t)
+	asym := &Asym{Resid: 0.5, Head: true}
+	calibtest.Table(t, "../testdata/llama-mini", []calibtest.Row{
+		{Name: "w4 g128 asym calibration", MaxPPL: 69.32, MaxMoby: 76.337, Format: "gptq",
+			Quantize: quant(Options{Bits: 4, GroupSize: 128, Search: "hmse", Asym: asym})},
+		{Name: "w3 g128 asym calibration", MaxPPL: 70.37, MaxMoby: 78.007, Format: "gptq",
+			Quantize: quant(Options{Bits: 3, GroupSize: 128, Search: "hmse", Asym: asym})},
 	})
 }
 
@@ -28,6 +46,15 @@ func TestGPTQLlamaMini(t *testing.T) {
 func BenchmarkGPTQLlamaMini(b *testing.B) {
 	calibtest.Bench(b, "../testdata/llama-mini", func(s *calib.Session) error {
 		_, err := QuantizeModel(s, Options{Bits: 4, GroupSize: 128, Search: "hmse"}, nil)
+		return err
+	})
+}
+
+// BenchmarkAsymLlamaMini times gptq --asym w4 g128 on llama-mini with the
+// same windows.
+func BenchmarkAsymLlamaMini(b *testing.B) {
+	calibtest.Bench(b, "../testdata/llama-mini", func(s *calib.Session) error {
+		_, err := QuantizeModel(s, Options{Bits: 4, GroupSize: 128, Search: "hmse", Asym: &Asym{Resid: 0.5, Head: true}}, nil)
 		return err
 	})
 }

@@ -41,6 +41,10 @@ type Options struct {
 	// nearest float16 before any code is computed, so that formats storing
 	// fp16 scales hold exactly the weights GPTQ optimised.
 	FP32Scales bool
+	// Asym, when set, aims the rounding at the float model's outputs
+	// instead of the float weights on the quantized inputs (see
+	// QuantizeModel); nil is plain GPTQ.
+	Asym *Asym
 }
 
 func (o Options) withDefaults() Options {
@@ -73,6 +77,9 @@ func (o Options) Validate(cols int) error {
 	}
 	if o.Damp < 0 || o.Damp >= 1 || math.IsNaN(o.Damp) {
 		return fmt.Errorf("gptq: damp %g, want a fraction in [0, 1)", o.Damp)
+	}
+	if a := o.Asym; a != nil && (a.Resid < 0 || a.Resid > 1 || math.IsNaN(a.Resid)) {
+		return fmt.Errorf("gptq: residual weight %g, want 0..1", a.Resid)
 	}
 	return nil
 }

@@ -24,6 +24,16 @@ const relErrRows = 4096
 // reference uses (float32 weights and updates; the Cholesky factorisation
 // and inverse in float64, see runtime/cuda); otherwise on the host
 // (Quantize: float64, gonum).
+//
+// With opt.Asym the session also carries the float model
+// (Session.TrackFloat) and each linear is rounded towards its asymmetric
+// target (see targetTerms.weight): the weight that maps the quantized
+// model's inputs to the float model's outputs (plus, for o and down,
+// Asym.Resid of the gap between the two residual streams), computed on
+// the backend (Calibrator.AddCrossGram, SolveSPD) and handed to the same
+// GPTQ; then, with Asym.Head, the classifier is refit (RefitHead). The
+// statistics then carry each module's error against the float model
+// (FloatErr).
 func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]calib.ModuleStat, error) {
 	opt.Threads = s.Threads()
 	c := s.Cfg
@@ -37,6 +47,12 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 	}
 	be := s.Backend()
 	solver, onDevice := be.(Device)
+	if opt.Asym != nil {
+		if err := s.TrackFloat(); err != nil {
+			return nil, fmt.Errorf("gptq: %w", err)
+		}
+	}
+	damp := opt.withDefaults().Damp
 	var stats []calib.ModuleStat
 	step := func(l int, p runtime.CapturePoint, x runtime.Buf) error {
 		in, rows := x.Cols(), x.Rows()
@@ -53,6 +69,14 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 			}
 		}
 		done()
+		var terms *targetTerms
+		if opt.Asym != nil {
+			done := s.Phase("asymmetric target")
+			rf, rq := s.FloatResidual()
+			terms = newTargetTerms(be, x, s.FloatInput(), g, rf, rq, opt.Asym.Resid, damp)
+			defer terms.free()
+			done()
+		}
 		for _, r := range p.Roles() {
 			t := calib.StartTimer()
 			done := s.Phase("gptq")
@@ -70,11 +94,25 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 				wb = s.Upload(w, len(w)/in, in)
 			}
 			out := wb.Rows()
+			tb := wb // the weight GPTQ rounds
+			if terms != nil {
+				if tb, err = terms.weight(wb); err != nil {
+					done()
+					be.Free(wb)
+					return fmt.Errorf("%s: %w", model.Name(l, r), err)
+				}
+				if !onDevice {
+					w = s.Download(tb)
+				}
+			}
 			var res *Result
 			if onDevice {
-				res, err = QuantizeOn(solver, g, rows, wb, opt)
+				res, err = QuantizeOn(solver, g, rows, tb, opt)
 			} else {
 				res, err = Quantize(w, out, in, h, opt)
+			}
+			if tb != wb {
+				be.Free(tb)
 			}
 			done()
 			if err != nil {
@@ -87,13 +125,20 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 			}
 			done = s.Phase("output error")
 			rel := s.RelErrOf(x, wb, l, r, relErrRows)
+			ferr := s.FloatErrOf(x, wb, l, r, relErrRows)
 			be.Free(wb)
 			done()
 			note := fmt.Sprintf("damp %.3g", res.DampFrac)
 			if res.DeadCols > 0 {
 				note += fmt.Sprintf(", %d dead columns", res.DeadCols)
 			}
-			stats = append(stats, calib.ModuleStat{Layer: l, Role: r, Loss: res.Loss, RelErr: rel, Seconds: t.Seconds(), Note: note})
+			if terms != nil {
+				note += ", asym"
+				if terms.resid != nil {
+					note += fmt.Sprintf(" + %.2g residual", terms.beta)
+				}
+			}
+			stats = append(stats, calib.ModuleStat{Layer: l, Role: r, Loss: res.Loss, RelErr: rel, FloatErr: ferr, Seconds: t.Seconds(), Note: note})
 			if progress != nil {
 				progress(l, &stats[len(stats)-1])
 			}
@@ -102,6 +147,13 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 	}
 	if err := s.Run(step, progress); err != nil {
 		return stats, fmt.Errorf("gptq: %w", err)
+	}
+	if opt.Asym != nil && opt.Asym.Head {
+		st, err := RefitHead(s, damp)
+		if err != nil {
+			return stats, err
+		}
+		stats = append(stats, st)
 	}
 	return stats, nil
 }

@@ -34,6 +34,15 @@ type Calibrator interface {
 	// AddGram adds xᵀ·x to g [cols, cols] for x [rows, cols], in float32
 	// products with at least float32 accumulation.
 	AddGram(g, x Buf)
+	// AddCrossGram adds xᵀ·y to g [a, b] for x [rows, a] and y [rows, b]
+	// (the same rows), in float32 products with at least float32
+	// accumulation.
+	AddCrossGram(g, x, y Buf)
+	// SolveSPD sets b = b·(a + damp·I)⁻¹ for b [rows, n] and a symmetric
+	// positive definite a [n, n] (a is not changed), factorising in at
+	// least float64; it returns ErrNotPositiveDefinite (wrapped) when the
+	// damped a cannot be factorised.
+	SolveSPD(b, a Buf, damp float64) error
 	// Diagonal returns the diagonal of the square buffer g.
 	Diagonal(g Buf) []float32
 	// ColumnStats returns per-column statistics of x.

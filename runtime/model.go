@@ -426,11 +426,18 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 	be.Free(h)
 }
 
+// FinalNorm returns norm(x), the final RMSNorm: the classifier's input, a
+// new buffer [rows, hidden] the caller frees.
+func (m *Model) FinalNorm(x Buf) Buf {
+	h := m.be.Alloc(x.Rows(), m.cfg.Hidden)
+	m.be.RMSNorm(h, x, m.norm, nil, float32(m.cfg.NormEps))
+	return h
+}
+
 // Logits applies the final norm and the classifier to x, returning
 // [rows, vocab]. x is left unchanged.
 func (m *Model) Logits(x Buf) Buf {
-	h := m.be.Alloc(x.Rows(), m.cfg.Hidden)
-	m.be.RMSNorm(h, x, m.norm, nil, float32(m.cfg.NormEps))
+	h := m.FinalNorm(x)
 	out := m.be.Alloc(x.Rows(), m.cfg.Vocab)
 	m.be.MatMul(out, h, m.head)
 	m.be.Free(h)

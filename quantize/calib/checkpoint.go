@@ -360,12 +360,15 @@ func (c *Checkpoint) touch(name string) {
 }
 
 // apply installs the finished layers in out and returns the residual
-// stream after the last one ([rows, cols]).
+// stream after the last one ([rows, cols], or [2·rows, cols] with the float
+// stream after the quantized one).
 func (c *Checkpoint) apply(out *model.Model, rows, cols int) ([]float32, error) {
 	if c.state.LayersDone == 0 {
 		return nil, nil
 	}
-	if c.state.ResidualRows != rows || c.state.ResidualCols != cols {
+	// A run that tracks the float model saves its stream after the
+	// quantized one: twice the rows.
+	if r := c.state.ResidualRows; r != rows && r != 2*rows || c.state.ResidualCols != cols {
 		return nil, c.corrupt("residual [%d, %d], the session has [%d, %d]", c.state.ResidualRows, c.state.ResidualCols, rows, cols)
 	}
 	for _, rec := range c.resumed {

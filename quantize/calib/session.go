@@ -43,6 +43,9 @@ type Session struct {
 	layer int                  // layer whose host weights are cached
 	cur   map[string][]float32 // current float weights of that layer
 
+	ref          *floatRef // the float model's path (TrackFloat), nil when not tracked
+	floatResumed []float32 // the float stream from a checkpoint, until TrackFloat takes it
+
 	ckpt  *Checkpoint // records finished layers (nil: none)
 	start int         // first layer Run calibrates (after resumed ones)
 
@@ -154,6 +157,8 @@ func (s *Session) Close() {
 		s.be.Free(s.x)
 		s.x = nil
 	}
+	s.ref.close(s.be)
+	s.ref, s.floatResumed = nil, nil
 }
 
 func (s *Session) load(l int) {
@@ -252,8 +257,14 @@ func (s *Session) Layer(l int, step Step) error {
 	be, rt := s.be, s.RT
 	n, H := s.Rows(), s.Cfg.Hidden
 
+	if s.ref != nil {
+		s.ref.startLayer(s, l)
+		defer s.ref.endLayer(s)
+	}
+
 	// 1. q/k/v: input is attn_norm(x), independent of this layer's weights.
 	h := rt.AttnNorm(l, s.x)
+	s.ref.capture(s, l, runtime.CaptureQKV, s.x)
 	err := step(l, runtime.CaptureQKV, h)
 	be.Free(h)
 	if err != nil {
@@ -262,6 +273,7 @@ func (s *Session) Layer(l int, step Step) error {
 
 	// 2. o: input is the attention output with the installed q/k/v.
 	att := s.AttentionOutputs(l, nil, nil)
+	s.ref.capture(s, l, runtime.CaptureO, s.x)
 	if err := step(l, runtime.CaptureO, att); err != nil {
 		be.Free(att)
 		return err
@@ -273,6 +285,7 @@ func (s *Session) Layer(l int, step Step) error {
 
 	// 3. gate/up: input is mlp_norm(x + o(att)).
 	h = rt.MLPNorm(l, mid)
+	s.ref.capture(s, l, runtime.CaptureGateUp, mid)
 	err = step(l, runtime.CaptureGateUp, h)
 	be.Free(h)
 	if err != nil {
@@ -285,6 +298,7 @@ func (s *Session) Layer(l int, step Step) error {
 	be.Free(h)
 
 	// 4. down: input is silu(gate)·up with the installed gate/up.
+	s.ref.capture(s, l, runtime.CaptureDown, mid)
 	if err := step(l, runtime.CaptureDown, d); err != nil {
 		be.Free(d)
 		be.Free(mid)
@@ -342,12 +356,33 @@ func (s *Session) AttentionOutputs(l int, windows []int, ov runtime.Overrides) r
 	for i, w := range windows {
 		be.CopyRows(x, 0, s.x, w*T, T)
 		h := s.RT.AttnNorm(l, x)
-		att := s.RT.Attention(l, h, 0, nil, ov)
-		be.CopyRows(out, i*T, att, 0, T)
+		s.attentionInto(out, i*T, l, h, ov)
 		be.Free(h)
-		be.Free(att)
 	}
 	return out
+}
+
+// attention runs runtime.Model.Attention of layer l window by window on
+// the normed input h ([Rows, hidden], every window) and returns the
+// attention outputs as a new buffer [Rows, QDim].
+func (s *Session) attention(l int, h runtime.Buf, ov runtime.Overrides) runtime.Buf {
+	be, T := s.be, s.seqLen
+	out := be.Alloc(h.Rows(), s.Cfg.QDim())
+	hw := be.Alloc(T, h.Cols())
+	defer be.Free(hw)
+	for r0 := 0; r0 < h.Rows(); r0 += T {
+		be.CopyRows(hw, 0, h, r0, T)
+		s.attentionInto(out, r0, l, hw, ov)
+	}
+	return out
+}
+
+// attentionInto writes the attention outputs of one window's normed input
+// h [seqlen, hidden] into rows r0.. of out.
+func (s *Session) attentionInto(out runtime.Buf, r0, l int, h runtime.Buf, ov runtime.Overrides) {
+	att := s.RT.Attention(l, h, 0, nil, ov)
+	s.be.CopyRows(out, r0, att, 0, s.seqLen)
+	s.be.Free(att)
 }
 
 // Subsample returns at most maxRows rows of x taken at an even stride (as
@@ -421,15 +456,24 @@ func (s *Session) RelErr(x runtime.Buf, w []float32, l int, r model.Role, maxRow
 
 // RelErrOf is RelErr for a float weight already on the backend.
 func (s *Session) RelErrOf(x, w runtime.Buf, l int, r model.Role, maxRows int) float64 {
-	sub := s.Subsample(x, maxRows)
+	return s.OutputErr(x, s.RT.Linear(l, r), x, w, maxRows)
+}
+
+// OutputErr returns ‖x·Ŵᵀ − xref·Wᵀ‖² / ‖xref·Wᵀ‖² for a linear got (Ŵ)
+// and a float weight w (W, on the backend) on the same at most maxRows
+// evenly strided rows of x and xref, computed on the backend.
+func (s *Session) OutputErr(x runtime.Buf, got runtime.Linear, xref, w runtime.Buf, maxRows int) float64 {
+	idx := SubsampleRows(x.Rows(), maxRows)
+	sub := s.be.Alloc(len(idx), x.Cols())
 	defer s.be.Free(sub)
 	lw := s.be.FloatLinear(w)
+	s.be.GatherRows(sub, xref, idx)
 	ref := s.MatMul(sub, lw)
 	s.be.FreeLinear(lw)
-	got := s.be.Alloc(sub.Rows(), w.Rows())
-	s.RT.Project(l, r, got, sub, nil)
-	num, den := s.be.SquaredError(got, ref)
-	s.be.Free(got)
+	s.be.GatherRows(sub, x, idx)
+	y := s.MatMul(sub, got)
+	num, den := s.be.SquaredError(y, ref)
+	s.be.Free(y)
 	s.be.Free(ref)
 	if den == 0 {
 		return 0
@@ -442,6 +486,9 @@ func (s *Session) RelErrOf(x, w runtime.Buf, l int, r model.Role, maxRows int) f
 // (SetCheckpoint) it starts after the layers resumed from it and saves each
 // layer it finishes.
 func (s *Session) Run(step Step, progress Progress) error {
+	if s.floatResumed != nil {
+		return fmt.Errorf("calibration: the checkpoint holds the float model's stream of a run that tracked it (TrackFloat); this one does not")
+	}
 	for l := s.start; l < s.Cfg.Layers; l++ {
 		if progress != nil {
 			progress(l, nil)
@@ -451,7 +498,12 @@ func (s *Session) Run(step Step, progress Progress) error {
 		}
 		if s.ckpt != nil {
 			done := s.Phase("checkpoint")
-			err := s.ckpt.layerDone(l, s.Out, s.Download(s.x), s.x.Rows(), s.x.Cols())
+			resid, rows := s.Download(s.x), s.x.Rows()
+			if s.ref != nil {
+				// the float stream after the quantized one
+				resid, rows = append(resid, s.Download(s.ref.x)...), 2*rows
+			}
+			err := s.ckpt.layerDone(l, s.Out, resid, rows, s.x.Cols())
 			done()
 			if err != nil {
 				return fmt.Errorf("layer %d: %w", l, err)
@@ -463,7 +515,9 @@ func (s *Session) Run(step Step, progress Progress) error {
 
 // SetCheckpoint attaches c before Run: the layers c holds are installed in
 // Out, the residual stream after them replaces the embedded windows, and Run
-// continues with the next layer, saving every layer it finishes to c.
+// continues with the next layer, saving every layer it finishes to c. A
+// checkpoint of a run that tracked the float model also holds the float
+// stream, which TrackFloat then takes up.
 func (s *Session) SetCheckpoint(c *Checkpoint) error {
 	if c.LayersDone() > s.Cfg.Layers {
 		return c.corrupt("%d layers done, the model has %d", c.LayersDone(), s.Cfg.Layers)
@@ -473,7 +527,11 @@ func (s *Session) SetCheckpoint(c *Checkpoint) error {
 		return err
 	}
 	if resid != nil {
-		s.be.Upload(s.x, resid)
+		n := s.Rows() * s.Cfg.Hidden
+		s.be.Upload(s.x, resid[:n])
+		if len(resid) > n {
+			s.floatResumed = resid[n:]
+		}
 	}
 	s.ckpt, s.start = c, c.LayersDone()
 	return nil

@@ -12,7 +12,8 @@ import (
 	"qtool/formats/model"
 )
 
-// ModuleStat reports what happened to one linear module.
+// ModuleStat reports what happened to one linear module (Layer −1: the
+// classifier, lm_head).
 type ModuleStat struct {
 	Layer int        `json:"layer"`
 	Role  model.Role `json:"role"`
@@ -22,9 +23,14 @@ type ModuleStat struct {
 	Loss float64 `json:"loss"`
 	// RelErr is ‖X·(W−Ŵ)ᵀ‖² / ‖X·Wᵀ‖² on the calibration inputs the module saw,
 	// comparable between methods (0 when not measured).
-	RelErr  float64 `json:"rel_err"`
-	Seconds float64 `json:"seconds"`
-	Note    string  `json:"note,omitempty"`
+	RelErr float64 `json:"rel_err"`
+	// FloatErr is ‖X̃·Ŵᵀ − X·Wᵀ‖² / ‖X·Wᵀ‖² with X̃ the quantized model's
+	// inputs and X the float model's: the module's error against the float
+	// model's output, the errors of earlier layers included (methods that
+	// track the float model, Session.TrackFloat; 0 otherwise).
+	FloatErr float64 `json:"float_err,omitempty"`
+	Seconds  float64 `json:"seconds"`
+	Note     string  `json:"note,omitempty"`
 }
 
 // Progress receives events while a method runs: the start of a layer (st

@@ -295,7 +295,7 @@ func charts(es []Entry) []template.HTML {
 			mv[i], lv[i] = nan, nan
 		}
 		for _, m := range e.Quant.Modules {
-			if m.RelErr > 0 {
+			if m.RelErr > 0 && m.Layer >= 0 {
 				sum[m.Layer] += m.RelErr
 				cnt[m.Layer]++
 			}

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math"
 
+	gmat "gonum.org/v1/gonum/mat"
+
 	"qtool/runtime"
 	"qtool/runtime/cpu/gemm"
 )
@@ -85,6 +87,67 @@ func (b *Backend) AddGram(g, x runtime.Buf) {
 			}
 		})
 	}
+}
+
+// AddCrossGram implements runtime.Calibrator like AddGram, on transposed
+// copies of gramChunk rows of x and y at a time.
+func (b *Backend) AddCrossGram(g, x, y runtime.Buf) {
+	gm, xm, ym := mat(g), mat(x), mat(y)
+	na, nb := xm.cols, ym.cols
+	if xm.rows != ym.rows || gm.rows != na || gm.cols != nb {
+		panic(fmt.Sprintf("cpu.AddCrossGram: x [%d %d], y [%d %d] into g [%d %d]", xm.rows, na, ym.rows, nb, gm.rows, gm.cols))
+	}
+	chunk := min(xm.rows, gramChunk)
+	xt, yt := b.get(na*chunk), b.get(nb*chunk)
+	defer b.put(xt)
+	defer b.put(yt)
+	for r0 := 0; r0 < xm.rows; r0 += gramChunk {
+		k := min(r0+gramChunk, xm.rows) - r0
+		transpose(xt[:na*k], xm.Data[r0*na:(r0+k)*na], k, na, b.threads)
+		transpose(yt[:nb*k], ym.Data[r0*nb:(r0+k)*nb], k, nb, b.threads)
+		gemm.MatMulNT(na, nb, k, xt, k, yt, k, gm.Data, nb, true, b.threads)
+	}
+}
+
+// SolveSPD implements runtime.Calibrator with gonum's Cholesky
+// factorisation in float64.
+func (b *Backend) SolveSPD(x, a runtime.Buf, damp float64) error {
+	xm, am := mat(x), mat(a)
+	n := am.rows
+	if am.cols != n || xm.cols != n {
+		panic(fmt.Sprintf("cpu.SolveSPD: b [%d %d] with a [%d %d]", xm.rows, xm.cols, am.rows, am.cols))
+	}
+	s := gmat.NewSymDense(n, nil)
+	for i := 0; i < n; i++ {
+		for j := i; j < n; j++ {
+			v := float64(am.Data[i*n+j])
+			if i == j {
+				v += damp
+			}
+			s.SetSym(i, j, v)
+		}
+	}
+	var ch gmat.Cholesky
+	if !ch.Factorize(s) {
+		return fmt.Errorf("cpu: SolveSPD of %d×%d: %w", n, n, runtime.ErrNotPositiveDefinite)
+	}
+	// b·A⁻¹ = (A⁻¹·bᵀ)ᵀ, A symmetric: solve for the rows of b as columns.
+	bt := gmat.NewDense(n, xm.rows, nil)
+	for r := 0; r < xm.rows; r++ {
+		for c := 0; c < n; c++ {
+			bt.Set(c, r, float64(xm.Data[r*n+c]))
+		}
+	}
+	var sol gmat.Dense
+	if err := ch.SolveTo(&sol, bt); err != nil {
+		return fmt.Errorf("cpu: SolveSPD: %w", err)
+	}
+	for r := 0; r < xm.rows; r++ {
+		for c := 0; c < n; c++ {
+			xm.Data[r*n+c] = float32(sol.At(c, r))
+		}
+	}
+	return nil
 }
 
 // transpose writes dst[c*rows+t] = src[t*cols+c] in cache-sized tiles.

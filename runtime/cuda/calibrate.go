@@ -141,6 +141,44 @@ func (b *Backend) AddGram(g, x runtime.Buf) {
 	b.launch("mirror_lower", b.gridFor(n*n), block256, gm.p, n)
 }
 
+// AddCrossGram implements runtime.Calibrator with the SIMT float32 GEMM
+// kernel AddGram uses (all of g, no mirroring).
+func (b *Backend) AddCrossGram(g, x, y runtime.Buf) {
+	gm, xm, ym := buf(g), buf(x), buf(y)
+	na, nb := xm.cols, ym.cols
+	if xm.rows != ym.rows || gm.rows != na || gm.cols != nb {
+		panic(fmt.Sprintf("cuda backend: AddCrossGram of x [%d %d], y [%d %d] into g [%d %d]", xm.rows, na, ym.rows, nb, gm.rows, gm.cols))
+	}
+	defer b.enter()()
+	b.loadCalib()
+	b.gemm(false, na, nb, xm.rows, 1, xm.p, na, true, ym.p, nb, false, 1, gm.p, nb, false)
+}
+
+// SolveSPD implements runtime.Calibrator with the GPTQ factorisation
+// (invCholUpper: Cholesky and inverse in double, U in float32, A⁻¹ = UᵀU)
+// and two float32 GEMMs, b = (b·Uᵀ)·U.
+func (b *Backend) SolveSPD(x, a runtime.Buf, damp float64) error {
+	xm, am := buf(x), buf(a)
+	n := am.rows
+	if am.cols != n || xm.cols != n {
+		panic(fmt.Sprintf("cuda backend: SolveSPD of b [%d %d] with a [%d %d]", xm.rows, xm.cols, am.rows, am.cols))
+	}
+	defer b.enter()()
+	b.loadCalib()
+	dead := uploadSlice(b, make([]uint8, n))
+	defer b.release(dead)
+	U, err := b.invCholUpper(am.p, n, 0, dead, 1, damp)
+	if err != nil {
+		return err
+	}
+	defer b.release(U)
+	T := b.alloc(4 * xm.n())
+	defer b.release(T)
+	b.gemm(false, xm.rows, n, n, 1, xm.p, n, false, U, n, true, 0, T, n, false)
+	b.gemm(false, xm.rows, n, n, 1, T, n, false, U, n, false, 0, xm.p, n, false)
+	return nil
+}
+
 // Diagonal implements runtime.Calibrator.
 func (b *Backend) Diagonal(g runtime.Buf) []float32 {
 	gm := buf(g)

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"qtool/convert"
 	"qtool/formats/hf"
 	"qtool/formats/model"
 	"qtool/quantize/calib"
@@ -110,7 +111,14 @@ func Session(t testing.TB, dir string, nsamples, seqlen int) *calib.Session {
 // chunks when chunks is 0).
 func Perplexity(t testing.TB, m *model.Model, dir string, chunks int) runtime.PPLResult {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(dir, "ids-sotu-test.raw.json"))
+	return PerplexityOf(t, m, dir, "sotu-test.raw", chunks)
+}
+
+// PerplexityOf evaluates m on the reference ids of a test file (ids-FILE.json
+// in dir: sotu-test.raw or moby-test.raw), all chunks when chunks is 0.
+func PerplexityOf(t testing.TB, m *model.Model, dir, file string, chunks int) runtime.PPLResult {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, "ids-"+file+".json"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,11 +161,16 @@ type Row struct {
 	Name     string
 	MaxPPL   float64
 	Quantize func(s *calib.Session) error
+	// Format, when set, writes the result in that format (convert.SaveWith)
+	// and measures the model read back from the files.
+	Format string
+	// MaxMoby, when > 0, also bounds the perplexity of moby-test.raw.
+	MaxMoby float64
 }
 
-// Table runs every row on llama-mini in dir with the protocol's 128 × 512
-// windows and checks the perplexity over all 371 chunks (fewer with
-// $CHUNKS, which then only reports).
+// Table runs every row on the model in dir with the protocol's 128 × 512
+// windows and checks the perplexity over all chunks (fewer with $CHUNKS,
+// which then only reports).
 func Table(t *testing.T, dir string, rows []Row) {
 	for _, row := range rows {
 		t.Run(row.Name, func(t *testing.T) {
@@ -167,10 +180,31 @@ func Table(t *testing.T, dir string, rows []Row) {
 				t.Fatal(err)
 			}
 			t.Logf("quantized in %v", time.Since(t0))
-			r := Perplexity(t, s.Out, dir, EnvInt("CHUNKS", 0))
+			m := s.Out
+			if row.Format != "" {
+				out := filepath.Join(t.TempDir(), "out")
+				if err := convert.SaveWith(m, row.Format, out, convert.SaveOptions{}); err != nil {
+					t.Fatal(err)
+				}
+				back, err := convert.Open(out)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer back.Close()
+				m = back
+				t.Logf("wrote and read back %s (%s)", out, row.Format)
+			}
+			r := Perplexity(t, m, dir, EnvInt("CHUNKS", 0))
 			t.Logf("%s: %v", row.Name, r)
-			if r.Chunks == 371 && r.PPL > row.MaxPPL {
-				t.Fatalf("ppl %.4f, want <= %.2f", r.PPL, row.MaxPPL)
+			if EnvInt("CHUNKS", 0) == 0 && r.PPL > row.MaxPPL {
+				t.Errorf("ppl %.4f, want <= %.2f", r.PPL, row.MaxPPL)
+			}
+			if row.MaxMoby > 0 {
+				mr := PerplexityOf(t, m, dir, "moby-test.raw", EnvInt("CHUNKS", 0))
+				t.Logf("%s: moby-test.raw %v", row.Name, mr)
+				if EnvInt("CHUNKS", 0) == 0 && mr.PPL > row.MaxMoby {
+					t.Errorf("moby-test.raw ppl %.4f, want <= %.2f", mr.PPL, row.MaxMoby)
+				}
 			}
 		})
 	}
