@@ -5,11 +5,18 @@ import (
 
 	"qtool/formats/model"
 	"qtool/quantize/calib"
+	"qtool/runtime"
 )
 
 // headErrRows bounds the calibration rows of the logits errors RefitHead
 // reports (a row holds the whole vocabulary).
 const headErrRows = 1024
+
+// headMinTokens is the least number of calibration tokens per hidden
+// dimension RefitHead fits the classifier on: the fit has hidden² free
+// parameters, and with fewer tokens it learns the calibration text rather
+// than the float model.
+const headMinTokens = 8
 
 // RefitHead replaces the classifier of the session's result by its
 // asymmetric target (see Asym): with H̃ and H the final-norm outputs of the
@@ -23,9 +30,10 @@ const headErrRows = 1024
 // mean(diag H̃ᵀH̃)). The classifier stays float; the embedding table is
 // not changed, so a tied classifier becomes an untied lm_head (Out's
 // Config.Tied false). The session must have tracked the float model
-// (TrackFloat) through every layer. The statistics give the logits' error
-// against the float model's after the refit (FloatErr, Loss) and before it
-// (Note).
+// (TrackFloat) through every layer. With fewer than headMinTokens
+// calibration tokens per hidden dimension the classifier is kept. The
+// statistics give the logits' error against the float model's after the
+// refit (FloatErr, Loss) and before it (Note).
 func RefitHead(s *calib.Session, damp float64) (calib.ModuleStat, error) {
 	t := calib.StartTimer()
 	defer s.Phase("head refit")()
@@ -33,6 +41,10 @@ func RefitHead(s *calib.Session, damp float64) (calib.ModuleStat, error) {
 		return calib.ModuleStat{}, fmt.Errorf("gptq: refitting the classifier needs the float model's stream (Session.TrackFloat)")
 	}
 	be, c := s.Backend(), s.Cfg
+	if s.Rows() < headMinTokens*c.Hidden {
+		return calib.ModuleStat{Layer: -1, Role: model.LMHead, Seconds: t.Seconds(),
+			Note: fmt.Sprintf("kept: %d calibration tokens, the refit needs %d (%d × hidden)", s.Rows(), headMinTokens*c.Hidden, headMinTokens)}, nil
+	}
 	hq := s.RT.FinalNorm(s.Residual())
 	defer be.Free(hq)
 	hf := s.RT.FinalNorm(s.FloatStream())
@@ -57,10 +69,11 @@ func RefitHead(s *calib.Session, damp float64) (calib.ModuleStat, error) {
 	}
 	wb := s.Upload(w, c.Vocab, c.Hidden)
 	defer be.Free(wb)
-	wt, err := terms.weight(wb)
+	wts, err := terms.weights([]runtime.Buf{wb})
 	if err != nil {
 		return calib.ModuleStat{}, fmt.Errorf("gptq: classifier: %w", err)
 	}
+	wt := wts[0]
 	defer be.Free(wt)
 	lin, linT := be.FloatLinear(wb), be.FloatLinear(wt)
 	before := s.OutputErr(hq, lin, hf, wb, headErrRows)

@@ -69,75 +69,78 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 			}
 		}
 		done()
-		var terms *targetTerms
+		// the float weights: on the device widened from the installed
+		// uploads, on the host from the model
+		roles := p.Roles()
+		wbs := make([]runtime.Buf, len(roles))
+		defer func() {
+			for _, b := range wbs {
+				if b != nil {
+					be.Free(b)
+				}
+			}
+		}()
+		for i, r := range roles {
+			if onDevice {
+				wbs[i] = be.Dequantize(s.RT.Linear(l, r))
+				continue
+			}
+			w, err := s.Weight(l, r)
+			if err != nil {
+				return err
+			}
+			wbs[i] = s.Upload(w, len(w)/in, in)
+		}
+		tbs := wbs // the weights GPTQ rounds
+		asymNote := ""
 		if opt.Asym != nil {
 			done := s.Phase("asymmetric target")
 			rf, rq := s.FloatResidual()
-			terms = newTargetTerms(be, x, s.FloatInput(), g, rf, rq, opt.Asym.Resid, damp)
-			defer terms.free()
+			terms := newTargetTerms(be, x, s.FloatInput(), g, rf, rq, opt.Asym.Resid, damp)
+			asymNote = ", asym"
+			if terms.resid != nil {
+				asymNote += fmt.Sprintf(" + %.2g residual", terms.beta)
+			}
+			var err error
+			tbs, err = terms.weights(wbs)
+			terms.free()
 			done()
+			if err != nil {
+				return fmt.Errorf("%s: %w", p, err)
+			}
+			defer func() {
+				for _, b := range tbs {
+					be.Free(b)
+				}
+			}()
 		}
-		for _, r := range p.Roles() {
+		for i, r := range roles {
 			t := calib.StartTimer()
 			done := s.Phase("gptq")
-			// the float weight: on the device widened from the installed
-			// upload, on the host from the model
-			var wb runtime.Buf
-			var w []float32
-			var err error
-			if onDevice {
-				wb = be.Dequantize(s.RT.Linear(l, r))
-			} else if w, err = s.Weight(l, r); err != nil {
-				done()
-				return err
-			} else {
-				wb = s.Upload(w, len(w)/in, in)
-			}
-			out := wb.Rows()
-			tb := wb // the weight GPTQ rounds
-			if terms != nil {
-				if tb, err = terms.weight(wb); err != nil {
-					done()
-					be.Free(wb)
-					return fmt.Errorf("%s: %w", model.Name(l, r), err)
-				}
-				if !onDevice {
-					w = s.Download(tb)
-				}
-			}
+			wb, tb := wbs[i], tbs[i]
 			var res *Result
+			var err error
 			if onDevice {
 				res, err = QuantizeOn(solver, g, rows, tb, opt)
 			} else {
-				res, err = Quantize(w, out, in, h, opt)
-			}
-			if tb != wb {
-				be.Free(tb)
+				res, err = Quantize(s.Download(tb), tb.Rows(), in, h, opt)
 			}
 			done()
 			if err != nil {
-				be.Free(wb)
 				return fmt.Errorf("%s: %w", model.Name(l, r), err)
 			}
 			if err := s.SetLinear(l, r, res.Q); err != nil {
-				be.Free(wb)
 				return err
 			}
 			done = s.Phase("output error")
 			rel := s.RelErrOf(x, wb, l, r, relErrRows)
 			ferr := s.FloatErrOf(x, wb, l, r, relErrRows)
-			be.Free(wb)
 			done()
 			note := fmt.Sprintf("damp %.3g", res.DampFrac)
 			if res.DeadCols > 0 {
 				note += fmt.Sprintf(", %d dead columns", res.DeadCols)
 			}
-			if terms != nil {
-				note += ", asym"
-				if terms.resid != nil {
-					note += fmt.Sprintf(" + %.2g residual", terms.beta)
-				}
-			}
+			note += asymNote
 			stats = append(stats, calib.ModuleStat{Layer: l, Role: r, Loss: res.Loss, RelErr: rel, FloatErr: ferr, Seconds: t.Seconds(), Note: note})
 			if progress != nil {
 				progress(l, &stats[len(stats)-1])

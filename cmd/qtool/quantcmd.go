@@ -102,6 +102,7 @@ func quantFlags(defBits, defGroup int, defFormat string) []cli.Flag {
 // quantJob is one run of a calibration command.
 type quantJob struct {
 	cmd    string
+	method string // the report's method ("" : cmd)
 	kind   resultKind
 	format string
 	loss   string // name of the table's loss column
@@ -256,7 +257,11 @@ func runQuant(c *cli.Context, job quantJob) error {
 	}
 	phases := s.Phases()
 	phases["write"] = time.Since(tw).Seconds()
-	sum := calib.RunReport{Method: job.cmd, Model: dir, Out: out, Format: format, Scheme: job.kind.String(), LossName: job.loss,
+	method := job.method
+	if method == "" {
+		method = job.cmd
+	}
+	sum := calib.RunReport{Method: method, Model: dir, Out: out, Format: format, Scheme: job.kind.String(), LossName: job.loss,
 		NSamples: ns, SeqLen: sl, CalibTokens: ntok, Seconds: time.Since(start).Seconds(), Device: be.Name(), Phases: phases,
 		PeakHostMiB: calib.PeakRSSMiB(), Modules: stats}
 	if p, ok := be.(interface{ PeakBytes() int64 }); ok {

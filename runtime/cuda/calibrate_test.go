@@ -62,6 +62,39 @@ func TestCalibratorOps(t *testing.T) {
 			}
 		}
 	})
+	t.Run("AddCrossGram", func(t *testing.T) {
+		const ycols = 96
+		yv := randVec(r, rows*ycols, 1)
+		gv := randVec(r, cols*ycols, 1)
+		g, gc := upload(b, cols, ycols, gv), c.Alloc(cols, ycols)
+		c.Upload(gc, gv)
+		yc := c.Alloc(rows, ycols)
+		c.Upload(yc, yv)
+		b.AddCrossGram(g, xg, upload(b, rows, ycols, yv))
+		c.AddCrossGram(gc, xc, yc)
+		want := make([]float32, cols*ycols)
+		c.Download(want, gc)
+		checkClose(t, "AddCrossGram", download(b, g), f64(want), 1e-5)
+	})
+	t.Run("SolveSPD", func(t *testing.T) {
+		// a = xᵀx (+ damping), b random: the GPU's b·a⁻¹ against the CPU's
+		a, ac := upload(b, cols, cols, make([]float32, cols*cols)), c.Alloc(cols, cols)
+		b.AddGram(a, xg)
+		c.AddGram(ac, xc)
+		const brows = 50
+		bv := randVec(r, brows*cols, 1)
+		x, want := upload(b, brows, cols, bv), c.Alloc(brows, cols)
+		c.Upload(want, bv)
+		if err := b.SolveSPD(x, a, 0.5); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.SolveSPD(want, ac, 0.5); err != nil {
+			t.Fatal(err)
+		}
+		wv := make([]float32, brows*cols)
+		c.Download(wv, want)
+		checkClose(t, "SolveSPD", download(b, x), f64(wv), 1e-4)
+	})
 	t.Run("ColumnStats", func(t *testing.T) {
 		got, want := b.ColumnStats(xg), c.ColumnStats(xc)
 		for i := 0; i < cols; i++ {
