@@ -2,6 +2,7 @@ package gptq
 
 import (
 	"testing"
+	"time"
 
 	"qtool/quantize/calib"
 	"qtool/quantize/calib/calibtest"
@@ -57,4 +58,34 @@ func BenchmarkAsymLlamaMini(b *testing.B) {
 		_, err := QuantizeModel(s, Options{Bits: 4, GroupSize: 128, Search: "hmse", Asym: &Asym{Resid: 0.5, Head: true}}, nil)
 		return err
 	})
+}
+
+// TestAsymQwen3Mini runs plain GPTQ and gptq --asym (w4 g128 hmse) on
+// qwen3-mini in the same run, with the protocol above, and requires the
+// asymmetric result to be better on both test texts (sotu-test.raw, the
+// calibration's domain, and moby-test.raw, another one). Behind
+// QTOOL_LONG=1.
+func TestAsymQwen3Mini(t *testing.T) {
+	calibtest.Long(t)
+	const dir = "../testdata/qwen3-mini"
+	chunks := calibtest.EnvInt("CHUNKS", 0)
+	type ppl struct{ sotu, moby float64 }
+	run := func(opt Options) ppl {
+		s := calibtest.Session(t, dir, 128, 512)
+		t0 := time.Now()
+		if err := quant(opt)(s); err != nil {
+			t.Fatal(err)
+		}
+		el := time.Since(t0)
+		r := ppl{calibtest.Perplexity(t, s.Out, dir, chunks).PPL, calibtest.PerplexityOf(t, s.Out, dir, "moby-test.raw", chunks).PPL}
+		t.Logf("asym %v: quantized in %v, sotu-test.raw %.4f, moby-test.raw %.4f", opt.Asym != nil, el, r.sotu, r.moby)
+		return r
+	}
+	base := Options{Bits: 4, GroupSize: 128, Search: "hmse"}
+	plain := run(base)
+	base.Asym = &Asym{Resid: 0.5, Head: true}
+	asym := run(base)
+	if asym.sotu >= plain.sotu || asym.moby >= plain.moby {
+		t.Errorf("gptq --asym %.4f / %.4f, plain GPTQ %.4f / %.4f (sotu / moby): want both lower", asym.sotu, asym.moby, plain.sotu, plain.moby)
+	}
 }

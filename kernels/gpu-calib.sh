@@ -8,7 +8,8 @@
 # the transfer), .devdata/ (train.txt.gz, 
 # sotu-test.raw, synth_hf.py, ref_gptq_scale.py), .peers/ (IST-DASLab/gptq's
 # gptq.py and quant.py, for STEPS containing ref). Usage:
-#   STEPS="build unit mini 7b-gptq 7b-awq 7b-sq ref" kernels/gpu-calib.sh
+#   STEPS="build unit mini 7b-gptq 7b-asym 7b-awq 7b-sq ref" kernels/gpu-calib.sh
+# (7b-asym: gptq --asym, issue 15; mini-asym: the same on llama-mini)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -45,19 +46,25 @@ if has mini; then
     echo "mini $meth rc=$? $(grep -o '"ppl": [0-9.]*' "$OUT/mini-$meth.json") $(grep -o '"seconds": [0-9.]*' "$OUT/mini-$meth.json" | head -1)"
   done
 fi
-if has 7b-gptq || has 7b-awq || has 7b-sq || has ref; then
+if has mini-asym; then
+  rm -rf /tmp/mini-asym
+  bin/qtool gptq --asym --hf testdata/llama-mini --calib .devdata/train.txt -o /tmp/mini-asym --format gptq \
+    --device cuda --verify .devdata/sotu-test.raw --json > "$OUT/mini-asym.json" 2> "$OUT/mini-asym.err"
+  echo "mini gptq --asym rc=$? $(grep -o '"ppl": [0-9.]*' "$OUT/mini-asym.json") $(grep -o '"seconds": [0-9.]*' "$OUT/mini-asym.json" | head -1)"
+fi
+if has 7b-gptq || has 7b-asym || has 7b-awq || has 7b-sq || has ref; then
   ts=$(date +%s)
   python3 .devdata/synth_hf.py llama2-7b /tmp/l7b --tokenizer testdata/llama-mini > "$OUT/synth.log" 2>&1 || { tail "$OUT/synth.log"; exit 1; }
   echo "synth $(( $(date +%s) - ts )) s: $(tail -1 "$OUT/synth.log")"
 fi
-for m in ${ORDER:-gptq:gptq awq:autoawq sq:msmodelslim}; do
+for m in ${ORDER:-gptq:gptq asym:gptq awq:autoawq sq:msmodelslim}; do
   meth=${m%%:*}; fmt=${m##*:}
   has "7b-$meth" || continue
-  cmd=$meth; [ "$meth" = sq ] && cmd=smoothquant
+  cmd=$meth; [ "$meth" = sq ] && cmd=smoothquant; [ "$meth" = asym ] && cmd="gptq --asym"
   lim=$(left); [ "$lim" -lt 30 ] && { echo "7b $meth: no time left"; continue; }
   ts=$(date +%s)
   rm -rf "/tmp/l7b-$meth"
-  timeout "$lim" /usr/bin/time -v bin/qtool "$cmd" --hf /tmp/l7b --calib .devdata/train.txt -o "/tmp/l7b-$meth" --format "$fmt" \
+  timeout "$lim" /usr/bin/time -v bin/qtool $cmd --hf /tmp/l7b --calib .devdata/train.txt -o "/tmp/l7b-$meth" --format "$fmt" \
     --device cuda --verify .devdata/sotu-test.raw --verify-chunks 4 > "$OUT/7b-$meth.txt" 2> "$OUT/7b-$meth.err"
   rc=$?
   echo "7b $meth rc=$rc wall $(( $(date +%s) - ts )) s"
