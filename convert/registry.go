@@ -46,6 +46,8 @@ type Codec struct {
 	// holds reports why the format cannot hold a model (nil: it can).
 	holds func(p *profile) error
 	rope  ropePolicy
+	// kvCache: the format holds an int8 KV cache's quantizers (C8).
+	kvCache bool
 	// early codecs are tried first by DetectCodec: their marker files
 	// (manifest.json, quant_model_description.json) may sit beside a
 	// config.json.
@@ -110,8 +112,8 @@ var codecs = []*Codec{
 			return gptq.Write(m, out, gptq.WriteOptions{Force: opt.Force})
 		},
 		holds: holdsGPTQ},
-	{Name: FormatMsModelSlim, Kind: KindMsModelSlim, early: true,
-		Doc: "msmodelslim directory (W8A16, W4A16, W8A8 + SmoothQuant norms)",
+	{Name: FormatMsModelSlim, Kind: KindMsModelSlim, early: true, kvCache: true,
+		Doc: "msmodelslim directory (W8A16, W4A16, W8A8/W8A8S/W8A8_DYNAMIC + SmoothQuant norms, C8 KV cache)",
 		detect: func(pr *probe) (bool, error) {
 			return pr.dir && pr.has("quant_model_description.json"), nil
 		},
@@ -331,7 +333,9 @@ type Scheme struct {
 	Bits     int
 	Group    int // 0: per row
 	Sym      bool
-	W8A8     bool // int8 weights and static int8 activations
+	W8A8     bool // int8 weights and int8 activations
+	// KVInt8: the result carries an int8 KV cache (C8).
+	KVInt8 bool
 }
 
 // profile is a stand-in profile of a model quantized as s.
@@ -345,6 +349,7 @@ func (s Scheme) profile() *profile {
 		p.nQuant = 1
 	}
 	p.linears = []linearInfo{l}
+	p.kvInt8 = s.KVInt8
 	return p
 }
 
@@ -366,7 +371,7 @@ func (c *Codec) holdsScheme(s Scheme) error {
 	case c.write == nil || c.Kind == KindShard:
 		return fmt.Errorf("%s is not an output of quantization (write a model, then split it with qtool shard)", c.Name)
 	}
-	return c.holds(s.profile())
+	return c.canHold(s.profile())
 }
 
 // SchemeHolders lists the canonical formats that can hold a model

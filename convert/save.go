@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 
 	"qtool/formats/autoawq"
@@ -73,7 +74,7 @@ func SaveWith(m *model.Model, format string, out string, opt SaveOptions) error 
 	if err != nil {
 		return fmt.Errorf("convert %s: %w", out, err)
 	}
-	if err := c.holds(p); err != nil {
+	if err := c.canHold(p); err != nil {
 		return refusal(out, c.Name, p, err)
 	}
 	noRecord := c.Kind == KindKuiper && opt.Kuiper.NoSidecar
@@ -109,6 +110,15 @@ func GroupSize(m *model.Model) int {
 	return p.group
 }
 
+// canHold is holds plus the int8 KV cache, which only the formats with
+// kvCache set hold.
+func (c *Codec) canHold(p *profile) error {
+	if p.kvInt8 && !c.kvCache {
+		return errors.New("it cannot hold an int8 KV cache's scales and offsets (C8); msmodelslim can")
+	}
+	return c.holds(p)
+}
+
 // CanHold reports why format cannot hold m (nil when Save would write it).
 func CanHold(m *model.Model, format string) error {
 	c, err := Lookup(format)
@@ -119,7 +129,7 @@ func CanHold(m *model.Model, format string) error {
 	if err != nil {
 		return err
 	}
-	return c.holds(p)
+	return c.canHold(p)
 }
 
 // Holders lists the canonical formats that can hold m.
@@ -167,7 +177,8 @@ type profile struct {
 	nQuant   int
 	nW8A8    int
 	normBias []string
-	group    int // common group size of the quantized linears (0: none or mixed)
+	group    int  // common group size of the quantized linears (0: none or mixed)
+	kvInt8   bool // the model carries an int8 KV cache's quantizers (C8)
 }
 
 // quantizer is implemented by lazily quantized tensors (quantize.Lazy).
@@ -183,6 +194,10 @@ func profileOf(m *model.Model) (*profile, error) {
 		layer, role, _ := model.ParseName(name)
 		if role == model.AttnNormBias || role == model.MLPNormBias {
 			p.normBias = append(p.normBias, name)
+			continue
+		}
+		if slices.Contains(model.KVCacheRoles[:], role) {
+			p.kvInt8 = true
 			continue
 		}
 		if layer < 0 || !model.IsLinear(role) {
@@ -285,7 +300,7 @@ func (p *profile) String() string {
 func (p *profile) holders() []string {
 	var can []string
 	for _, c := range codecs {
-		if c.write != nil && c.Kind != KindShard && c.holds(p) == nil {
+		if c.write != nil && c.Kind != KindShard && c.canHold(p) == nil {
 			can = append(can, c.Name)
 		}
 	}
@@ -407,7 +422,7 @@ func holdsMsModelSlim(p *profile) error {
 	g := 0
 	for _, l := range p.linears {
 		switch {
-		case l.kind == linW8A8 && l.w8a8.Bias != nil:
+		case l.kind == linW8A8 && l.w8a8.Bias != nil && !l.w8a8.Dynamic:
 			return fmt.Errorf("%s is W8A8 with a separate bias; msmodelslim folds biases into quant_bias", l.name)
 		case l.kind != linQuant:
 			continue

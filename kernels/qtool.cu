@@ -229,36 +229,61 @@ extern "C" __global__ void rope(float* __restrict__ x, int rows, int cols, int h
     }
 }
 
-// KV cache of one layer: kc, vc [maxSeq, kvDim], fp32 or fp16 (KV).
-__device__ __forceinline__ float kv_load(const float* p, size_t i) { return p[i]; }
-__device__ __forceinline__ float kv_load(const __half* p, size_t i) { return __half2float(p[i]); }
-__device__ __forceinline__ void kv_store(float* p, size_t i, float x) { p[i] = x; }
-__device__ __forceinline__ void kv_store(__half* p, size_t i, float x) { p[i] = __float2half_rn(x); }
+// KV cache of one layer: kc, vc [maxSeq, kvDim], fp32, fp16 or int8 (KV).
+// The int8 cache is msmodelslim's C8, per channel c with scale s and offset
+// o: stored round(x/s + o) (saturated), read (q − o)·s, each step rounded to
+// float32 as on the CPU.
+__device__ __forceinline__ float kv_load(const float* p, size_t i, float, float) { return p[i]; }
+__device__ __forceinline__ float kv_load(const __half* p, size_t i, float, float) { return __half2float(p[i]); }
+__device__ __forceinline__ float kv_load(const int8_t* p, size_t i, float s, float o) {
+    return __fmul_rn(__fsub_rn((float)p[i], o), s);
+}
+__device__ __forceinline__ void kv_store(float* p, size_t i, float x, float, float) { p[i] = x; }
+__device__ __forceinline__ void kv_store(__half* p, size_t i, float x, float, float) { p[i] = __float2half_rn(x); }
+__device__ __forceinline__ void kv_store(int8_t* p, size_t i, float x, float s, float o) {
+    p[i] = (int8_t)fminf(fmaxf(rintf(__fadd_rn(__fdiv_rn(x, s), o)), -128.f), 127.f);
+}
+template <typename KV> struct kv_quantized { static constexpr bool value = false; };
+template <> struct kv_quantized<int8_t> { static constexpr bool value = true; };
+
+// kq = {k scale, k offset, v scale, v offset} of the layer, [kvDim] each
+// (int8 caches only).
+struct KVQuant { const float *ks, *ko, *vs, *vo; };
 
 template <typename KV>
 __device__ __forceinline__ void store_kv_body(KV* __restrict__ kc, KV* __restrict__ vc, const float* __restrict__ k,
                                               const float* __restrict__ v, int rows, int kvDim, int pos0,
-                                              const int* __restrict__ dpos, int maxSeq) {
+                                              const int* __restrict__ dpos, int maxSeq, KVQuant kq) {
     long long n = (long long)rows * kvDim;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         int r = (int)(i / kvDim), c = (int)(i % kvDim);
         int pos = row_pos(pos0, dpos, r);
         if (pos >= maxSeq) continue;
-        kv_store(kc, (size_t)pos * kvDim + c, k[i]);
-        kv_store(vc, (size_t)pos * kvDim + c, v[i]);
+        float ks = 1.f, ko = 0.f, vs = 1.f, vo = 0.f;
+        if constexpr (kv_quantized<KV>::value) { ks = kq.ks[c]; ko = kq.ko[c]; vs = kq.vs[c]; vo = kq.vo[c]; }
+        kv_store(kc, (size_t)pos * kvDim + c, k[i], ks, ko);
+        kv_store(vc, (size_t)pos * kvDim + c, v[i], vs, vo);
     }
 }
 
 extern "C" __global__ void store_kv(float* __restrict__ kc, float* __restrict__ vc, const float* __restrict__ k,
                                     const float* __restrict__ v, int rows, int kvDim, int pos0,
                                     const int* __restrict__ dpos, int maxSeq) {
-    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq);
+    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{});
 }
 
 extern "C" __global__ void store_kv_f16(__half* __restrict__ kc, __half* __restrict__ vc, const float* __restrict__ k,
                                         const float* __restrict__ v, int rows, int kvDim, int pos0,
                                         const int* __restrict__ dpos, int maxSeq) {
-    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq);
+    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{});
+}
+
+extern "C" __global__ void store_kv_i8(int8_t* __restrict__ kc, int8_t* __restrict__ vc, const float* __restrict__ k,
+                                       const float* __restrict__ v, int rows, int kvDim, int pos0,
+                                       const int* __restrict__ dpos, int maxSeq, const float* __restrict__ ks,
+                                       const float* __restrict__ ko, const float* __restrict__ vs,
+                                       const float* __restrict__ vo) {
+    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{ks, ko, vs, vo});
 }
 
 // ---------------------------------------------------------------------------
@@ -272,7 +297,7 @@ __device__ __forceinline__ void attention_body(
     float* __restrict__ dst, const float* __restrict__ q, const KV* __restrict__ kc,
     const KV* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
     int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
-    int nsplit, int chunk) {
+    int nsplit, int chunk, KVQuant kq) {
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, T = gridDim.y;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     int pos = row_pos(pos0, dpos, t);
@@ -287,6 +312,17 @@ __device__ __forceinline__ void attention_body(
     const float* qp = q + (size_t)t * heads * hd + (size_t)h * hd + lane * V;
 #pragma unroll
     for (int i = 0; i < 8; i++) { qr[i] = i < V ? qp[i] * scale : 0.f; acc[i] = 0.f; }
+    // the int8 cache's scales and offsets of this lane's channels
+    float ksc[8], kof[8], vsc[8], vof[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        ksc[i] = vsc[i] = 1.f;
+        kof[i] = vof[i] = 0.f;
+        if constexpr (kv_quantized<KV>::value) {
+            int c = kvh * hd + lane * V + i;
+            if (i < V) { ksc[i] = kq.ks[c]; kof[i] = kq.ko[c]; vsc[i] = kq.vs[c]; vof[i] = kq.vo[c]; }
+        }
+    }
     float m = -INFINITY, l = 0.f;
     // Each warp takes 4 consecutive keys at a time (all loads first, for
     // memory-level parallelism), warps interleaved by 4*ATT_WARPS keys.
@@ -297,7 +333,7 @@ __device__ __forceinline__ void attention_body(
             int j = min(jb + u, j1 - 1);
             const KV* kp = kc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
 #pragma unroll
-            for (int i = 0; i < 8; i++) kr[u][i] = i < V ? kv_load(kp, i) : 0.f;
+            for (int i = 0; i < 8; i++) kr[u][i] = i < V ? kv_load(kp, i, ksc[i], kof[i]) : 0.f;
         }
         float vr[4][8];
 #pragma unroll
@@ -305,7 +341,7 @@ __device__ __forceinline__ void attention_body(
             int j = min(jb + u, j1 - 1);
             const KV* vp = vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
 #pragma unroll
-            for (int i = 0; i < 8; i++) vr[u][i] = i < V ? kv_load(vp, i) : 0.f;
+            for (int i = 0; i < 8; i++) vr[u][i] = i < V ? kv_load(vp, i, vsc[i], vof[i]) : 0.f;
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
@@ -373,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(128) attention(
     const float* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
     int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
     int nsplit, int chunk) {
-    attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk);
+    attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk, KVQuant{});
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_f16(
@@ -381,7 +417,17 @@ extern "C" __global__ void __launch_bounds__(128) attention_f16(
     const __half* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
     int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
     int nsplit, int chunk) {
-    attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk);
+    attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk, KVQuant{});
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_i8(
+    float* __restrict__ dst, const float* __restrict__ q, const int8_t* __restrict__ kc,
+    const int8_t* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
+    int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
+    int nsplit, int chunk, const float* __restrict__ ks, const float* __restrict__ ko,
+    const float* __restrict__ vs, const float* __restrict__ vo) {
+    attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk,
+                   KVQuant{ks, ko, vs, vo});
 }
 
 // grid (heads, T), block >= 32.
@@ -1568,10 +1614,45 @@ extern "C" __global__ void quant_act(int8_t* __restrict__ xq, const float* __res
     }
 }
 
+// Per-token dynamic W8A8 (msmodelslim W8A8_DYNAMIC): grid M, block 256.
+// Row m: s = max|x|/127, xq = clamp(rint(x/s), ±127) (0 when s = 0), tok[m] = s.
+extern "C" __global__ void __launch_bounds__(256) quant_act_token(int8_t* __restrict__ xq, float* __restrict__ tok,
+                                                                  const float* __restrict__ x, int K) {
+    __shared__ float red[8];
+    const float* xr = x + (size_t)blockIdx.x * K;
+    float mx = 0.f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) mx = fmaxf(mx, fabsf(xr[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    mx = 0.f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); i++) mx = fmaxf(mx, red[i]);
+    float s = __fdiv_rn(mx, 127.f);
+    int8_t* q = xq + (size_t)blockIdx.x * K;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+        float v = s == 0.f ? 0.f : fminf(fmaxf(rintf(__fdiv_rn(xr[i], s)), -127.f), 127.f);
+        q[i] = (int8_t)v;
+    }
+    if (threadIdx.x == 0) tok[blockIdx.x] = s;
+}
+
+// w8a8_out is the epilogue of both W8A8 products: static, (acc + qbias)·deq;
+// dynamic (tok set), (acc·tok[m])·deq with deq the weight scales; then the
+// bias. No fused multiply-add, as on the CPU.
+__device__ __forceinline__ float w8a8_out(int acc, int m, int n, const int* __restrict__ qbias,
+                                          const float* __restrict__ deq, const float* __restrict__ bias,
+                                          const float* __restrict__ tok) {
+    float v = tok ? __fmul_rn(__fmul_rn((float)acc, tok[m]), deq[n]) : __fmul_rn((float)(acc + qbias[n]), deq[n]);
+    if (bias) v = __fadd_rn(v, bias[n]);
+    return v;
+}
+
 // grid (ceil(N/8), M), block 256: one warp per output. K % 16 == 0.
 extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
     float* __restrict__ y, const int8_t* __restrict__ xq, const int8_t* __restrict__ W,
-    const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias, int N, int K) {
+    const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
+    const float* __restrict__ tok, int N, int K) {
     int lane = threadIdx.x & 31;
     int n = blockIdx.x * 8 + (threadIdx.x >> 5), m = blockIdx.y;
     if (n >= N) return;
@@ -1587,11 +1668,7 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL, acc, o);
-    if (lane == 0) {  // multiply, then add: no fused multiply-add, as on the CPU
-        float v = __fmul_rn((float)(acc + qbias[n]), deq[n]);
-        if (bias) v = __fadd_rn(v, bias[n]);
-        y[(size_t)m * N + n] = v;
-    }
+    if (lane == 0) y[(size_t)m * N + n] = w8a8_out(acc, m, n, qbias, deq, bias, tok);
 }
 
 // W8A8 GEMM on the int8 tensor cores (mma.sync m16n8k32 s8·s8→s32), for
@@ -1618,7 +1695,8 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, ui
 }
 extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
     float* __restrict__ y, const int8_t* __restrict__ xq, const int8_t* __restrict__ W,
-    const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias, int M, int N, int K) {
+    const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
+    const float* __restrict__ tok, int M, int N, int K) {
     __shared__ __align__(16) int8_t As[2][W8_BM * W8_LD];
     __shared__ __align__(16) int8_t Bs[2][W8_BN * W8_LD];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1693,11 +1771,7 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
             for (int e = 0; e < 4; e++) {
                 int m = bm + wm * 32 + mt * 16 + gid + (e >> 1) * 8;
                 int n = bn + wn * 64 + nt * 8 + 2 * tq + (e & 1);
-                if (m < M && n < N) {  // rounded like w8a8_gemm's: no fused multiply-add
-                    float v = __fmul_rn((float)(acc[mt][nt][e] + qbias[n]), deq[n]);
-                    if (bias) v = __fadd_rn(v, bias[n]);
-                    y[(size_t)m * N + n] = v;
-                }
+                if (m < M && n < N) y[(size_t)m * N + n] = w8a8_out(acc[mt][nt][e], m, n, qbias, deq, bias, tok);
             }
         }
     }

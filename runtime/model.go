@@ -88,6 +88,9 @@ type Model struct {
 	// scratch is a one-layer KV cache reused by Layer when it is called
 	// without a cache.
 	scratch KVCache
+	// kvq holds the int8 KV-cache quantizers of every layer (nil: the
+	// cache holds floats).
+	kvq []KVQuant
 }
 
 // Load uploads the tensors of m onto be. It checks the shapes first and
@@ -123,6 +126,12 @@ func LoadLazy(m *model.Model, be Backend) (*Model, error) {
 	}
 	rm := &Model{cfg: cfg, be: be, src: m, layers: make([]layerWeights, cfg.Layers)}
 	var err error
+	if rm.kvq, err = kvQuantOf(m); err != nil {
+		return nil, err
+	}
+	if _, ok := be.(Int8KVBackend); rm.kvq != nil && !ok {
+		return nil, fmt.Errorf("runtime: %s carries an int8 KV cache (C8), which the %s backend cannot hold; run it with a float cache", m.Source, be.Name())
+	}
 	if rm.embed, err = rm.uploadLinear(model.Name(-1, model.Embed)); err != nil {
 		return nil, err
 	}
@@ -189,7 +198,8 @@ func (rm *Model) LoadLayer(l int) error {
 	}
 	for i, r := range []model.Role{model.Q, model.K, model.V} {
 		t, _ := rm.src.Lookup(model.Name(l, r))
-		_, lw.biasInLinear[i] = t.(*model.W8A8)
+		a, ok := t.(*model.W8A8)
+		lw.biasInLinear[i] = ok && !a.Dynamic // static W8A8: quant_bias holds it
 	}
 	for _, f := range []struct {
 		r        model.Role
@@ -233,10 +243,21 @@ func (m *Model) Config() model.Config { return m.cfg }
 // Backend returns the backend the model runs on.
 func (m *Model) Backend() Backend { return m.be }
 
-// NewCache allocates a KV cache for all layers and up to maxSeq positions.
+// NewCache allocates a KV cache for all layers and up to maxSeq positions:
+// an int8 one when the model carries KV-cache quantizers (KVInt8).
 func (m *Model) NewCache(maxSeq int) KVCache {
+	if m.kvq != nil {
+		c, err := m.be.(Int8KVBackend).NewInt8KVCache(maxSeq, m.cfg.KVDim(), m.kvq)
+		if err != nil {
+			panic(fmt.Sprintf("runtime: int8 KV cache: %v", err)) // validated by Load
+		}
+		return c
+	}
 	return m.be.NewKVCache(m.cfg.Layers, maxSeq, m.cfg.KVDim())
 }
+
+// KVInt8 reports whether NewCache makes int8 caches.
+func (m *Model) KVInt8() bool { return m.kvq != nil }
 
 // Embed returns the embeddings of ids, [len(ids), hidden]. Ids outside the
 // vocabulary are a programmer error (panic); check them first.
@@ -317,7 +338,6 @@ func (m *Model) MLPNorm(l int, x Buf) Buf {
 // values. ov may replace q, k or v.
 func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) Buf {
 	c := &m.cfg
-	w := m.weights(l)
 	be := m.be
 	T := h.Rows()
 	cl := l
@@ -333,34 +353,8 @@ func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) B
 	if pos0+T > cache.MaxSeq() {
 		panic(fmt.Sprintf("runtime: positions %d..%d exceed the KV cache of %d", pos0, pos0+T-1, cache.MaxSeq()))
 	}
-	eps := float32(c.NormEps)
-	q := be.Alloc(T, c.QDim())
-	k := be.Alloc(T, c.KVDim())
-	v := be.Alloc(T, c.KVDim())
-	be.MatMul(q, h, w.linear(model.Q, ov))
-	be.MatMul(k, h, w.linear(model.K, ov))
-	be.MatMul(v, h, w.linear(model.V, ov))
-	for i, p := range []struct {
-		x Buf
-		b Vector
-		r model.Role
-	}{{q, w.qBias, model.Q}, {k, w.kBias, model.K}, {v, w.vBias, model.V}} {
-		if p.b == nil {
-			continue
-		}
-		if _, replaced := ov[p.r]; w.biasInLinear[i] && !replaced {
-			continue // the W8A8 projection's quant_bias holds it
-		}
-		be.AddBias(p.x, p.b)
-	}
-	if w.qNorm != nil {
-		be.RMSNormHeads(q, c.HeadDim, w.qNorm, eps)
-	}
-	if w.kNorm != nil {
-		be.RMSNormHeads(k, c.HeadDim, w.kNorm, eps)
-	}
-	be.RoPE(q, c.HeadDim, pos0, c.RopeTheta, c.Rope)
-	be.RoPE(k, c.HeadDim, pos0, c.RopeTheta, c.Rope)
+	q := m.project(l, model.Q, h, pos0, ov)
+	k, v := m.KV(l, h, pos0, ov)
 	be.StoreKV(cache, cl, pos0, k, v)
 	be.Free(k)
 	be.Free(v)
@@ -368,6 +362,50 @@ func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) B
 	be.Attention(att, q, cache, cl, pos0, c.Heads, c.KVHeads, c.HeadDim)
 	be.Free(q)
 	return att
+}
+
+// KV returns the keys and values layer l caches for its normed input h
+// (rows at positions pos0..): h·Kᵀ and h·Vᵀ with their Qwen2 biases, the
+// Qwen3 k norm and RoPE on the keys. The caller frees both. ov may replace
+// k or v.
+func (m *Model) KV(l int, h Buf, pos0 int, ov Overrides) (k, v Buf) {
+	return m.project(l, model.K, h, pos0, ov), m.project(l, model.V, h, pos0, ov)
+}
+
+// project computes one of the q, k, v projections of layer l as the
+// attention uses it: the product (with its Qwen2 bias unless a W8A8
+// projection carries it), then for q and k the Qwen3 head norm and RoPE.
+func (m *Model) project(l int, r model.Role, h Buf, pos0 int, ov Overrides) Buf {
+	c := &m.cfg
+	w := m.weights(l)
+	be := m.be
+	var i, width int
+	var bias, norm Vector
+	switch r {
+	case model.Q:
+		i, width, bias, norm = 0, c.QDim(), w.qBias, w.qNorm
+	case model.K:
+		i, width, bias, norm = 1, c.KVDim(), w.kBias, w.kNorm
+	case model.V:
+		i, width, bias = 2, c.KVDim(), w.vBias
+	default:
+		panic("runtime: project " + string(r))
+	}
+	x := be.Alloc(h.Rows(), width)
+	be.MatMul(x, h, w.linear(r, ov))
+	if bias != nil {
+		if _, replaced := ov[r]; !w.biasInLinear[i] || replaced {
+			be.AddBias(x, bias) // else the W8A8 projection's quant_bias holds it
+		}
+	}
+	if r == model.V {
+		return x
+	}
+	if norm != nil {
+		be.RMSNormHeads(x, c.HeadDim, norm, float32(c.NormEps))
+	}
+	be.RoPE(x, c.HeadDim, pos0, c.RopeTheta, c.Rope)
+	return x
 }
 
 // MLPHidden returns silu(h·Gateᵀ)·(h·Upᵀ) of layer l, the input of down:

@@ -11,6 +11,7 @@ import (
 	"math"
 
 	"qtool/formats/model"
+	"qtool/gptq"
 	"qtool/quantize"
 	"qtool/quantize/calib"
 	"qtool/runtime"
@@ -31,6 +32,20 @@ type Options struct {
 	// weights, folding the scales into up_proj's rows (exact: up's
 	// per-channel weight scales absorb them).
 	SmoothDown bool
+	// Dynamic quantizes the activations per token at run time (W8A8
+	// dynamic, model.W8A8.Dynamic) instead of with a static per-tensor
+	// range; ClipSearch then has nothing to search, and Qwen2 biases stay
+	// float bias tensors.
+	Dynamic bool
+	// Weights chooses how the smoothed weights become int8: "" or "rtn"
+	// rounds to nearest; "gptq" rounds with GPTQ (the Hessian of the
+	// smoothed calibration inputs); "sparsegpt" prunes them to Sparse and
+	// rounds jointly (SparseGPT); "magnitude" prunes by |w| to Sparse, then
+	// rounds to nearest. The searches use round to nearest; the chosen
+	// smoothing is then rounded this way.
+	Weights string
+	// Sparse is the sparsity of "sparsegpt" and "magnitude" (W8A8S).
+	Sparse gptq.SparseOptions
 	// SearchTokens bounds the tokens used by the searches (default 4096).
 	SearchTokens int
 	Threads      int
@@ -281,7 +296,10 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 			var lins []*model.W8A8
 			e, norm := 0.0, 0.0
 			for i := range roles {
-				w8 := w8a8Of(sm.wq[i], sm.sums[i], biases[i], scale, off)
+				w8 := &model.W8A8{Weight: sm.wq[i], Dynamic: true}
+				if !opt.Dynamic {
+					w8 = w8a8Of(sm.wq[i], sm.sums[i], biases[i], scale, off)
+				}
 				lins = append(lins, w8)
 				lw, err := be.UploadLinear(model.Name(l, roles[i]), w8)
 				if err != nil {
@@ -289,6 +307,14 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 				}
 				y := s.MatMul(sm.xs, lw)
 				be.FreeLinear(lw)
+				if opt.Dynamic && biases[i] != nil {
+					bv, err := be.UploadVector("bias", model.FromFloat32([]int{len(biases[i])}, biases[i]))
+					if err != nil {
+						return nil, 0, nil, err
+					}
+					be.AddBias(y, bv)
+					be.FreeVector(bv)
+				}
 				d, r := be.SquaredError(y, refs[i])
 				be.Free(y)
 				e += d
@@ -310,7 +336,7 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 			}
 		}
 		clip := float32(1)
-		if opt.ClipSearch {
+		if opt.ClipSearch && !opt.Dynamic {
 			best := math.Inf(1)
 			for c := float32(1); c > 0.299; c -= 0.05 {
 				_, e, _, err := build(alpha, c)
@@ -322,9 +348,31 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 				}
 			}
 		}
+		if opt.Weights != "" && opt.Weights != "rtn" {
+			sm, err := smoothFor(alpha)
+			if err != nil {
+				return err
+			}
+			done := s.Phase("weights")
+			err = roundWeights(s, x, sm.sc, ws, outs, sm.wq, opt)
+			done()
+			if err != nil {
+				return fmt.Errorf("%s: %w", p, err)
+			}
+			for i, q := range sm.wq {
+				sm.sums[i] = rowSums(q)
+			}
+			if note != "" {
+				note += ", "
+			}
+			note += opt.Weights
+		}
 		lins, rel, sc, err := build(alpha, clip)
 		if err != nil {
 			return err
+		}
+		for _, l := range lins {
+			l.Sparse = opt.Sparse.Sparsity > 0 || opt.Sparse.M > 0
 		}
 		if smooth {
 			nr, br := model.AttnNorm, model.AttnNormBias
@@ -359,7 +407,7 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 			if err := s.SetLinear(l, r, lins[i]); err != nil {
 				return err
 			}
-			if br := biasRole(r); br != "" && biases[i] != nil {
+			if br := biasRole(r); br != "" && biases[i] != nil && !opt.Dynamic {
 				// the bias now lives in quant_bias
 				if err := s.SetVector(l, br, nil); err != nil {
 					return err
@@ -376,6 +424,60 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 		return stats, fmt.Errorf("smoothquant: %w", err)
 	}
 	return stats, nil
+}
+
+// roundWeights replaces wq, the per-channel int8 weights of a linear
+// group, by opt.Weights's: GPTQ or SparseGPT with the Hessian of all the
+// calibration inputs x divided by the smoothing scales sc (nil: none), or
+// magnitude pruning then rounding; ws are the float weights before
+// smoothing.
+func roundWeights(s *calib.Session, x runtime.Buf, sc []float32, ws [][]float32, outs []int, wq []*model.Quantized, opt Options) error {
+	in := x.Cols()
+	sp := opt.Sparse
+	sp.Quant, sp.Threads = true, opt.Threads
+	var h *gptq.Hessian
+	if opt.Weights != "magnitude" {
+		be := s.Backend()
+		xs := x
+		if sc != nil {
+			xs = be.Alloc(x.Rows(), in)
+			be.CopyRows(xs, 0, x, 0, x.Rows())
+			be.ScaleColumns(xs, sc, true)
+			defer be.Free(xs)
+		}
+		g := be.Alloc(in, in)
+		be.AddGram(g, xs)
+		h = gptq.NewHessian(in)
+		err := h.AddGram(s.Download(g), x.Rows())
+		be.Free(g)
+		if err != nil {
+			return err
+		}
+	}
+	for i := range ws {
+		w := ws[i]
+		if sc != nil {
+			w = scaledCopy(ws[i], outs[i], in, sc, false)
+		}
+		var res *gptq.SparseResult
+		var err error
+		switch opt.Weights {
+		case "gptq":
+			sp.Sparsity, sp.N, sp.M = 0, 0, 0
+			res, err = gptq.Prune(w, outs[i], in, h, sp)
+		case "sparsegpt":
+			res, err = gptq.Prune(w, outs[i], in, h, sp)
+		case "magnitude":
+			res, err = gptq.Magnitude(w, outs[i], in, sp)
+		default:
+			return fmt.Errorf("weights %q: want rtn, gptq, sparsegpt or magnitude", opt.Weights)
+		}
+		if err != nil {
+			return err
+		}
+		wq[i] = res.Q
+	}
+	return nil
 }
 
 // smoothDown picks down_proj input scales from the float MLP hidden state of

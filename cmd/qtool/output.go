@@ -77,6 +77,15 @@ func loadOn(c *cli.Context, mm *model.Model) (*runtime.Model, runtime.Backend, e
 	if err != nil {
 		return nil, nil, err
 	}
+	switch kv := c.String("kv-cache"); kv {
+	case "fp32", "fp16":
+		mm.DropKVCacheInt8() // run the C8 model with a float cache
+	case "int8":
+		if !mm.HasKVCacheInt8() {
+			be.Close()
+			return nil, nil, fmt.Errorf("verify: --kv-cache int8: %s has no int8 KV-cache scales (quantize with --kv-cache int8 into msmodelslim)", mm.Source)
+		}
+	}
 	if err := setKVCache(be, c.String("kv-cache")); err != nil {
 		be.Close()
 		return nil, nil, err
@@ -89,15 +98,16 @@ func loadOn(c *cli.Context, mm *model.Model) (*runtime.Model, runtime.Backend, e
 	return m, be, nil
 }
 
-// setKVCache applies --kv-cache to be: fp32 (or empty) keeps the default,
-// fp16 asks the CUDA backend (or every CUDA rank) for fp16 caches.
+// setKVCache applies --kv-cache to be: auto, int8 (the model's C8
+// quantizers decide) and fp32 keep the default, fp16 asks the CUDA backend
+// (or every CUDA rank) for fp16 caches.
 func setKVCache(be runtime.Backend, kind string) error {
 	switch kind {
-	case "", "fp32":
+	case "", "auto", "int8", "fp32":
 		return nil
 	case "fp16":
 	default:
-		return fmt.Errorf("verify: --kv-cache %q: want fp32 or fp16", kind)
+		return fmt.Errorf("verify: --kv-cache %q: want auto, fp32, fp16 or int8", kind)
 	}
 	ranks := []runtime.Backend{be}
 	if t, ok := be.(*tp.Backend); ok {

@@ -36,13 +36,28 @@ type resultKind struct {
 	group int // 0: per row
 	sym   bool
 	w8a8  bool
-	arch  model.Arch
-	bias  bool // attention biases (Qwen2)
+	// dynamic: W8A8 with per-token dynamic activations; sparse: W8A8 from
+	// pruned weights (W8A8S)
+	dynamic, sparse bool
+	kvInt8          bool // an int8 KV cache (C8)
+	arch            model.Arch
+	bias            bool // attention biases (Qwen2)
 }
 
 func (k resultKind) String() string {
+	kv := ""
+	if k.kvInt8 {
+		kv = " and an int8 KV cache"
+	}
 	if k.w8a8 {
-		return "W8A8 (int8 per-channel weights, static int8 activations)"
+		act, w := "static", ""
+		if k.dynamic {
+			act = "per-token dynamic"
+		}
+		if k.sparse {
+			w = "sparse "
+		}
+		return fmt.Sprintf("W8A8 (int8 %sper-channel weights, %s int8 activations)%s", w, act, kv)
 	}
 	g := "per-channel"
 	if k.group > 0 {
@@ -52,12 +67,12 @@ func (k resultKind) String() string {
 	if k.sym {
 		s = "symmetric"
 	}
-	return fmt.Sprintf("%d-bit %s %s weights", k.bits, s, g)
+	return fmt.Sprintf("%d-bit %s %s weights%s", k.bits, s, g, kv)
 }
 
 // scheme is k as the formats registry describes a quantization result.
 func (k resultKind) scheme() convert.Scheme {
-	return convert.Scheme{Arch: k.arch, AttnBias: k.bias, Bits: k.bits, Group: k.group, Sym: k.sym, W8A8: k.w8a8}
+	return convert.Scheme{Arch: k.arch, AttnBias: k.bias, Bits: k.bits, Group: k.group, Sym: k.sym, W8A8: k.w8a8, KVInt8: k.kvInt8}
 }
 
 // checkFormat refuses a format that cannot hold k, naming those that can.
@@ -89,6 +104,7 @@ func quantFlags(defBits, defGroup int, defFormat string) []cli.Flag {
 		&cli.StringFlag{Name: "out", Aliases: []string{"o"}, Usage: "output `PATH` (a directory, or a file for Kuiper formats)", Required: true, TakesFile: true},
 		&cli.StringFlag{Name: "format", Value: defFormat, Usage: "output format: ak48, kuiper-int8, ak42-v2, msmodelslim, autoawq or gptq (each as it can hold the result)"},
 		&cli.BoolFlag{Name: "qtool-only", Usage: "allow ak48 for Qwen3 shapes OrinMLLM cannot read"},
+		&cli.StringFlag{Name: "kv-cache", Value: "float", Usage: "KV cache of the result: float, or int8 (msmodelslim C8: per-channel scales and offsets of the keys after RoPE and of the values, from the calibration windows)"},
 		&cli.StringFlag{Name: "verify", Usage: "after writing, print the perplexity of the written model on `FILE`", TakesFile: true},
 		&cli.IntFlag{Name: "verify-chunks", Usage: "evaluate at most `N` chunks of 512 tokens with --verify (0: all)"},
 		&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
@@ -146,6 +162,13 @@ func runQuant(c *cli.Context, job quantJob) error {
 	}
 	defer m.Close()
 	job.kind.arch, job.kind.bias = m.Config.Arch, m.Config.AttnBias
+	switch kv := c.String("kv-cache"); kv {
+	case "float":
+	case "int8":
+		job.kind.kvInt8 = true
+	default:
+		return fmt.Errorf("%s: --kv-cache %q: want float or int8", job.cmd, kv)
+	}
 	format, err := checkFormat(job.cmd, c.String("format"), job.kind)
 	if err != nil {
 		return err
@@ -184,6 +207,9 @@ func runQuant(c *cli.Context, job quantJob) error {
 		return fmt.Errorf("%s: %w", job.cmd, err)
 	}
 	defer s.Close()
+	if job.kind.kvInt8 {
+		s.TrackKVCache()
+	}
 	bar := newProgress(stderr, quiet, job.cmd+" layer", s.Cfg.Layers)
 	var ckpt *calib.Checkpoint
 	if workDir := calib.CheckpointDir(out); c.Bool("resume") {

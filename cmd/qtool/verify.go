@@ -71,7 +71,7 @@ func verifyCommand() *cli.Command {
 			&cli.Float64Flag{Name: "top-p", Usage: "nucleus sampling probability mass (0 or 1: off)"},
 			&cli.Uint64Flag{Name: "seed", Usage: "random seed for sampling"},
 			&cli.BoolFlag{Name: "no-graph", Usage: "decode step by step, without replaying a captured step (CUDA graphs; to compare)"},
-			&cli.StringFlag{Name: "kv-cache", Value: "fp32", Usage: "KV cache element type: fp32, or fp16 (CUDA: half the cache memory and attention reads)"},
+			&cli.StringFlag{Name: "kv-cache", Value: "auto", Usage: "KV cache element type: auto (int8 when the model carries msmodelslim C8 scales, else fp32), fp32, fp16 (CUDA: half the cache memory and attention reads) or int8 (the model's C8 scales; a quarter of fp32's)"},
 			&cli.StringFlag{Name: "device", Value: "auto", Usage: "where to run: auto (CUDA when a GPU and driver are present, else CPU), cuda or cpu"},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
 			&cli.IntFlag{Name: "tp", Usage: "run tensor-parallel over `N` ranks (a `qtool shard` directory runs on its own N)"},
@@ -156,8 +156,8 @@ func runVerify(c *cli.Context) error {
 	if c.Int("ctx") < 2 {
 		return fmt.Errorf("verify: --ctx %d is too small", c.Int("ctx"))
 	}
-	if k := c.String("kv-cache"); k != "fp32" && k != "fp16" {
-		return fmt.Errorf("verify: --kv-cache %q: want fp32 or fp16", k)
+	if k := c.String("kv-cache"); k != "auto" && k != "fp32" && k != "fp16" && k != "int8" {
+		return fmt.Errorf("verify: --kv-cache %q: want auto, fp32, fp16 or int8", k)
 	}
 	var pplPath string
 	var text []byte
@@ -193,6 +193,9 @@ func runVerify(c *cli.Context) error {
 	res := verifyResult{Model: path, Device: be.Name()}
 	logf("model   %s (%s, %s, %d layers, hidden %d, vocab %d)\n", path, mm.Format, cfg.Arch, cfg.Layers, cfg.Hidden, cfg.Vocab)
 	logf("device  %s\n", be.Name())
+	if m.KVInt8() {
+		logf("kvcache int8 (C8 scales and offsets of the model)\n")
+	}
 
 	if pplPath != "" {
 		ids := tokenizer.EncodeWithBOS(tok, string(text))

@@ -136,7 +136,19 @@ const (
 	Gate         Role = "gate"           // [Intermediate, Hidden]
 	Up           Role = "up"             // [Intermediate, Hidden]
 	Down         Role = "down"           // [Hidden, Intermediate]
+
+	// The int8 KV cache (msmodelslim C8), per channel of the keys and the
+	// values as they are cached (after RoPE): cache_int = round(x/scale +
+	// offset), x̂ = (cache_int − offset)·scale. A model has all four for
+	// every layer or none (HasKVCacheInt8).
+	KCacheScale  Role = "k_cache_scale"  // [KVDim]
+	KCacheOffset Role = "k_cache_offset" // [KVDim]
+	VCacheScale  Role = "v_cache_scale"  // [KVDim]
+	VCacheOffset Role = "v_cache_offset" // [KVDim]
 )
+
+// KVCacheRoles are the four per-layer tensors of an int8 KV cache.
+var KVCacheRoles = [...]Role{KCacheScale, KCacheOffset, VCacheScale, VCacheOffset}
 
 // Linears lists the seven decoder linear roles in the order Kuiper files store
 // them (wq, wk, wv, wo, w1=gate, w2=down, w3=up).
@@ -312,6 +324,9 @@ func (m *Model) CheckShapes() error {
 	if src == "" {
 		src = "model"
 	}
+	if err := m.checkKVCache(src, want); err != nil {
+		return err
+	}
 	names := make([]string, 0, len(want))
 	for n := range want {
 		names = append(names, n)
@@ -341,6 +356,68 @@ func (m *Model) CheckShapes() error {
 		return fmt.Errorf("%s: %d tensors belong to layers beyond the config's %d (num_hidden_layers) (%s): the config and the weights disagree", src, len(extra), c.Layers, list)
 	}
 	return nil
+}
+
+// HasKVCacheInt8 reports whether m carries int8 KV-cache quantizers (the
+// KVCacheRoles; CheckShapes verifies that every layer has all four).
+func (m *Model) HasKVCacheInt8() bool {
+	_, ok := m.tensors[Name(0, KCacheScale)]
+	return ok
+}
+
+// DropKVCacheInt8 deletes the int8 KV-cache quantizers of every layer, so
+// the model runs with a float cache.
+func (m *Model) DropKVCacheInt8() {
+	for l := 0; l < m.Config.Layers; l++ {
+		for _, r := range KVCacheRoles {
+			m.Delete(Name(l, r))
+		}
+	}
+}
+
+// checkKVCache adds the KV-cache quantizers to want when any layer has one
+// (then every layer needs all four) and checks that they are float.
+func (m *Model) checkKVCache(src string, want map[string][]int) error {
+	c := &m.Config
+	any := ""
+	for l := 0; l < c.Layers && any == ""; l++ {
+		for _, r := range KVCacheRoles {
+			if _, ok := m.tensors[Name(l, r)]; ok {
+				any = Name(l, r)
+				break
+			}
+		}
+	}
+	if any == "" {
+		return nil
+	}
+	for l := 0; l < c.Layers; l++ {
+		for _, r := range KVCacheRoles {
+			n := Name(l, r)
+			t, ok := m.tensors[n]
+			if !ok {
+				return fmt.Errorf("%s: tensor %q is missing: the model has an int8 KV cache (%s), which needs scales and offsets for the keys and the values of every layer", src, n, any)
+			}
+			if d, ok := t.(*Dense); !ok || !d.DType.IsFloat() {
+				return fmt.Errorf("%s: tensor %q is %s, want a float vector [%d]", src, n, describe(t), c.KVDim())
+			}
+			want[n] = []int{c.KVDim()}
+		}
+	}
+	return nil
+}
+
+// describe names the kind of tensor t for error messages.
+func describe(t Tensor) string {
+	switch x := t.(type) {
+	case *Dense:
+		return fmt.Sprintf("%v%v", x.DType, x.Dims)
+	case *Quantized:
+		return fmt.Sprintf("a %d-bit quantized tensor %v", x.Bits, x.Shape())
+	case *W8A8:
+		return fmt.Sprintf("a W8A8 linear %v", x.Shape())
+	}
+	return fmt.Sprintf("%T", t)
 }
 
 func equalShape(a, b []int) bool {

@@ -380,6 +380,15 @@ func (q *Quantized) DequantizeRows(r0, r1 int, dst []float32) {
 // (quant_bias = round(bias/DeqScale − InputOffset·Σ_k W[n][k])), so Bias is
 // nil and a Qwen2 q/k/v bias tensor beside a W8A8 linear is not added again
 // by the runtime.
+//
+// With Dynamic set (msmodelslim W8A8_DYNAMIC) the activations are quantized
+// per token instead, symmetric about 0:
+//
+//	s_t = max_k |x[t][k]| / 127,  x_q = round(x/s_t)  (x_q = 0 when s_t = 0)
+//	y[t][n] = (float32(Σ_k x_q[k]·W[n][k]) · s_t) · Weight.Scale[n]  (+ Bias[n])
+//
+// evaluated in float32 in that order; InputScale, InputOffset, DeqScale and
+// QuantBias are then unused (zero, nil) and Bias holds the float bias.
 type W8A8 struct {
 	Weight      *Quantized // 8 bits, per row, symmetric (Zero nil); Scale = per-channel weight scale
 	InputScale  float32
@@ -387,6 +396,66 @@ type W8A8 struct {
 	DeqScale    []float32 // [Rows] = InputScale · weight scale
 	QuantBias   []int32   // [Rows]
 	Bias        []float32 // [Rows] or nil
+	// Dynamic selects per-token dynamic activations (see above).
+	Dynamic bool
+	// Sparse marks weights from sparse quantization (msmodelslim W8A8S:
+	// the W8A8 layout, many weights zero); it changes no arithmetic.
+	Sparse bool
+}
+
+// Validate checks the weight (8-bit per-row symmetric, no g_idx) and that
+// the parameters match it: static, a positive finite input scale, a finite
+// offset and DeqScale/QuantBias per row; dynamic, none of those; Bias per
+// row or nil.
+func (w *W8A8) Validate() error {
+	q := w.Weight
+	if q == nil {
+		return fmt.Errorf("W8A8 layer without a weight")
+	}
+	if err := q.Validate(); err != nil {
+		return err
+	}
+	if q.Bits != 8 || q.Zero != nil || q.GIdx != nil || q.GroupSize != 0 {
+		return fmt.Errorf("W8A8 weight must be 8-bit symmetric per row (got %d bits, group %d, zero points %v, g_idx %v)", q.Bits, q.GroupSize, q.Zero != nil, q.GIdx != nil)
+	}
+	if w.Bias != nil && len(w.Bias) != q.Rows {
+		return fmt.Errorf("W8A8: bias has %d values for %d output channels", len(w.Bias), q.Rows)
+	}
+	if w.Dynamic {
+		if w.DeqScale != nil || w.QuantBias != nil || w.InputScale != 0 || w.InputOffset != 0 {
+			return fmt.Errorf("W8A8: a dynamic (per-token) layer has no input_scale, input_offset, deq_scale or quant_bias")
+		}
+		return nil
+	}
+	if len(w.DeqScale) != q.Rows || len(w.QuantBias) != q.Rows {
+		return fmt.Errorf("W8A8: deq_scale %d, quant_bias %d values for %d output channels", len(w.DeqScale), len(w.QuantBias), q.Rows)
+	}
+	if !(w.InputScale > 0) || math.IsInf(float64(w.InputScale), 0) {
+		return fmt.Errorf("W8A8: input_scale %g, want a positive finite number", w.InputScale)
+	}
+	if math.IsNaN(float64(w.InputOffset)) || math.IsInf(float64(w.InputOffset), 0) {
+		return fmt.Errorf("W8A8: input_offset %g is not finite", w.InputOffset)
+	}
+	return nil
+}
+
+// QuantizeToken quantizes one row of activations for a Dynamic W8A8
+// linear: it writes x_q into dst and returns s_t.
+func QuantizeToken(dst []int8, x []float32) float32 {
+	var mx float32
+	for _, v := range x {
+		mx = max(mx, float32(math.Abs(float64(v))))
+	}
+	s := mx / 127
+	for i, v := range x {
+		if s == 0 {
+			dst[i] = 0
+			continue
+		}
+		q := math.RoundToEven(float64(v / s))
+		dst[i] = int8(max(-127, min(127, q)))
+	}
+	return s
 }
 
 // Shape implements Tensor.

@@ -17,19 +17,28 @@ const (
 	TypeW8A16 = "W8A16" // int8 weight, float activations
 	TypeW4A16 = "W4A16" // int4 values in int8 containers (msmodelslim v0), float activations
 	TypeW8A8  = "W8A8"  // static int8 weight and per-tensor int8 activations
+	// TypeW8A8S is W8A8 from sparse quantization: the W8A8 layout (weight,
+	// input_scale, input_offset, deq_scale, quant_bias), many weights zero.
+	TypeW8A8S = "W8A8S"
+	// TypeW8A8Dynamic is int8 weights with per-token dynamic int8
+	// activations: weight, weight_scale [n,1], weight_offset [n,1] (zeros).
+	TypeW8A8Dynamic = "W8A8_DYNAMIC"
+	// KVCacheC8 is the kv_cache_type of an int8 KV cache.
+	KVCacheC8 = "C8"
 )
 
 // unsupported names msmodelslim types qtool refuses, with the reason.
 var unsupported = map[string]string{
-	"W8A8S":        "sparse W8A8 needs the compressed sparse weight layout",
 	"W8A8SC":       "sparse-compressed W8A8 needs the compressed sparse weight layout",
-	"W8A8_DYNAMIC": "per-token dynamic activation quantization has no qtool tensor type",
-	"W4A8_DYNAMIC": "per-token dynamic activation quantization has no qtool tensor type",
+	"W4A8_DYNAMIC": "4-bit weights with per-token int8 activations have no qtool tensor type",
 	"W8A8_MIX":     "mixed static/dynamic W8A8 has no qtool tensor type",
 	"W4A4":         "4-bit activations have no qtool tensor type",
-	"C8":           "int8 KV-cache quantization is not supported",
+	"C8":           "C8 is a KV-cache type (kv_cache_type), not a tensor or model type",
 	"FA3":          "attention quantization is not supported",
 }
+
+// supportedTypes lists the tensor types qtool reads, for error messages.
+const supportedTypes = "W8A16, W4A16, W8A8 static, W8A8S, W8A8_DYNAMIC, FLOAT"
 
 // Description is a parsed quant_model_description.json: the overall
 // quantization type and the type of every tensor of the weights file.
@@ -109,8 +118,8 @@ func ParseDescription(data []byte) (*Description, error) {
 	if err := checkType("model_quant_type", d.ModelQuantType, false); err != nil {
 		return nil, err
 	}
-	if d.KVCacheType != "" {
-		return nil, fmt.Errorf("quant_model_description.json: KV-cache quantization %q is not supported", d.KVCacheType)
+	if d.KVCacheType != "" && d.KVCacheType != KVCacheC8 {
+		return nil, fmt.Errorf("quant_model_description.json: KV-cache quantization %q is not supported (supported: C8, int8 per channel)", d.KVCacheType)
 	}
 	names := make([]string, 0, len(d.Types))
 	for n := range d.Types {
@@ -127,7 +136,7 @@ func ParseDescription(data []byte) (*Description, error) {
 
 func checkType(key, t string, floatOK bool) error {
 	switch t {
-	case TypeW8A16, TypeW4A16, TypeW8A8:
+	case TypeW8A16, TypeW4A16, TypeW8A8, TypeW8A8S, TypeW8A8Dynamic:
 		return nil
 	case TypeFloat:
 		if floatOK {
@@ -135,9 +144,9 @@ func checkType(key, t string, floatOK bool) error {
 		}
 	}
 	if why, ok := unsupported[t]; ok {
-		return fmt.Errorf("quant_model_description.json: %q is %s: %s (supported: W8A16, W4A16, W8A8 static, FLOAT)", key, t, why)
+		return fmt.Errorf("quant_model_description.json: %q is %s: %s (supported: %s)", key, t, why, supportedTypes)
 	}
-	return fmt.Errorf("quant_model_description.json: %q has unknown quantization type %q (supported: W8A16, W4A16, W8A8 static, FLOAT)", key, t)
+	return fmt.Errorf("quant_model_description.json: %q has unknown quantization type %q (supported: %s)", key, t, supportedTypes)
 }
 
 // Marshal renders d with "model_quant_type" (and group_size when set) first,
@@ -175,6 +184,11 @@ func (d *Description) Marshal(order []string) ([]byte, error) {
 	}
 	if d.GroupSize > 0 {
 		if err := put("group_size", d.GroupSize); err != nil {
+			return nil, err
+		}
+	}
+	if d.KVCacheType != "" {
+		if err := put("kv_cache_type", d.KVCacheType); err != nil {
 			return nil, err
 		}
 	}

@@ -30,8 +30,26 @@
 // module.bias to model.AttnNormBias/MLPNormBias, and drops the plain copy on
 // reading; Write writes the folded weight under both names (see Write).
 //
+//	W8A8S          the W8A8 layout, the weights from sparse quantization
+//	               (many zeros); read and run like W8A8 (model.W8A8.Sparse)
+//	W8A8_DYNAMIC   weight int8 [n,k], weight_scale [n,1], weight_offset [n,1]
+//	               (zeros): per-token symmetric int8 activations,
+//	               s_t = max|x_t|/127 (model.W8A8.Dynamic). The layout equals
+//	               W8A16's, so only the description tells them apart. Source:
+//	               ../shared/docs/peers.md §5d (msmodelslim's save code,
+//	               ascendv1.py), and MindIE-LLM's W8A8 dynamic loader.
+//	KV cache C8    "kv_cache_type": "C8" and per attention layer
+//	               <k linear>.kv_cache_scale / .kv_cache_offset and the same
+//	               after v_proj ("<merged qkv>.k_proj.kv_cache_scale" when q/k/v
+//	               are one linear), fp32 or fp16 [kv channels]:
+//	               cache_int = cache/scale + offset, cache = (cache_int − offset)·scale.
+//	               msmodelslim takes the ranges where HF's attention hands the
+//	               keys and values to DynamicCache.update(), that is after
+//	               RoPE (MindStudio-ModelSlim docs/zh/.../kvcache_quant.md);
+//	               qtool caches them there too.
+//
 // quant_model_description.json maps "model_quant_type" and every tensor name
-// to a type: "FLOAT", "W8A16", "W4A16" or "W8A8" are supported; sparse
-// (W8A8S/W8A8SC), dynamic (W8A8_DYNAMIC, W4A8_DYNAMIC) and KV-cache (C8)
-// quantization are refused with a message.
+// to a type: "FLOAT", "W8A16", "W4A16", "W8A8", "W8A8S" and "W8A8_DYNAMIC"
+// are supported, and kv_cache_type "C8"; sparse-compressed (W8A8SC), 4-bit
+// dynamic (W4A8_DYNAMIC) and other types are refused with a message.
 package msmodelslim

@@ -2,6 +2,7 @@ package msmodelslim
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -18,9 +19,13 @@ func TestParseDescription(t *testing.T) {
 		{"ok-v0", `{"model_quant_type":"W8A16","model.embed_tokens.weight":"FLOAT","model.layers.0.self_attn.q_proj.weight":"W8A16"}`, ""},
 		{"ok-v1", `{"model_quant_type":"W8A8","version":"1.0.0","group_size":0,"kv_quant_type":null,"metadata":{"a":1},"optional":{},"x.weight":"W8A8"}`, ""},
 		{"no-type", `{"model.embed_tokens.weight":"FLOAT"}`, "\"model_quant_type\" is missing"},
-		{"dynamic", `{"model_quant_type":"W8A8_DYNAMIC"}`, "per-token dynamic"},
-		{"sparse-tensor", `{"model_quant_type":"W8A8","a.weight":"W8A8S"}`, "\"a.weight\" is W8A8S"},
-		{"kv", `{"model_quant_type":"W8A8","kv_cache_type":"C8"}`, "KV-cache"},
+		{"ok-dynamic", `{"model_quant_type":"W8A8_DYNAMIC","a.weight":"W8A8_DYNAMIC"}`, ""},
+		{"ok-sparse", `{"model_quant_type":"W8A8S","a.weight":"W8A8S"}`, ""},
+		{"ok-c8", `{"model_quant_type":"W8A8","kv_cache_type":"C8","a.k_proj.kv_cache_scale":"W8A8"}`, ""},
+		{"dynamic-w4", `{"model_quant_type":"W4A8_DYNAMIC"}`, "4-bit weights with per-token"},
+		{"sparse-compressed", `{"model_quant_type":"W8A8","a.weight":"W8A8SC"}`, "\"a.weight\" is W8A8SC"},
+		{"kv-c4", `{"model_quant_type":"W8A8","kv_cache_type":"C4"}`, "KV-cache quantization \"C4\""},
+		{"kv-as-type", `{"model_quant_type":"C8"}`, "not a tensor or model type"},
 		{"unknown", `{"model_quant_type":"W3A16"}`, "unknown quantization type \"W3A16\""},
 		{"float-model", `{"model_quant_type":"FLOAT"}`, "unknown quantization type"},
 		{"group-neg", `{"model_quant_type":"W8A16","group_size":-1}`, "non-negative"},
@@ -127,8 +132,27 @@ func TestOpenErrors(t *testing.T) {
 		{"quant-bias-dtype", nil, replace(q+".quant_bias", zeros(q+".quant_bias", model.F32, 256)), "want I32[256]"},
 		{"weight-shape", nil, replace(q+".weight", zeros(q+".weight", model.I8, 256, 128)), "shape"},
 		{"desc-says-w8a16", func(d map[string]any) { d[q+".weight"] = "W8A16" }, nil, "description says W8A16"},
-		{"desc-dynamic", func(d map[string]any) { d["model_quant_type"] = "W8A8_DYNAMIC" }, nil, "per-token dynamic"},
-		{"desc-tensor-sparse", func(d map[string]any) { d[q+".deq_scale"] = "W8A8S" }, nil, "W8A8S"},
+		{"desc-dynamic", func(d map[string]any) { d[q+".weight"] = "W8A8_DYNAMIC" }, nil, "description says W8A8_DYNAMIC"},
+		{"desc-tensor-sparse-compressed", func(d map[string]any) { d[q+".deq_scale"] = "W8A8SC" }, nil, "W8A8SC"},
+		{"sparse-weight-not-int8", func(d map[string]any) { d["model_quant_type"] = "W8A8S"; d[q+".weight"] = "W8A8S" },
+			replace(q+".weight", zeros(q+".weight", model.F16, 256, 256)), "is F16 but the description says W8A8S"},
+		{"c8-missing", func(d map[string]any) { d["kv_cache_type"] = "C8" }, nil, "layer 0 has no model.layers.0.self_attn.k_proj.kv_cache_scale"},
+		{"c8-missing-v-offset", func(d map[string]any) { d["kv_cache_type"] = "C8" }, func(es []safetensors.Entry) []safetensors.Entry {
+			for l := 0; l < 4; l++ {
+				p := fmt.Sprintf("model.layers.%d.self_attn.", l)
+				es = append(es, zeros(p+"k_proj.kv_cache_scale", model.F32, 128), zeros(p+"k_proj.kv_cache_offset", model.F32, 128),
+					zeros(p+"v_proj.kv_cache_scale", model.F32, 128))
+			}
+			return es
+		}, `"model.layers.0.self_attn.v_proj.kv_cache_offset" is missing`},
+		{"c8-shape", func(d map[string]any) { d["kv_cache_type"] = "C8" }, func(es []safetensors.Entry) []safetensors.Entry {
+			p := "model.layers.0.self_attn."
+			return append(es, zeros(p+"k_proj.kv_cache_scale", model.F32, 128, 1))
+		}, `"model.layers.0.self_attn.k_proj.kv_cache_scale" is F32[128 1], want a float vector [128]`},
+		{"c8-dtype", func(d map[string]any) { d["kv_cache_type"] = "C8" }, func(es []safetensors.Entry) []safetensors.Entry {
+			p := "model.layers.0.self_attn."
+			return append(es, zeros(p+"k_proj.kv_cache_scale", model.I8, 128))
+		}, `is I8[128], want a float vector`},
 		{"module-bias-alone", nil, replace("model.layers.2.post_attention_layernorm.module.weight", safetensors.Entry{}), "module.bias without"},
 		{"module-bias-shape", nil, replace("model.layers.0.input_layernorm.module.bias", zeros("model.layers.0.input_layernorm.module.bias", model.F16, 128)), "want a float [256]"},
 		{"kv-cache", nil, func(es []safetensors.Entry) []safetensors.Entry {

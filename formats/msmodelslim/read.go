@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math"
 	"path/filepath"
+	"slices"
+	"strings"
 
 	"qtool/formats/hf"
 	"qtool/formats/infile"
@@ -129,25 +131,41 @@ func (r *reader) load(m *model.Model) error {
 			}
 			var t model.Tensor
 			var err error
+			typ := wt // the type, the model's when the tensor has none
+			if typ == "" {
+				typ = r.desc.ModelQuantType
+			}
 			if r.ck.Has(mod + ".input_scale") {
-				if wt != "" && wt != TypeW8A8 {
+				if wt != "" && wt != TypeW8A8 && wt != TypeW8A8S {
 					return r.errorf("%s has W8A8 parameters (input_scale) but the description says %s", mod, wt)
 				}
-				t, err = r.readW8A8(mod)
+				var a *model.W8A8
+				a, err = r.readW8A8(mod)
+				if err == nil {
+					a.Sparse = typ == TypeW8A8S
+				}
+				t = a
 			} else {
-				if wt == TypeW8A8 {
-					return r.errorf("%s is W8A8 in the description but has no input_scale", mod)
+				switch {
+				case wt == TypeW8A8 || wt == TypeW8A8S:
+					return r.errorf("%s is %s in the description but has no input_scale", mod, wt)
+				case typ == TypeW8A8Dynamic:
+					t, err = r.readDynamic(mod)
+				default:
+					bits := 8
+					if typ == TypeW4A16 {
+						bits = 4
+					}
+					t, err = r.readWeightOnly(mod, bits)
 				}
-				bits := 8
-				if wt == TypeW4A16 || (wt == "" && r.desc.ModelQuantType == TypeW4A16) {
-					bits = 4
-				}
-				t, err = r.readWeightOnly(mod, bits)
 			}
 			if err != nil {
 				return err
 			}
 			m.Set(model.Name(l, role), t)
+		}
+		if err := r.readKVCache(m, l); err != nil {
+			return err
 		}
 		for _, site := range normSites {
 			base, _ := hf.Module(l, site[0])
@@ -356,6 +374,119 @@ func (r *reader) readW8A8(mod string) (*model.W8A8, error) {
 	}
 	a.Weight = q
 	return a, nil
+}
+
+// readDynamic reads a W8A8_DYNAMIC linear: the W8A16 layout with one
+// symmetric scale per output channel.
+func (r *reader) readDynamic(mod string) (*model.W8A8, error) {
+	q, err := r.readWeightOnly(mod, 8)
+	if err != nil {
+		return nil, err
+	}
+	if q.GroupSize == q.Cols { // weight_scale [n, 1]: one group per row
+		q.GroupSize = 0
+	}
+	if q.GroupSize != 0 || q.Zero != nil {
+		return nil, r.errorf("%s is W8A8_DYNAMIC, which needs one weight_scale per output channel and zero weight_offset (got group size %d, non-zero offsets %v)", mod, q.GroupSize, q.Zero != nil)
+	}
+	return &model.W8A8{Weight: q, Dynamic: true}, nil
+}
+
+// KV-cache parameter names (seed 001): "<linear>.kv_cache_scale" and
+// "<linear>.kv_cache_offset" after the k and v projections when they are
+// separate, "<merged linear>.k_proj.kv_cache_scale" (and so on) when q/k/v
+// or k/v are one linear.
+const (
+	kvScaleSuffix  = "kv_cache_scale"
+	kvOffsetSuffix = "kv_cache_offset"
+	// kvOffsetAlias is the spelling seed 001's list uses once ("k_proj.kv_offset").
+	kvOffsetAlias = "kv_offset"
+)
+
+// KVCacheNames returns the names of the four KV-cache tensors of the
+// attention module attn ("model.layers.0.self_attn"): k scale, k offset,
+// v scale, v offset. merged is the name of a merged q/k/v (or k/v) linear
+// inside attn ("query_key_value"), "" for separate k_proj and v_proj.
+func KVCacheNames(attn, merged string) [4]string {
+	p := attn + "."
+	if merged != "" {
+		p += merged + "."
+	}
+	return [4]string{p + "k_proj." + kvScaleSuffix, p + "k_proj." + kvOffsetSuffix, p + "v_proj." + kvScaleSuffix, p + "v_proj." + kvOffsetSuffix}
+}
+
+// attentionModule is the HF name of layer l's attention module.
+func attentionModule(l int) string {
+	k, _ := hf.Module(l, model.K)
+	return strings.TrimSuffix(k, ".k_proj")
+}
+
+// kvCacheNamesIn finds layer l's KV-cache tensors in the checkpoint: the
+// separate names, else a merged linear's; ok is false when it has none.
+func (r *reader) kvCacheNamesIn(l int) (names [4]string, ok bool, err error) {
+	attn := attentionModule(l)
+	sep := KVCacheNames(attn, "")
+	if r.ck.Has(sep[0]) || r.ck.Has(sep[2]) {
+		return sep, true, nil
+	}
+	var merged []string
+	for _, n := range r.ck.Names() {
+		rest, found := strings.CutPrefix(n, attn+".")
+		if !found {
+			continue
+		}
+		for _, suf := range []string{".k_proj." + kvScaleSuffix, ".v_proj." + kvScaleSuffix} {
+			if mid, found := strings.CutSuffix(rest, suf); found && mid != "" && !strings.Contains(mid, ".") && !slices.Contains(merged, mid) {
+				merged = append(merged, mid)
+			}
+		}
+	}
+	switch len(merged) {
+	case 0:
+		return sep, false, nil
+	case 1:
+		return KVCacheNames(attn, merged[0]), true, nil
+	}
+	return sep, false, r.errorf("layer %d has KV-cache scales under several linears (%s)", l, strings.Join(merged, ", "))
+}
+
+// readKVCache reads layer l's int8 KV-cache parameters (kv_cache_type C8):
+// float vectors of the k/v projection's width, for the keys and the
+// values as cached (after RoPE).
+func (r *reader) readKVCache(m *model.Model, l int) error {
+	names, ok, err := r.kvCacheNamesIn(l)
+	if err != nil {
+		return err
+	}
+	c8 := r.desc.KVCacheType == KVCacheC8
+	switch {
+	case !ok && !c8:
+		return nil
+	case !ok:
+		return r.errorf("the description says kv_cache_type C8 but layer %d has no %s (qtool needs the KV-cache scales and offsets of every layer)", l, names[0])
+	case !c8:
+		return r.errorf("tensor %q is a KV-cache scale but the description has no kv_cache_type C8", names[0])
+	}
+	kvDim := m.Config.KVDim()
+	for i, name := range names {
+		if i%2 == 1 && !r.ck.Has(name) {
+			if alias := strings.TrimSuffix(name, kvOffsetSuffix) + kvOffsetAlias; r.ck.Has(alias) {
+				name = alias
+			}
+		}
+		if !r.ck.Has(name) {
+			return r.errorf("layer %d: KV-cache tensor %q is missing (C8 needs the scale and offset of the keys and of the values)", l, name)
+		}
+		d, err := r.tensor(name)
+		if err != nil {
+			return err
+		}
+		if !d.DType.IsFloat() || len(d.Dims) != 1 || d.Dims[0] != kvDim {
+			return r.errorf("KV-cache tensor %q is %v%v, want a float vector [%d] (the k/v projection's output channels)", name, d.DType, d.Dims, kvDim)
+		}
+		m.Set(model.Name(l, model.KVCacheRoles[i]), d)
+	}
+	return nil
 }
 
 func sameShape(a, b []int) bool {

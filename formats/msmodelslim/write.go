@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
+	"slices"
 
 	"qtool/formats/hf"
 	"qtool/formats/model"
@@ -39,6 +40,12 @@ type WriteOptions struct {
 //     quant_bias int32 [n]. The weight scale is not part of the format: Open
 //     derives it as deq_scale / input_scale. A W8A8 with a separate Bias is
 //     refused: msmodelslim's quant_bias must already contain the bias.
+//     With Sparse set the type is W8A8S (the same tensors). A Dynamic one
+//     (per-token activations) is W8A8_DYNAMIC: weight, weight_scale fp32
+//     [n,1], weight_offset zeros [n,1].
+//   - The int8 KV cache's scales and offsets (model.KVCacheRoles) are
+//     written fp32 as "<k_proj>.kv_cache_scale", "<k_proj>.kv_cache_offset"
+//     and the same after v_proj, with "kv_cache_type": "C8".
 //   - A norm with a bias role (SmoothQuant-folded) is written as
 //     "<norm>.module.weight" and "<norm>.module.bias" (typed like the model)
 //     plus a FLOAT "<norm>.weight" holding the same folded weight: qtool does
@@ -82,9 +89,12 @@ type writer struct {
 	desc    *Description
 	entries []safetensors.Entry
 	order   []string
-	normTyp []string // names typed like the model, resolved once it is known
-	hasW8A8 bool
-	bits    map[int]bool
+	// typedLikeModel are names typed like the model (folded norms, KV-cache
+	// parameters), resolved once it is known.
+	typedLikeModel []string
+	// w8a8 counts the W8A8 linears by description type.
+	w8a8 map[string]int
+	bits map[int]bool
 }
 
 func (w *writer) add(e safetensors.Entry, typ string) {
@@ -109,7 +119,7 @@ func (w *writer) floatDType() model.DType {
 }
 
 func (w *writer) collect() error {
-	w.bits = map[int]bool{}
+	w.bits, w.w8a8 = map[int]bool{}, map[string]int{}
 	for _, canon := range w.m.SortedNames() {
 		t, _ := w.m.Lookup(canon)
 		layer, role, _ := model.ParseName(canon)
@@ -122,6 +132,13 @@ func (w *writer) collect() error {
 				return w.errorf("tensor %q has no norm weight %q beside it", canon, model.Name(layer, norm))
 			}
 			continue // written with its norm
+		}
+		if kv := slices.Index(model.KVCacheRoles[:], role); kv >= 0 && layer >= 0 {
+			name := KVCacheNames(attentionModule(layer), "")[kv]
+			w.add(hf.FloatEntry(name, t, model.F32), "")
+			w.typedLikeModel = append(w.typedLikeModel, name)
+			w.desc.KVCacheType = KVCacheC8
+			continue
 		}
 		linear := layer >= 0 && model.IsLinear(role)
 		mod, _ := hf.Module(layer, role)
@@ -164,8 +181,16 @@ func (w *writer) collect() error {
 		}
 		w.add(hf.FloatEntry(name, t, dt), TypeFloat)
 	}
+	nw8a8 := 0
+	for _, n := range w.w8a8 {
+		nw8a8 += n
+	}
 	switch {
-	case w.hasW8A8:
+	case nw8a8 > 0 && len(w.w8a8) == 1 && len(w.bits) == 0:
+		for t := range w.w8a8 {
+			w.desc.ModelQuantType = t // all W8A8, all W8A8S or all dynamic
+		}
+	case nw8a8 > 0:
 		w.desc.ModelQuantType = TypeW8A8
 	case w.bits[8]:
 		w.desc.ModelQuantType = TypeW8A16
@@ -174,7 +199,7 @@ func (w *writer) collect() error {
 	default:
 		return w.errorf("model has no quantized decoder linear; msmodelslim exports need W8A16, W4A16 or W8A8 linears")
 	}
-	for _, n := range w.normTyp {
+	for _, n := range w.typedLikeModel {
 		w.desc.Types[n] = w.desc.ModelQuantType
 	}
 	return nil
@@ -232,30 +257,38 @@ func int8Entry(name string, q *model.Quantized) safetensors.Entry {
 }
 
 func (w *writer) addW8A8(canon, mod string, a *model.W8A8) error {
-	q := a.Weight
-	if q == nil {
-		return w.errorf("tensor %q: W8A8 without a weight", canon)
-	}
-	if err := q.Validate(); err != nil {
+	if err := a.Validate(); err != nil {
 		return w.errorf("tensor %q: %w", canon, err)
 	}
-	if q.Bits != 8 || q.Groups() != 1 || q.Zero != nil || q.GIdx != nil {
-		return w.errorf("tensor %q: W8A8 weights must be 8-bit, per-channel and symmetric (got %d bits, %d groups, zero points %v)", canon, q.Bits, q.Groups(), q.Zero != nil)
-	}
+	q := a.Weight
 	n := q.Rows
-	if len(a.DeqScale) != n || len(a.QuantBias) != n || (a.Bias != nil && len(a.Bias) != n) {
-		return w.errorf("tensor %q: W8A8 with %d rows has %d deq_scale, %d quant_bias, %d bias values", canon, n, len(a.DeqScale), len(a.QuantBias), len(a.Bias))
+	if a.Dynamic {
+		w.w8a8[TypeW8A8Dynamic]++
+		typ := TypeW8A8Dynamic
+		w.add(int8Entry(mod+".weight", q), typ)
+		w.add(safetensors.Entry{Name: mod + ".weight_scale", DType: model.F32, Shape: []int{n, 1},
+			Data: func() ([]byte, error) { return hf.EncodeFloats(q.Scale, model.F32), nil }}, typ)
+		w.add(safetensors.Entry{Name: mod + ".weight_offset", DType: model.F32, Shape: []int{n, 1},
+			Data: func() ([]byte, error) { return make([]byte, 4*n), nil }}, typ)
+		if a.Bias != nil {
+			return w.errorf("tensor %q: W8A8_DYNAMIC linear with a Bias field; msmodelslim keeps a dynamic linear's bias as the model's float bias tensor", canon)
+		}
+		return nil
 	}
 	if a.Bias != nil {
 		return w.errorf("tensor %q: W8A8 has a separate float Bias; msmodelslim holds the bias inside quant_bias (fold round(Bias/DeqScale) into QuantBias first)", canon)
 	}
-	w.hasW8A8 = true
-	w.add(int8Entry(mod+".weight", q), TypeW8A8)
+	typ := TypeW8A8
+	if a.Sparse {
+		typ = TypeW8A8S
+	}
+	w.w8a8[typ]++
+	w.add(int8Entry(mod+".weight", q), typ)
 	sdt := w.exactDType(a.InputScale, a.InputOffset)
 	w.add(safetensors.Entry{Name: mod + ".input_scale", DType: sdt, Shape: []int{1},
-		Data: func() ([]byte, error) { return hf.EncodeFloats([]float32{a.InputScale}, sdt), nil }}, TypeW8A8)
+		Data: func() ([]byte, error) { return hf.EncodeFloats([]float32{a.InputScale}, sdt), nil }}, typ)
 	w.add(safetensors.Entry{Name: mod + ".input_offset", DType: sdt, Shape: []int{1},
-		Data: func() ([]byte, error) { return hf.EncodeFloats([]float32{a.InputOffset}, sdt), nil }}, TypeW8A8)
+		Data: func() ([]byte, error) { return hf.EncodeFloats([]float32{a.InputOffset}, sdt), nil }}, typ)
 	if w.opt.DeqScaleInt64 {
 		w.add(safetensors.Entry{Name: mod + ".deq_scale", DType: model.I64, Shape: []int{n},
 			Data: func() ([]byte, error) {
@@ -264,10 +297,10 @@ func (w *writer) addW8A8(canon, mod string, a *model.W8A8) error {
 					binary.LittleEndian.PutUint64(b[8*i:], uint64(int64(int32(math.Float32bits(d)))))
 				}
 				return b, nil
-			}}, TypeW8A8)
+			}}, typ)
 	} else {
 		w.add(safetensors.Entry{Name: mod + ".deq_scale", DType: model.F32, Shape: []int{n},
-			Data: func() ([]byte, error) { return hf.EncodeFloats(a.DeqScale, model.F32), nil }}, TypeW8A8)
+			Data: func() ([]byte, error) { return hf.EncodeFloats(a.DeqScale, model.F32), nil }}, typ)
 	}
 	w.add(safetensors.Entry{Name: mod + ".quant_bias", DType: model.I32, Shape: []int{n},
 		Data: func() ([]byte, error) {
@@ -276,7 +309,7 @@ func (w *writer) addW8A8(canon, mod string, a *model.W8A8) error {
 				binary.LittleEndian.PutUint32(b[4*i:], uint32(v))
 			}
 			return b, nil
-		}}, TypeW8A8)
+		}}, typ)
 	return nil
 }
 
@@ -319,6 +352,6 @@ func (w *writer) addFoldedNorm(base string, weight, bias model.Tensor) error {
 	w.add(hf.FloatEntry(base+".weight", weight, wd), TypeFloat)
 	w.add(hf.FloatEntry(base+".module.weight", weight, wd), "")
 	w.add(hf.FloatEntry(base+".module.bias", bias, bd), "")
-	w.normTyp = append(w.normTyp, base+".module.weight", base+".module.bias")
+	w.typedLikeModel = append(w.typedLikeModel, base+".module.weight", base+".module.bias")
 	return nil
 }

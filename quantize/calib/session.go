@@ -46,6 +46,8 @@ type Session struct {
 	ref          *floatRef // the float model's path (TrackFloat), nil when not tracked
 	floatResumed []float32 // the float stream from a checkpoint, until TrackFloat takes it
 
+	kv bool // calibrate an int8 KV cache (TrackKVCache)
+
 	ckpt  *Checkpoint // records finished layers (nil: none)
 	start int         // first layer Run calibrates (after resumed ones)
 
@@ -313,6 +315,12 @@ func (s *Session) Layer(l int, step Step) error {
 		err := s.nonFinite(l, mid)
 		be.Free(mid)
 		return err
+	}
+	if s.kv {
+		if err := s.calibrateKV(l, s.x); err != nil {
+			be.Free(mid)
+			return err
+		}
 	}
 	be.Free(s.x)
 	s.x = mid

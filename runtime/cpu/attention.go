@@ -107,7 +107,8 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 	if T == 0 {
 		return
 	}
-	K, V := kc.k[layer], kc.v[layer]
+	K, V, done := b.layerKV(kc, layer, S)
+	defer done()
 	kvDim := kc.kvDim
 	group := heads / kvHeads
 	scale := float32(1 / math.Sqrt(float64(headDim)))

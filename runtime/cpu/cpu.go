@@ -214,10 +214,59 @@ func (b *Backend) UploadVector(name string, t model.Tensor) (runtime.Vector, err
 	return &vector{v: v}, nil
 }
 
-// kvCache holds keys and values per layer: [maxSeq, kvDim] each.
+// kvCache holds keys and values per layer: [maxSeq, kvDim] each, as
+// float32 (k, v) or, with quantizers (quant), as int8 (kq, vq).
 type kvCache struct {
 	maxSeq, kvDim int
 	k, v          [][]float32
+	kq, vq        [][]int8
+	quant         []runtime.KVQuant
+}
+
+// NewInt8KVCache implements runtime.Int8KVBackend.
+func (b *Backend) NewInt8KVCache(maxSeq, kvDim int, layers []runtime.KVQuant) (runtime.KVCache, error) {
+	c := &kvCache{maxSeq: maxSeq, kvDim: kvDim, kq: make([][]int8, len(layers)), vq: make([][]int8, len(layers)), quant: layers}
+	for l := range layers {
+		if err := layers[l].Validate(kvDim); err != nil {
+			return nil, fmt.Errorf("cpu: layer %d: %w", l, err)
+		}
+		c.kq[l] = make([]int8, maxSeq*kvDim)
+		c.vq[l] = make([]int8, maxSeq*kvDim)
+	}
+	return c, nil
+}
+
+// quantizeRows stores rows of x (kvDim wide) as int8 into dst.
+func quantizeRows(dst []int8, x, scale, offset []float32) {
+	for i, v := range x {
+		c := i % len(scale)
+		dst[i] = runtime.QuantizeKV(v, scale[c], offset[c])
+	}
+}
+
+// dequantizeRows widens int8 rows (kvDim wide) of src into dst.
+func dequantizeRows(dst []float32, src []int8, scale, offset []float32) {
+	for i, q := range src {
+		c := i % len(scale)
+		dst[i] = runtime.DequantizeKV(q, scale[c], offset[c])
+	}
+}
+
+// layerKV returns layer's keys and values of positions 0..n-1 as float32:
+// the cache itself, or for an int8 cache dequantized copies the caller
+// releases with done.
+func (b *Backend) layerKV(c *kvCache, layer, n int) (k, v []float32, done func()) {
+	if c.quant == nil {
+		return c.k[layer], c.v[layer], func() {}
+	}
+	q := c.quant[layer]
+	k, v = b.get(n*c.kvDim), b.get(n*c.kvDim)
+	parallel(n, b.threads, 64, func(lo, hi int) {
+		d := c.kvDim
+		dequantizeRows(k[lo*d:hi*d], c.kq[layer][lo*d:hi*d], q.KScale, q.KOffset)
+		dequantizeRows(v[lo*d:hi*d], c.vq[layer][lo*d:hi*d], q.VScale, q.VOffset)
+	})
+	return k, v, func() { b.put(k); b.put(v) }
 }
 
 func (c *kvCache) MaxSeq() int { return c.maxSeq }
@@ -249,6 +298,12 @@ func (b *Backend) StoreKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf) 
 	}
 	if pos0 < 0 || pos0+km.rows > kc.maxSeq {
 		panic(fmt.Sprintf("cpu.StoreKV: positions %d..%d outside the cache of %d", pos0, pos0+km.rows-1, kc.maxSeq))
+	}
+	if kc.quant != nil {
+		q, n := kc.quant[layer], len(km.Data)
+		quantizeRows(kc.kq[layer][pos0*kc.kvDim:][:n], km.Data, q.KScale, q.KOffset)
+		quantizeRows(kc.vq[layer][pos0*kc.kvDim:][:n], vm.Data, q.VScale, q.VOffset)
+		return
 	}
 	copy(kc.k[layer][pos0*kc.kvDim:], km.Data)
 	copy(kc.v[layer][pos0*kc.kvDim:], vm.Data)

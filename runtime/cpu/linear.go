@@ -84,7 +84,7 @@ func (b *Backend) UploadLinear(name string, t model.Tensor) (runtime.Linear, err
 		}
 		return &quantLinear{q: w}, nil
 	case *model.W8A8:
-		if err := validateW8A8(w); err != nil {
+		if err := w.Validate(); err != nil {
 			return nil, fmt.Errorf("%s: %w", name, err)
 		}
 		return &w8a8Linear{w: w}, nil
@@ -92,29 +92,6 @@ func (b *Backend) UploadLinear(name string, t model.Tensor) (runtime.Linear, err
 		return nil, fmt.Errorf("%s: nil tensor", name)
 	}
 	return nil, fmt.Errorf("%s: the CPU backend cannot run weights of type %T", name, t)
-}
-
-func validateW8A8(w *model.W8A8) error {
-	q := w.Weight
-	if q == nil {
-		return fmt.Errorf("W8A8 layer without a weight")
-	}
-	if err := q.Validate(); err != nil {
-		return err
-	}
-	if q.Bits != 8 || q.Zero != nil || q.GIdx != nil {
-		return fmt.Errorf("W8A8 weight must be 8-bit symmetric (got %d bits, zero points %v, g_idx %v)", q.Bits, q.Zero != nil, q.GIdx != nil)
-	}
-	if len(w.DeqScale) != q.Rows || len(w.QuantBias) != q.Rows || (w.Bias != nil && len(w.Bias) != q.Rows) {
-		return fmt.Errorf("W8A8: deq_scale %d, quant_bias %d, bias %d values for %d output channels", len(w.DeqScale), len(w.QuantBias), len(w.Bias), q.Rows)
-	}
-	if !(w.InputScale > 0) || math.IsInf(float64(w.InputScale), 0) {
-		return fmt.Errorf("W8A8: input_scale %g, want a positive finite number", w.InputScale)
-	}
-	if math.IsNaN(float64(w.InputOffset)) || math.IsInf(float64(w.InputOffset), 0) {
-		return fmt.Errorf("W8A8: input_offset %g is not finite", w.InputOffset)
-	}
-	return nil
 }
 
 func linearOf(w runtime.Linear) runtime.Linear {
@@ -230,9 +207,23 @@ func (b *Backend) matMulW8A8(d, s *Mat, w *model.W8A8) {
 	m, n, k := s.rows, w.Weight.Rows, w.Weight.Cols
 	xq := b.get(len(s.Data))
 	defer b.put(xq)
-	parallel(len(xq), b.threads, 1<<15, func(lo, hi int) {
-		quantizeInput(xq[lo:hi], s.Data[lo:hi], w.InputScale, w.InputOffset)
-	})
+	var tok []float32 // per-token scales of a dynamic layer
+	if w.Dynamic {
+		tok = make([]float32, m)
+		parallel(m, b.threads, 16, func(lo, hi int) {
+			row := make([]int8, k)
+			for i := lo; i < hi; i++ {
+				tok[i] = model.QuantizeToken(row, s.Data[i*k:(i+1)*k])
+				for c, v := range row {
+					xq[i*k+c] = float32(v)
+				}
+			}
+		})
+	} else {
+		parallel(len(xq), b.threads, 1<<15, func(lo, hi int) {
+			quantizeInput(xq[lo:hi], s.Data[lo:hi], w.InputScale, w.InputOffset)
+		})
+	}
 	q := w.Weight.Q
 	fillCols := func(c0, c1 int) func(j0, j1 int, out []float32) {
 		return func(j0, j1 int, out []float32) {
@@ -269,7 +260,12 @@ func (b *Backend) matMulW8A8(d, s *Mat, w *model.W8A8) {
 			} else {
 				sum = float64(row[j])
 			}
-			y := float32(sum+float64(w.QuantBias[j])) * w.DeqScale[j]
+			var y float32
+			if tok != nil { // explicit conversions: rounded step by step, no fused multiply-add
+				y = float32(float32(float32(sum)*tok[i]) * w.Weight.Scale[j])
+			} else {
+				y = float32(float32(sum+float64(w.QuantBias[j])) * w.DeqScale[j])
+			}
 			if w.Bias != nil {
 				y += w.Bias[j]
 			}

@@ -223,9 +223,9 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 func kernelNames() []string {
 	names := []string{
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_add", "rmsnorm_heads", "add_bias", "add_inplace",
-		"silu_mul", "rope", "store_kv", "store_kv_f16", "attention", "attention_f16", "attn_combine",
+		"silu_mul", "rope", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8", "attn_combine",
 		"gemm_f32", "gemm_f16", "gemm_bf16", "gemm_q8", "gemm_q4",
-		"quant_act", "w8a8_gemm", "w8a8_mma", "nll", "argmax", "decode_advance", "sample", "fill_random",
+		"quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "nll", "argmax", "decode_advance", "sample", "fill_random",
 	}
 	for k, vs := range gemvVariants {
 		for _, v := range vs {
@@ -707,14 +707,51 @@ type KVCache struct {
 	k, v                  driver.DevicePtr
 	layers, maxSeq, kvDim int
 	half                  bool // fp16 elements
+	// quant holds an int8 cache's quantizers (NewInt8KVCache): k scales,
+	// k offsets, v scales, v offsets, each [layers][kvDim] fp32; 0 for a
+	// float cache.
+	quant driver.DevicePtr
 }
 
 // elem is the size of one cached value in bytes.
 func (c *KVCache) elem() int {
-	if c.half {
+	switch {
+	case c.quant != 0:
+		return 1
+	case c.half:
 		return 2
 	}
 	return 4
+}
+
+// NewInt8KVCache implements runtime.Int8KVBackend: the cache holds int8
+// values (msmodelslim C8) and the layers' quantizers.
+func (b *Backend) NewInt8KVCache(maxSeq, kvDim int, layers []runtime.KVQuant) (runtime.KVCache, error) {
+	n := len(layers) * kvDim
+	q := make([]float32, 4*n)
+	for l := range layers {
+		if err := layers[l].Validate(kvDim); err != nil {
+			return nil, fmt.Errorf("cuda: layer %d: %w", l, err)
+		}
+		for i, v := range [][]float32{layers[l].KScale, layers[l].KOffset, layers[l].VScale, layers[l].VOffset} {
+			copy(q[i*n+l*kvDim:], v)
+		}
+	}
+	defer b.enter()()
+	c := &KVCache{layers: len(layers), maxSeq: maxSeq, kvDim: kvDim, quant: uploadSlice(b, q)}
+	bytes := len(layers) * maxSeq * kvDim // int8; kvDim is a multiple of 32: whole words
+	c.k, c.v = b.alloc(bytes), b.alloc(bytes)
+	b.must(b.drv.MemsetD32Async(c.k, 0, uint64(bytes/4), b.stream))
+	b.must(b.drv.MemsetD32Async(c.v, 0, uint64(bytes/4), b.stream))
+	return c, nil
+}
+
+// quantArgs are the int8 cache kernels' scale and offset pointers of
+// layer: k scale, k offset, v scale, v offset.
+func (c *KVCache) quantArgs(layer int) []any {
+	n := driver.DevicePtr(4 * c.layers * c.kvDim)
+	p := c.quant + driver.DevicePtr(4*layer*c.kvDim)
+	return []any{p, p + n, p + 2*n, p + 3*n}
 }
 
 // MaxSeq implements runtime.KVCache.
@@ -745,7 +782,10 @@ func (b *Backend) FreeKVCache(c runtime.KVCache) {
 	d := cache(c)
 	b.release(d.k)
 	b.release(d.v)
-	d.k, d.v = 0, 0
+	if d.quant != 0 {
+		b.release(d.quant)
+	}
+	d.k, d.v, d.quant = 0, 0, 0
 }
 
 func (c *KVCache) layerOff(layer int) driver.DevicePtr {
@@ -754,7 +794,10 @@ func (c *KVCache) layerOff(layer int) driver.DevicePtr {
 
 // kernel names the variant of a cache kernel for c's element type.
 func (c *KVCache) kernel(name string) string {
-	if c.half {
+	switch {
+	case c.quant != 0:
+		return name + "_i8"
+	case c.half:
 		return name + "_f16"
 	}
 	return name
@@ -772,7 +815,11 @@ func (b *Backend) StoreKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf) 
 	defer b.enter()()
 	off := kc.layerOff(layer)
 	p, dp := b.posArgs(pos0)
-	b.launch(kc.kernel("store_kv"), b.gridFor(kb.n()), block256, kc.k+off, kc.v+off, kb.p, vb.p, kb.rows, kc.kvDim, p, dp, kc.maxSeq)
+	args := []any{kc.k + off, kc.v + off, kb.p, vb.p, kb.rows, kc.kvDim, p, dp, kc.maxSeq}
+	if kc.quant != 0 {
+		args = append(args, kc.quantArgs(layer)...)
+	}
+	b.launch(kc.kernel("store_kv"), b.gridFor(kb.n()), block256, args...)
 }
 
 // attnChunk is the number of keys per split in graph-captured decode steps.
@@ -809,8 +856,11 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 	off := kc.layerOff(layer)
 	p, dp := b.posArgs(pos0)
 	scale := float32(1 / math.Sqrt(float64(headDim)))
-	b.launch(kc.kernel("attention"), [3]uint32{uint32(heads), uint32(T), uint32(nsplit)}, [3]uint32{128, 1, 1},
-		d.p, qb.p, kc.k+off, kc.v+off, ml, acc, heads, kvHeads, headDim, p, dp, scale, nsplit, chunk)
+	args := []any{d.p, qb.p, kc.k + off, kc.v + off, ml, acc, heads, kvHeads, headDim, p, dp, scale, nsplit, chunk}
+	if kc.quant != 0 {
+		args = append(args, kc.quantArgs(layer)...)
+	}
+	b.launch(kc.kernel("attention"), [3]uint32{uint32(heads), uint32(T), uint32(nsplit)}, [3]uint32{128, 1, 1}, args...)
 	if nsplit > 1 {
 		b.launch("attn_combine", [3]uint32{uint32(heads), uint32(T), 1}, [3]uint32{uint32(min(headDim, 256)), 1, 1},
 			d.p, ml, acc, heads, headDim, p, dp, nsplit, chunk)

@@ -36,7 +36,10 @@ type Linear struct {
 	deq, bias driver.DevicePtr
 	inScale   float32
 	inOffset  float32
-	bytes     int64 // device bytes of the weight and its scales
+	// dynamic: per-token activation scales (W8A8_DYNAMIC); deq holds the
+	// weight scales and qbias is 0.
+	dynamic bool
+	bytes   int64 // device bytes of the weight and its scales
 	// mma: the tensor-core GEMV ("m" variants) can run this weight: groups
 	// and width are multiples of its K block (q4 128, q8 64), no g_idx, q8
 	// zero points are integers in [-128, 127] (exact in its fp16 offset)
@@ -253,24 +256,22 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 }
 
 func (b *Backend) uploadW8A8(name string, w *model.W8A8) (*Linear, error) {
-	q := w.Weight
-	if q == nil {
-		return nil, fmt.Errorf("cuda: %s: W8A8 without a weight", name)
-	}
-	if err := q.Validate(); err != nil {
+	if err := w.Validate(); err != nil {
 		return nil, fmt.Errorf("cuda: %s: %w", name, err)
 	}
-	if q.Bits != 8 || q.Zero != nil {
-		return nil, fmt.Errorf("cuda: %s: W8A8 weight must be symmetric 8-bit, got %d-bit (zero points %v)", name, q.Bits, q.Zero != nil)
-	}
+	q := w.Weight
 	if q.Cols%16 != 0 {
 		return nil, fmt.Errorf("cuda: %s: W8A8 needs input features a multiple of 16, have %d", name, q.Cols)
 	}
-	if len(w.DeqScale) != q.Rows || len(w.QuantBias) != q.Rows || (w.Bias != nil && len(w.Bias) != q.Rows) {
-		return nil, fmt.Errorf("cuda: %s: W8A8 deq_scale %d, quant_bias %d, bias %d entries for %d rows", name, len(w.DeqScale), len(w.QuantBias), len(w.Bias), q.Rows)
-	}
-	if w.InputScale == 0 || math.IsNaN(float64(w.InputScale)) {
-		return nil, fmt.Errorf("cuda: %s: W8A8 input scale %g", name, w.InputScale)
+	if w.Dynamic {
+		l := &Linear{kind: kindW8A8, out: q.Rows, in: q.Cols, dynamic: true}
+		l.w = b.uploadBytes(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(q.Q))), len(q.Q)))
+		l.deq = uploadSlice(b, q.Scale)
+		if w.Bias != nil {
+			l.bias = uploadSlice(b, w.Bias)
+		}
+		l.bytes = int64(len(q.Q) + 8*q.Rows)
+		return l, nil
 	}
 	l := &Linear{kind: kindW8A8, out: q.Rows, in: q.Cols, inScale: w.InputScale, inOffset: w.InputOffset}
 	l.w = b.uploadBytes(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(q.Q))), len(q.Q)))
@@ -348,18 +349,28 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 	M, N, K := s.rows, l.out, l.in
 	if l.kind == kindW8A8 {
 		xq := b.scratchBuf("xq", M*K)
-		b.launch("quant_act", b.gridFor(M*K), block256, xq, s.p, int64(M*K), l.inScale, l.inOffset)
+		var tok driver.DevicePtr // per-token scales, dynamic layers
+		if l.dynamic {
+			tok = b.scratchBuf("xq_tok", 4*M)
+			b.launch("quant_act_token", g1(M), block256, xq, tok, s.p, K)
+		} else {
+			b.launch("quant_act", b.gridFor(M*K), block256, xq, s.p, int64(M*K), l.inScale, l.inOffset)
+		}
 		if M > b.opt.GEMVMaxRows || forceGEMM { // the int8 tensor cores, 128 × 128 tiles
 			b.launch("w8a8_mma", [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}, block256,
-				d.p, xq, l.w, l.qbias, l.deq, l.bias, M, N, K)
+				d.p, xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K)
 			return
 		}
 		// dp4a, one warp per output and one block row per activation row:
 		// at most 65535 rows a launch
 		for r0 := 0; r0 < M; r0 += 65535 {
 			m := min(65535, M-r0)
+			t := tok
+			if t != 0 {
+				t += driver.DevicePtr(4 * r0)
+			}
 			b.launch("w8a8_gemm", [3]uint32{uint32((N + 7) / 8), uint32(m), 1}, block256, d.p+driver.DevicePtr(4*r0*N),
-				xq+driver.DevicePtr(r0*K), l.w, l.qbias, l.deq, l.bias, N, K)
+				xq+driver.DevicePtr(r0*K), l.w, l.qbias, l.deq, l.bias, t, N, K)
 		}
 		return
 	}

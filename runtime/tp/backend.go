@@ -748,6 +748,34 @@ func (b *Backend) NewKVCache(layers, maxSeq, kvDim int) runtime.KVCache {
 	return c
 }
 
+// NewInt8KVCache implements runtime.Int8KVBackend: each rank caches its
+// KV heads as int8 with their channels' quantizers.
+func (b *Backend) NewInt8KVCache(maxSeq, kvDim int, layers []runtime.KVQuant) (runtime.KVCache, error) {
+	if kvDim != b.cfg.KVDim() {
+		return nil, fmt.Errorf("tp: int8 KV cache of width %d, the model's is %d", kvDim, b.cfg.KVDim())
+	}
+	c := &kvCache{maxSeq: maxSeq, parts: make([]runtime.KVCache, len(b.ranks))}
+	for _, r := range b.local {
+		rb, ok := b.ranks[r].(runtime.Int8KVBackend)
+		if !ok {
+			return nil, fmt.Errorf("tp: rank %d (%s) cannot hold an int8 KV cache", r, b.ranks[r].Name())
+		}
+		lo, hi := b.kv[r][0], b.kv[r][1]
+		part := make([]runtime.KVQuant, len(layers))
+		for l, q := range layers {
+			if err := q.Validate(kvDim); err != nil {
+				return nil, fmt.Errorf("tp: layer %d: %w", l, err)
+			}
+			part[l] = runtime.KVQuant{KScale: q.KScale[lo:hi], KOffset: q.KOffset[lo:hi], VScale: q.VScale[lo:hi], VOffset: q.VOffset[lo:hi]}
+		}
+		var err error
+		if c.parts[r], err = rb.NewInt8KVCache(maxSeq, hi-lo, part); err != nil {
+			return nil, fmt.Errorf("tp: rank %d: %w", r, err)
+		}
+	}
+	return c, nil
+}
+
 func cacheOf(c runtime.KVCache) *kvCache {
 	x, ok := c.(*kvCache)
 	if !ok {
