@@ -5,7 +5,7 @@
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz (CGO_ENABLED=0 builds of qtool and the test binaries,
 # gzipped), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 bench anchor" kernels/gpu-run.sh
+#   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 bench anchor" kernels/gpu-run.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -36,7 +36,7 @@ if has tests; then
     grep -E -- "--- FAIL|panic|greedy|ppl|KLD|rel " "$OUT/test-$t.log" | head -20
   done
 fi
-if has 7b || has 7b-sq || has 7b-gptq || has 7b-awq; then
+if has 7b || has 7b-sq || has 7b-gptq || has 7b-awq || has 7b-c8; then
   ts=$(date +%s)
   python3 .devdata/synth_hf.py llama2-7b /tmp/l7b --tokenizer testdata/llama-mini --awq > "$OUT/synth.log" 2>&1 || { tail "$OUT/synth.log"; exit 1; }
   echo "synth $(( $(date +%s) - ts )) s: $(grep -c . "$OUT/synth.log") lines"
@@ -89,6 +89,25 @@ has 7b-awq && quant awq autoawq
 if has w8a8; then
   run l7b-w8a8 bin/qtool verify --json --device cuda --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b-smoothquant
   run l7b-bf16-ppl bin/qtool verify --json --device cuda --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b
+fi
+if has c8; then # llama-mini msmodelslim files qtool writes on the CPU, read back on the CPU and on the GPU (all chunks)
+  [ -f .devdata/train.txt ] || gunzip -k .devdata/train.txt.gz
+  for v in "static-c8:--kv-cache int8" "dynamic-c8:--act dynamic --kv-cache int8" "w8a8s-2of4-c8:--weights sparsegpt --sparsity 2:4 --kv-cache int8"; do
+    n=${v%%:*}; rm -rf "/tmp/mini-$n"
+    bin/qtool smoothquant --device cpu -q --hf testdata/llama-mini --calib .devdata/train.txt -o "/tmp/mini-$n" ${v#*:} > "$OUT/mini-$n.txt" 2>&1 || tail -3 "$OUT/mini-$n.txt"
+    for dev in cpu cuda; do run "c8-$n-$dev" bin/qtool verify --json --device $dev --ppl .devdata/sotu-test.raw "/tmp/mini-$n"; done
+  done
+fi
+if has 7b-c8; then # the 7B shape with dynamic W8A8 and an int8 KV cache: decode at ~3.9k tokens of context
+  [ -f .devdata/train.txt ] || gunzip -k .devdata/train.txt.gz
+  ts=$(date +%s); rm -rf /tmp/l7b-c8
+  timeout "$(left)" bin/qtool smoothquant --act dynamic --kv-cache int8 --hf /tmp/l7b --calib .devdata/train.txt -o /tmp/l7b-c8 \
+    --device cuda > "$OUT/7b-c8.txt" 2> "$OUT/7b-c8.err"
+  echo "7b smoothquant --act dynamic --kv-cache int8 rc=$? wall $(( $(date +%s) - ts )) s"; grep -E "^wrote|^phases" "$OUT/7b-c8.txt"; tail -2 "$OUT/7b-c8.err" | cut -c1-300
+  for kv in int8 fp16 fp32; do
+    run "l7b-c8-kv$kv-4k" bin/qtool verify --json --device cuda --kv-cache $kv --prompt "$(head -c 14000 .devdata/sotu-test.raw)" --max-new 256 /tmp/l7b-c8
+  done
+  run l7b-c8-ppl bin/qtool verify --json --device cuda --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b-c8
 fi
 if has kv16; then
   for kv in fp32 fp16; do

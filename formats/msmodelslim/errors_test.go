@@ -218,6 +218,8 @@ func FuzzParseDescription(f *testing.F) {
 	f.Add([]byte(`{"model_quant_type":"W8A16","group_size":128,"version":"1.0.0","a.weight":"W8A16","b.weight":"FLOAT"}`))
 	f.Add([]byte(`{"model_quant_type":"W8A8","kv_cache_type":"C8","metadata":{}}`))
 	f.Add([]byte(`{"model_quant_type":"W4A16","group_size":1e3}`))
+	f.Add([]byte(`{"model_quant_type":"W8A8S","a.weight":"W8A8S","kv_quant_type":"C8"}`))
+	f.Add([]byte(`{"model_quant_type":"W8A8_DYNAMIC","a.weight":"W8A8_DYNAMIC","a.weight_scale":"W8A8_DYNAMIC"}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		d, err := ParseDescription(data)
 		if err != nil {

@@ -34,6 +34,9 @@ func equalTensor(t *testing.T, name string, a, b model.Tensor) {
 			t.Fatalf("%s: read back as %T", name, b)
 		}
 		equalQuantized(t, name, x.Weight, y.Weight)
+		if x.Dynamic != y.Dynamic || x.Sparse != y.Sparse {
+			t.Fatalf("%s: dynamic %v sparse %v read back as %v %v", name, x.Dynamic, x.Sparse, y.Dynamic, y.Sparse)
+		}
 		if x.InputScale != y.InputScale || x.InputOffset != y.InputOffset {
 			t.Fatalf("%s: input scale/offset %g/%g vs %g/%g", name, x.InputScale, x.InputOffset, y.InputScale, y.InputOffset)
 		}
