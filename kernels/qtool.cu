@@ -231,12 +231,50 @@ extern "C" __global__ void rope(float* __restrict__ x, int rows, int cols, int h
 
 // KV cache of one layer: kc, vc [maxSeq, kvDim], fp32, fp16 or int8 (KV).
 // The int8 cache is msmodelslim's C8, per channel c with scale s and offset
-// o: stored round(x/s + o) (saturated), read (q − o)·s, each step rounded to
-// float32 as on the CPU.
-__device__ __forceinline__ float kv_load(const float* p, size_t i, float, float) { return p[i]; }
-__device__ __forceinline__ float kv_load(const __half* p, size_t i, float, float) { return __half2float(p[i]); }
-__device__ __forceinline__ float kv_load(const int8_t* p, size_t i, float s, float o) {
-    return __fmul_rn(__fsub_rn((float)p[i], o), s);
+// o: stored round(x/s + o) (saturated, each step rounded to float32 as on
+// the CPU), read as (q − o)·s.
+// kv_load reads a cached value: a float, or an int8 cache's code (the
+// attention applies the quantizer, see attention_body).
+__device__ __forceinline__ float kv_load(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float kv_load(const __half* p, size_t i) { return __half2float(p[i]); }
+__device__ __forceinline__ float kv_load(const int8_t* p, size_t i) { return (float)p[i]; }
+// kv_row reads a lane's V (≤ 8) consecutive cached values into r (zeros
+// beyond V); for V = 4, the head size 128, with one vector load.
+template <typename KV>
+__device__ __forceinline__ void kv_row(float (&r)[8], const KV* p, int V) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) r[i] = i < V ? kv_load(p, i) : 0.f;
+}
+template <>
+__device__ __forceinline__ void kv_row<float>(float (&r)[8], const float* p, int V) {
+    if (V != 4) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) r[i] = i < V ? p[i] : 0.f;
+        return;
+    }
+    float4 c = *reinterpret_cast<const float4*>(p);
+    r[0] = c.x; r[1] = c.y; r[2] = c.z; r[3] = c.w; r[4] = r[5] = r[6] = r[7] = 0.f;
+}
+template <>
+__device__ __forceinline__ void kv_row<__half>(float (&r)[8], const __half* p, int V) {
+    if (V != 4) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) r[i] = i < V ? __half2float(p[i]) : 0.f;
+        return;
+    }
+    uint2 u = *reinterpret_cast<const uint2*>(p);
+    float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x)), b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+    r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y; r[4] = r[5] = r[6] = r[7] = 0.f;
+}
+template <>
+__device__ __forceinline__ void kv_row<int8_t>(float (&r)[8], const int8_t* p, int V) {
+    if (V != 4) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) r[i] = i < V ? (float)p[i] : 0.f;
+        return;
+    }
+    char4 c = *reinterpret_cast<const char4*>(p);
+    r[0] = c.x; r[1] = c.y; r[2] = c.z; r[3] = c.w; r[4] = r[5] = r[6] = r[7] = 0.f;
 }
 __device__ __forceinline__ void kv_store(float* p, size_t i, float x, float, float) { p[i] = x; }
 __device__ __forceinline__ void kv_store(__half* p, size_t i, float x, float, float) { p[i] = __float2half_rn(x); }
@@ -312,16 +350,17 @@ __device__ __forceinline__ void attention_body(
     const float* qp = q + (size_t)t * heads * hd + (size_t)h * hd + lane * V;
 #pragma unroll
     for (int i = 0; i < 8; i++) { qr[i] = i < V ? qp[i] * scale : 0.f; acc[i] = 0.f; }
-    // the int8 cache's scales and offsets of this lane's channels
-    float ksc[8], kof[8], vsc[8], vof[8];
+    // An int8 cache is read as codes, its quantizers applied algebraically:
+    // q·k̂ = Σ q_i·s_i·(k_i − o_i) = Σ (q_i·s_i)·k_i − Σ q_i·s_i·o_i, and the
+    // second sum is the same for every key of this query and head, which
+    // softmax ignores, so the key scales go into q and the key offsets drop
+    // out; Σ p·v̂ = s·(Σ p·v − o·Σ p) per value channel, applied to each
+    // warp's sums after the loop. Fewer registers than dequantizing every
+    // element, the same result up to float rounding.
+    if constexpr (kv_quantized<KV>::value) {
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        ksc[i] = vsc[i] = 1.f;
-        kof[i] = vof[i] = 0.f;
-        if constexpr (kv_quantized<KV>::value) {
-            int c = kvh * hd + lane * V + i;
-            if (i < V) { ksc[i] = kq.ks[c]; kof[i] = kq.ko[c]; vsc[i] = kq.vs[c]; vof[i] = kq.vo[c]; }
-        }
+        for (int i = 0; i < 8; i++)
+            if (i < V) qr[i] *= kq.ks[kvh * hd + lane * V + i];
     }
     float m = -INFINITY, l = 0.f;
     // Each warp takes 4 consecutive keys at a time (all loads first, for
@@ -332,16 +371,14 @@ __device__ __forceinline__ void attention_body(
         for (int u = 0; u < 4; u++) {
             int j = min(jb + u, j1 - 1);
             const KV* kp = kc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
-#pragma unroll
-            for (int i = 0; i < 8; i++) kr[u][i] = i < V ? kv_load(kp, i, ksc[i], kof[i]) : 0.f;
+            kv_row(kr[u], kp, V);
         }
         float vr[4][8];
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             int j = min(jb + u, j1 - 1);
             const KV* vp = vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
-#pragma unroll
-            for (int i = 0; i < 8; i++) vr[u][i] = i < V ? kv_load(vp, i, vsc[i], vof[i]) : 0.f;
+            kv_row(vr[u], vp, V);
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
@@ -372,6 +409,13 @@ __device__ __forceinline__ void attention_body(
             }
         }
         m = mn;
+    }
+    if constexpr (kv_quantized<KV>::value) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int c = kvh * hd + lane * V + i;
+            if (i < V) acc[i] = kq.vs[c] * (acc[i] - kq.vo[c] * l);
+        }
     }
     if (lane == 0) { sm[w] = m; sl[w] = l; }
 #pragma unroll

@@ -58,8 +58,8 @@ func TestW8A8Dynamic(t *testing.T) {
 }
 
 // TestInt8KVCache stores keys and values in the int8 cache of the GPU and
-// of the CPU backend and compares the codes (through attention with one
-// key) and the attention outputs, prefill and decode.
+// of the CPU backend and compares the attention outputs, prefill and
+// decode (one visible key: that key's dequantized value).
 func TestInt8KVCache(t *testing.T) {
 	b, c := newTestBackend(t), cpu.New(4)
 	r := rand.New(rand.NewPCG(15, 16))
@@ -106,13 +106,9 @@ func TestInt8KVCache(t *testing.T) {
 		for i, v := range want {
 			w64[i] = float64(v)
 		}
-		// with one visible key the output is that key's dequantized value:
-		// the codes and the dequantization agree exactly
-		tol := 2e-6
-		if tc.pos0 == 0 && tc.T == 1 {
-			tol = 0
-		}
-		checkClose(t, fmt.Sprintf("int8 cache attention T=%d pos0=%d", tc.T, tc.pos0), download(b, out), w64, tol)
+		// the GPU applies the quantizers algebraically (key scales folded
+		// into q, value offsets after the sums): equal up to float rounding
+		checkClose(t, fmt.Sprintf("int8 cache attention T=%d pos0=%d", tc.T, tc.pos0), download(b, out), w64, 1e-5)
 	}
 }
 
