@@ -220,6 +220,12 @@ func typeName(t model.Tensor) string {
 		}
 		return fmt.Sprintf("%s g%d", s, v.GroupSize)
 	case *model.W8A8:
+		switch {
+		case v.Dynamic:
+			return "W8A8 dynamic"
+		case v.Sparse:
+			return "W8A8S"
+		}
 		return "W8A8"
 	case *shard.Tensor:
 		part := "?"

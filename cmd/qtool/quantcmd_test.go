@@ -66,6 +66,9 @@ func TestQuantCommandsVerifyWrittenFiles(t *testing.T) {
 		{"awq w4 qwen3 → kuiper-v5 (ak48)", qwen, "a4.ak48", []string{"awq", "--format", "kuiper-v5", "--qtool-only", "--search-tokens", "256"}, 1.08, true},
 		{"awq w4 → msmodelslim W4A16", llamaMini, "a4ms", []string{"awq", "--format", "msmodelslim", "--search-tokens", "256"}, 1.06, false},
 		{"smoothquant → msmodelslim W8A8", llamaMini, "sq", []string{"smoothquant"}, 1.02, true},
+		{"smoothquant dynamic + C8 → msmodelslim W8A8_DYNAMIC", llamaMini, "sqd", []string{"smoothquant", "--act", "dynamic", "--kv-cache", "int8"}, 1.02, true},
+		{"smoothquant sparsegpt 2:4 → msmodelslim W8A8S", llamaMini, "sqs", []string{"smoothquant", "--weights", "sparsegpt", "--sparsity", "2:4"}, 1.6, false},
+		{"gptq --asym w4 → gptq", llamaMini, "ga4", []string{"gptq", "--asym", "--head=false"}, 1.06, false},
 	}
 	dir := t.TempDir()
 	for _, tc := range cases {
@@ -127,6 +130,13 @@ func TestQuantCommandsRefuse(t *testing.T) {
 		{"group does not divide", []string{"awq", "--group", "100"}, "does not divide"},
 		{"gptq group does not divide", []string{"gptq", "--group", "96", "--nsamples", "2", "--seqlen", "64"}, "does not divide"},
 		{"bad bits", []string{"gptq", "--bits", "5"}, "--bits 5"},
+		{"int8 KV cache into gptq", []string{"gptq", "--kv-cache", "int8"}, "cannot hold an int8 KV cache"},
+		{"bad kv cache", []string{"awq", "--kv-cache", "fp8"}, "want float or int8"},
+		{"bad act", []string{"smoothquant", "--act", "token"}, "want static or dynamic"},
+		{"sparsity without pruning", []string{"smoothquant", "--sparsity", "0.5"}, "needs --weights sparsegpt or magnitude"},
+		{"pruning without sparsity", []string{"smoothquant", "--weights", "magnitude"}, "--sparsity is needed"},
+		{"bad N:M", []string{"smoothquant", "--weights", "sparsegpt", "--sparsity", "4:2"}, "0 < N < M"},
+		{"resid without asym", []string{"gptq", "--resid", "0.3"}, "applies to --asym only"},
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
