@@ -52,7 +52,7 @@ func RefitHead(s *calib.Session, damp float64) (calib.ModuleStat, error) {
 	g := be.Alloc(c.Hidden, c.Hidden)
 	defer be.Free(g)
 	be.AddGram(g, hq)
-	terms := newTargetTerms(be, hq, hf, g, nil, nil, 0, damp)
+	terms := newTargetTerms(be, hq, hf, g, nil, nil, 0, targetDamp(damp, c.Hidden, hq.Rows()))
 	defer terms.free()
 
 	name, src := model.Name(-1, model.LMHead), model.Name(-1, model.LMHead)

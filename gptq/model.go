@@ -96,7 +96,7 @@ func QuantizeModel(s *calib.Session, opt Options, progress calib.Progress) ([]ca
 		if opt.Asym != nil {
 			done := s.Phase("asymmetric target")
 			rf, rq := s.FloatResidual()
-			terms := newTargetTerms(be, x, s.FloatInput(), g, rf, rq, opt.Asym.Resid, damp)
+			terms := newTargetTerms(be, x, s.FloatInput(), g, rf, rq, opt.Asym.Resid, targetDamp(damp, in, rows))
 			asymNote = ", asym"
 			if terms.resid != nil {
 				asymNote += fmt.Sprintf(" + %.2g residual", terms.beta)

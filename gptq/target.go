@@ -41,7 +41,8 @@ type targetTerms struct {
 // newTargetTerms accumulates the terms of the group whose quantized inputs
 // are x ([rows, in], Gram matrix gram) and float inputs xf; rf and rq are
 // the float and quantized residual streams the group's output joins (nil:
-// none, or beta 0).
+// none, or beta 0). damp is the damping of the solve as a fraction of
+// mean(diag gram) (callers take targetDamp's).
 func newTargetTerms(be runtime.Calibrator, x, xf, gram, rf, rq runtime.Buf, beta, damp float64) *targetTerms {
 	t := &targetTerms{be: be, gram: gram, beta: beta}
 	in := x.Cols()
@@ -55,7 +56,7 @@ func newTargetTerms(be runtime.Calibrator, x, xf, gram, rf, rq runtime.Buf, beta
 	for _, d := range be.Diagonal(gram) {
 		mean += float64(d)
 	}
-	t.lambda = targetDamp(damp, in, x.Rows()) * mean / float64(in)
+	t.lambda = damp * mean / float64(in)
 	return t
 }
 

@@ -44,7 +44,9 @@ func TestMsModelSlimVariantsLlamaMini(t *testing.T) {
 	}
 	static := Options{ClipSearch: true}
 	dynamic := Options{Alpha: 0.55, Dynamic: true}
-	sparse := func(sp gptq.SparseOptions) Options { return Options{ClipSearch: true, Weights: "sparsegpt", Sparse: sp} }
+	sparse := func(sp gptq.SparseOptions) Options {
+		return Options{ClipSearch: true, Weights: "sparsegpt", Sparse: sp}
+	}
 	const f = "msmodelslim"
 	calibtest.Table(t, "../testdata/llama-mini", []calibtest.Row{
 		{Name: "W8A8 static", MaxPPL: 69.19, Format: f, Quantize: q(static, false)},
