@@ -40,17 +40,6 @@ type Options struct {
 	// GEMVMaxRows: matrix products with at most this many activation rows use
 	// the GEMV kernels, larger ones the tensor-core GEMM (default 4).
 	GEMVMaxRows int
-	// Q4HalfAccumulate selects the split-K half-precision 4-bit GEMV "sh"
-	// (the default "wah" kernels compute the same way: activations rounded
-	// to fp16, each 8 products summed in fp16, then fp32).
-	Q4HalfAccumulate bool
-	// Q4FullPrecision selects the fp32-arithmetic 4-bit GEMV (slower).
-	Q4FullPrecision bool
-	// GEMVVariant selects a GEMV kernel variant ("r8u2", see GEMVVariants)
-	// where the weight kind has it; a comma-separated list gives each kind
-	// the first listed variant it has; empty means each kind's default.
-	// New sets it from $QTOOL_GEMV_VARIANT.
-	GEMVVariant string
 	// PTXPath, when set, loads the kernels from this PTX file instead of the
 	// embedded ones (kernel development). New sets it from $QTOOL_CUDA_PTX.
 	PTXPath string
@@ -118,10 +107,9 @@ type scratch struct {
 func New() (*Backend, error) { return NewDevice(0) }
 
 // NewDevice opens CUDA device d with default options ($QTOOL_CUDA_PTX and
-// $QTOOL_GEMV_VARIANT are honoured, for kernel work).
+// $QTOOL_CALIB_PTX are honoured, for kernel work).
 func NewDevice(d int) (*Backend, error) {
-	return NewWithOptions(Options{Device: d, PTXPath: os.Getenv("QTOOL_CUDA_PTX"), CalibPTXPath: os.Getenv("QTOOL_CALIB_PTX"),
-		GEMVVariant: os.Getenv("QTOOL_GEMV_VARIANT")})
+	return NewWithOptions(Options{Device: d, PTXPath: os.Getenv("QTOOL_CUDA_PTX"), CalibPTXPath: os.Getenv("QTOOL_CALIB_PTX")})
 }
 
 // DeviceCount returns the number of CUDA devices (an error wrapping
@@ -227,14 +215,7 @@ func kernelNames() []string {
 		"gemm_f32", "gemm_f16", "gemm_bf16", "gemm_q8", "gemm_q4",
 		"quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "nll", "argmax", "decode_advance", "sample", "fill_random",
 	}
-	for k, vs := range gemvVariants {
-		for _, v := range vs {
-			if _, auto := gemvAuto[v]; auto {
-				continue
-			}
-			names = append(names, "gemv_"+kindNames[k]+"_"+v)
-		}
-	}
+	names = append(names, gemvKernels...)
 	return names
 }
 

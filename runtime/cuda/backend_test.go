@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -201,12 +202,21 @@ var weightCases = []weightCase{
 	{"int4-g48-fallback", 384, quantCase(4, 48, 1, false)},
 	{"awq-int4-g128-splitk", 2560, quantCase(4, 128, 1, false)},
 	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false)},
+	{"awq-int4-g128-wide", 4608, quantCase(4, 128, 1, false)}, // K > 4096: gemv_q4_w2h
 }
 
 func TestMatMul(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(1, 2))
 	const N = 200
+	ran := map[string]bool{} // the GEMV kernels the cases reached
+	defer func() {
+		for _, k := range gemvKernels {
+			if !ran[k] && !t.Failed() {
+				t.Errorf("no case runs the shipped GEMV kernel %s", k)
+			}
+		}
+	}()
 	for _, wc := range weightCases {
 		K := 256
 		if wc.k > 0 {
@@ -218,14 +228,13 @@ func TestMatMul(t *testing.T) {
 			t.Fatalf("%s: upload: %v", wc.name, err)
 		}
 		for _, M := range []int{1, 3, 5, 37, 130} {
-			variants := []string{""}
-			if M <= b.opt.GEMVMaxRows {
-				variants = GEMVVariants(lin(lw).Kind())
-			}
-			for _, v := range variants {
+			{
 				name := fmt.Sprintf("%s/%s/M=%d", wc.name, lin(lw).Kind(), M)
-				if v != "" {
-					name += "/" + v
+				kernel := ""
+				if M <= b.opt.GEMVMaxRows {
+					kernel, _ = b.gemvKernel(lin(lw), M)
+					ran[kernel] = true
+					name += "/" + kernel
 				}
 				t.Run(name, func(t *testing.T) {
 					x := randVec(r, M*K, 1)
@@ -241,11 +250,9 @@ func TestMatMul(t *testing.T) {
 					}
 					xb := upload(b, M, K, x)
 					y := poisoned(b, M, N)
-					b.opt.GEMVVariant = v
 					b.MatMul(y, xb, lw)
-					b.opt.GEMVVariant = ""
 					tol := 1e-5 // fp32 GEMV
-					if M > b.opt.GEMVMaxRows || strings.Contains(v, "h") || strings.HasPrefix(v, "m") {
+					if M > b.opt.GEMVMaxRows || strings.HasSuffix(kernel, "h") {
 						tol = 3e-3 // fp16 operands on the tensor cores / half sums
 					}
 					checkClose(t, name, download(b, y), want, tol)
@@ -636,11 +643,22 @@ func TestPoolReuse(t *testing.T) {
 // TestKernelNamesInPTX checks (without a GPU) that every kernel the backend
 // looks up is in both embedded PTX files.
 func TestKernelNamesInPTX(t *testing.T) {
+	used := map[string]bool{}
+	for _, k := range kernelNames() {
+		used[k] = true
+	}
+	entry := regexp.MustCompile(`\.entry ([A-Za-z0-9_]+)\(`)
 	for _, cc := range [][2]int{{8, 0}, {9, 0}} {
 		ptx, arch := kernels.PTX(cc[0], cc[1])
 		for _, k := range kernelNames() {
 			if !strings.Contains(string(ptx), ".entry "+k+"(") {
 				t.Errorf("%s PTX lacks kernel %s", arch, k)
+			}
+		}
+		// only live kernels ship: every entry is one the backend looks up
+		for _, m := range entry.FindAllStringSubmatch(string(ptx), -1) {
+			if !used[m[1]] {
+				t.Errorf("%s PTX ships kernel %s, which the backend never launches", arch, m[1])
 			}
 		}
 	}

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"strings"
 	"unsafe"
 
 	"qtool/formats/model"
@@ -40,11 +39,6 @@ type Linear struct {
 	// weight scales and qbias is 0.
 	dynamic bool
 	bytes   int64 // device bytes of the weight and its scales
-	// mma: the tensor-core GEMV ("m" variants) can run this weight: groups
-	// and width are multiples of its K block (q4 128, q8 64), no g_idx, q8
-	// zero points are integers in [-128, 127] (exact in its fp16 offset)
-	// and the weight has fewer than 2^31 32-bit words (its row offsets).
-	mma bool
 	// borrowed: w belongs to an activation buffer (FloatLinear), which
 	// FreeLinear leaves alone.
 	borrowed bool
@@ -226,16 +220,8 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 		}
 		l.w = uploadSlice(b, words)
 		l.bytes = int64(4 * len(words))
-		l.mma = gs%128 == 0 && in%128 == 0 && int64(out)*int64(in)/8 < 1<<31
 	} else {
 		l.kind = kindQ8
-		l.mma = q.GIdx == nil && gs%64 == 0 && in%64 == 0 && int64(out)*int64(in)/4 < 1<<31
-		for _, z := range q.Zero {
-			if z != float32(math.Round(float64(z))) || z < -128 || z > 127 {
-				l.mma = false
-				break
-			}
-		}
 		for i := 0; i < out*G; i++ {
 			sz[2*i] = q.Scale[i]
 			if q.Zero != nil {
@@ -310,7 +296,6 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		l.sz = b.alloc(8 * out * G)
 		b.fill(l.sz, out*G, s.Seed+1, 4, a/128)
 		l.bytes = int64(n + 8*out*G)
-		l.mma = gs%64 == 0 && in%64 == 0 && int64(n)/4 < 1<<31
 	case "w4a16", "q4":
 		if gs%32 != 0 || in%32 != 0 {
 			return nil, fmt.Errorf("cuda: synthetic %s: 4-bit needs group size and width multiples of 32", name)
@@ -321,7 +306,6 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		l.sz = b.alloc(8 * out * G)
 		b.fill(l.sz, out*G, s.Seed+1, 3, a/8)
 		l.bytes = int64(n/2 + 8*out*G)
-		l.mma = gs%128 == 0 && in%128 == 0 && int64(n)/8 < 1<<31
 	default:
 		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, w8a16 or w4a16)", name, s.Format)
 	}
@@ -381,33 +365,9 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		return
 	}
 	name, R := b.gemvKernel(l, M)
-	if R == gemvMMA {
-		warps := 4 // "m4", "m6": 4 warps per block
-		if strings.HasSuffix(name, "_m") || strings.HasSuffix(name, "_mc") {
-			warps = 8
-		}
-		tiles := (N + 15) / 16
-		shm := 2 * M * K // x as fp16
-		grid := min(tiles, b.sms*b.residentBlocks(name, 32*warps, shm))
-		b.launchShm(name, g1(grid), [3]uint32{uint32(32 * warps), 1, 1}, shm, d.p, s.p, l.w, l.sz, N, K, l.gs, l.groups, M)
-		return
-	}
-	if R > gemvPersistTag && R < gemvPersistTag+16 {
-		_, shm, _ := gemvStream(l)
-		rows := R - gemvPersistTag
-		res := b.residentBlocks(name, 256, shm)
-		// Even split: every warp gets per tiles (the last ones fewer).
-		tiles := (N + rows - 1) / rows
-		maxWarps := max(8, b.sms*res*8/M)
-		per := (tiles + maxWarps - 1) / maxWarps
-		warps := (tiles + per - 1) / per
-		blocks := (warps + 7) / 8
-		b.launchShm(name, [3]uint32{uint32(blocks), uint32(M), 1}, block256, shm, d.p, s.p, l.w, l.sz, N, K, l.gs, l.groups)
-		return
-	}
 	if R == gemvStreamRowsTag {
 		_, shm, _ := gemvStream(l)
-		rows := gemvStreamRows(name[strings.LastIndexByte(name, '_')+1:])
+		rows := gemvStreamRows(name)
 		b.raiseSmem(name, shm)
 		grid := [3]uint32{uint32((N + rows - 1) / rows), uint32(M), 1}
 		b.launchShm(name, grid, block256, shm, d.p, s.p, l.w, l.sz, N, K, l.gs, l.groups)
@@ -480,37 +440,6 @@ func (b *Backend) counters(name string, n int) driver.DevicePtr {
 	return p
 }
 
-// gemvVariants lists the compiled GEMV kernels of each weight kind as
-// r<rows per block>u<chunks in flight per thread>[h], s… (split-K) or m…
-// (tensor-core, persistent, cp.async ring: "m" 8 warps per block and 3
-// stages, "m4" 4 warps and 4 stages, "m6" 4 warps and 6 stages, "mc" as
-// "m" with each warp taking a contiguous run of K blocks);
-// w… (round 3: register streaming, R rows per warp, a ring of D 16-byte
-// chunks per lane in flight, x staged once per block in shared memory:
-// "w2h"/"w2" R=2 D=4, "w4h"/"w4" R=4 D=2, "wk2…" two warps split K,
-// "w2h8"/"w2d8" D=8; "wah"/"wa" pick w4… for widths up to 4096, else w2…)
-// or p… (the same, persistent: each warp walks several row tiles, the ring
-// running across them: "p<R>…", "p2h3"/"p2d3" D=3).
-// The first is the default: q4 "wah" (fastest in round 3 on the H200 at
-// every bench shape and passing the end-to-end checks), q8 "r4u1" (the
-// w/p kernels were not faster: kernels/NOTES.md). Weights or row counts
-// the m kernels cannot run fall back to the first other variant; those
-// the w/p kernels cannot run (g_idx, width or group not a multiple of
-// 32 (q4) or 16 (q8), staged x over 96 KB) to the first variant that is
-// none of m, w, p.
-var gemvVariants = [...][]string{
-	kindF32:  {"r4u1"},
-	kindF16:  {"r4u2", "r4u1"},
-	kindBF16: {"r4u2", "r4u1"},
-	kindQ8:   {"r4u1", "s", "sb", "r8u1", "r4u2", "m", "m4", "m6", "mc", "wa", "w2", "w4", "wk2", "w2d8", "p2", "p2d3", "p4", "p1"},
-	kindQ4:   {"wah", "sh", "shb", "sh4", "s", "r8u2", "r8u2h", "r4u1", "m", "m4", "m6", "mc", "w2h", "w4h", "wk2h", "w2h8", "p2h", "p2h3", "p4h", "p1h"},
-}
-
-// gemvAuto maps the shape-dependent streaming variants ("wa", "wah") to a
-// compiled kernel: 4 rows per warp (w4, w4h) for widths up to 4096, else 2
-// (w2, w2h).
-var gemvAuto = map[string][2]string{"wa": {"w4", "w2"}, "wah": {"w4h", "w2h"}}
-
 // gemvStreamMaxSmem bounds the streaming GEMV's staged activation row
 // (2K bytes for q4, 4K for q8); wider inputs take the kind's first variant.
 const gemvStreamMaxSmem = 96 << 10
@@ -527,116 +456,63 @@ func gemvStream(l *Linear) (kl, shm int, ok bool) {
 	return kl, shm, ok
 }
 
-// gemvStreamRows is the streaming GEMV's rows per block for a variant
-// name: 8 warps x 2 rows (x 4 for "w4…"), halved when two warps split K.
-func gemvStreamRows(v string) int {
-	switch {
-	case strings.HasPrefix(v, "wk2"):
-		return 8
-	case strings.HasPrefix(v, "w4"):
+// gemvStreamRows is the rows per block of a streaming GEMV kernel: 8 warps
+// × 4 rows for gemv_q4_w4h, × 2 for gemv_q4_w2h.
+func gemvStreamRows(name string) int {
+	if name == "gemv_q4_w4h" {
 		return 32
 	}
 	return 16
 }
 
-// gemvMMA is gemvKernel's rows-per-block answer for the tensor-core kernels.
-const gemvMMA = 1 << 30
-
 // gemvStreamRowsTag is gemvKernel's rows-per-block answer for the streaming
-// ("w") kernels (their rows per block come from gemvStreamRows).
+// kernels (their rows per block come from gemvStreamRows).
 const gemvStreamRowsTag = 1 << 29
 
-// gemvPersistTag plus the rows per warp is gemvKernel's answer for the
-// persistent streaming ("p") kernels.
-const gemvPersistTag = 1 << 28
+// gemvKernels are the GEMV kernels the dispatcher selects (gemvKernel), the
+// only ones in the embedded PTX; kernels/NOTES.md has the measurements
+// behind the choice and the commit that still holds the variants that lost.
+//
+//	weight         rule                                        kernel          launch
+//	f32            always                                      gemv_f32_r4u1   4 rows a block
+//	f16, bf16      always                                      gemv_*_r4u2     4 rows a block
+//	q8             always                                      gemv_q8_r4u1    4 rows a block
+//	q4             streamable (gemvStream), K ≤ 4096            gemv_q4_w4h     32 rows a block, x staged
+//	q4             streamable, K > 4096                        gemv_q4_w2h     16 rows a block, x staged
+//	q4             g_idx, width or group not a multiple of 32  gemv_q4_sh      split-K, 8 rows a warp
+var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q4_w4h", "gemv_q4_w2h", "gemv_q4_sh"}
 
-// gemvMMAMaxRows is the most activation rows the tensor-core GEMV takes (the
-// 8 columns of its mma).
-const gemvMMAMaxRows = 8
-
-// GEMVVariants returns the GEMV kernel variants compiled for a weight kind
-// ("f16", "q8", "q4", ...), default first.
-func GEMVVariants(kind string) []string {
-	for k, n := range kindNames[:kindW8A8] {
-		if n == kind {
-			return append([]string(nil), gemvVariants[k]...)
-		}
+// GEMVKernel names the GEMV kernel a product of M activation rows with w
+// runs (see gemvKernels), for reports.
+func (b *Backend) GEMVKernel(w runtime.Linear, M int) string {
+	if l := lin(w); l.kind != kindW8A8 {
+		name, _ := b.gemvKernel(l, M)
+		return name
 	}
-	return nil
+	return "w8a8_gemm"
 }
 
-// gemvKernel picks the kernel name for M activation rows and its rows per
-// block (minus the rows per warp for the split-K kernels, gemvMMA for the
-// tensor-core ones).
+// gemvKernel picks the GEMV kernel of l (see gemvKernels) and its launch
+// shape: rows per block, gemvStreamRowsTag for the streaming kernels, or
+// minus the rows per warp for the split-K one.
 func (b *Backend) gemvKernel(l *Linear, M int) (string, int) {
-	kind := l.kind
-	v := gemvVariants[kind][0]
-	want := b.opt.GEMVVariant
-	if b.opt.Q4HalfAccumulate && kind == kindQ4 {
-		want = "sh"
-	}
-	if b.opt.Q4FullPrecision && kind == kindQ4 && want == "" {
-		want = "s"
-	}
-	// want may list several variants (comma-separated): the first one this
-	// kind has wins.
-	found := false
-	for _, wv := range strings.Split(want, ",") {
-		for _, c := range gemvVariants[kind] {
-			if c == wv && !found {
-				v, found = c, true
-			}
-		}
-	}
-	if v[0] == 'm' && (!l.mma || M > gemvMMAMaxRows || 2*M*l.in > gemvMMAMaxSmem) {
-		for _, c := range gemvVariants[kind] {
-			if c[0] != 'm' {
-				v = c
-				break
-			}
-		}
-	}
-	if v[0] == 'm' {
-		return "gemv_" + kindNames[kind] + "_" + v, gemvMMA
-	}
-	if v[0] == 'w' || v[0] == 'p' {
+	switch l.kind {
+	case kindF32:
+		return "gemv_f32_r4u1", 4
+	case kindF16:
+		return "gemv_f16_r4u2", 4
+	case kindBF16:
+		return "gemv_bf16_r4u2", 4
+	case kindQ8:
+		return "gemv_q8_r4u1", 4
+	case kindQ4:
 		if _, _, ok := gemvStream(l); !ok {
-			for _, c := range gemvVariants[kind] {
-				if c[0] != 'm' && c[0] != 'w' && c[0] != 'p' {
-					v = c
-					break
-				}
-			}
+			return "gemv_q4_sh", -8
 		}
-	}
-	if a, ok := gemvAuto[v]; ok {
-		v = a[0]
-		if l.in > 4096 {
-			v = a[1]
+		if l.in <= 4096 {
+			return "gemv_q4_w4h", gemvStreamRowsTag
 		}
+		return "gemv_q4_w2h", gemvStreamRowsTag
 	}
-	if v[0] == 'w' {
-		return "gemv_" + kindNames[kind] + "_" + v, gemvStreamRowsTag
-	}
-	if v[0] == 'p' {
-		return "gemv_" + kindNames[kind] + "_" + v, gemvPersistTag + int(v[1]-'0')
-	}
-	if kind == kindQ8 && v[0] == 's' && (l.gidx != 0 || l.gs%16 != 0) {
-		v = "r4u1" // per-element groups: the split kernel needs 16-aligned groups
-	}
-	if v[0] == 's' { // split-K: rows per warp 8, or 4 for the "…4" variants
-		r := -8
-		if v[len(v)-1] == '4' {
-			r = -4
-		}
-		return "gemv_" + kindNames[kind] + "_" + v, r
-	}
-	r := 0
-	for _, ch := range v[1:] {
-		if ch < '0' || ch > '9' {
-			break
-		}
-		r = 10*r + int(ch-'0')
-	}
-	return "gemv_" + kindNames[kind] + "_" + v, r
+	panic(fmt.Sprintf("cuda backend: no GEMV for weight kind %d", l.kind))
 }
