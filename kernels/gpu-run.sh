@@ -5,7 +5,7 @@
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz (CGO_ENABLED=0 builds of qtool and the test binaries,
 # gzipped), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 bench anchor" kernels/gpu-run.sh
+#   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench bench anchor" kernels/gpu-run.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -113,6 +113,10 @@ if has kv16; then
   for kv in fp32 fp16; do
     run "l7b-awq-kv$kv-4k" bin/qtool verify --json --device cuda --kv-cache $kv --prompt "$(head -c 14000 .devdata/sotu-test.raw)" --max-new 256 /tmp/l7b-awq
   done
+fi
+if has kbench; then # kernels and the synthetic 7B (no checkpoint needed)
+  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --synthetic llama2-7b --decode 128 > "$OUT/kbench.txt" 2>&1
+  grep -E "gemv|decode|prefill" "$OUT/kbench.txt" | head -40
 fi
 if has bench; then
   lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --kernels=false --decode 256 /tmp/l7b-awq > "$OUT/bench-awq.txt" 2>&1
