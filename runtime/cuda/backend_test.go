@@ -203,6 +203,8 @@ var weightCases = []weightCase{
 	{"awq-int4-g128-splitk", 2560, quantCase(4, 128, 1, false)},
 	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false)},
 	{"awq-int4-g128-wide", 4608, quantCase(4, 128, 1, false)}, // K > 4096: gemv_q4_w2h
+	// x too wide to stage in shared memory (2K > 96 KB): the split-K gemv_q4_sh
+	{"awq-int4-g128-huge-k", 49280, quantCase(4, 128, 1, false)},
 }
 
 func TestMatMul(t *testing.T) {
