@@ -1045,6 +1045,11 @@ GEMVW_ENTRY(gemv_q4_w4h, GQ4, 4, 1, 2, 2)
 // ---------------------------------------------------------------------------
 // cp.async group commit, used by the int8 tensor-core GEMM (w8a8_mma).
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async16_zfill(void* s, const void* g, bool valid) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
+}
 
 // ---------------------------------------------------------------------------
 // Tensor-core GEMM: C[M, N] = A[M, K] (fp32, rounded to fp16) · W[N, K]ᵀ with
@@ -1250,6 +1255,123 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
         }
 }
 
+// Multistage fp16 tensor-core GEMM for dense fp16/bf16 weights (prefill):
+// C[M,N] = A16[M,K]·W[N,K]ᵀ with A16 the activations rounded to fp16 once
+// (to_half), both operands copied to shared memory with cp.async in a ring
+// of GH_STAGES tiles, so the copies of the next tiles overlap the mma of this
+// one. Tiles, warp layout, fragments and the order of the k steps are those
+// of gemm_body (bf16 weights are rounded to fp16 in the registers after
+// ldmatrix, as gemm_body does before its shared-memory store), so the
+// results equal gemm_f16/gemm_bf16's bit for bit. K % 32 == 0; rows past
+// M or N are zero-filled. Dynamic shared memory: GH_SMEM bytes.
+#define GH_STAGES 4
+#define GH_SMEM (GH_STAGES * (BM + BN) * SPAD * 2)
+
+extern "C" __global__ void to_half(__half* __restrict__ dst, const float* __restrict__ src, long long n) {
+    long long n4 = n / 4;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+        float4 v = reinterpret_cast<const float4*>(src)[i];
+        uint2 o = make_uint2(pack_h2(v.x, v.y), pack_h2(v.z, v.w));
+        reinterpret_cast<uint2*>(dst)[i] = o;
+    }
+    for (long long i = n4 * 4 + blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = __float2half_rn(src[i]);
+}
+
+__device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
+    return pack_h2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+}
+
+template <bool BF16>
+__device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half* __restrict__ A,
+                                            const uint16_t* __restrict__ W, int M, int N, int K) {
+    extern __shared__ __align__(16) unsigned char gh_smem[];
+    __half (*As)[BM][SPAD] = reinterpret_cast<__half (*)[BM][SPAD]>(gh_smem);
+    __half (*Bs)[BN][SPAD] = reinterpret_cast<__half (*)[BN][SPAD]>(gh_smem + GH_STAGES * BM * SPAD * 2);
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int wm = warp >> 2, wn = warp & 3;  // 2 x 4 warps
+    int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    int nk = K / BK;
+    // each thread copies 2 chunks of 8 halfs of A and of B per stage
+    auto load = [&](int kt, int st) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int c = tid + i * 256;  // row c/4, chunk c%4
+            int r = c >> 2, kc = (c & 3) * 8, k = kt * BK + kc;
+            int am = m0 + r, bn = n0 + r;
+            bool va = am < M, vb = bn < N;
+            cp_async16_zfill(&As[st][r][kc], va ? (const void*)(A + (size_t)am * K + k) : (const void*)A, va);
+            cp_async16_zfill(&Bs[st][r][kc], vb ? (const void*)(W + (size_t)bn * K + k) : (const void*)W, vb);
+        }
+    };
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+#pragma unroll
+    for (int s = 0; s < GH_STAGES - 1; s++) {
+        if (s < nk) load(s, s);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < nk; kt++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(GH_STAGES - 2) : "memory");
+        __syncthreads();  // tile kt is in; every warp is done with tile kt-1's stage
+        int nx = kt + GH_STAGES - 1;
+        if (nx < nk) load(nx, nx % GH_STAGES);
+        cp_async_commit();
+        int cur = kt % GH_STAGES;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            uint32_t af[4][4], bf[2][4];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                ldmatrix_x4(af[i], &As[cur][wm * 64 + i * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                ldmatrix_x4(bf[j], &Bs[cur][wn * 32 + j * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+                if (BF16) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) bf[j][e] = bf2_to_h2(bf[j][e]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    mma16816(acc[i][j], af[i], bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
+        }
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    int gid = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int n = n0 + wn * 32 + j * 8 + tq * 2;
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                int m = m0 + wm * 64 + i * 16 + gid + hh * 8;
+                if (m >= M) continue;
+                float* cp = C + (size_t)m * N + n;
+                if (n + 1 < N && (N & 1) == 0) {
+                    *reinterpret_cast<float2*>(cp) = make_float2(acc[i][j][2 * hh], acc[i][j][2 * hh + 1]);
+                } else {
+                    if (n < N) cp[0] = acc[i][j][2 * hh];
+                    if (n + 1 < N) cp[1] = acc[i][j][2 * hh + 1];
+                }
+            }
+        }
+}
+extern "C" __global__ void __launch_bounds__(256) gemm_h_f16(float* C, const __half* A, const uint16_t* W, int M, int N, int K) {
+    gemm_h_body<false>(C, A, W, M, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) gemm_h_bf16(float* C, const __half* A, const uint16_t* W, int M, int N, int K) {
+    gemm_h_body<true>(C, A, W, M, N, K);
+}
+
 #define GEMM_ENTRY(name, WT)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) name(float* C, const float* A, const void* W,              \
                                                            const float2* sz, const int* gidx, int M, int N,      \
@@ -1258,8 +1380,6 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
         gemm_body<WT>(C, A, wa, M, N, K);                                                                        \
     }
 GEMM_ENTRY(gemm_f32, WF32)
-GEMM_ENTRY(gemm_f16, WF16)
-GEMM_ENTRY(gemm_bf16, WBF16)
 GEMM_ENTRY(gemm_q8, WQ8)
 GEMM_ENTRY(gemm_q4, WQ4)
 
@@ -1343,11 +1463,6 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
 #define W8_BN 128
 #define W8_BK 64
 #define W8_LD 80
-__device__ __forceinline__ void cp_async16_zfill(void* s, const void* g, bool valid) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
-}
 __device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])

@@ -346,7 +346,7 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, copyGBs 
 	res.Linears = append(res.Linears, benchLinear(b, "lm_head", head.(*cuda.Linear), prompt, copyGBs)...)
 	b.FreeLinear(head)
 	res.WeightBytes = weightBytes
-	other, err := decodeBreakdown(b, m, cfg, prompt+steps/2, out)
+	other, err := stepBreakdown(b, m, cfg, 1, prompt+steps/2, out)
 	if err != nil {
 		return res, err
 	}
@@ -363,6 +363,23 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, copyGBs 
 	est := mm + other*float64(cfg.Layers)
 	fmt.Fprintf(out, "  decode step estimate from kernel times: matmuls %.0f us + other %.0f us = %.0f us (%.0f tok/s); graph measured %.0f us\n",
 		mm*1e6, other*float64(cfg.Layers)*1e6, est*1e6, 1/est, 1e6/res.DecodeGraphTok)
+	otherPre, err := stepBreakdown(b, m, cfg, prompt, 0, out)
+	if err != nil {
+		return res, err
+	}
+	mm = 0
+	for _, k := range res.Linears {
+		if k.M == prompt {
+			if k.Kernel == "lm_head" {
+				mm += k.Seconds
+			} else {
+				mm += k.Seconds * float64(cfg.Layers)
+			}
+		}
+	}
+	est = mm + otherPre*float64(cfg.Layers)
+	fmt.Fprintf(out, "  prefill estimate from kernel times: matmuls %.2f ms + other %.2f ms = %.2f ms (%.0f tok/s); measured %.2f ms\n",
+		mm*1e3, otherPre*float64(cfg.Layers)*1e3, est*1e3, float64(prompt)/est, 1e3*float64(prompt)/res.PrefillTokS)
 	ctx := float64(prompt) + float64(steps)/2
 	kvBytes := 2 * float64(cfg.Layers) * ctx * float64(cfg.KVDim()) * 4
 	res.RooflineTokS = copyGBs * 1e9 / (float64(weightBytes) + kvBytes)
@@ -416,11 +433,13 @@ func benchLinear(b *cuda.Backend, role string, w *cuda.Linear, M int, copyGBs fl
 	return []kernelResult{r1, r2}
 }
 
-// decodeBreakdown times the non-matmul operations of one decode step at
-// context ctx (device time from replayed graphs) and returns them per layer.
-func decodeBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, ctx int, out io.Writer) (float64, error) {
-	h, q, k, v := b.Alloc(1, cfg.Hidden), b.Alloc(1, cfg.QDim()), b.Alloc(1, cfg.KVDim()), b.Alloc(1, cfg.KVDim())
-	g, u, att := b.Alloc(1, cfg.Intermediate), b.Alloc(1, cfg.Intermediate), b.Alloc(1, cfg.QDim())
+// stepBreakdown times the non-matmul operations of one layer's forward
+// step over T rows at positions pos0… (T = 1: a decode step at context
+// pos0; pos0 = 0: a prefill of T tokens), device time from replayed graphs,
+// and returns their sum for one layer.
+func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 int, out io.Writer) (float64, error) {
+	h, q, k, v := b.Alloc(T, cfg.Hidden), b.Alloc(T, cfg.QDim()), b.Alloc(T, cfg.KVDim()), b.Alloc(T, cfg.KVDim())
+	g, u, att := b.Alloc(T, cfg.Intermediate), b.Alloc(T, cfg.Intermediate), b.Alloc(T, cfg.QDim())
 	for i, x := range []runtime.Buf{h, q, k, v, g, u} {
 		b.FillRandom(x, uint64(40+i), 1)
 	}
@@ -429,7 +448,7 @@ func decodeBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, ctx int,
 	if err != nil {
 		return 0, err
 	}
-	cache := b.NewKVCache(1, ctx+8, cfg.KVDim())
+	cache := b.NewKVCache(1, pos0+T+8, cfg.KVDim())
 	eps := float32(cfg.NormEps)
 	ops := []struct {
 		name  string
@@ -438,23 +457,27 @@ func decodeBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, ctx int,
 	}{
 		{"rmsnorm", 2, func() { b.RMSNorm(h, h, nw, nil, eps) }},
 		{"rope q+k", 1, func() {
-			b.RoPE(q, cfg.HeadDim, ctx, cfg.RopeTheta, cfg.Rope)
-			b.RoPE(k, cfg.HeadDim, ctx, cfg.RopeTheta, cfg.Rope)
+			b.RoPE(q, cfg.HeadDim, pos0, cfg.RopeTheta, cfg.Rope)
+			b.RoPE(k, cfg.HeadDim, pos0, cfg.RopeTheta, cfg.Rope)
 		}},
-		{"store_kv", 1, func() { b.StoreKV(cache, 0, ctx, k, v) }},
-		{"attention", 1, func() { b.Attention(att, q, cache, 0, ctx, cfg.Heads, cfg.KVHeads, cfg.HeadDim) }},
+		{"store_kv", 1, func() { b.StoreKV(cache, 0, pos0, k, v) }},
+		{"attention", 1, func() { b.Attention(att, q, cache, 0, pos0, cfg.Heads, cfg.KVHeads, cfg.HeadDim) }},
 		{"silu_mul", 1, func() { b.SiLUMul(g, g, u) }},
 		{"add", 2, func() { b.Add(h, h) }},
 	}
 	var total float64
-	fmt.Fprintf(out, "  decode step, other kernels per layer at context %d (device time):\n", ctx)
+	if T == 1 {
+		fmt.Fprintf(out, "  decode step, other kernels per layer at context %d (device time):\n", pos0)
+	} else {
+		fmt.Fprintf(out, "  prefill of %d tokens, other kernels per layer (device time):\n", T)
+	}
 	for _, op := range ops {
 		t, err := b.TimeCaptured(20, op.f)
 		if err != nil {
 			return 0, err
 		}
 		total += t * float64(op.times)
-		fmt.Fprintf(out, "    %-10s x%d %7.2f us\n", op.name, op.times, t*1e6)
+		fmt.Fprintf(out, "    %-10s x%d %9.2f us\n", op.name, op.times, t*1e6)
 	}
 	b.FreeKVCache(cache)
 	for _, x := range []runtime.Buf{h, q, k, v, g, u, att} {

@@ -212,7 +212,7 @@ func kernelNames() []string {
 	names := []string{
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_add", "rmsnorm_heads", "add_bias", "add_inplace",
 		"silu_mul", "rope", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8", "attn_combine",
-		"gemm_f32", "gemm_f16", "gemm_bf16", "gemm_q8", "gemm_q4",
+		"gemm_f32", "gemm_q8", "gemm_q4", "to_half", "gemm_h_f16", "gemm_h_bf16",
 		"quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "nll", "argmax", "decode_advance", "sample", "fill_random",
 	}
 	names = append(names, gemvKernels...)

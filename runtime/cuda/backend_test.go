@@ -192,6 +192,9 @@ var weightCases = []weightCase{
 	{"f32", 0, denseCase(model.F32)},
 	{"f16", 0, denseCase(model.F16)},
 	{"bf16", 0, denseCase(model.BF16)},
+	// fewer K steps than the GEMM's cp.async stages
+	{"f16-k96", 96, denseCase(model.F16)},
+	{"bf16-k32", 32, denseCase(model.BF16)},
 	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false)},
 	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false)},
 	{"w8-g128-offset", 0, quantCase(8, 128, 2, false)},

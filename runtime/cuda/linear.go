@@ -23,6 +23,10 @@ const (
 
 var kindNames = [...]string{"f32", "f16", "bf16", "q8", "q4", "w8a8"}
 
+// gemmHSmem is the dynamic shared memory of gemm_h_f16/gemm_h_bf16
+// (GH_SMEM in qtool.cu: 4 stages of 128 + 128 rows of 40 halfs).
+const gemmHSmem = 4 * (128 + 128) * 40 * 2
+
 // Linear is an uploaded weight [Out, In].
 type Linear struct {
 	kind      int
@@ -360,7 +364,20 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 	}
 	if (M > b.opt.GEMVMaxRows || forceGEMM) && K%32 == 0 {
 		grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
-		name := [...]string{"gemm_f32", "gemm_f16", "gemm_bf16", "gemm_q8", "gemm_q4"}[l.kind]
+		if l.kind == kindF16 || l.kind == kindBF16 {
+			// activations rounded to fp16 once, both operands streamed
+			// through shared memory with cp.async (gemm_h_*)
+			a16 := b.scratchBuf("gemm_a16", 2*M*K)
+			b.launch("to_half", b.gridFor(M*K/4), block256, a16, s.p, int64(M*K))
+			name := "gemm_h_f16"
+			if l.kind == kindBF16 {
+				name = "gemm_h_bf16"
+			}
+			b.raiseSmem(name, gemmHSmem)
+			b.launchShm(name, grid, block256, gemmHSmem, d.p, a16, l.w, M, N, K)
+			return
+		}
+		name := [...]string{"gemm_f32", "", "", "gemm_q8", "gemm_q4"}[l.kind]
 		b.launch(name, grid, block256, d.p, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
 		return
 	}
