@@ -9,7 +9,7 @@ import (
 // from the current CUDA source (run kernels/build.sh on a machine with nvcc
 // after editing one) and holds the kernels the backend looks up.
 func TestPTXBuiltFromSource(t *testing.T) {
-	inference := []string{"gemv_q4_sh", "gemm_q4", "gemm_f16", "gemv_q8_r4u1", "gemv_f16_r4u2", "attention", "rmsnorm", "nll", "argmax"}
+	inference := []string{"gemv_q4_sh", "gemm_q4", "gemm_h_f16", "gemv_q8_r4u1", "gemv_f16_r4u2", "attention", "rmsnorm", "nll", "argmax"}
 	calibration := []string{"gather_rows", "col_stats", "sq_diff", "scale_cols", "diag_f32", "widen", "cal_gemm_f32", "cal_gemm_f64",
 		"mirror_lower", "build_a", "potrf_diag", "extract_u", "copy_block_f64", "gptq_prep", "gptq_fit", "gptq_block",
 		"awq_fakequant", "awq_clip"}
