@@ -68,6 +68,17 @@ __device__ __forceinline__ float load_dense(const void* p, size_t i, int dt) {
     return ((const float*)p)[i];
 }
 __device__ __forceinline__ int q4_shift(int e) { return ((e & 1) ? 16 : 0) + (e >> 1) * 4; }
+// two floats rounded to a half2, a in the low half
+__device__ __forceinline__ uint32_t pack_h2(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+// D += A·B on the tensor cores, fp16 operands, fp32 accumulators
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 // ---------------------------------------------------------------------------
 // Elementwise and normalisation.
@@ -472,6 +483,213 @@ extern "C" __global__ void __launch_bounds__(128) attention_i8(
     const float* __restrict__ vs, const float* __restrict__ vo) {
     attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk,
                    KVQuant{ks, ko, vs, vo});
+}
+
+// Prefill attention on the tensor cores (FlashAttention-2 style) for T ≥
+// a few dozen rows at positions pos0 + t: grid (ceil(T/64), heads), block
+// 128 (4 warps × 16 query rows). q·scale·log2 e and each tile of 64 keys
+// (an int8 cache dequantized as (q − o)·s first) go to shared memory as
+// fp16 pairs x ≈ hi + lo, and S = Q·Kᵀ is Qhi·Khi + Qlo·Khi + Qhi·Klo on
+// mma.sync m16n8k16 with fp32 accumulators, and O = P·V likewise as
+// Phi·Vhi + Plo·Vhi + Phi·Vlo: near-fp32 results (single fp16 operands give
+// relative errors of ~3e-4, which the int8 activations of a W8A8 model turn
+// into perplexity differences of 1e-3 against the CPU). Causal mask and
+// online softmax in fp32 registers. Head size a multiple of 16, at most
+// 128. Dynamic shared memory: AT_SMEM.
+#define AT_Q 64
+#define AT_K 64
+#define AT_LD 136  // halfs per row of Ks (128 + 8): also stages Q
+#define AT_VLD 72  // halfs per row of Vt (64 keys + 8)
+#define AT_SMEM ((2 * AT_K * AT_LD + 2 * 128 * AT_VLD) * 2)
+__device__ __forceinline__ uint2 split_h4(float a, float b, float c, float d, uint2& lo) {
+    __half2 h0 = __floats2half2_rn(a, b), h1 = __floats2half2_rn(c, d);
+    float2 f0 = __half22float2(h0), f1 = __half22float2(h1);
+    lo = make_uint2(pack_h2(a - f0.x, b - f0.y), pack_h2(c - f1.x, d - f1.y));
+    return make_uint2(*reinterpret_cast<uint32_t*>(&h0), *reinterpret_cast<uint32_t*>(&h1));
+}
+template <typename KV>
+__device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const float* __restrict__ q,
+                                             const KV* __restrict__ kc, const KV* __restrict__ vc, int T,
+                                             int heads, int kvHeads, int hd, int pos0, float scale, KVQuant kq) {
+    extern __shared__ __align__(16) unsigned char at_smem[];
+    __half (*Ks)[AT_LD] = reinterpret_cast<__half (*)[AT_LD]>(at_smem);
+    __half (*Kl)[AT_LD] = reinterpret_cast<__half (*)[AT_LD]>(at_smem + AT_K * AT_LD * 2);
+    __half (*Vt)[AT_VLD] = reinterpret_cast<__half (*)[AT_VLD]>(at_smem + 2 * AT_K * AT_LD * 2);
+    __half (*Vl)[AT_VLD] = reinterpret_cast<__half (*)[AT_VLD]>(at_smem + (2 * AT_K * AT_LD + 128 * AT_VLD) * 2);
+    int h = blockIdx.y, t0 = blockIdx.x * AT_Q;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tq = lane & 3;
+    int kvDim = kvHeads * hd, kvh = h / (heads / kvHeads);
+    int nks = hd >> 4, nnt = hd >> 3, c4 = hd >> 2;
+    float sl2 = scale * 1.4426950408889634f;
+    for (int i = tid; i < AT_Q * c4; i += 128) {
+        int r = i / c4, c = (i % c4) * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t0 + r < T) v = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * heads * hd + (size_t)h * hd + c);
+        uint2 lo;
+        *reinterpret_cast<uint2*>(&Ks[r][c]) = split_h4(v.x * sl2, v.y * sl2, v.z * sl2, v.w * sl2, lo);
+        *reinterpret_cast<uint2*>(&Kl[r][c]) = lo;
+    }
+    __syncthreads();
+    int qr = warp * 16;
+    uint32_t qa[8][4], ql[8][4];
+#pragma unroll
+    for (int ks = 0; ks < 8; ks++) {
+        if (ks < nks) {
+            int k0 = ks * 16 + 2 * tq;
+            qa[ks][0] = *reinterpret_cast<const uint32_t*>(&Ks[qr + gid][k0]);
+            qa[ks][1] = *reinterpret_cast<const uint32_t*>(&Ks[qr + gid + 8][k0]);
+            qa[ks][2] = *reinterpret_cast<const uint32_t*>(&Ks[qr + gid][k0 + 8]);
+            qa[ks][3] = *reinterpret_cast<const uint32_t*>(&Ks[qr + gid + 8][k0 + 8]);
+            ql[ks][0] = *reinterpret_cast<const uint32_t*>(&Kl[qr + gid][k0]);
+            ql[ks][1] = *reinterpret_cast<const uint32_t*>(&Kl[qr + gid + 8][k0]);
+            ql[ks][2] = *reinterpret_cast<const uint32_t*>(&Kl[qr + gid][k0 + 8]);
+            ql[ks][3] = *reinterpret_cast<const uint32_t*>(&Kl[qr + gid + 8][k0 + 8]);
+        }
+    }
+    float o[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[nt][e] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    int plo = pos0 + t0 + qr + gid, phi = plo + 8;  // this thread's two rows
+    int wlast = pos0 + t0 + qr + 15;                // the warp's last row
+    int last = pos0 + min(T, t0 + AT_Q) - 1;        // the block's last key
+    for (int j0 = 0; j0 <= last; j0 += AT_K) {
+        __syncthreads();  // Q staging or the previous tile consumed
+        for (int i = tid; i < AT_K * c4; i += 128) {
+            int r = i % AT_K, c = (i / AT_K) * 4, j = j0 + r;
+            float kx[8], vx[8];
+            if (j <= last) {
+                size_t off = (size_t)j * kvDim + (size_t)kvh * hd + c;
+                kv_row(kx, kc + off, 4);
+                kv_row(vx, vc + off, 4);
+                if constexpr (kv_quantized<KV>::value) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        int ch = kvh * hd + c + e;
+                        kx[e] = (kx[e] - kq.ko[ch]) * kq.ks[ch];
+                        vx[e] = (vx[e] - kq.vo[ch]) * kq.vs[ch];
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; e++) kx[e] = vx[e] = 0.f;
+            }
+            uint2 lo;
+            *reinterpret_cast<uint2*>(&Ks[r][c]) = split_h4(kx[0], kx[1], kx[2], kx[3], lo);
+            *reinterpret_cast<uint2*>(&Kl[r][c]) = lo;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                __half hv = __float2half_rn(vx[e]);
+                Vt[c + e][r] = hv;
+                Vl[c + e][r] = __float2half_rn(vx[e] - __half2float(hv));
+            }
+        }
+        __syncthreads();
+        if (j0 > wlast) continue;  // every key of the tile is after this warp's rows
+        float sc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) sc[nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < 8; ks++) {
+            if (ks < nks) {
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++) {
+                    uint32_t b0 = *reinterpret_cast<const uint32_t*>(&Ks[nt * 8 + gid][ks * 16 + 2 * tq]);
+                    uint32_t b1 = *reinterpret_cast<const uint32_t*>(&Ks[nt * 8 + gid][ks * 16 + 2 * tq + 8]);
+                    uint32_t c0 = *reinterpret_cast<const uint32_t*>(&Kl[nt * 8 + gid][ks * 16 + 2 * tq]);
+                    uint32_t c1 = *reinterpret_cast<const uint32_t*>(&Kl[nt * 8 + gid][ks * 16 + 2 * tq + 8]);
+                    mma16816(sc[nt], ql[ks], b0, b1);
+                    mma16816(sc[nt], qa[ks], c0, c1);
+                    mma16816(sc[nt], qa[ks], b0, b1);
+                }
+            }
+        }
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int key = j0 + nt * 8 + 2 * tq + e;
+                if (key > plo) sc[nt][e] = -INFINITY;
+                if (key > phi) sc[nt][2 + e] = -INFINITY;
+                mx0 = fmaxf(mx0, sc[nt][e]);
+                mx1 = fmaxf(mx1, sc[nt][2 + e]);
+            }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 2));
+        // key 0 is in the first tile and visible to every row: mx is finite
+        float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+        m0 = mx0;
+        m1 = mx1;
+        l0 *= c0;
+        l1 *= c1;
+#pragma unroll
+        for (int nt = 0; nt < 16; nt++) {
+            o[nt][0] *= c0; o[nt][1] *= c0;
+            o[nt][2] *= c1; o[nt][3] *= c1;
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            // P's 16 keys of this step as A fragments, hi and lo
+            uint32_t pa[4], pl[4];
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                int nt = 2 * kk + u;
+                float p0 = exp2f(sc[nt][0] - m0), p1 = exp2f(sc[nt][1] - m0);
+                float p2 = exp2f(sc[nt][2] - m1), p3 = exp2f(sc[nt][3] - m1);
+                l0 += p0 + p1;
+                l1 += p2 + p3;
+                uint2 lo;
+                uint2 hi = split_h4(p0, p1, p2, p3, lo);
+                pa[2 * u] = hi.x; pa[2 * u + 1] = hi.y;
+                pl[2 * u] = lo.x; pl[2 * u + 1] = lo.y;
+            }
+#pragma unroll
+            for (int nt = 0; nt < 16; nt++) {
+                if (nt < nnt) {
+                    uint32_t b0 = *reinterpret_cast<const uint32_t*>(&Vt[nt * 8 + gid][kk * 16 + 2 * tq]);
+                    uint32_t b1 = *reinterpret_cast<const uint32_t*>(&Vt[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
+                    uint32_t c0 = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq]);
+                    uint32_t c1 = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
+                    mma16816(o[nt], pl, b0, b1);
+                    mma16816(o[nt], pa, c0, c1);
+                    mma16816(o[nt], pa, b0, b1);
+                }
+            }
+        }
+    }
+    l0 += __shfl_xor_sync(FULL, l0, 1);
+    l0 += __shfl_xor_sync(FULL, l0, 2);
+    l1 += __shfl_xor_sync(FULL, l1, 1);
+    l1 += __shfl_xor_sync(FULL, l1, 2);
+    int tlo = t0 + qr + gid, thi = tlo + 8;
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++) {
+        if (nt < nnt) {
+            int d = nt * 8 + 2 * tq;
+            if (tlo < T) *reinterpret_cast<float2*>(dst + (size_t)tlo * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][0] / l0, o[nt][1] / l0);
+            if (thi < T) *reinterpret_cast<float2*>(dst + (size_t)thi * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][2] / l1, o[nt][3] / l1);
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const float* q, const float* kc, const float* vc,
+                                                          int T, int heads, int kvHeads, int hd, int pos0, float scale) {
+    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, KVQuant{});
+}
+extern "C" __global__ void __launch_bounds__(128) attn_tc_f16(float* dst, const float* q, const __half* kc, const __half* vc,
+                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale) {
+    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, KVQuant{});
+}
+extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const float* q, const int8_t* kc, const int8_t* vc,
+                                                             int T, int heads, int kvHeads, int hd, int pos0, float scale,
+                                                             const float* ks, const float* ko, const float* vs, const float* vo) {
+    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, KVQuant{ks, ko, vs, vo});
 }
 
 // grid (heads, T), block >= 32.
@@ -1043,7 +1261,8 @@ GEMVW_ENTRY(gemv_q4_w2h, GQ4, 2, 1, 4, 2)
 GEMVW_ENTRY(gemv_q4_w4h, GQ4, 4, 1, 2, 2)
 
 // ---------------------------------------------------------------------------
-// cp.async group commit, used by the int8 tensor-core GEMM (w8a8_mma).
+// cp.async (16-byte copies to shared memory, zero-filled where !valid) and
+// its group commit, used by the tensor-core GEMMs (gemm_h_*, w8a8_mma).
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async16_zfill(void* s, const void* g, bool valid) {
     uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
@@ -1095,10 +1314,6 @@ __device__ __forceinline__ void b_load(BRaw& r, const WArgs& wa, int n, int N, i
     }
 }
 
-__device__ __forceinline__ uint32_t pack_h2(float a, float b) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-}
 
 // Convert to 16 halfs (two uint4) for smem.
 template <int WT>
@@ -1157,11 +1372,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
     uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 template <int WT>
@@ -1276,6 +1486,45 @@ extern "C" __global__ void to_half(__half* __restrict__ dst, const float* __rest
     }
     for (long long i = n4 * 4 + blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         dst[i] = __float2half_rn(src[i]);
+}
+
+// The quantized weights of a large prefill GEMM are first widened to fp16
+// [N, K] (dequant_h_*: (q − z)·s in fp32, rounded once) and multiplied by
+// gemm_h_f16: at M ≥ a few hundred rows the extra pass over the weight
+// costs less than dequantizing every tile in the GEMM's loader. 8
+// consecutive k per thread; K % 8 == 0.
+extern "C" __global__ void dequant_h_q4(__half* __restrict__ dst, const uint32_t* __restrict__ q,
+                                        const float2* __restrict__ sz, int N, int K, int gs, int G) {
+    long long words = (long long)N * (K / 8);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < words; i += (long long)gridDim.x * blockDim.x) {
+        int n = (int)(i / (K / 8)), k = (int)(i % (K / 8)) * 8;
+        uint32_t w = q[i];
+        float v[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            float2 s = sz[(size_t)n * G + (k + e) / gs];
+            __half2 zh = *reinterpret_cast<__half2*>(&s.y);
+            float z = __low2float(zh) - 1024.f;
+            v[e] = ((float)((w >> q4_shift(e)) & 15u) - z) * s.x;
+        }
+        reinterpret_cast<uint4*>(dst)[i] = make_uint4(pack_h2(v[0], v[1]), pack_h2(v[2], v[3]), pack_h2(v[4], v[5]), pack_h2(v[6], v[7]));
+    }
+}
+extern "C" __global__ void dequant_h_q8(__half* __restrict__ dst, const int8_t* __restrict__ q, const float2* __restrict__ sz,
+                                        const int* __restrict__ gidx, int N, int K, int gs, int G) {
+    long long chunks = (long long)N * (K / 8);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < chunks; i += (long long)gridDim.x * blockDim.x) {
+        int n = (int)(i / (K / 8)), k = (int)(i % (K / 8)) * 8;
+        uint2 w = reinterpret_cast<const uint2*>(q)[i];
+        float v[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            float2 s = sz[(size_t)n * G + q_group(k + e, gs, gidx)];
+            int8_t c = (int8_t)(((e < 4 ? w.x : w.y) >> (8 * (e & 3))) & 0xff);
+            v[e] = ((float)c - s.y) * s.x;
+        }
+        reinterpret_cast<uint4*>(dst)[i] = make_uint4(pack_h2(v[0], v[1]), pack_h2(v[2], v[3]), pack_h2(v[4], v[5]), pack_h2(v[6], v[7]));
+    }
 }
 
 __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
@@ -1455,7 +1704,7 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
 // M > a few rows: y[m,n] = (Σ_k xq[m,k]·W[n,k] + qbias[n])·deq[n] (+ bias[n]),
 // the same integers and float operations as w8a8_gemm, so the results are
 // identical. Block tile 128 (m) × 128 (n), K in steps of 64 through shared
-// memory (double-buffered cp.async, rows padded to 80 bytes: the fragment
+// memory (a cp.async ring of W8_STAGES tiles, rows padded to 80 bytes: the fragment
 // loads of a warp hit 32 distinct banks); 8 warps, 4 along m × 2 along n,
 // each 32 × 64 (2 × 8 mma tiles). K % 16 == 0 (16-byte row chunks; chunks
 // past K or rows past M/N are zero-filled).
@@ -1463,6 +1712,8 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
 #define W8_BN 128
 #define W8_BK 64
 #define W8_LD 80
+#define W8_STAGES 4  // cp.async ring; dynamic shared memory W8_SMEM
+#define W8_SMEM (W8_STAGES * (W8_BM + W8_BN) * W8_LD)
 __device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
@@ -1472,8 +1723,9 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
     float* __restrict__ y, const int8_t* __restrict__ xq, const int8_t* __restrict__ W,
     const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
     const float* __restrict__ tok, int M, int N, int K) {
-    __shared__ __align__(16) int8_t As[2][W8_BM * W8_LD];
-    __shared__ __align__(16) int8_t Bs[2][W8_BN * W8_LD];
+    extern __shared__ __align__(16) unsigned char w8_smem[];
+    int8_t (*As)[W8_BM * W8_LD] = reinterpret_cast<int8_t (*)[W8_BM * W8_LD]>(w8_smem);
+    int8_t (*Bs)[W8_BN * W8_LD] = reinterpret_cast<int8_t (*)[W8_BN * W8_LD]>(w8_smem + W8_STAGES * W8_BM * W8_LD);
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int gid = lane >> 2, tq = lane & 3;
     int wm = warp & 3, wn = warp >> 2;  // warp tile: rows wm*32.., cols wn*64..
@@ -1499,18 +1751,18 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
         for (int j = 0; j < 8; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0;
-    load(0, 0);
-    cp_async_commit();
+#pragma unroll
+    for (int st = 0; st < W8_STAGES - 1; st++) {
+        if (st < nk) load(st, st);
+        cp_async_commit();
+    }
     for (int kt = 0; kt < nk; kt++) {
-        int buf = kt & 1;
-        if (kt + 1 < nk) {
-            load(kt + 1, buf ^ 1);
-            cp_async_commit();
-            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        } else {
-            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-        }
-        __syncthreads();
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(W8_STAGES - 2) : "memory");
+        __syncthreads();  // tile kt is in; every warp is done with tile kt-1's stage
+        int nx = kt + W8_STAGES - 1;
+        if (nx < nk) load(nx, nx % W8_STAGES);
+        cp_async_commit();
+        int buf = kt % W8_STAGES;
         const int8_t* A = As[buf];
         const int8_t* B = Bs[buf];
 #pragma unroll
@@ -1536,8 +1788,8 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
                 for (int nt = 0; nt < 8; nt++)
                     mma_s8(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[nt][0], b[nt][1]);
         }
-        __syncthreads();
     }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #pragma unroll
     for (int mt = 0; mt < 2; mt++) {
 #pragma unroll

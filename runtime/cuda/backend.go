@@ -212,7 +212,8 @@ func kernelNames() []string {
 	names := []string{
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_add", "rmsnorm_heads", "add_bias", "add_inplace",
 		"silu_mul", "rope", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8", "attn_combine",
-		"gemm_f32", "gemm_q8", "gemm_q4", "to_half", "gemm_h_f16", "gemm_h_bf16",
+		"attn_tc", "attn_tc_f16", "attn_tc_i8",
+		"gemm_f32", "gemm_q8", "gemm_q4", "to_half", "gemm_h_f16", "gemm_h_bf16", "dequant_h_q4", "dequant_h_q8",
 		"quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "nll", "argmax", "decode_advance", "sample", "fill_random",
 	}
 	names = append(names, gemvKernels...)
@@ -806,6 +807,16 @@ func (b *Backend) StoreKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf) 
 // attnChunk is the number of keys per split in graph-captured decode steps.
 const attnChunk = 32
 
+// attnTCMinRows is the least number of query rows that Attention runs on
+// the tensor cores (attn_tc: 64 queries a block share each key tile); fewer
+// rows take the flash-decoding kernel, which splits long contexts over
+// more blocks.
+const attnTCMinRows = 32
+
+// attnTCSmem is attn_tc's dynamic shared memory (AT_SMEM in qtool.cu: keys
+// as fp16 hi and lo, 64 × 136 halfs each, values transposed, 128 × 72 each).
+const attnTCSmem = (2*64*136 + 2*128*72) * 2
+
 // Attention implements runtime.Backend.
 func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int) {
 	d, qb, kc := buf(dst), buf(q), cache(c)
@@ -818,6 +829,19 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 		panic("cuda backend: Attention beyond the cache")
 	}
 	defer b.enter()()
+	off := kc.layerOff(layer)
+	scale := float32(1 / math.Sqrt(float64(headDim)))
+	if T >= attnTCMinRows && headDim%16 == 0 && headDim <= 128 && !(b.capturing && b.capPos) {
+		// prefill: 64 queries a block on the tensor cores
+		args := []any{d.p, qb.p, kc.k + off, kc.v + off, T, heads, kvHeads, headDim, pos0, scale}
+		if kc.quant != 0 {
+			args = append(args, kc.quantArgs(layer)...)
+		}
+		name := kc.kernel("attn_tc")
+		b.raiseSmem(name, attnTCSmem)
+		b.launchShm(name, [3]uint32{uint32((T + 63) / 64), uint32(heads), 1}, [3]uint32{128, 1, 1}, attnTCSmem, args...)
+		return
+	}
 	var nsplit, chunk int
 	if b.capturing && b.capPos {
 		chunk = attnChunk
@@ -834,9 +858,7 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 		ml = b.scratchBuf("att_ml", 8*T*heads*nsplit)
 		acc = b.scratchBuf("att_acc", 4*T*heads*nsplit*headDim)
 	}
-	off := kc.layerOff(layer)
 	p, dp := b.posArgs(pos0)
-	scale := float32(1 / math.Sqrt(float64(headDim)))
 	args := []any{d.p, qb.p, kc.k + off, kc.v + off, ml, acc, heads, kvHeads, headDim, p, dp, scale, nsplit, chunk}
 	if kc.quant != 0 {
 		args = append(args, kc.quantArgs(layer)...)

@@ -511,7 +511,9 @@ func TestAttention(t *testing.T) {
 		keys, vals := randVec(r, filled*kvDim, 1), randVec(r, filled*kvDim, 1)
 		kb, vb := upload(b, filled, kvDim, keys), upload(b, filled, kvDim, vals)
 		b.StoreKV(c, 1, 0, kb, vb)
-		for _, tc := range []struct{ T, pos0 int }{{9, 0}, {1, 0}, {1, 299}, {3, 297}, {1, 349}, {50, 300}} {
+		// T ≥ attnTCMinRows: the tensor-core kernel (one and several
+		// 64-query blocks, partial ones, after a filled prefix)
+		for _, tc := range []struct{ T, pos0 int }{{9, 0}, {1, 0}, {1, 299}, {3, 297}, {1, 349}, {31, 300}, {50, 300}, {64, 0}, {130, 0}, {200, 150}} {
 			t.Run(fmt.Sprintf("hd=%d/T=%d/pos0=%d", hd, tc.T, tc.pos0), func(t *testing.T) {
 				q := randVec(r, tc.T*heads*hd, 1)
 				want := make([]float64, tc.T*heads*hd)

@@ -95,7 +95,7 @@ func TestFixtures(t *testing.T) {
 			}
 			rel := math.Abs(gp.PPL-cp.PPL) / cp.PPL
 			t.Logf("%s: first 20 chunks: GPU ppl %.4f, CPU ppl %.4f, relative difference %.2e", f.name, gp.PPL, cp.PPL, rel)
-			if rel > 1e-3 {
+			if rel > 1e-4 {
 				t.Errorf("GPU perplexity %.4f differs from CPU %.4f by %.3g%%", gp.PPL, cp.PPL, 100*rel)
 			}
 			gg := greedy(gm, ref.GreedyPromptIDs, 24)

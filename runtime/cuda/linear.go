@@ -23,6 +23,16 @@ const (
 
 var kindNames = [...]string{"f32", "f16", "bf16", "q8", "q4", "w8a8"}
 
+// dequantGEMMMinRows is the least number of rows for which a 4- or 8-bit
+// weight is widened to fp16 and multiplied by gemm_h_f16 (one more pass over
+// the weight, amortised over the rows); fewer rows take the fused
+// gemm_q4/gemm_q8, which dequantize each tile in their loaders.
+const dequantGEMMMinRows = 128
+
+// w8a8MMASmem is w8a8_mma's dynamic shared memory (W8_SMEM in qtool.cu: 4
+// stages of 128 + 128 rows of 80 bytes).
+const w8a8MMASmem = 4 * (128 + 128) * 80
+
 // gemmHSmem is the dynamic shared memory of gemm_h_f16/gemm_h_bf16
 // (GH_SMEM in qtool.cu: 4 stages of 128 + 128 rows of 40 halfs).
 const gemmHSmem = 4 * (128 + 128) * 40 * 2
@@ -345,7 +355,8 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 			b.launch("quant_act", b.gridFor(M*K), block256, xq, s.p, int64(M*K), l.inScale, l.inOffset)
 		}
 		if M > b.opt.GEMVMaxRows || forceGEMM { // the int8 tensor cores, 128 × 128 tiles
-			b.launch("w8a8_mma", [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}, block256,
+			b.raiseSmem("w8a8_mma", w8a8MMASmem)
+			b.launchShm("w8a8_mma", [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}, block256, w8a8MMASmem,
 				d.p, xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K)
 			return
 		}
@@ -364,17 +375,26 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 	}
 	if (M > b.opt.GEMVMaxRows || forceGEMM) && K%32 == 0 {
 		grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
-		if l.kind == kindF16 || l.kind == kindBF16 {
+		wide := (l.kind == kindQ4 || l.kind == kindQ8) && M >= dequantGEMMMinRows
+		if l.kind == kindF16 || l.kind == kindBF16 || wide {
 			// activations rounded to fp16 once, both operands streamed
-			// through shared memory with cp.async (gemm_h_*)
+			// through shared memory with cp.async (gemm_h_*); quantized
+			// weights widened to fp16 first
+			w, name := l.w, "gemm_h_f16"
+			switch l.kind {
+			case kindBF16:
+				name = "gemm_h_bf16"
+			case kindQ4:
+				w = b.scratchBuf("gemm_w16", 2*N*K)
+				b.launch("dequant_h_q4", b.gridFor(N*K/8), block256, w, l.w, l.sz, N, K, l.gs, l.groups)
+			case kindQ8:
+				w = b.scratchBuf("gemm_w16", 2*N*K)
+				b.launch("dequant_h_q8", b.gridFor(N*K/8), block256, w, l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
+			}
 			a16 := b.scratchBuf("gemm_a16", 2*M*K)
 			b.launch("to_half", b.gridFor(M*K/4), block256, a16, s.p, int64(M*K))
-			name := "gemm_h_f16"
-			if l.kind == kindBF16 {
-				name = "gemm_h_bf16"
-			}
 			b.raiseSmem(name, gemmHSmem)
-			b.launchShm(name, grid, block256, gemmHSmem, d.p, a16, l.w, M, N, K)
+			b.launchShm(name, grid, block256, gemmHSmem, d.p, a16, w, M, N, K)
 			return
 		}
 		name := [...]string{"gemm_f32", "", "", "gemm_q8", "gemm_q4"}[l.kind]

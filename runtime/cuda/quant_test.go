@@ -106,8 +106,10 @@ func TestInt8KVCache(t *testing.T) {
 		for i, v := range want {
 			w64[i] = float64(v)
 		}
-		// the GPU applies the quantizers algebraically (key scales folded
-		// into q, value offsets after the sums): equal up to float rounding
+		// decode rows apply the quantizers algebraically (key scales folded
+		// into q, value offsets after the sums), prefill rows (T=64, the
+		// tensor-core kernel) dequantize into fp16 pairs: equal up to
+		// float rounding
 		checkClose(t, fmt.Sprintf("int8 cache attention T=%d pos0=%d", tc.T, tc.pos0), download(b, out), w64, 1e-5)
 	}
 }
