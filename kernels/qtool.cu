@@ -1465,17 +1465,19 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
         }
 }
 
-// Multistage fp16 tensor-core GEMM for dense fp16/bf16 weights (prefill):
-// C[M,N] = A16[M,K]·W[N,K]ᵀ with A16 the activations rounded to fp16 once
-// (to_half), both operands copied to shared memory with cp.async in a ring
-// of GH_STAGES tiles, so the copies of the next tiles overlap the mma of this
-// one. Tiles, warp layout, fragments and the order of the k steps are those
-// of gemm_body (bf16 weights are rounded to fp16 in the registers after
-// ldmatrix, as gemm_body does before its shared-memory store), so the
-// results equal gemm_f16/gemm_bf16's bit for bit. K % 32 == 0; rows past
-// M or N are zero-filled. Dynamic shared memory: GH_SMEM bytes.
-#define GH_STAGES 4
-#define GH_SMEM (GH_STAGES * (BM + BN) * SPAD * 2)
+// Multistage fp16 tensor-core GEMM for dense fp16/bf16 weights and, in
+// prefill, 4-/8-bit weights widened to fp16 (dequant_h_*): C[M,N] =
+// A16[M,K]·W[N,K]ᵀ with A16 the activations rounded to fp16 once
+// (to_half). 128 × 128 block tiles, K in steps of GH_BK through a cp.async
+// ring of GH_STAGES tiles, so the copies of the next tiles overlap the mma
+// of this one; warps and fragments as in gemm_body (bf16 weights rounded
+// to fp16 in the registers after ldmatrix, as gemm_body rounds them before
+// its shared-memory store). K % 8 == 0; rows past M or N and chunks past K
+// are zero-filled. Dynamic shared memory: GH_SMEM bytes.
+#define GH_STAGES 3
+#define GH_BK 64
+#define GH_LD 72  // halfs per smem row (64 + 8 padding)
+#define GH_SMEM (GH_STAGES * (BM + BN) * GH_LD * 2)
 
 extern "C" __global__ void to_half(__half* __restrict__ dst, const float* __restrict__ src, long long n) {
     long long n4 = n / 4;
@@ -1535,20 +1537,21 @@ template <bool BF16>
 __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half* __restrict__ A,
                                             const uint16_t* __restrict__ W, int M, int N, int K) {
     extern __shared__ __align__(16) unsigned char gh_smem[];
-    __half (*As)[BM][SPAD] = reinterpret_cast<__half (*)[BM][SPAD]>(gh_smem);
-    __half (*Bs)[BN][SPAD] = reinterpret_cast<__half (*)[BN][SPAD]>(gh_smem + GH_STAGES * BM * SPAD * 2);
+    __half (*As)[BM][GH_LD] = reinterpret_cast<__half (*)[BM][GH_LD]>(gh_smem);
+    __half (*Bs)[BN][GH_LD] = reinterpret_cast<__half (*)[BN][GH_LD]>(gh_smem + GH_STAGES * BM * GH_LD * 2);
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int wm = warp >> 2, wn = warp & 3;  // 2 x 4 warps
     int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-    int nk = K / BK;
-    // each thread copies 2 chunks of 8 halfs of A and of B per stage
+    int nk = (K + GH_BK - 1) / GH_BK;
+    // each thread copies 4 chunks of 8 halfs of A and of B per stage
+    // (chunks past K zero-filled)
     auto load = [&](int kt, int st) {
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            int c = tid + i * 256;  // row c/4, chunk c%4
-            int r = c >> 2, kc = (c & 3) * 8, k = kt * BK + kc;
+        for (int i = 0; i < 4; i++) {
+            int c = tid + i * 256;  // row c/8, chunk c%8
+            int r = c >> 3, kc = (c & 7) * 8, k = kt * GH_BK + kc;
             int am = m0 + r, bn = n0 + r;
-            bool va = am < M, vb = bn < N;
+            bool va = am < M && k < K, vb = bn < N && k < K;
             cp_async16_zfill(&As[st][r][kc], va ? (const void*)(A + (size_t)am * K + k) : (const void*)A, va);
             cp_async16_zfill(&Bs[st][r][kc], vb ? (const void*)(W + (size_t)bn * K + k) : (const void*)W, vb);
         }
@@ -1573,7 +1576,7 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
         cp_async_commit();
         int cur = kt % GH_STAGES;
 #pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
+        for (int kk = 0; kk < GH_BK; kk += 16) {
             uint32_t af[4][4], bf[2][4];
 #pragma unroll
             for (int i = 0; i < 4; i++)
@@ -1614,10 +1617,10 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
             }
         }
 }
-extern "C" __global__ void __launch_bounds__(256) gemm_h_f16(float* C, const __half* A, const uint16_t* W, int M, int N, int K) {
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_f16(float* C, const __half* A, const uint16_t* W, int M, int N, int K) {
     gemm_h_body<false>(C, A, W, M, N, K);
 }
-extern "C" __global__ void __launch_bounds__(256) gemm_h_bf16(float* C, const __half* A, const uint16_t* W, int M, int N, int K) {
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_bf16(float* C, const __half* A, const uint16_t* W, int M, int N, int K) {
     gemm_h_body<true>(C, A, W, M, N, K);
 }
 

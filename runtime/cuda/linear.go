@@ -34,8 +34,8 @@ const dequantGEMMMinRows = 128
 const w8a8MMASmem = 4 * (128 + 128) * 80
 
 // gemmHSmem is the dynamic shared memory of gemm_h_f16/gemm_h_bf16
-// (GH_SMEM in qtool.cu: 4 stages of 128 + 128 rows of 40 halfs).
-const gemmHSmem = 4 * (128 + 128) * 40 * 2
+// (GH_SMEM in qtool.cu: 3 stages of 128 + 128 rows of 72 halfs).
+const gemmHSmem = 3 * (128 + 128) * 72 * 2
 
 // Linear is an uploaded weight [Out, In].
 type Linear struct {
