@@ -6,6 +6,7 @@
 # Needs: .devbin/*.gz (CGO_ENABLED=0 builds of qtool and the test binaries,
 # gzipped), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
 #   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench bench anchor" kernels/gpu-run.sh
+# (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -123,7 +124,7 @@ if has bench; then
   grep -E "decode batch|prefill" "$OUT/bench-awq.txt"
 fi
 if has anchor; then
-  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" python3 .devdata/torch_anchor.py --json "$OUT/anchor.json" > "$OUT/anchor.log" 2>&1
+  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" python3 .devdata/torch_anchor.py ${ANCHOR_ARGS:-} --json "$OUT/anchor.json" > "$OUT/anchor.log" 2>&1
   grep -E "gptfast|copy_GBps|hf_fp16|cublas_f16_gemm" "$OUT/anchor.json" 2>/dev/null || tail -5 "$OUT/anchor.log"
 fi
 echo "total $(( $(date +%s) - t0 )) s"
