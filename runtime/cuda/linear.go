@@ -462,10 +462,6 @@ func (b *Backend) raiseSmem(name string, shm int) {
 	b.dynSmem[name] = shm
 }
 
-// gemvMMAMaxSmem bounds the tensor-core GEMV's staged activations (2*M*K
-// bytes); larger inputs take the other kernels.
-const gemvMMAMaxSmem = 160 << 10
-
 // counters returns a zeroed int32 scratch array of at least n entries
 // (kernels that use it leave it zeroed).
 func (b *Backend) counters(name string, n int) driver.DevicePtr {
