@@ -350,16 +350,7 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, copyGBs 
 	if err != nil {
 		return res, err
 	}
-	var mm float64
-	for _, k := range res.Linears {
-		if k.M == 1 {
-			if k.Kernel == "lm_head" {
-				mm += k.Seconds
-			} else {
-				mm += k.Seconds * float64(cfg.Layers)
-			}
-		}
-	}
+	mm := matmulSeconds(res.Linears, 1, cfg.Layers)
 	est := mm + other*float64(cfg.Layers)
 	fmt.Fprintf(out, "  decode step estimate from kernel times: matmuls %.0f us + other %.0f us = %.0f us (%.0f tok/s); graph measured %.0f us\n",
 		mm*1e6, other*float64(cfg.Layers)*1e6, est*1e6, 1/est, 1e6/res.DecodeGraphTok)
@@ -367,16 +358,7 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, copyGBs 
 	if err != nil {
 		return res, err
 	}
-	mm = 0
-	for _, k := range res.Linears {
-		if k.M == prompt {
-			if k.Kernel == "lm_head" {
-				mm += k.Seconds
-			} else {
-				mm += k.Seconds * float64(cfg.Layers)
-			}
-		}
-	}
+	mm = matmulSeconds(res.Linears, prompt, cfg.Layers)
 	est = mm + otherPre*float64(cfg.Layers)
 	fmt.Fprintf(out, "  prefill estimate from kernel times: matmuls %.2f ms + other %.2f ms = %.2f ms (%.0f tok/s); measured %.2f ms\n",
 		mm*1e3, otherPre*float64(cfg.Layers)*1e3, est*1e3, float64(prompt)/est, 1e3*float64(prompt)/res.PrefillTokS)
@@ -431,6 +413,23 @@ func benchLinear(b *cuda.Backend, role string, w *cuda.Linear, M int, copyGBs fl
 	b.Free(xm)
 	b.Free(ym)
 	return []kernelResult{r1, r2}
+}
+
+// matmulSeconds is the time of a forward pass's matrix products at M rows
+// from the per-linear measurements of layer 0 (each counted for every
+// layer) and the head (counted once).
+func matmulSeconds(linears []kernelResult, M, layers int) float64 {
+	var t float64
+	for _, k := range linears {
+		switch {
+		case k.M != M:
+		case k.Kernel == "lm_head":
+			t += k.Seconds
+		default:
+			t += k.Seconds * float64(layers)
+		}
+	}
+	return t
 }
 
 // stepBreakdown times the non-matmul operations of one layer's forward

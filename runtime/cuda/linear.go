@@ -397,7 +397,13 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 			b.launchShm(name, grid, block256, gemmHSmem, d.p, a16, w, M, N, K)
 			return
 		}
-		name := [...]string{"gemm_f32", "", "", "gemm_q8", "gemm_q4"}[l.kind]
+		name := "gemm_f32" // the rest: fused dequantizing loaders
+		switch l.kind {
+		case kindQ8:
+			name = "gemm_q8"
+		case kindQ4:
+			name = "gemm_q4"
+		}
 		b.launch(name, grid, block256, d.p, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
 		return
 	}
