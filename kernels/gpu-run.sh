@@ -5,7 +5,7 @@
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz (CGO_ENABLED=0 builds of qtool and the test binaries,
 # gzipped), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench bench anchor" kernels/gpu-run.sh
+#   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench-base bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -118,6 +118,10 @@ fi
 if has kbench; then # kernels and the synthetic 7B (no checkpoint needed)
   lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --synthetic llama2-7b --decode 128 > "$OUT/kbench.txt" 2>&1
   grep -E "gemv|decode|prefill" "$OUT/kbench.txt" | head -40
+fi
+if has kbench-base; then # the same with the previous commit's binary (.devbin/qtool-base.gz) and its embedded PTX
+  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX bin/qtool-base bench --synthetic llama2-7b --decode 128 > "$OUT/kbench-base.txt" 2>&1
+  grep -E "gemv|decode|prefill" "$OUT/kbench-base.txt" | head -40
 fi
 if has bench; then
   lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --kernels=false --decode 256 /tmp/l7b-awq > "$OUT/bench-awq.txt" 2>&1

@@ -17,6 +17,30 @@
 
 #define FULL 0xffffffffu
 
+// Programmatic dependent launch (sm_90; no-ops when compiled for sm_80). The
+// backend launches every kernel whose PTX holds griddepcontrol.wait so that
+// it may start while the kernel ahead of it in the stream is finishing. A
+// kernel therefore waits (pdl_wait) before it touches memory that an earlier
+// kernel writes or reads; only weights, which no kernel writes, may be read
+// before (the GEMV kernels issue their first weight loads that early).
+// pdl_trigger then lets the next kernel launch: once every block of this
+// one has passed its wait, the one before has finished.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+#define PDL_ENTRY() \
+    do {            \
+        pdl_wait();    \
+        pdl_trigger(); \
+    } while (0)
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
@@ -94,6 +118,7 @@ __device__ __forceinline__ bool embed_zero(float* __restrict__ dst, int r, int i
 
 extern "C" __global__ void embed_dense(float* __restrict__ dst, const void* __restrict__ table,
                                        const int* __restrict__ ids, int cols, int dt, int lo, int n) {
+    PDL_ENTRY();
     int r = blockIdx.x;
     int id = ids[r] - lo;
     if (embed_zero(dst, r, id, n, cols)) return;
@@ -109,6 +134,7 @@ __device__ __forceinline__ int q_group(int c, int gs, const int* gidx) {
 extern "C" __global__ void embed_q8(float* __restrict__ dst, const int8_t* __restrict__ q,
                                     const float2* __restrict__ sz, const int* __restrict__ gidx,
                                     const int* __restrict__ ids, int cols, int gs, int G, int lo, int n) {
+    PDL_ENTRY();
     int r = blockIdx.x;
     int id = ids[r] - lo;
     if (embed_zero(dst, r, id, n, cols)) return;
@@ -121,6 +147,7 @@ extern "C" __global__ void embed_q8(float* __restrict__ dst, const int8_t* __res
 extern "C" __global__ void embed_q4(float* __restrict__ dst, const uint32_t* __restrict__ q,
                                     const float2* __restrict__ sz, const int* __restrict__ ids,
                                     int cols, int gs, int G, int lo, int n) {
+    PDL_ENTRY();
     int r = blockIdx.x;
     int id = ids[r] - lo;
     if (embed_zero(dst, r, id, n, cols)) return;
@@ -137,6 +164,7 @@ extern "C" __global__ void embed_q4(float* __restrict__ dst, const uint32_t* __r
 extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restrict__ x,
                                    const float* __restrict__ w, const float* __restrict__ bias,
                                    int cols, float eps) {
+    PDL_ENTRY();
     __shared__ float sh[32];
     int r = blockIdx.x;
     const float* xr = x + (size_t)r * cols;
@@ -157,6 +185,7 @@ extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restr
 extern "C" __global__ void rmsnorm_add(float* __restrict__ dst, float* __restrict__ x,
                                        const float* __restrict__ res, const float* __restrict__ w,
                                        const float* __restrict__ bias, int cols, float eps) {
+    PDL_ENTRY();
     __shared__ float sh[32];
     int r = blockIdx.x;
     float* xr = x + (size_t)r * cols;
@@ -180,6 +209,7 @@ extern "C" __global__ void rmsnorm_add(float* __restrict__ dst, float* __restric
 // One warp per head: grid (rows), block 32*warps.
 extern "C" __global__ void rmsnorm_heads(float* __restrict__ x, const float* __restrict__ w,
                                          int cols, int hd, float eps) {
+    PDL_ENTRY();
     int r = blockIdx.x;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
     int heads = cols / hd;
@@ -194,17 +224,20 @@ extern "C" __global__ void rmsnorm_heads(float* __restrict__ x, const float* __r
 }
 
 extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ b, int rows, int cols) {
+    PDL_ENTRY();
     size_t n = (size_t)rows * cols;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         x[i] += b[i % cols];
 }
 
 extern "C" __global__ void add_inplace(float* __restrict__ dst, const float* __restrict__ x, long long n) {
+    PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         dst[i] += x[i];
 }
 
 extern "C" __global__ void silu_mul(float* dst, const float* gate, const float* __restrict__ up, long long n) {
+    PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float g = gate[i];
         dst[i] = g / (1.f + expf(-g)) * up[i];
@@ -214,30 +247,62 @@ extern "C" __global__ void silu_mul(float* dst, const float* gate, const float* 
 // Position of row t: pos0 + t, plus *dpos when dpos is set (CUDA graph replay).
 __device__ __forceinline__ int row_pos(int pos0, const int* dpos, int t) { return pos0 + (dpos ? *dpos : 0) + t; }
 
-// RoPE in place: x [rows, cols], cols = heads*hd. layout 0 = half (HF), 1 = interleaved.
+// RoPE of pair i (0 ≤ i < hd/2) of a head of hd values at position pos:
+// the pair's two indices in the head (layout 0 = half (HF): i and i + hd/2,
+// 1 = interleaved: 2i and 2i + 1) and the rotation (x0, x1) → (r0, r1).
+// The angle is computed in double and reduced to [-pi, pi] in double, then
+// a float sincos; the products are rounded explicitly so that every kernel
+// using it rotates alike.
+struct RopePair {
+    int a, b;
+    float s, c;
+};
+__device__ __forceinline__ RopePair rope_pair(int i, int hd, int pos, double theta, int layout) {
+    double inv = exp2(-2.0 * (double)i / (double)hd * log2(theta));
+    double ang = (double)pos * inv;
+    ang -= 6.283185307179586 * rint(ang * 0.15915494309189535);
+    RopePair p;
+    sincosf((float)ang, &p.s, &p.c);
+    p.a = layout ? 2 * i : i;
+    p.b = layout ? 2 * i + 1 : i + hd / 2;
+    return p;
+}
+__device__ __forceinline__ float2 rope_rotate(const RopePair& p, float x0, float x1) {
+    return make_float2(fmaf(x0, p.c, -__fmul_rn(x1, p.s)), fmaf(x0, p.s, __fmul_rn(x1, p.c)));
+}
+
+// rope_find locates pair p of x [rows, cols] (cols = heads*hd), pair
+// p % (hd/2) of head (p / (hd/2)) % heads of row p / (cols/2): the offset of
+// its head in x, the row's position and the pair.
+__device__ __forceinline__ RopePair rope_find(long long p, int cols, int hd, int pos0, const int* __restrict__ dpos,
+                                              double theta, int layout, size_t& off, int& pos) {
+    int half = hd / 2;
+    long long rh = p / half;
+    int h = (int)(rh % (cols / hd));
+    int r = (int)(rh / (cols / hd));
+    off = (size_t)r * cols + (size_t)h * hd;
+    pos = row_pos(pos0, dpos, r);
+    return rope_pair((int)(p % half), hd, pos, theta, layout);
+}
+
+// rope_at rotates pair p of x in place.
+__device__ __forceinline__ void rope_at(float* __restrict__ x, long long p, int cols, int hd, int pos0,
+                                        const int* __restrict__ dpos, double theta, int layout) {
+    size_t off;
+    int pos;
+    RopePair rp = rope_find(p, cols, hd, pos0, dpos, theta, layout, off, pos);
+    float2 o = rope_rotate(rp, x[off + rp.a], x[off + rp.b]);
+    x[off + rp.a] = o.x;
+    x[off + rp.b] = o.y;
+}
+
+// RoPE in place: x [rows, cols], cols = heads*hd.
 extern "C" __global__ void rope(float* __restrict__ x, int rows, int cols, int hd, int pos0,
                                 const int* __restrict__ dpos, double theta, int layout) {
-    int half = hd / 2;
-    long long pairs = (long long)rows * (cols / hd) * half;
-    for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < pairs; p += (long long)gridDim.x * blockDim.x) {
-        int i = (int)(p % half);
-        long long rh = p / half;
-        int h = (int)(rh % (cols / hd));
-        int r = (int)(rh / (cols / hd));
-        int pos = row_pos(pos0, dpos, r);
-        // Angle in double, reduced to [-pi, pi] in double, then a float sincos.
-        double inv = exp2(-2.0 * (double)i / (double)hd * log2(theta));
-        double ang = (double)pos * inv;
-        ang -= 6.283185307179586 * rint(ang * 0.15915494309189535);
-        float s, c;
-        sincosf((float)ang, &s, &c);
-        float* base = x + (size_t)r * cols + (size_t)h * hd;
-        int a = layout ? 2 * i : i;
-        int b = layout ? 2 * i + 1 : i + half;
-        float x0 = base[a], x1 = base[b];
-        base[a] = (float)(x0 * c - x1 * s);
-        base[b] = (float)(x0 * s + x1 * c);
-    }
+    PDL_ENTRY();
+    long long pairs = (long long)rows * (cols / 2);
+    for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < pairs; p += (long long)gridDim.x * blockDim.x)
+        rope_at(x, p, cols, hd, pos0, dpos, theta, layout);
 }
 
 // KV cache of one layer: kc, vc [maxSeq, kvDim], fp32, fp16 or int8 (KV).
@@ -299,40 +364,80 @@ template <> struct kv_quantized<int8_t> { static constexpr bool value = true; };
 // (int8 caches only).
 struct KVQuant { const float *ks, *ko, *vs, *vo; };
 
+// store_kv_body writes rows of k and v (positions pos0..) into the cache.
+// With q set (runtime.Fused.RoPEStoreKV) it first rotates q [rows, qcols] in
+// place and k by RoPE (heads of hd values), as the rope kernel would, and
+// stores the rotated keys (k keeps them too).
 template <typename KV>
-__device__ __forceinline__ void store_kv_body(KV* __restrict__ kc, KV* __restrict__ vc, const float* __restrict__ k,
+__device__ __forceinline__ void store_kv_body(KV* __restrict__ kc, KV* __restrict__ vc, float* __restrict__ k,
                                               const float* __restrict__ v, int rows, int kvDim, int pos0,
-                                              const int* __restrict__ dpos, int maxSeq, KVQuant kq) {
-    long long n = (long long)rows * kvDim;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        int r = (int)(i / kvDim), c = (int)(i % kvDim);
-        int pos = row_pos(pos0, dpos, r);
+                                              const int* __restrict__ dpos, int maxSeq, KVQuant kq,
+                                              float* __restrict__ q, int qcols, int hd, double theta, int layout) {
+    long long it = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    if (q == nullptr) {
+        long long n = (long long)rows * kvDim;
+        for (long long i = it; i < n; i += stride) {
+            int r = (int)(i / kvDim), c = (int)(i % kvDim);
+            int pos = row_pos(pos0, dpos, r);
+            if (pos >= maxSeq) continue;
+            float ks = 1.f, ko = 0.f, vs = 1.f, vo = 0.f;
+            if constexpr (kv_quantized<KV>::value) { ks = kq.ks[c]; ko = kq.ko[c]; vs = kq.vs[c]; vo = kq.vo[c]; }
+            kv_store(kc, (size_t)pos * kvDim + c, k[i], ks, ko);
+            kv_store(vc, (size_t)pos * kvDim + c, v[i], vs, vo);
+        }
+        return;
+    }
+    // Items: the pairs of q, then the pairs of k, each storing its two keys
+    // and the two values at the same places.
+    long long qpairs = (long long)rows * (qcols / 2), items = qpairs + (long long)rows * (kvDim / 2);
+    for (long long j = it; j < items; j += stride) {
+        if (j < qpairs) {
+            rope_at(q, j, qcols, hd, pos0, dpos, theta, layout);
+            continue;
+        }
+        size_t off;
+        int pos;
+        RopePair rp = rope_find(j - qpairs, kvDim, hd, pos0, dpos, theta, layout, off, pos);
+        float2 o = rope_rotate(rp, k[off + rp.a], k[off + rp.b]);
+        k[off + rp.a] = o.x;
+        k[off + rp.b] = o.y;
         if (pos >= maxSeq) continue;
+        int ca = (int)(off % kvDim) + rp.a, cb = (int)(off % kvDim) + rp.b;
+        size_t row = (size_t)pos * kvDim;
         float ks = 1.f, ko = 0.f, vs = 1.f, vo = 0.f;
-        if constexpr (kv_quantized<KV>::value) { ks = kq.ks[c]; ko = kq.ko[c]; vs = kq.vs[c]; vo = kq.vo[c]; }
-        kv_store(kc, (size_t)pos * kvDim + c, k[i], ks, ko);
-        kv_store(vc, (size_t)pos * kvDim + c, v[i], vs, vo);
+        if constexpr (kv_quantized<KV>::value) { ks = kq.ks[ca]; ko = kq.ko[ca]; vs = kq.vs[ca]; vo = kq.vo[ca]; }
+        kv_store(kc, row + ca, o.x, ks, ko);
+        kv_store(vc, row + ca, v[off + rp.a], vs, vo);
+        if constexpr (kv_quantized<KV>::value) { ks = kq.ks[cb]; ko = kq.ko[cb]; vs = kq.vs[cb]; vo = kq.vo[cb]; }
+        kv_store(kc, row + cb, o.y, ks, ko);
+        kv_store(vc, row + cb, v[off + rp.b], vs, vo);
     }
 }
 
-extern "C" __global__ void store_kv(float* __restrict__ kc, float* __restrict__ vc, const float* __restrict__ k,
+// store_kv*(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, [ks, ko, vs, vo,]
+// q, qcols, hd, theta, layout): q = 0 stores only.
+#define STORE_KV_ROPE float *__restrict__ q, int qcols, int hd, double theta, int layout
+extern "C" __global__ void store_kv(float* __restrict__ kc, float* __restrict__ vc, float* __restrict__ k,
                                     const float* __restrict__ v, int rows, int kvDim, int pos0,
-                                    const int* __restrict__ dpos, int maxSeq) {
-    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{});
+                                    const int* __restrict__ dpos, int maxSeq, STORE_KV_ROPE) {
+    PDL_ENTRY();
+    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{}, q, qcols, hd, theta, layout);
 }
 
-extern "C" __global__ void store_kv_f16(__half* __restrict__ kc, __half* __restrict__ vc, const float* __restrict__ k,
+extern "C" __global__ void store_kv_f16(__half* __restrict__ kc, __half* __restrict__ vc, float* __restrict__ k,
                                         const float* __restrict__ v, int rows, int kvDim, int pos0,
-                                        const int* __restrict__ dpos, int maxSeq) {
-    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{});
+                                        const int* __restrict__ dpos, int maxSeq, STORE_KV_ROPE) {
+    PDL_ENTRY();
+    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{}, q, qcols, hd, theta, layout);
 }
 
-extern "C" __global__ void store_kv_i8(int8_t* __restrict__ kc, int8_t* __restrict__ vc, const float* __restrict__ k,
+extern "C" __global__ void store_kv_i8(int8_t* __restrict__ kc, int8_t* __restrict__ vc, float* __restrict__ k,
                                        const float* __restrict__ v, int rows, int kvDim, int pos0,
                                        const int* __restrict__ dpos, int maxSeq, const float* __restrict__ ks,
                                        const float* __restrict__ ko, const float* __restrict__ vs,
-                                       const float* __restrict__ vo) {
-    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{ks, ko, vs, vo});
+                                       const float* __restrict__ vo, STORE_KV_ROPE) {
+    PDL_ENTRY();
+    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{ks, ko, vs, vo}, q, qcols, hd, theta, layout);
 }
 
 // ---------------------------------------------------------------------------
@@ -464,6 +569,7 @@ extern "C" __global__ void __launch_bounds__(128) attention(
     const float* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
     int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
     int nsplit, int chunk) {
+    PDL_ENTRY();
     attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk, KVQuant{});
 }
 
@@ -472,6 +578,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_f16(
     const __half* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
     int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
     int nsplit, int chunk) {
+    PDL_ENTRY();
     attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk, KVQuant{});
 }
 
@@ -481,6 +588,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_i8(
     int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
     int nsplit, int chunk, const float* __restrict__ ks, const float* __restrict__ ko,
     const float* __restrict__ vs, const float* __restrict__ vo) {
+    PDL_ENTRY();
     attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk,
                    KVQuant{ks, ko, vs, vo});
 }
@@ -680,15 +788,18 @@ __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const floa
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const float* q, const float* kc, const float* vc,
                                                           int T, int heads, int kvHeads, int hd, int pos0, float scale) {
+    PDL_ENTRY();
     attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, KVQuant{});
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_f16(float* dst, const float* q, const __half* kc, const __half* vc,
                                                               int T, int heads, int kvHeads, int hd, int pos0, float scale) {
+    PDL_ENTRY();
     attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, KVQuant{});
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const float* q, const int8_t* kc, const int8_t* vc,
                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale,
                                                              const float* ks, const float* ko, const float* vs, const float* vo) {
+    PDL_ENTRY();
     attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, KVQuant{ks, ko, vs, vo});
 }
 
@@ -696,6 +807,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const f
 extern "C" __global__ void attn_combine(float* __restrict__ dst, const float* __restrict__ part_ml,
                                         const float* __restrict__ part_acc, int heads, int hd, int pos0,
                                         const int* __restrict__ dpos, int nsplit, int chunk) {
+    PDL_ENTRY();
     int h = blockIdx.x, t = blockIdx.y;
     int nkeys = row_pos(pos0, dpos, t) + 1;
     int ns = min(nsplit, (nkeys + chunk - 1) / chunk);
@@ -847,12 +959,35 @@ __device__ __forceinline__ float gw_dot(const uint32_t* raw, const float* xv, fl
     }
 }
 
+// One GEMV launch covers up to three weights that share the input x, its
+// shape rules and kernel (runtime.Fused.MatMulN: q, k and v; gate and up).
+// Segment s has its output y_s [M, N_s], weight W_s and scales sz_s; the
+// first nb0 blocks of the grid's x dimension compute segment 0, the next nb1
+// segment 1, the rest segment 2. A plain product is segment 0 alone.
+struct GemvSeg {
+    float* y;
+    const void* W;
+    const float2* sz;
+    int N;
+};
+#define GEMV_SEGS                                                                                               \
+    float *y0, const void *W0, const float2 *sz0, int N0, int nb0, float *y1, const void *W1, const float2 *sz1, \
+        int N1, int nb1, float *y2, const void *W2, const float2 *sz2, int N2
+// gemv_seg picks block bx's segment and makes bx its block within it.
+__device__ __forceinline__ GemvSeg gemv_seg(int& bx, GEMV_SEGS) {
+    if (bx < nb0) return GemvSeg{y0, W0, sz0, N0};
+    bx -= nb0;
+    if (bx < nb1) return GemvSeg{y1, W1, sz1, N1};
+    bx -= nb1;
+    return GemvSeg{y2, W2, sz2, N2};
+}
+
 template <int F, int R, int U, bool HACC>
 __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
                                           const float2* __restrict__ sz, const int* __restrict__ gidx, int N, int K,
-                                          int gs, int G) {
+                                          int gs, int G, int bx) {
     constexpr int NW = RawWords<F>::n;
-    int m = blockIdx.y, n0 = blockIdx.x * R;
+    int m = blockIdx.y, n0 = bx * R;
     const float* xr = x + (size_t)m * K;
     int nc = K >> 3;
     float acc[R];
@@ -911,12 +1046,15 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __
     gemv_finish<R>(acc, y, m, N, n0);
 }
 
-// gemv_<fmt>_r<R>u<U>[h](y, x, W, sz, gidx, N, K, gs, G); grid (ceil(N/R), M).
+// gemv_<fmt>_r<R>u<U>[h](x, gidx, K, gs, G, GEMV_SEGS); grid (nb0 + nb1 + nb2,
+// M) with nb_s = ceil(N_s/R).
 #define GEMV_ENTRY(name, F, R, U, H)                                                                            \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) name(float* y, const float* x, const void* W,    \
-                                                                    const float2* sz, const int* gidx, int N,   \
-                                                                    int K, int gs, int G) {                     \
-        gemv_body<F, R, U, H>(y, x, W, sz, gidx, N, K, gs, G);                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) name(const float* x, const int* gidx, int K,     \
+                                                                    int gs, int G, GEMV_SEGS) {                 \
+        int bx = blockIdx.x;                                                                                    \
+        GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                  \
+        PDL_ENTRY();                                                                                            \
+        gemv_body<F, R, U, H>(s.y, x, s.W, s.sz, gidx, s.N, K, gs, G, bx);                                      \
     }
 GEMV_ENTRY(gemv_f32_r4u1, GF32, 4, 1, false)
 GEMV_ENTRY(gemv_f16_r4u2, GF16, 4, 2, false)
@@ -1072,6 +1210,7 @@ __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* _
     extern "C" __global__ void __launch_bounds__(256, MINB) name(float* y, const float* x, const void* W,          \
                                                                  const float2* sz, float* part, int* cnt, int N,  \
                                                                  int K, int gs, int G) {                          \
+        PDL_ENTRY();                                                                                              \
         gemvs_body<F, H, R>(y, x, W, sz, part, cnt, N, K, gs, G);                                                 \
     }
 GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
@@ -1093,8 +1232,9 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 // a fixed order (deterministic). Device layouts are the ones of the other
 // GEMV kernels. Requires (host side): no g_idx, K and gs multiples of 32
 // (q4) or 16 (q8).
-// Args (y, x, W, sz, N, K, gs, G); grid (ceil(N/(WR*R)), M), block 256,
-// dynamic shared memory 2K (q4) or 4K (q8) bytes.
+// Args (x, K, gs, G, GEMV_SEGS); grid (nb0 + nb1 + nb2, M) with
+// nb_s = ceil(N_s/(WR*R)), block 256, dynamic shared memory for the staged
+// row of x: 2K (q4) or 4K (q8) bytes.
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -1107,7 +1247,7 @@ __device__ __forceinline__ int xw_swz(int u) { return u ^ ((u >> 3) & 3); }
 
 template <int F, int R, int WK, int D>
 __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
-                                           const float2* __restrict__ sz, int N, int K, int gs, int G) {
+                                           const float2* __restrict__ sz, int N, int K, int gs, int G, int bx) {
     constexpr int KL = F == GQ4 ? 32 : 16;  // k per lane and chunk
     constexpr int KC = 32 * KL;             // k per chunk
     constexpr int WR = 8 / WK;              // row groups
@@ -1116,7 +1256,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     int m = blockIdx.y;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int wr = warp % WR, wk = warp / WR;
-    int n0 = (blockIdx.x * WR + wr) * R;
+    int n0 = (bx * WR + wr) * R;
     int nch = (K + KC - 1) / KC;
     int upr = K / KL;  // 16-byte units per weight row
     const uint4* wrow[R];
@@ -1141,6 +1281,9 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             }
         }
     }
+    // The weights are in flight: now wait for the kernel that writes x.
+    pdl_wait();
+    pdl_trigger();
     // Stage x row m: unit u = 16 bytes of the staged form.
     const float* xr = x + (size_t)m * K;
     if (F == GQ4) {
@@ -1247,15 +1390,16 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         float v = 0.f;
 #pragma unroll
         for (int i = 0; i < WK; i++) v += red[i][tid];
-        int n = blockIdx.x * WR * R + tid;
+        int n = bx * WR * R + tid;
         if (n < N) y[(size_t)m * N + n] = v;
     }
 }
 
 #define GEMVW_ENTRY(name, F, R, WK, D, MINB)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, MINB) name(float* y, const float* x, const void* W,          \
-                                                                 const float2* sz, int N, int K, int gs, int G) { \
-        gemvw_body<F, R, WK, D>(y, x, W, sz, N, K, gs, G);                                                         \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(const float* x, int K, int gs, int G, GEMV_SEGS) { \
+        int bx = blockIdx.x;                                                                                       \
+        GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                     \
+        gemvw_body<F, R, WK, D>(s.y, x, s.W, s.sz, s.N, K, gs, G, bx);                                             \
     }
 GEMVW_ENTRY(gemv_q4_w2h, GQ4, 2, 1, 4, 2)
 GEMVW_ENTRY(gemv_q4_w4h, GQ4, 4, 1, 2, 2)
@@ -1480,6 +1624,7 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
 #define GH_SMEM (GH_STAGES * (BM + BN) * GH_LD * 2)
 
 extern "C" __global__ void to_half(__half* __restrict__ dst, const float* __restrict__ src, long long n) {
+    PDL_ENTRY();
     long long n4 = n / 4;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
         float4 v = reinterpret_cast<const float4*>(src)[i];
@@ -1497,6 +1642,7 @@ extern "C" __global__ void to_half(__half* __restrict__ dst, const float* __rest
 // consecutive k per thread; K % 8 == 0.
 extern "C" __global__ void dequant_h_q4(__half* __restrict__ dst, const uint32_t* __restrict__ q,
                                         const float2* __restrict__ sz, int N, int K, int gs, int G) {
+    PDL_ENTRY();
     long long words = (long long)N * (K / 8);
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < words; i += (long long)gridDim.x * blockDim.x) {
         int n = (int)(i / (K / 8)), k = (int)(i % (K / 8)) * 8;
@@ -1514,6 +1660,7 @@ extern "C" __global__ void dequant_h_q4(__half* __restrict__ dst, const uint32_t
 }
 extern "C" __global__ void dequant_h_q8(__half* __restrict__ dst, const int8_t* __restrict__ q, const float2* __restrict__ sz,
                                         const int* __restrict__ gidx, int N, int K, int gs, int G) {
+    PDL_ENTRY();
     long long chunks = (long long)N * (K / 8);
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < chunks; i += (long long)gridDim.x * blockDim.x) {
         int n = (int)(i / (K / 8)), k = (int)(i % (K / 8)) * 8;
@@ -1618,9 +1765,11 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
         }
 }
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_f16(float* C, const __half* A, const uint16_t* W, int M, int N, int K) {
+    PDL_ENTRY();
     gemm_h_body<false>(C, A, W, M, N, K);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_bf16(float* C, const __half* A, const uint16_t* W, int M, int N, int K) {
+    PDL_ENTRY();
     gemm_h_body<true>(C, A, W, M, N, K);
 }
 
@@ -1628,6 +1777,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_bf16(float* C, const
     extern "C" __global__ void __launch_bounds__(256) name(float* C, const float* A, const void* W,              \
                                                            const float2* sz, const int* gidx, int M, int N,      \
                                                            int K, int gs, int G) {                               \
+        PDL_ENTRY();                                                                                             \
         WArgs wa{W, sz, gidx, gs, G};                                                                            \
         gemm_body<WT>(C, A, wa, M, N, K);                                                                        \
     }
@@ -1639,6 +1789,7 @@ GEMM_ENTRY(gemm_q4, WQ4)
 // W8A8 (msmodelslim static): quantize activations, integer dot, dequantize.
 extern "C" __global__ void quant_act(int8_t* __restrict__ xq, const float* __restrict__ x, long long n,
                                      float scale, float offset) {
+    PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float v = roundf(__fdiv_rn(x[i], scale) + offset);
         v = fminf(fmaxf(v, -128.f), 127.f);
@@ -1650,6 +1801,7 @@ extern "C" __global__ void quant_act(int8_t* __restrict__ xq, const float* __res
 // Row m: s = max|x|/127, xq = clamp(rint(x/s), ±127) (0 when s = 0), tok[m] = s.
 extern "C" __global__ void __launch_bounds__(256) quant_act_token(int8_t* __restrict__ xq, float* __restrict__ tok,
                                                                   const float* __restrict__ x, int K) {
+    PDL_ENTRY();
     __shared__ float red[8];
     const float* xr = x + (size_t)blockIdx.x * K;
     float mx = 0.f;
@@ -1685,6 +1837,7 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
     float* __restrict__ y, const int8_t* __restrict__ xq, const int8_t* __restrict__ W,
     const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
     const float* __restrict__ tok, int N, int K) {
+    PDL_ENTRY();
     int lane = threadIdx.x & 31;
     int n = blockIdx.x * 8 + (threadIdx.x >> 5), m = blockIdx.y;
     if (n >= N) return;
@@ -1726,6 +1879,7 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
     float* __restrict__ y, const int8_t* __restrict__ xq, const int8_t* __restrict__ W,
     const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
     const float* __restrict__ tok, int M, int N, int K) {
+    PDL_ENTRY();
     extern __shared__ __align__(16) unsigned char w8_smem[];
     int8_t (*As)[W8_BM * W8_LD] = reinterpret_cast<int8_t (*)[W8_BM * W8_LD]>(w8_smem);
     int8_t (*Bs)[W8_BN * W8_LD] = reinterpret_cast<int8_t (*)[W8_BN * W8_LD]>(w8_smem + W8_STAGES * W8_BM * W8_LD);
@@ -1813,6 +1967,7 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
 // out[r] = logsumexp(logits[r]) - logits[r][target[r]], sums in double.
 extern "C" __global__ void nll(double* __restrict__ out, const float* __restrict__ logits,
                                const int* __restrict__ targets, int cols) {
+    PDL_ENTRY();
     __shared__ float shf[32];
     __shared__ double shd[32];
     int r = blockIdx.x;
@@ -1829,6 +1984,7 @@ extern "C" __global__ void nll(double* __restrict__ out, const float* __restrict
 // Largest logit of each row (lowest index on ties). out[r]; if dpos and
 // hist are set also appends it to hist[*dpos + 1] and to ids[0] (graph decode).
 extern "C" __global__ void argmax(int* __restrict__ out, const float* __restrict__ logits, int cols) {
+    PDL_ENTRY();
     __shared__ float sv[32];
     __shared__ int si[32];
     int r = blockIdx.x;
@@ -1865,6 +2021,7 @@ extern "C" __global__ void argmax(int* __restrict__ out, const float* __restrict
 // the position: hist[*dpos] = next[0]; ids[0] = next[0]; *dpos += 1.
 extern "C" __global__ void decode_advance(int* __restrict__ dpos, int* __restrict__ ids,
                                           const int* __restrict__ next, int* __restrict__ hist, int histLen) {
+    PDL_ENTRY();
     if (threadIdx.x == 0 && blockIdx.x == 0) {
         int p = *dpos;
         if (p < histLen) hist[p] = next[0];
@@ -1877,6 +2034,7 @@ extern "C" __global__ void decode_advance(int* __restrict__ dpos, int* __restric
 // the softmax of logits/temp. One block of 1024 threads per row.
 extern "C" __global__ void __launch_bounds__(1024) sample(int* __restrict__ out, const float* __restrict__ logits,
                                                           const float* __restrict__ u, int cols, float temp) {
+    PDL_ENTRY();
     __shared__ float shf[32];
     __shared__ double shd[32];
     __shared__ double part[1024];
@@ -1922,6 +2080,7 @@ __device__ __forceinline__ float unif(uint64_t seed, uint64_t i) {  // [-1, 1)
 // uniform(-a, a); 3: n q4 {scale, half2(1024+z)} pairs with scale ~ a and z in
 // 0..15; 4: n q8 {scale, 0} pairs with scale ~ a; 5: n floats 1 + a*uniform.
 extern "C" __global__ void fill_random(void* p, long long n, unsigned long long seed, int mode, float a) {
+    PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         switch (mode) {
         case 0: ((uint32_t*)p)[i] = hash32(seed * 0x9E3779B97F4A7C15ull + i); break;

@@ -95,3 +95,19 @@ type Backend interface {
 	// Argmax returns the index of the largest logit of each row.
 	Argmax(logits Buf) []int
 }
+
+// Fused is implemented by backends that run some sequences of the forward
+// pass's operations as one kernel (the CUDA backend). The forward pass calls
+// each method in place of the sequence its comment names, and the results
+// are those of the sequence.
+type Fused interface {
+	// MatMulN sets dst[i] = x·ws[i]ᵀ for every i: the products that share
+	// their input (q, k and v; gate and up). No dst may alias x.
+	MatMulN(dst []Buf, x Buf, ws []Linear)
+	// AddRMSNorm is Add(x, delta) then RMSNorm(dst, x, w, bias, eps); dst
+	// and delta must not alias x.
+	AddRMSNorm(dst, x, delta Buf, w, bias Vector, eps float32)
+	// RoPEStoreKV is RoPE(q, …), RoPE(k, …), then StoreKV(c, layer, pos0,
+	// k, v): q and k are left rotated.
+	RoPEStoreKV(c KVCache, layer, pos0 int, q, k, v Buf, headDim int, theta float64, layout model.RopeLayout)
+}

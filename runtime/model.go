@@ -329,6 +329,23 @@ func (m *Model) MLPNorm(l int, x Buf) Buf {
 	return h
 }
 
+// addMLPNorm adds delta (the o projection) to the residual stream x, frees
+// delta and returns MLPNorm(l, x): one Fused.AddRMSNorm where the backend
+// fuses.
+func (m *Model) addMLPNorm(l int, x, delta Buf) Buf {
+	f, ok := m.be.(Fused)
+	if !ok {
+		m.be.Add(x, delta)
+		m.be.Free(delta)
+		return m.MLPNorm(l, x)
+	}
+	w := m.weights(l)
+	h := m.be.Alloc(x.Rows(), m.cfg.Hidden)
+	f.AddRMSNorm(h, x, delta, w.mlpNorm, w.mlpNormBias, float32(m.cfg.NormEps))
+	m.be.Free(delta)
+	return h
+}
+
 // Attention runs the attention block of layer l on its normed input h
 // (rows at positions pos0..): the q/k/v products (with the Qwen2 biases
 // unless a W8A8 projection carries them), the Qwen3 q/k norms, RoPE, the
@@ -353,9 +370,19 @@ func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) B
 	if pos0+T > cache.MaxSeq() {
 		panic(fmt.Sprintf("runtime: positions %d..%d exceed the KV cache of %d", pos0, pos0+T-1, cache.MaxSeq()))
 	}
-	q := m.project(l, model.Q, h, pos0, ov)
-	k, v := m.KV(l, h, pos0, ov)
-	be.StoreKV(cache, cl, pos0, k, v)
+	w := m.weights(l)
+	q, k, v := be.Alloc(T, c.QDim()), be.Alloc(T, c.KVDim()), be.Alloc(T, c.KVDim())
+	m.matMulN([]Buf{q, k, v}, h, []Linear{w.linear(model.Q, ov), w.linear(model.K, ov), w.linear(model.V, ov)})
+	m.finishProduct(l, model.Q, q, ov)
+	m.finishProduct(l, model.K, k, ov)
+	m.finishProduct(l, model.V, v, ov)
+	if f, ok := be.(Fused); ok {
+		f.RoPEStoreKV(cache, cl, pos0, q, k, v, c.HeadDim, c.RopeTheta, c.Rope)
+	} else {
+		be.RoPE(q, c.HeadDim, pos0, c.RopeTheta, c.Rope)
+		be.RoPE(k, c.HeadDim, pos0, c.RopeTheta, c.Rope)
+		be.StoreKV(cache, cl, pos0, k, v)
+	}
 	be.Free(k)
 	be.Free(v)
 	att := be.Alloc(T, c.QDim())
@@ -369,43 +396,52 @@ func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) B
 // Qwen3 k norm and RoPE on the keys. The caller frees both. ov may replace
 // k or v.
 func (m *Model) KV(l int, h Buf, pos0 int, ov Overrides) (k, v Buf) {
-	return m.project(l, model.K, h, pos0, ov), m.project(l, model.V, h, pos0, ov)
-}
-
-// project computes one of the q, k, v projections of layer l as the
-// attention uses it: the product (with its Qwen2 bias unless a W8A8
-// projection carries it), then for q and k the Qwen3 head norm and RoPE.
-func (m *Model) project(l int, r model.Role, h Buf, pos0 int, ov Overrides) Buf {
 	c := &m.cfg
 	w := m.weights(l)
-	be := m.be
-	var i, width int
+	k, v = m.be.Alloc(h.Rows(), c.KVDim()), m.be.Alloc(h.Rows(), c.KVDim())
+	m.matMulN([]Buf{k, v}, h, []Linear{w.linear(model.K, ov), w.linear(model.V, ov)})
+	m.finishProduct(l, model.K, k, ov)
+	m.finishProduct(l, model.V, v, ov)
+	m.be.RoPE(k, c.HeadDim, pos0, c.RopeTheta, c.Rope)
+	return k, v
+}
+
+// finishProduct applies to x = h·Wᵀ of the q, k or v projection of layer l
+// what follows the product before RoPE: its Qwen2 bias (unless a W8A8
+// projection carries it) and, for q and k, the Qwen3 head norm.
+func (m *Model) finishProduct(l int, r model.Role, x Buf, ov Overrides) {
+	w := m.weights(l)
+	var i int
 	var bias, norm Vector
 	switch r {
 	case model.Q:
-		i, width, bias, norm = 0, c.QDim(), w.qBias, w.qNorm
+		i, bias, norm = 0, w.qBias, w.qNorm
 	case model.K:
-		i, width, bias, norm = 1, c.KVDim(), w.kBias, w.kNorm
+		i, bias, norm = 1, w.kBias, w.kNorm
 	case model.V:
-		i, width, bias = 2, c.KVDim(), w.vBias
+		i, bias = 2, w.vBias
 	default:
-		panic("runtime: project " + string(r))
+		panic("runtime: finishProduct " + string(r))
 	}
-	x := be.Alloc(h.Rows(), width)
-	be.MatMul(x, h, w.linear(r, ov))
 	if bias != nil {
 		if _, replaced := ov[r]; !w.biasInLinear[i] || replaced {
-			be.AddBias(x, bias) // else the W8A8 projection's quant_bias holds it
+			m.be.AddBias(x, bias) // else the W8A8 projection's quant_bias holds it
 		}
 	}
-	if r == model.V {
-		return x
-	}
 	if norm != nil {
-		be.RMSNormHeads(x, c.HeadDim, norm, float32(c.NormEps))
+		m.be.RMSNormHeads(x, m.cfg.HeadDim, norm, float32(m.cfg.NormEps))
 	}
-	be.RoPE(x, c.HeadDim, pos0, c.RopeTheta, c.Rope)
-	return x
+}
+
+// matMulN sets dst[i] = x·ws[i]ᵀ: one Fused.MatMulN where the backend fuses.
+func (m *Model) matMulN(dst []Buf, x Buf, ws []Linear) {
+	if f, ok := m.be.(Fused); ok {
+		f.MatMulN(dst, x, ws)
+		return
+	}
+	for i, w := range ws {
+		m.be.MatMul(dst[i], x, w)
+	}
 }
 
 // MLPHidden returns silu(h·Gateᵀ)·(h·Upᵀ) of layer l, the input of down:
@@ -415,8 +451,7 @@ func (m *Model) MLPHidden(l int, h Buf, ov Overrides) Buf {
 	be := m.be
 	g := be.Alloc(h.Rows(), m.cfg.Intermediate)
 	u := be.Alloc(h.Rows(), m.cfg.Intermediate)
-	be.MatMul(g, h, w.linear(model.Gate, ov))
-	be.MatMul(u, h, w.linear(model.Up, ov))
+	m.matMulN([]Buf{g, u}, h, []Linear{w.linear(model.Gate, ov), w.linear(model.Up, ov)})
 	be.SiLUMul(g, g, u)
 	be.Free(u)
 	return g
@@ -447,10 +482,7 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 	}
 	m.Project(l, model.O, h, att, nil)
 	be.Free(att)
-	be.Add(x, h)
-	be.Free(h)
-
-	h = m.MLPNorm(l, x)
+	h = m.addMLPNorm(l, x, h)
 	if capture != nil {
 		capture(l, CaptureGateUp, h)
 	}

@@ -20,6 +20,7 @@ import (
 	"math"
 	"os"
 	goruntime "runtime"
+	"strings"
 	"unsafe"
 
 	"qtool/formats/model"
@@ -31,7 +32,10 @@ import (
 // ErrNoDriver is wrapped by New when the CUDA driver cannot be loaded.
 var ErrNoDriver = driver.ErrNoDriver
 
-var _ runtime.Backend = (*Backend)(nil)
+var (
+	_ runtime.Backend = (*Backend)(nil)
+	_ runtime.Fused   = (*Backend)(nil)
+)
 
 // Options tune a Backend.
 type Options struct {
@@ -50,6 +54,12 @@ type Options struct {
 	// are rounded to fp16 when stored, which halves the cache's memory and
 	// attention's reads (attention still computes in fp32).
 	KVHalf bool
+	// NoDependentLaunch launches every kernel the plain way (it may be
+	// changed between calls, through Backend.Options). By default the
+	// kernels whose PTX waits for its predecessor (griddepcontrol.wait, the
+	// sm_90 build) are programmatic dependent launches: each may start, and
+	// prefetch its weights, while the kernel before it finishes.
+	NoDependentLaunch bool
 }
 
 // Backend runs the forward pass on one CUDA device.
@@ -66,6 +76,9 @@ type Backend struct {
 	cc       [2]int
 	opt      Options
 	fn       map[string]driver.Function
+	// dependent holds the kernels launched as programmatic dependent
+	// launches (see Options.NoDependentLaunch).
+	dependent map[string]bool
 	// occupancy caches resident blocks per multiprocessor by kernel and
 	// dynamic shared memory; dynSmem the dynamic shared memory limit set
 	// on each kernel that needed more than the default.
@@ -199,6 +212,9 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 		if b.fn[k], err = drv.Function(b.mod, k); err != nil {
 			return nil, err
 		}
+	}
+	if b.cc[0] >= 9 && drv.CanLaunchDependent() {
+		b.dependent = waitingKernels(ptx)
 	}
 	if b.stream, err = drv.StreamCreate(0); err != nil {
 		return nil, err
@@ -518,7 +534,36 @@ func (b *Backend) launchShm(name string, grid, block [3]uint32, shm int, args ..
 			return // nothing to do
 		}
 	}
+	if b.dependent[name] && !b.opt.NoDependentLaunch {
+		b.must(b.drv.LaunchDependent(f, grid, block, uint32(shm), b.stream, &b.ptrs[0]))
+		return
+	}
 	b.must(b.drv.Launch(f, grid, block, uint32(shm), b.stream, &b.ptrs[0]))
+}
+
+// waitingKernels returns the entries of a PTX module whose code waits for
+// the grid they depend on (griddepcontrol.wait): the kernels that may be
+// launched as programmatic dependent launches. A kernel without the wait
+// could read its inputs before they are written, so it never is.
+func waitingKernels(ptx []byte) map[string]bool {
+	out := map[string]bool{}
+	const marker = ".entry "
+	text := string(ptx)
+	for {
+		i := strings.Index(text, marker)
+		if i < 0 {
+			return out
+		}
+		text = text[i+len(marker):]
+		name := text[:strings.IndexAny(text+"(", "( \n")]
+		body := text
+		if j := strings.Index(text, marker); j >= 0 {
+			body = text[:j]
+		}
+		if strings.Contains(body, "griddepcontrol.wait") {
+			out[name] = true
+		}
+	}
 }
 
 func g1(n int) [3]uint32 { return [3]uint32{uint32(n), 1, 1} }
@@ -612,12 +657,12 @@ func (b *Backend) rowBlock(rows, cols int) [3]uint32 {
 	return block256
 }
 
-// RMSNormAdd adds res to x in place and writes rmsnorm(x) into dst (the
-// residual add fused with the next norm).
-func (b *Backend) RMSNormAdd(dst, x, res runtime.Buf, w, bias runtime.Vector, eps float32) {
-	d, s, r := buf(dst), buf(x), buf(res)
-	if d.rows != s.rows || d.cols != s.cols || r.rows != s.rows || r.cols != s.cols || vec(w).n != s.cols || d.p == s.p {
-		panic("cuda backend: RMSNormAdd shapes or aliasing")
+// AddRMSNorm implements runtime.Fused: x += delta, then dst = rmsnorm(x),
+// in one kernel.
+func (b *Backend) AddRMSNorm(dst, x, delta runtime.Buf, w, bias runtime.Vector, eps float32) {
+	d, s, r := buf(dst), buf(x), buf(delta)
+	if d.rows != s.rows || d.cols != s.cols || r.rows != s.rows || r.cols != s.cols || vec(w).n != s.cols || d.p == s.p || r.p == s.p {
+		panic("cuda backend: AddRMSNorm shapes or aliasing")
 	}
 	defer b.enter()()
 	b.launch("rmsnorm_add", g1(s.rows), b.rowBlock(s.rows, s.cols), d.p, s.p, r.p, vec(w).p, vecPtr(bias), s.cols, eps)
@@ -787,6 +832,21 @@ func (c *KVCache) kernel(name string) string {
 
 // StoreKV implements runtime.Backend.
 func (b *Backend) StoreKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf) {
+	b.storeKV(c, layer, pos0, k, v, nil, 0, 0, 0)
+}
+
+// RoPEStoreKV implements runtime.Fused: one kernel rotates q and k and
+// stores the keys and values.
+func (b *Backend) RoPEStoreKV(c runtime.KVCache, layer, pos0 int, q, k, v runtime.Buf, headDim int, theta float64, layout model.RopeLayout) {
+	qb, kb := buf(q), buf(k)
+	if headDim <= 0 || headDim%2 != 0 || qb.cols%headDim != 0 || kb.cols%headDim != 0 || qb.rows != kb.rows {
+		panic(fmt.Sprintf("cuda backend: RoPEStoreKV of q [%d %d], k [%d %d] with head %d", qb.rows, qb.cols, kb.rows, kb.cols, headDim))
+	}
+	b.storeKV(c, layer, pos0, k, v, qb, headDim, theta, layout)
+}
+
+// storeKV launches store_kv*: with q set, RoPE of q and k first.
+func (b *Backend) storeKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf, q *Buf, headDim int, theta float64, layout model.RopeLayout) {
 	kc, kb, vb := cache(c), buf(k), buf(v)
 	if kb.cols != kc.kvDim || vb.cols != kc.kvDim || kb.rows != vb.rows || layer < 0 || layer >= kc.layers {
 		panic("cuda backend: StoreKV shape mismatch")
@@ -801,7 +861,15 @@ func (b *Backend) StoreKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf) 
 	if kc.quant != 0 {
 		args = append(args, kc.quantArgs(layer)...)
 	}
-	b.launch(kc.kernel("store_kv"), b.gridFor(kb.n()), block256, args...)
+	items := kb.n()
+	var qp driver.DevicePtr
+	qcols := 0
+	if q != nil {
+		qp, qcols = q.p, q.cols
+		items = (q.n() + kb.n()) / 2
+	}
+	args = append(args, qp, qcols, headDim, theta, int(layout))
+	b.launch(kc.kernel("store_kv"), b.gridFor(items), block256, args...)
 }
 
 // attnChunk is the number of keys per split in graph-captured decode steps.

@@ -3,6 +3,7 @@ package cuda
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"regexp"
@@ -411,7 +412,7 @@ func TestNorms(t *testing.T) {
 			want = append(want, rmsRef(sum[i*cols:(i+1)*cols], w, bias, 1e-6)...)
 		}
 		xb, rb, dst := upload(b, rows, cols, x), upload(b, rows, cols, res), poisoned(b, rows, cols)
-		b.RMSNormAdd(dst, xb, rb, wv, bv, 1e-6)
+		b.AddRMSNorm(dst, xb, rb, wv, bv, 1e-6)
 		checkClose(t, "rmsnorm-add out", download(b, dst), want, 1e-6)
 		checkClose(t, "rmsnorm-add residual", download(b, xb), sum, 1e-7)
 	})
@@ -668,5 +669,25 @@ func TestKernelNamesInPTX(t *testing.T) {
 				t.Errorf("%s PTX ships kernel %s, which the backend never launches", arch, m[1])
 			}
 		}
+		// sm_90: every kernel waits for its predecessor, so every launch
+		// is a programmatic dependent one; sm_80 has no such launches
+		waiting := waitingKernels(ptx)
+		for _, k := range kernelNames() {
+			if cc[0] >= 9 && !waiting[k] {
+				t.Errorf("%s PTX: kernel %s lacks griddepcontrol.wait (pdl_wait)", arch, k)
+			}
+			if cc[0] < 9 && waiting[k] {
+				t.Errorf("%s PTX: kernel %s has griddepcontrol.wait", arch, k)
+			}
+		}
+	}
+}
+
+func TestWaitingKernels(t *testing.T) {
+	ptx := []byte(".visible .entry a(\n.param .u64 p\n)\n{\ngriddepcontrol.wait;\nret;\n}\n" +
+		".visible .entry b(\n)\n{\nret;\n}\n.visible .entry c(\n)\n{\nbar.sync 0;\ngriddepcontrol.wait;\n}\n")
+	got := waitingKernels(ptx)
+	if want := map[string]bool{"a": true, "c": true}; !maps.Equal(got, want) {
+		t.Errorf("waitingKernels = %v, want %v", got, want)
 	}
 }

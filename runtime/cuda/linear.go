@@ -407,16 +407,79 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		b.launch(name, grid, block256, d.p, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
 		return
 	}
-	name, R := b.gemvKernel(l, M)
-	if R == gemvStreamRowsTag {
-		_, shm, _ := gemvStream(l)
-		rows := gemvStreamRows(name)
-		b.raiseSmem(name, shm)
-		grid := [3]uint32{uint32((N + rows - 1) / rows), uint32(M), 1}
-		b.launchShm(name, grid, block256, shm, d.p, s.p, l.w, l.sz, N, K, l.gs, l.groups)
+	b.gemv(s, []gemvSeg{{d, l}})
+}
+
+// gemvSeg is one weight of a GEMV launch and the output it writes.
+type gemvSeg struct {
+	d *Buf
+	l *Linear
+}
+
+// MatMulN implements runtime.Fused: products of up to three weights that
+// run the same GEMV kernel (same kind, width and groups, no g_idx) go in one
+// launch; the rest, and every GEMM, one product at a time.
+func (b *Backend) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear) {
+	if len(dst) != len(ws) {
+		panic(fmt.Sprintf("cuda backend: MatMulN of %d weights into %d outputs", len(ws), len(dst)))
+	}
+	s := buf(x)
+	segs := make([]gemvSeg, len(ws))
+	for i, w := range ws {
+		d, l := buf(dst[i]), lin(w)
+		if s.cols != l.in || d.cols != l.out || d.rows != s.rows || d.p == s.p {
+			panic(fmt.Sprintf("cuda backend: MatMulN [%d %d] <- [%d %d] x [%d %d]ᵀ", d.rows, d.cols, s.rows, s.cols, l.out, l.in))
+		}
+		segs[i] = gemvSeg{d, l}
+	}
+	if s.rows == 0 {
 		return
 	}
-	if R <= 0 { // split-K kernel with -R rows per warp
+	defer b.enter()()
+	if b.oneGEMV(segs, s.rows) {
+		b.gemv(s, segs)
+		return
+	}
+	for _, g := range segs {
+		b.matmul(g.d, s, g.l, false)
+	}
+}
+
+// oneGEMV reports whether the products of segs with M rows can share one
+// GEMV launch.
+func (b *Backend) oneGEMV(segs []gemvSeg, M int) bool {
+	if len(segs) < 2 || len(segs) > 3 || M > b.opt.GEMVMaxRows {
+		return false
+	}
+	first := segs[0].l
+	for _, g := range segs {
+		l := g.l
+		if l.kind != first.kind || l.kind == kindW8A8 || l.gidx != 0 || l.gs != first.gs || l.groups != first.groups {
+			return false
+		}
+	}
+	name, R := b.gemvKernel(first, M)
+	if R <= 0 { // the split-K kernel keeps per-launch counters
+		return false
+	}
+	for _, g := range segs[1:] {
+		if n, _ := b.gemvKernel(g.l, M); n != name {
+			return false
+		}
+	}
+	return true
+}
+
+// gemv launches the GEMV kernel of segs[0]'s weight for all of segs (one
+// segment unless oneGEMV allowed more): the kernels take up to three
+// (output, weight, scales, rows, blocks) segments, see qtool.cu's GemvSeg.
+func (b *Backend) gemv(s *Buf, segs []gemvSeg) {
+	l := segs[0].l
+	M, K := s.rows, l.in
+	name, R := b.gemvKernel(l, M)
+	if R <= 0 { // split-K kernel with -R rows per warp, one weight
+		N := l.out
+		d := segs[0].d
 		kl := 32
 		if l.kind == kindQ8 {
 			kl = 16
@@ -428,8 +491,30 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		b.launch(name, [3]uint32{uint32(tiles), uint32(nks), uint32(M)}, block256, d.p, s.p, l.w, l.sz, part, cnt, N, K, l.gs, l.groups)
 		return
 	}
-	grid := [3]uint32{uint32((N + R - 1) / R), uint32(M), 1}
-	b.launch(name, grid, block256, d.p, s.p, l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
+	rows, shm := R, 0
+	if R == gemvStreamRowsTag {
+		_, shm, _ = gemvStream(l)
+		rows = gemvStreamRows(name)
+		b.raiseSmem(name, shm)
+	}
+	var seg [3]struct {
+		y, w, sz driver.DevicePtr
+		n, nb    int
+	}
+	blocks := 0
+	for i, g := range segs {
+		seg[i].y, seg[i].w, seg[i].sz, seg[i].n = g.d.p, g.l.w, g.l.sz, g.l.out
+		seg[i].nb = (g.l.out + rows - 1) / rows
+		blocks += seg[i].nb
+	}
+	segArgs := []any{seg[0].y, seg[0].w, seg[0].sz, seg[0].n, seg[0].nb, seg[1].y, seg[1].w, seg[1].sz, seg[1].n, seg[1].nb,
+		seg[2].y, seg[2].w, seg[2].sz, seg[2].n}
+	grid := [3]uint32{uint32(blocks), uint32(M), 1}
+	if R == gemvStreamRowsTag {
+		b.launchShm(name, grid, block256, shm, append([]any{s.p, K, l.gs, l.groups}, segArgs...)...)
+		return
+	}
+	b.launch(name, grid, block256, append([]any{s.p, l.gidx, K, l.gs, l.groups}, segArgs...)...)
 }
 
 // residentBlocks is how many blocks of a kernel with shm bytes of dynamic

@@ -92,6 +92,7 @@ type Driver struct {
 	cuFuncSetAttribute          func(f Function, attr int32, v int32) Result
 	cuOccupancyMaxBlocks        func(n *int32, f Function, blockSize int32, dynSmem uint64) Result
 	cuLaunchKernel              func(f Function, gx, gy, gz, bx, by, bz, shmem uint32, s Stream, params *unsafe.Pointer, extra *unsafe.Pointer) Result
+	cuLaunchKernelEx            func(cfg *launchConfig, f Function, params *unsafe.Pointer, extra *unsafe.Pointer) Result // nil before CUDA 12
 	cuMemAlloc                  func(p *DevicePtr, n uint64) Result
 	cuMemFree                   func(p DevicePtr) Result
 	cuMemAllocHost              func(p *unsafe.Pointer, n uint64) Result
@@ -199,6 +200,9 @@ func Open() (*Driver, error) {
 			return nil, fmt.Errorf("%w (libcuda.so.1 lacks %s, driver too old: %v)", ErrNoDriver, s.name, err)
 		}
 		purego.RegisterFunc(s.fn, sym)
+	}
+	if sym, err := purego.Dlsym(lib, "cuLaunchKernelEx"); err == nil {
+		purego.RegisterFunc(&d.cuLaunchKernelEx, sym)
 	}
 	if err := d.check("cuInit", d.cuInit(0)); err != nil {
 		// A driver library without a usable GPU (a container without the
@@ -364,6 +368,48 @@ func (d *Driver) MaxActiveBlocks(f Function, blockSize, dynSmem int) (int, error
 // values (the driver copies them before returning).
 func (d *Driver) Launch(f Function, grid, block [3]uint32, shmem uint32, s Stream, params *unsafe.Pointer) error {
 	return d.check("cuLaunchKernel", d.cuLaunchKernel(f, grid[0], grid[1], grid[2], block[0], block[1], block[2], shmem, s, params, nil))
+}
+
+// launchAttr is a CUlaunchAttribute: an id and a 64-byte value union.
+type launchAttr struct {
+	id    uint32
+	_     uint32
+	value [8]uint64
+}
+
+// launchConfig is a CUlaunchConfig.
+type launchConfig struct {
+	grid     [3]uint32
+	block    [3]uint32
+	shmem    uint32
+	stream   Stream
+	attrs    *launchAttr
+	numAttrs uint32
+}
+
+// attrProgrammaticStreamSerialization is
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.
+const attrProgrammaticStreamSerialization = 6
+
+// CanLaunchDependent reports whether LaunchDependent is available (a CUDA 12
+// driver).
+func (d *Driver) CanLaunchDependent() bool { return d.cuLaunchKernelEx != nil }
+
+// LaunchDependent is Launch as a programmatic dependent launch (sm_90): f
+// may start while the kernel before it on s is still running, and must
+// itself wait for that kernel (griddepcontrol.wait) before it reads what
+// the kernel wrote or writes what it reads. A kernel captured into a graph
+// keeps the relaxed dependency.
+func (d *Driver) LaunchDependent(f Function, grid, block [3]uint32, shmem uint32, s Stream, params *unsafe.Pointer) error {
+	if d.cuLaunchKernelEx == nil {
+		return d.Launch(f, grid, block, shmem, s, params)
+	}
+	attr := launchAttr{id: attrProgrammaticStreamSerialization}
+	attr.value[0] = 1
+	cfg := launchConfig{grid: grid, block: block, shmem: shmem, stream: s, attrs: &attr, numAttrs: 1}
+	err := d.check("cuLaunchKernelEx", d.cuLaunchKernelEx(&cfg, f, params, nil))
+	runtime.KeepAlive(&attr)
+	return err
 }
 
 // MemAlloc allocates n bytes of device memory.

@@ -1,0 +1,159 @@
+package cuda
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"testing"
+	"unsafe"
+
+	"qtool/formats/model"
+	"qtool/runtime"
+)
+
+// TestMatMulN checks the fused products against one MatMul per weight: the
+// same values bit for bit, from one launch where oneGEMV allows it (every
+// shipped GEMV kernel but the split-K one) and from the one-at-a-time path
+// otherwise. The three weights have row counts that leave partial blocks.
+func TestMatMulN(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(21, 22))
+	outs := []int{200, 72, 40}
+	fusedKernels := map[string]bool{}
+	for _, wc := range weightCases {
+		K := 256
+		if wc.k > 0 {
+			K = wc.k
+		}
+		ws := make([]runtime.Linear, len(outs))
+		for i, n := range outs {
+			w, _ := wc.make(r, n, K)
+			lw, err := b.UploadLinear(fmt.Sprintf("%s.%d", wc.name, i), w)
+			if err != nil {
+				t.Fatalf("%s: upload: %v", wc.name, err)
+			}
+			ws[i] = lw
+		}
+		for _, M := range []int{1, 3, 5} {
+			for _, nw := range []int{2, 3} {
+				segs := make([]gemvSeg, nw)
+				for i := range segs {
+					segs[i].l = lin(ws[i])
+				}
+				one := b.oneGEMV(segs, M)
+				name := fmt.Sprintf("%s/M=%d/n=%d/one-launch=%v", wc.name, M, nw, one)
+				t.Run(name, func(t *testing.T) {
+					if one {
+						k, _ := b.gemvKernel(segs[0].l, M)
+						fusedKernels[k] = true
+					}
+					xb := upload(b, M, K, randVec(r, M*K, 1))
+					defer b.Free(xb)
+					dst := make([]runtime.Buf, nw)
+					for i := range dst {
+						dst[i] = poisoned(b, M, outs[i])
+						defer b.Free(dst[i])
+					}
+					b.MatMulN(dst, xb, ws[:nw])
+					for i := range dst {
+						want := poisoned(b, M, outs[i])
+						b.MatMul(want, xb, ws[i])
+						if g, w := download(b, dst[i]), download(b, want); !slices.Equal(g, w) {
+							t.Errorf("weight %d: MatMulN differs from MatMul (first values %v vs %v)", i, g[:4], w[:4])
+						}
+						b.Free(want)
+					}
+				})
+			}
+		}
+	}
+	for _, k := range gemvKernels {
+		if k != "gemv_q4_sh" && !fusedKernels[k] && !t.Failed() {
+			t.Errorf("no case runs the GEMV kernel %s with several weights", k)
+		}
+	}
+}
+
+// TestRoPEStoreKV checks the fused RoPE and cache store against RoPE of q
+// and k followed by StoreKV, for every cache type and both RoPE layouts, at
+// a decode step and a prefill chunk: q, k and the cache equal bit for bit.
+func TestRoPEStoreKV(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(23, 24))
+	const heads, kvHeads, hd, maxSeq, layers = 8, 2, 64, 64, 2
+	kvDim := kvHeads * hd
+	quant := make([]runtime.KVQuant, layers)
+	for l := range quant {
+		q := &quant[l]
+		for _, v := range []*[]float32{&q.KScale, &q.KOffset, &q.VScale, &q.VOffset} {
+			*v = randVec(r, kvDim, 1)
+		}
+		for i := range q.KScale {
+			q.KScale[i] = 0.01 + 0.02*abs32(q.KScale[i])
+			q.VScale[i] = 0.01 + 0.02*abs32(q.VScale[i])
+			q.KOffset[i] *= 4
+			q.VOffset[i] *= 4
+		}
+	}
+	newCache := func(kind string) runtime.KVCache {
+		switch kind {
+		case "f16":
+			b.opt.KVHalf = true
+			defer func() { b.opt.KVHalf = false }()
+		case "i8":
+			c, err := b.NewInt8KVCache(maxSeq, kvDim, quant)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return c
+		}
+		return b.NewKVCache(layers, maxSeq, kvDim)
+	}
+	for _, kind := range []string{"f32", "f16", "i8"} {
+		for _, layout := range []model.RopeLayout{model.RopeHalf, model.RopeInterleaved} {
+			for _, tc := range []struct{ T, pos0 int }{{1, 37}, {5, 0}, {40, 3}} {
+				t.Run(fmt.Sprintf("%s/%v/T=%d/pos0=%d", kind, layout, tc.T, tc.pos0), func(t *testing.T) {
+					q, k, v := randVec(r, tc.T*heads*hd, 1), randVec(r, tc.T*kvDim, 1), randVec(r, tc.T*kvDim, 1)
+					ca, cb := newCache(kind), newCache(kind)
+					defer b.FreeKVCache(ca)
+					defer b.FreeKVCache(cb)
+					qa, ka, va := upload(b, tc.T, heads*hd, q), upload(b, tc.T, kvDim, k), upload(b, tc.T, kvDim, v)
+					qb, kb, vb := upload(b, tc.T, heads*hd, q), upload(b, tc.T, kvDim, k), upload(b, tc.T, kvDim, v)
+					b.RoPE(qa, hd, tc.pos0, 1e6, layout)
+					b.RoPE(ka, hd, tc.pos0, 1e6, layout)
+					b.StoreKV(ca, 1, tc.pos0, ka, va)
+					b.RoPEStoreKV(cb, 1, tc.pos0, qb, kb, vb, hd, 1e6, layout)
+					for _, p := range [][2]*Buf{{qa, qb}, {ka, kb}} {
+						if g, w := download(b, p[1]), download(b, p[0]); !slices.Equal(g, w) {
+							t.Errorf("rotated values differ from RoPE's")
+						}
+					}
+					if g, w := cacheBytes(b, cb), cacheBytes(b, ca); !slices.Equal(g, w) {
+						t.Errorf("cache differs from StoreKV's")
+					}
+					for _, x := range []*Buf{qa, ka, va, qb, kb, vb} {
+						b.Free(x)
+					}
+				})
+			}
+		}
+	}
+}
+
+func abs32(x float32) float32 {
+	if x < 0 {
+		return -x
+	}
+	return x
+}
+
+// cacheBytes downloads the keys and values of every layer of c.
+func cacheBytes(b *Backend, c runtime.KVCache) []byte {
+	kc := cache(c)
+	n := kc.elem() * kc.layers * kc.maxSeq * kc.kvDim
+	out := make([]byte, 2*n)
+	defer b.enter()()
+	b.must(b.drv.MemcpyDtoH(unsafe.Pointer(&out[0]), kc.k, uint64(n)))
+	b.must(b.drv.MemcpyDtoH(unsafe.Pointer(&out[n]), kc.v, uint64(n)))
+	return out
+}
