@@ -180,32 +180,6 @@ extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restr
     }
 }
 
-// rmsnorm_add: x += r (the residual), then dst = rmsnorm(x). Fused variant of
-// Add followed by RMSNorm; dst must not alias x.
-extern "C" __global__ void rmsnorm_add(float* __restrict__ dst, float* __restrict__ x,
-                                       const float* __restrict__ res, const float* __restrict__ w,
-                                       const float* __restrict__ bias, int cols, float eps) {
-    PDL_ENTRY();
-    __shared__ float sh[32];
-    int r = blockIdx.x;
-    float* xr = x + (size_t)r * cols;
-    const float* rr = res + (size_t)r * cols;
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = xr[c] + rr[c];
-        xr[c] = v;
-        ss += v * v;
-    }
-    ss = block_sum(ss, sh);
-    float inv = rsqrtf(ss / (float)cols + eps);
-    float* d = dst + (size_t)r * cols;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = xr[c] * inv * w[c];
-        if (bias) v += bias[c];
-        d[c] = v;
-    }
-}
-
 // One warp per head: grid (rows), block 32*warps.
 extern "C" __global__ void rmsnorm_heads(float* __restrict__ x, const float* __restrict__ w,
                                          int cols, int hd, float eps) {
@@ -839,6 +813,11 @@ extern "C" __global__ void attn_combine(float* __restrict__ dst, const float* __
 // R rows, then computes: R*U independent loads in flight per thread.
 #define GEMV_THREADS 256
 
+// What a GEMV does with its sums: store them, add them to y (the residual
+// add, runtime.Fused.MatMulAdd), or (streaming q4 kernel only) the SwiGLU
+// of two weights' sums.
+enum { GEMV_STORE = 0, GEMV_ADD = 1, GEMV_SWIGLU = 2 };
+
 __device__ __forceinline__ void load_x8(const float* __restrict__ x, int k, float* xv) {
     float4 a = *reinterpret_cast<const float4*>(x + k);
     float4 b = *reinterpret_cast<const float4*>(x + k + 4);
@@ -847,7 +826,7 @@ __device__ __forceinline__ void load_x8(const float* __restrict__ x, int k, floa
 }
 
 template <int R>
-__device__ __forceinline__ void gemv_finish(float (&acc)[R], float* __restrict__ y, int m, int N, int n0) {
+__device__ __forceinline__ void gemv_finish(float (&acc)[R], float* __restrict__ y, int m, int N, int n0, int mode) {
     __shared__ float red[GEMV_THREADS / 32][R];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
 #pragma unroll
@@ -861,7 +840,10 @@ __device__ __forceinline__ void gemv_finish(float (&acc)[R], float* __restrict__
         float v = 0.f;
 #pragma unroll
         for (int i = 0; i < GEMV_THREADS / 32; i++) v += red[i][r];
-        if (n0 + r < N) y[(size_t)m * N + n0 + r] = v;
+        if (n0 + r < N) {
+            float* p = y + (size_t)m * N + n0 + r;
+            *p = mode == GEMV_ADD ? *p + v : v;
+        }
     }
 }
 
@@ -985,7 +967,7 @@ __device__ __forceinline__ GemvSeg gemv_seg(int& bx, GEMV_SEGS) {
 template <int F, int R, int U, bool HACC>
 __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
                                           const float2* __restrict__ sz, const int* __restrict__ gidx, int N, int K,
-                                          int gs, int G, int bx) {
+                                          int gs, int G, int bx, int mode) {
     constexpr int NW = RawWords<F>::n;
     int m = blockIdx.y, n0 = bx * R;
     const float* xr = x + (size_t)m * K;
@@ -1009,7 +991,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __
                 }
             }
         }
-        gemv_finish<R>(acc, y, m, N, n0);
+        gemv_finish<R>(acc, y, m, N, n0, mode);
         return;
     }
     for (int c0 = threadIdx.x; c0 < nc; c0 += GEMV_THREADS * U) {
@@ -1043,18 +1025,18 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __
             }
         }
     }
-    gemv_finish<R>(acc, y, m, N, n0);
+    gemv_finish<R>(acc, y, m, N, n0, mode);
 }
 
-// gemv_<fmt>_r<R>u<U>[h](x, gidx, K, gs, G, GEMV_SEGS); grid (nb0 + nb1 + nb2,
-// M) with nb_s = ceil(N_s/R).
+// gemv_<fmt>_r<R>u<U>[h](x, gidx, K, gs, G, mode, GEMV_SEGS); grid
+// (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/R); mode GEMV_STORE or GEMV_ADD.
 #define GEMV_ENTRY(name, F, R, U, H)                                                                            \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) name(const float* x, const int* gidx, int K,     \
-                                                                    int gs, int G, GEMV_SEGS) {                 \
+                                                                    int gs, int G, int mode, GEMV_SEGS) {       \
         int bx = blockIdx.x;                                                                                    \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                  \
         PDL_ENTRY();                                                                                            \
-        gemv_body<F, R, U, H>(s.y, x, s.W, s.sz, gidx, s.N, K, gs, G, bx);                                      \
+        gemv_body<F, R, U, H>(s.y, x, s.W, s.sz, gidx, s.N, K, gs, G, bx, mode);                                \
     }
 GEMV_ENTRY(gemv_f32_r4u1, GF32, 4, 1, false)
 GEMV_ENTRY(gemv_f16_r4u2, GF16, 4, 2, false)
@@ -1216,25 +1198,30 @@ __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* _
 GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 
 // ---------------------------------------------------------------------------
-// Streaming GEMV for 4-bit weights ("w" kernels, round 3; the dispatcher's q4
-// default, gemv_q4_w4h up to K = 4096, gemv_q4_w2h beyond), M rows of x
-// (grid.y). A block of 8 warps stages its activation row once in dynamic
-// shared memory (q4: fp16 half2 pairs, the high-nibble pairs pre-scaled by
-// 1/16 as in gemv_q4_sh; q8: fp32), 16-byte units swizzled so that each
-// lane's four 16-byte reads are bank-conflict free. The warps form WR = 8/WK
-// row groups x WK K groups; a warp owns R rows and every WK-th chunk of
-// 32 lanes x 16 bytes (q4: 1024 k, q8: 512 k). Weights and their
-// {scale, zero} go straight to registers through a ring of D chunks
-// (ld.global.nc, L1 no-allocate): D*R 16-byte loads per lane are in flight
-// while one chunk is computed, and the chunk's slot is refilled right after.
-// The weight loads of the first D chunks are issued before x is staged, so
-// the two latencies overlap. The K groups add their sums in shared memory in
-// a fixed order (deterministic). Device layouts are the ones of the other
-// GEMV kernels. Requires (host side): no g_idx, K and gs multiples of 32
-// (q4) or 16 (q8).
-// Args (x, K, gs, G, GEMV_SEGS); grid (nb0 + nb1 + nb2, M) with
-// nb_s = ceil(N_s/(WR*R)), block 256, dynamic shared memory for the staged
-// row of x: 2K (q4) or 4K (q8) bytes.
+// Streaming GEMV for 4-bit weights (the dispatcher's q4 GEMV: gemv_q4_w4h up
+// to K = 4096, gemv_q4_w2h beyond), M rows of x (grid.y). A block of 8
+// warps stages its activation row once in dynamic shared memory as fp16
+// half2 pairs (the high-nibble pairs pre-scaled by 1/16 as in gemv_q4_sh),
+// 16-byte units swizzled so that each lane's four 16-byte reads are
+// bank-conflict free. A warp owns R rows and every chunk of 32 lanes x 16
+// bytes (1024 k). Weights and their {scale, zero} go straight to registers
+// through a ring of D chunks (ld.global.nc, L1 no-allocate): D*R 16-byte
+// loads per lane are in flight while one chunk is computed, and the chunk's
+// slot is refilled right after. The weight loads of the first D chunks are
+// issued before the kernel waits for its predecessor (pdl_wait) and stages
+// x, so those latencies overlap. Requires (host side): no g_idx, K and gs
+// multiples of 32.
+//
+// The decode step's neighbours are fused in (runtime.Fused):
+//   - nw set: x is rmsnorm(x)·nw (+ nb), computed by every block from the
+//     whole row while it stages it (NormMatMulN, NormSwiGLU);
+//   - mode GEMV_ADD: y += x·Wᵀ (MatMulAdd: the residual add);
+//   - mode GEMV_SWIGLU: y = silu(x·W0ᵀ) ⊙ (x·W1ᵀ), segment 0 holding the
+//     gate and segment 1 the up weight; a warp's R rows are R/2 gate rows
+//     and the same R/2 up rows.
+// Args (x, K, gs, G, nw, nb, eps, mode, GEMV_SEGS); grid (nb0 + nb1 + nb2, M)
+// with nb_s = ceil(N_s/(8R)) (GEMV_SWIGLU: nb0 = ceil(N_0/(4R)), one
+// segment), block 256, dynamic shared memory 2K bytes for the staged x.
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -1245,38 +1232,53 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 // Physical 16-byte unit of logical unit u (flips its low 2 bits by bits 3-4).
 __device__ __forceinline__ int xw_swz(int u) { return u ^ ((u >> 3) & 3); }
 
-template <int F, int R, int WK, int D>
+// gemv_norm4 applies rmsnorm's scaling to x[k..k+3] (as the rmsnorm kernel:
+// (x·inv)·w, then + bias).
+__device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const float* __restrict__ nw,
+                                             const float* __restrict__ nb) {
+    float4 w = *reinterpret_cast<const float4*>(nw + k);
+    a = make_float4(a.x * inv * w.x, a.y * inv * w.y, a.z * inv * w.z, a.w * inv * w.w);
+    if (nb) {
+        float4 c = *reinterpret_cast<const float4*>(nb + k);
+        a = make_float4(a.x + c.x, a.y + c.y, a.z + c.z, a.w + c.w);
+    }
+    return a;
+}
+
+template <int R, int D>
 __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
-                                           const float2* __restrict__ sz, int N, int K, int gs, int G, int bx) {
-    constexpr int KL = F == GQ4 ? 32 : 16;  // k per lane and chunk
-    constexpr int KC = 32 * KL;             // k per chunk
-    constexpr int WR = 8 / WK;              // row groups
+                                           const float2* __restrict__ sz, const void* __restrict__ Wu,
+                                           const float2* __restrict__ szu, int N, int K, int gs, int G, int bx,
+                                           const float* __restrict__ nw, const float* __restrict__ nb, float eps,
+                                           int mode) {
+    constexpr int KC = 32 * 32;  // k per chunk: 32 lanes x 32 k
     extern __shared__ uint4 xsh[];
-    __shared__ float red[WK > 1 ? WK : 1][WR * R];
+    __shared__ float nsh[32];
     int m = blockIdx.y;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int wr = warp % WR, wk = warp / WR;
-    int n0 = (bx * WR + wr) * R;
+    bool swiglu = mode == GEMV_SWIGLU;
+    // rows of this warp: R of W, or R/2 of W (gate) and the same R/2 of Wu (up)
+    int n0 = swiglu ? (bx * 8 + warp) * (R / 2) : (bx * 8 + warp) * R;
     int nch = (K + KC - 1) / KC;
-    int upr = K / KL;  // 16-byte units per weight row
+    int upr = K / 32;  // 16-byte units per weight row
     const uint4* wrow[R];
     const float2* srow[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        size_t n = (size_t)min(n0 + r, N - 1);
-        wrow[r] = reinterpret_cast<const uint4*>(W) + n * upr + lane;
-        srow[r] = sz + n * G;
+        bool up = swiglu && r >= R / 2;
+        size_t n = (size_t)min(n0 + (up ? r - R / 2 : r), N - 1);
+        wrow[r] = reinterpret_cast<const uint4*>(up ? Wu : W) + n * upr + lane;
+        srow[r] = (up ? szu : sz) + n * G;
     }
     uint4 buf[D][R];
     float2 sb[D][R];
 #pragma unroll
     for (int d = 0; d < D; d++) {
-        int j = wk + d * WK;
-        int k = j * KC + lane * KL;
-        if (j < nch && k < K) {
+        int k = d * KC + lane * 32;
+        if (d < nch && k < K) {
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                buf[d][r] = ldg_stream(wrow[r] + j * 32);
+                buf[d][r] = ldg_stream(wrow[r] + d * 32);
                 sb[d][r] = __ldg(srow[r] + k / gs);
             }
         }
@@ -1284,87 +1286,76 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // The weights are in flight: now wait for the kernel that writes x.
     pdl_wait();
     pdl_trigger();
-    // Stage x row m: unit u = 16 bytes of the staged form.
     const float* xr = x + (size_t)m * K;
-    if (F == GQ4) {
-        for (int u = tid; u < K / 8; u += 256) {
-            float4 a = *reinterpret_cast<const float4*>(xr + 8 * u);
-            float4 b = *reinterpret_cast<const float4*>(xr + 8 * u + 4);
-            __half2 h0 = __floats2half2_rn(a.x, a.y), h1 = __floats2half2_rn(a.z * 0.0625f, a.w * 0.0625f);
-            __half2 h2 = __floats2half2_rn(b.x, b.y), h3 = __floats2half2_rn(b.z * 0.0625f, b.w * 0.0625f);
-            uint4 v;
-            v.x = *reinterpret_cast<uint32_t*>(&h0);
-            v.y = *reinterpret_cast<uint32_t*>(&h1);
-            v.z = *reinterpret_cast<uint32_t*>(&h2);
-            v.w = *reinterpret_cast<uint32_t*>(&h3);
-            xsh[xw_swz(u)] = v;
-        }
-    } else {
+    float inv = 1.f;
+    if (nw) {
+        float ss = 0.f;
         for (int u = tid; u < K / 4; u += 256) {
-            xsh[xw_swz(u)] = *reinterpret_cast<const uint4*>(xr + 4 * u);
+            float4 a = *reinterpret_cast<const float4*>(xr + 4 * u);
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
         }
+        ss = block_sum(ss, nsh);
+        inv = rsqrtf(ss / (float)K + eps);
+    }
+    // Stage x row m: unit u = 16 bytes = 8 k of the staged form.
+    for (int u = tid; u < K / 8; u += 256) {
+        float4 a = *reinterpret_cast<const float4*>(xr + 8 * u);
+        float4 b = *reinterpret_cast<const float4*>(xr + 8 * u + 4);
+        if (nw) {
+            a = gemv_norm4(a, 8 * u, inv, nw, nb);
+            b = gemv_norm4(b, 8 * u + 4, inv, nw, nb);
+        }
+        __half2 h0 = __floats2half2_rn(a.x, a.y), h1 = __floats2half2_rn(a.z * 0.0625f, a.w * 0.0625f);
+        __half2 h2 = __floats2half2_rn(b.x, b.y), h3 = __floats2half2_rn(b.z * 0.0625f, b.w * 0.0625f);
+        uint4 v;
+        v.x = *reinterpret_cast<uint32_t*>(&h0);
+        v.y = *reinterpret_cast<uint32_t*>(&h1);
+        v.z = *reinterpret_cast<uint32_t*>(&h2);
+        v.w = *reinterpret_cast<uint32_t*>(&h3);
+        xsh[xw_swz(u)] = v;
     }
     __syncthreads();
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.f;
-    for (int j0 = wk; j0 < nch; j0 += D * WK) {
+    for (int j0 = 0; j0 < nch; j0 += D) {
 #pragma unroll
         for (int d = 0; d < D; d++) {
-            int j = j0 + d * WK;
-            int k = j * KC + lane * KL;
+            int j = j0 + d;
+            int k = j * KC + lane * 32;
             if (j < nch && k < K) {
                 int u0 = (j * 32 + lane) * 4;
                 uint4 xv[4];
 #pragma unroll
                 for (int q = 0; q < 4; q++) xv[q] = xsh[xw_swz(u0 + q)];
-                if (F == GQ4) {
-                    constexpr uint32_t LO = 0x000f000fu, HI = 0x00f000f0u, MAGIC = 0x64006400u;
+                constexpr uint32_t LO = 0x000f000fu, HI = 0x00f000f0u, MAGIC = 0x64006400u;
 #pragma unroll
-                    for (int r = 0; r < R; r++) {
-                        __half2 z1024 = *reinterpret_cast<const __half2*>(&sb[d][r].y);
-                        __half2 z16 = __hfma2(z1024, __float2half2_rn(16.f), __float2half2_rn(-15360.f));
-                        uint32_t w4[4] = {buf[d][r].x, buf[d][r].y, buf[d][r].z, buf[d][r].w};
-                        float p = 0.f;
+                for (int r = 0; r < R; r++) {
+                    __half2 z1024 = *reinterpret_cast<const __half2*>(&sb[d][r].y);
+                    __half2 z16 = __hfma2(z1024, __float2half2_rn(16.f), __float2half2_rn(-15360.f));
+                    uint32_t w4[4] = {buf[d][r].x, buf[d][r].y, buf[d][r].z, buf[d][r].w};
+                    float p = 0.f;
 #pragma unroll
-                        for (int q = 0; q < 4; q++) {
-                            uint32_t w = w4[q], w8 = w4[q] >> 8, h0, h1, h2, h3;
-                            asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h0) : "r"(w), "n"(LO), "n"(MAGIC));
-                            asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h1) : "r"(w), "n"(HI), "n"(MAGIC));
-                            asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h2) : "r"(w8), "n"(LO), "n"(MAGIC));
-                            asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h3) : "r"(w8), "n"(HI), "n"(MAGIC));
-                            const __half2* xh = reinterpret_cast<const __half2*>(&xv[q]);
-                            __half2 a = __hmul2(xh[0], __hsub2(*reinterpret_cast<__half2*>(&h0), z1024));
-                            a = __hfma2(xh[1], __hsub2(*reinterpret_cast<__half2*>(&h1), z16), a);
-                            a = __hfma2(xh[2], __hsub2(*reinterpret_cast<__half2*>(&h2), z1024), a);
-                            a = __hfma2(xh[3], __hsub2(*reinterpret_cast<__half2*>(&h3), z16), a);
-                            float2 af = __half22float2(a);
-                            p += af.x + af.y;
-                        }
-                        acc[r] = fmaf(sb[d][r].x, p, acc[r]);
+                    for (int q = 0; q < 4; q++) {
+                        uint32_t w = w4[q], w8 = w4[q] >> 8, h0, h1, h2, h3;
+                        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h0) : "r"(w), "n"(LO), "n"(MAGIC));
+                        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h1) : "r"(w), "n"(HI), "n"(MAGIC));
+                        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h2) : "r"(w8), "n"(LO), "n"(MAGIC));
+                        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h3) : "r"(w8), "n"(HI), "n"(MAGIC));
+                        const __half2* xh = reinterpret_cast<const __half2*>(&xv[q]);
+                        __half2 a = __hmul2(xh[0], __hsub2(*reinterpret_cast<__half2*>(&h0), z1024));
+                        a = __hfma2(xh[1], __hsub2(*reinterpret_cast<__half2*>(&h1), z16), a);
+                        a = __hfma2(xh[2], __hsub2(*reinterpret_cast<__half2*>(&h2), z1024), a);
+                        a = __hfma2(xh[3], __hsub2(*reinterpret_cast<__half2*>(&h3), z16), a);
+                        float2 af = __half22float2(a);
+                        p += af.x + af.y;
                     }
-                } else {
-                    const float* xf = reinterpret_cast<const float*>(xv);
-                    float xsum = 0.f;
-#pragma unroll
-                    for (int i = 0; i < 16; i++) xsum += xf[i];
-#pragma unroll
-                    for (int r = 0; r < R; r++) {
-                        uint32_t w4[4] = {buf[d][r].x ^ 0x80808080u, buf[d][r].y ^ 0x80808080u,
-                                          buf[d][r].z ^ 0x80808080u, buf[d][r].w ^ 0x80808080u};
-                        float p = 0.f;
-#pragma unroll
-                        for (int i = 0; i < 16; i++) {
-                            uint32_t b = __byte_perm(w4[i >> 2], 0x4B000000u, 0x7650 | (i & 3));
-                            p = fmaf(xf[i], __uint_as_float(b) - 8388736.f, p);
-                        }
-                        acc[r] = fmaf(sb[d][r].x, p - sb[d][r].y * xsum, acc[r]);
-                    }
+                    acc[r] = fmaf(sb[d][r].x, p, acc[r]);
                 }
             }
-            // Refill this slot with the chunk D*WK further on.
-            int jn = j + D * WK;
-            int kn = jn * KC + lane * KL;
+            // Refill this slot with the chunk D further on.
+            int jn = j + D;
+            int kn = jn * KC + lane * 32;
             if (jn < nch && kn < K) {
 #pragma unroll
                 for (int r = 0; r < R; r++) {
@@ -1374,35 +1365,33 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             }
         }
     }
+    // Every lane ends with every row's sum (butterfly reduction).
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
-    float mine = acc[0];
+    float mine = acc[0], upv = acc[R / 2];
 #pragma unroll
     for (int r = 1; r < R; r++)
         if (lane == r) mine = acc[r];
-    if (WK == 1) {
-        if (lane < R && n0 + lane < N) y[(size_t)m * N + n0 + lane] = mine;
-        return;
-    }
-    if (lane < R) red[wk][wr * R + lane] = mine;
-    __syncthreads();
-    if (tid < WR * R) {
-        float v = 0.f;
 #pragma unroll
-        for (int i = 0; i < WK; i++) v += red[i][tid];
-        int n = bx * WR * R + tid;
-        if (n < N) y[(size_t)m * N + n] = v;
+    for (int r = 1; r < R / 2; r++)
+        if (lane == r) upv = acc[r + R / 2];
+    float* yp = y + (size_t)m * N + n0 + lane;
+    if (swiglu) {
+        if (lane < R / 2 && n0 + lane < N) *yp = mine / (1.f + expf(-mine)) * upv;  // as silu_mul
+    } else if (lane < R && n0 + lane < N) {
+        *yp = mode == GEMV_ADD ? *yp + mine : mine;
     }
 }
 
-#define GEMVW_ENTRY(name, F, R, WK, D, MINB)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, MINB) name(const float* x, int K, int gs, int G, GEMV_SEGS) { \
-        int bx = blockIdx.x;                                                                                       \
-        GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                     \
-        gemvw_body<F, R, WK, D>(s.y, x, s.W, s.sz, s.N, K, gs, G, bx);                                             \
+#define GEMVW_ENTRY(name, R, D, MINB)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
+        name(const float* x, int K, int gs, int G, const float* nw, const float* nb, float eps, int mode, GEMV_SEGS) { \
+        int bx = blockIdx.x;                                                                                         \
+        GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
+        gemvw_body<R, D>(s.y, x, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps, mode);                          \
     }
-GEMVW_ENTRY(gemv_q4_w2h, GQ4, 2, 1, 4, 2)
-GEMVW_ENTRY(gemv_q4_w4h, GQ4, 4, 1, 2, 2)
+GEMVW_ENTRY(gemv_q4_w2h, 2, 4, 2)
+GEMVW_ENTRY(gemv_q4_w4h, 4, 2, 2)
 
 // ---------------------------------------------------------------------------
 // cp.async (16-byte copies to shared memory, zero-filled where !valid) and

@@ -98,15 +98,21 @@ type Backend interface {
 
 // Fused is implemented by backends that run some sequences of the forward
 // pass's operations as one kernel (the CUDA backend). The forward pass calls
-// each method in place of the sequence its comment names, and the results
-// are those of the sequence.
+// each method in place of the sequence its comment names; the results are
+// those of the sequence up to float32 rounding (a fused kernel may sum in
+// another order).
 type Fused interface {
 	// MatMulN sets dst[i] = x·ws[i]ᵀ for every i: the products that share
 	// their input (q, k and v; gate and up). No dst may alias x.
 	MatMulN(dst []Buf, x Buf, ws []Linear)
-	// AddRMSNorm is Add(x, delta) then RMSNorm(dst, x, w, bias, eps); dst
-	// and delta must not alias x.
-	AddRMSNorm(dst, x, delta Buf, w, bias Vector, eps float32)
+	// NormMatMulN is RMSNorm(h, x, w, bias, eps) then MatMulN(dst, h, ws)
+	// with h a temporary.
+	NormMatMulN(dst []Buf, x Buf, w, bias Vector, eps float32, ws []Linear)
+	// NormSwiGLU is RMSNorm(h, x, w, bias, eps), g = h·gateᵀ, u = h·upᵀ,
+	// SiLUMul(dst, g, u) with h, g and u temporaries.
+	NormSwiGLU(dst, x Buf, w, bias Vector, eps float32, gate, up Linear)
+	// MatMulAdd is dst += x·wᵀ: MatMul into a temporary, then Add.
+	MatMulAdd(dst, x Buf, w Linear)
 	// RoPEStoreKV is RoPE(q, …), RoPE(k, …), then StoreKV(c, layer, pos0,
 	// k, v): q and k are left rotated.
 	RoPEStoreKV(c KVCache, layer, pos0 int, q, k, v Buf, headDim int, theta float64, layout model.RopeLayout)

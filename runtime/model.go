@@ -329,23 +329,6 @@ func (m *Model) MLPNorm(l int, x Buf) Buf {
 	return h
 }
 
-// addMLPNorm adds delta (the o projection) to the residual stream x, frees
-// delta and returns MLPNorm(l, x): one Fused.AddRMSNorm where the backend
-// fuses.
-func (m *Model) addMLPNorm(l int, x, delta Buf) Buf {
-	f, ok := m.be.(Fused)
-	if !ok {
-		m.be.Add(x, delta)
-		m.be.Free(delta)
-		return m.MLPNorm(l, x)
-	}
-	w := m.weights(l)
-	h := m.be.Alloc(x.Rows(), m.cfg.Hidden)
-	f.AddRMSNorm(h, x, delta, w.mlpNorm, w.mlpNormBias, float32(m.cfg.NormEps))
-	m.be.Free(delta)
-	return h
-}
-
 // Attention runs the attention block of layer l on its normed input h
 // (rows at positions pos0..): the q/k/v products (with the Qwen2 biases
 // unless a W8A8 projection carries them), the Qwen3 q/k norms, RoPE, the
@@ -355,8 +338,20 @@ func (m *Model) addMLPNorm(l int, x, delta Buf) Buf {
 // values. ov may replace q, k or v.
 func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) Buf {
 	c := &m.cfg
-	be := m.be
+	w := m.weights(l)
 	T := h.Rows()
+	q, k, v := m.be.Alloc(T, c.QDim()), m.be.Alloc(T, c.KVDim()), m.be.Alloc(T, c.KVDim())
+	m.matMulN([]Buf{q, k, v}, h, []Linear{w.linear(model.Q, ov), w.linear(model.K, ov), w.linear(model.V, ov)})
+	return m.attend(l, q, k, v, pos0, cache, ov)
+}
+
+// attend finishes the q, k and v products of layer l (rows at positions
+// pos0..) as Attention describes, stores k and v, frees all three and
+// returns the attention output.
+func (m *Model) attend(l int, q, k, v Buf, pos0 int, cache KVCache, ov Overrides) Buf {
+	c := &m.cfg
+	be := m.be
+	T := q.Rows()
 	cl := l
 	if cache == nil {
 		if pos0 != 0 {
@@ -370,9 +365,6 @@ func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) B
 	if pos0+T > cache.MaxSeq() {
 		panic(fmt.Sprintf("runtime: positions %d..%d exceed the KV cache of %d", pos0, pos0+T-1, cache.MaxSeq()))
 	}
-	w := m.weights(l)
-	q, k, v := be.Alloc(T, c.QDim()), be.Alloc(T, c.KVDim()), be.Alloc(T, c.KVDim())
-	m.matMulN([]Buf{q, k, v}, h, []Linear{w.linear(model.Q, ov), w.linear(model.K, ov), w.linear(model.V, ov)})
 	m.finishProduct(l, model.Q, q, ov)
 	m.finishProduct(l, model.K, k, ov)
 	m.finishProduct(l, model.V, v, ov)
@@ -471,29 +463,62 @@ func (m *Model) Project(l int, r model.Role, dst, x Buf, ov Overrides) {
 // holds them for this call only. capture, when not nil, sees the input of
 // each linear group before use.
 func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
+	c := &m.cfg
+	w := m.weights(l)
 	be := m.be
-	h := m.AttnNorm(l, x)
-	if capture != nil {
-		capture(l, CaptureQKV, h)
+	T := x.Rows()
+	eps := float32(c.NormEps)
+	f, fused := be.(Fused)
+	fused = fused && capture == nil // a capture sees the normed inputs
+
+	q, k, v := be.Alloc(T, c.QDim()), be.Alloc(T, c.KVDim()), be.Alloc(T, c.KVDim())
+	qkv, wqkv := []Buf{q, k, v}, []Linear{w.q, w.k, w.v}
+	if fused {
+		f.NormMatMulN(qkv, x, w.attnNorm, w.attnNormBias, eps, wqkv)
+	} else {
+		h := m.AttnNorm(l, x)
+		if capture != nil {
+			capture(l, CaptureQKV, h)
+		}
+		m.matMulN(qkv, h, wqkv)
+		be.Free(h)
 	}
-	att := m.Attention(l, h, pos0, cache, nil)
+	att := m.attend(l, q, k, v, pos0, cache, nil)
 	if capture != nil {
 		capture(l, CaptureO, att)
 	}
-	m.Project(l, model.O, h, att, nil)
+	m.matMulAdd(x, att, w.o)
 	be.Free(att)
-	h = m.addMLPNorm(l, x, h)
-	if capture != nil {
-		capture(l, CaptureGateUp, h)
+
+	var g Buf
+	if fused {
+		g = be.Alloc(T, c.Intermediate)
+		f.NormSwiGLU(g, x, w.mlpNorm, w.mlpNormBias, eps, w.gate, w.up)
+	} else {
+		h := m.MLPNorm(l, x)
+		if capture != nil {
+			capture(l, CaptureGateUp, h)
+		}
+		g = m.MLPHidden(l, h, nil)
+		be.Free(h)
 	}
-	g := m.MLPHidden(l, h, nil)
 	if capture != nil {
 		capture(l, CaptureDown, g)
 	}
-	m.Project(l, model.Down, h, g, nil)
+	m.matMulAdd(x, g, w.down)
 	be.Free(g)
-	be.Add(x, h)
-	be.Free(h)
+}
+
+// matMulAdd sets dst += x·wᵀ: one Fused.MatMulAdd where the backend fuses.
+func (m *Model) matMulAdd(dst, x Buf, w Linear) {
+	if f, ok := m.be.(Fused); ok {
+		f.MatMulAdd(dst, x, w)
+		return
+	}
+	t := m.be.Alloc(dst.Rows(), dst.Cols())
+	m.be.MatMul(t, x, w)
+	m.be.Add(dst, t)
+	m.be.Free(t)
 }
 
 // FinalNorm returns norm(x), the final RMSNorm: the classifier's input, a

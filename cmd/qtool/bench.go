@@ -338,7 +338,8 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, copyGBs 
 	res.Linears = append(res.Linears, benchLinear(b, "lm_head", head.(*cuda.Linear), prompt, copyGBs)...)
 	b.FreeLinear(head)
 	res.WeightBytes = weightBytes
-	other, err := stepBreakdown(b, m, cfg, 1, prompt+steps/2, out)
+	streaming := strings.HasPrefix(b.GEMVKernel(rm.Linear(0, model.Q), 1), "gemv_q4_w")
+	other, err := stepBreakdown(b, m, cfg, 1, prompt+steps/2, streaming, out)
 	if err != nil {
 		return res, err
 	}
@@ -346,7 +347,7 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, copyGBs 
 	est := mm + other*float64(cfg.Layers)
 	fmt.Fprintf(out, "  decode step estimate from kernel times: matmuls %.0f us + other %.0f us = %.0f us (%.0f tok/s); graph measured %.0f us\n",
 		mm*1e6, other*float64(cfg.Layers)*1e6, est*1e6, 1/est, 1e6/res.DecodeGraphTok)
-	otherPre, err := stepBreakdown(b, m, cfg, prompt, 0, out)
+	otherPre, err := stepBreakdown(b, m, cfg, prompt, 0, streaming, out)
 	if err != nil {
 		return res, err
 	}
@@ -455,10 +456,10 @@ func matmulSeconds(linears []kernelResult, M, layers int) float64 {
 // runs them on this backend) of one layer's forward step over T rows at positions pos0… (T = 1: a decode step at context
 // pos0; pos0 = 0: a prefill of T tokens), device time from replayed graphs,
 // and returns their sum for one layer.
-func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 int, out io.Writer) (float64, error) {
+func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 int, streaming bool, out io.Writer) (float64, error) {
 	h, q, k, v := b.Alloc(T, cfg.Hidden), b.Alloc(T, cfg.QDim()), b.Alloc(T, cfg.KVDim()), b.Alloc(T, cfg.KVDim())
 	g, u, att := b.Alloc(T, cfg.Intermediate), b.Alloc(T, cfg.Intermediate), b.Alloc(T, cfg.QDim())
-	h2, h3 := b.Alloc(T, cfg.Hidden), b.Alloc(T, cfg.Hidden)
+	h3 := b.Alloc(T, cfg.Hidden)
 	for i, x := range []runtime.Buf{h, q, k, v, g, u, h3} {
 		b.FillRandom(x, uint64(40+i), 1)
 	}
@@ -469,17 +470,21 @@ func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 in
 	}
 	cache := b.NewKVCache(1, pos0+T+8, cfg.KVDim())
 	eps := float32(cfg.NormEps)
-	ops := []struct {
+	type op struct {
 		name  string
 		times int
 		f     func()
-	}{
-		{"rmsnorm", 1, func() { b.RMSNorm(h, h, nw, nil, eps) }},
-		{"add+rmsnorm", 1, func() { b.AddRMSNorm(h2, h, h3, nw, nil, eps) }},
-		{"rope+store", 1, func() { b.RoPEStoreKV(cache, 0, pos0, q, k, v, cfg.HeadDim, cfg.RopeTheta, cfg.Rope) }},
-		{"attention", 1, func() { b.Attention(att, q, cache, 0, pos0, cfg.Heads, cfg.KVHeads, cfg.HeadDim) }},
-		{"silu_mul", 1, func() { b.SiLUMul(g, g, u) }},
-		{"add", 1, func() { b.Add(h, h3) }},
+	}
+	// With the streaming 4-bit GEMV a decode step's norms, SwiGLU and
+	// residual adds run inside the matrix products (runtime.Fused); the
+	// other GEMVs fuse the adds; prefill runs them all as kernels.
+	ops := []op{{"rope+store", 1, func() { b.RoPEStoreKV(cache, 0, pos0, q, k, v, cfg.HeadDim, cfg.RopeTheta, cfg.Rope) }},
+		{"attention", 1, func() { b.Attention(att, q, cache, 0, pos0, cfg.Heads, cfg.KVHeads, cfg.HeadDim) }}}
+	if T > 1 || !streaming {
+		ops = append(ops, op{"rmsnorm", 2, func() { b.RMSNorm(h, h, nw, nil, eps) }}, op{"silu_mul", 1, func() { b.SiLUMul(g, g, u) }})
+	}
+	if T > 1 {
+		ops = append(ops, op{"add", 2, func() { b.Add(h, h3) }})
 	}
 	var total float64
 	if T == 1 {
@@ -496,7 +501,7 @@ func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 in
 		fmt.Fprintf(out, "    %-10s x%d %9.2f us\n", op.name, op.times, t*1e6)
 	}
 	b.FreeKVCache(cache)
-	for _, x := range []runtime.Buf{h, q, k, v, g, u, att, h2, h3} {
+	for _, x := range []runtime.Buf{h, q, k, v, g, u, att, h3} {
 		b.Free(x)
 	}
 	return total, nil

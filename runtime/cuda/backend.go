@@ -226,7 +226,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 // kernelNames lists every kernel the backend looks up.
 func kernelNames() []string {
 	names := []string{
-		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_add", "rmsnorm_heads", "add_bias", "add_inplace",
+		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_heads", "add_bias", "add_inplace",
 		"silu_mul", "rope", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8", "attn_combine",
 		"attn_tc", "attn_tc_f16", "attn_tc_i8",
 		"gemm_f32", "gemm_q8", "gemm_q4", "to_half", "gemm_h_f16", "gemm_h_bf16", "dequant_h_q4", "dequant_h_q8",
@@ -655,17 +655,6 @@ func (b *Backend) rowBlock(rows, cols int) [3]uint32 {
 		return [3]uint32{1024, 1, 1}
 	}
 	return block256
-}
-
-// AddRMSNorm implements runtime.Fused: x += delta, then dst = rmsnorm(x),
-// in one kernel.
-func (b *Backend) AddRMSNorm(dst, x, delta runtime.Buf, w, bias runtime.Vector, eps float32) {
-	d, s, r := buf(dst), buf(x), buf(delta)
-	if d.rows != s.rows || d.cols != s.cols || r.rows != s.rows || r.cols != s.cols || vec(w).n != s.cols || d.p == s.p || r.p == s.p {
-		panic("cuda backend: AddRMSNorm shapes or aliasing")
-	}
-	defer b.enter()()
-	b.launch("rmsnorm_add", g1(s.rows), b.rowBlock(s.rows, s.cols), d.p, s.p, r.p, vec(w).p, vecPtr(bias), s.cols, eps)
 }
 
 // RMSNormHeads implements runtime.Backend.

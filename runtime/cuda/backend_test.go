@@ -401,21 +401,6 @@ func TestNorms(t *testing.T) {
 			checkClose(t, "rmsnorm "+tc.name, download(b, dst), want, 1e-6)
 		})
 	}
-	t.Run("rmsnorm-add", func(t *testing.T) {
-		res := randVec(r, rows*cols, 1)
-		sum := make([]float64, rows*cols)
-		for i := range sum {
-			sum[i] = float64(x[i] + res[i])
-		}
-		want := make([]float64, 0, rows*cols)
-		for i := 0; i < rows; i++ {
-			want = append(want, rmsRef(sum[i*cols:(i+1)*cols], w, bias, 1e-6)...)
-		}
-		xb, rb, dst := upload(b, rows, cols, x), upload(b, rows, cols, res), poisoned(b, rows, cols)
-		b.AddRMSNorm(dst, xb, rb, wv, bv, 1e-6)
-		checkClose(t, "rmsnorm-add out", download(b, dst), want, 1e-6)
-		checkClose(t, "rmsnorm-add residual", download(b, xb), sum, 1e-7)
-	})
 	t.Run("rmsnorm-heads", func(t *testing.T) {
 		hw := randVec(r, hd, 1)
 		hv, _ := b.UploadVector("hw", model.FromFloat32([]int{hd}, hw))

@@ -12,7 +12,7 @@ import (
 )
 
 // TestMatMulN checks the fused products against one MatMul per weight: the
-// same values bit for bit, from one launch where oneGEMV allows it (every
+// same values bit for bit, from one launch where gemvPlan allows it (every
 // shipped GEMV kernel but the split-K one) and from the one-at-a-time path
 // otherwise. The three weights have row counts that leave partial blocks.
 func TestMatMulN(t *testing.T) {
@@ -40,12 +40,11 @@ func TestMatMulN(t *testing.T) {
 				for i := range segs {
 					segs[i].l = lin(ws[i])
 				}
-				one := b.oneGEMV(segs, M)
+				kernel, _, _, one := b.gemvPlan(segs, M)
 				name := fmt.Sprintf("%s/M=%d/n=%d/one-launch=%v", wc.name, M, nw, one)
 				t.Run(name, func(t *testing.T) {
 					if one {
-						k, _ := b.gemvKernel(segs[0].l, M)
-						fusedKernels[k] = true
+						fusedKernels[kernel] = true
 					}
 					xb := upload(b, M, K, randVec(r, M*K, 1))
 					defer b.Free(xb)
@@ -72,6 +71,108 @@ func TestMatMulN(t *testing.T) {
 			t.Errorf("no case runs the GEMV kernel %s with several weights", k)
 		}
 	}
+}
+
+// TestFusedLinearSteps checks NormMatMulN, NormSwiGLU and MatMulAdd against
+// the sequences of operations runtime.Fused names, for every weight case at
+// decode (M = 1, 3: the GEMV kernels, the streaming q4 one with the norm and
+// SwiGLU inside) and prefill sizes (M = 5: the fallbacks). The residual add
+// is exact; the fused norm sums its squares in another order, so the
+// streaming kernel's results may differ in the last bits of fp16 inputs.
+func TestFusedLinearSteps(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(25, 26))
+	outs := []int{200, 72, 40}
+	streamed := map[string]bool{}
+	for ci, wc := range weightCases {
+		K := 256
+		if wc.k > 0 {
+			K = wc.k
+		}
+		ws := make([]runtime.Linear, 4) // three for NormMatMulN; gate and up: 1 and 3 (72 rows each)
+		for i, n := range []int{200, 72, 40, 72} {
+			w, _ := wc.make(r, n, K)
+			lw, err := b.UploadLinear(fmt.Sprintf("%s.%d", wc.name, i), w)
+			if err != nil {
+				t.Fatalf("%s: upload: %v", wc.name, err)
+			}
+			ws[i] = lw
+		}
+		nw, _ := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
+		var nb runtime.Vector
+		if ci%2 == 1 { // SmoothQuant-folded norms carry a bias
+			nb, _ = b.UploadVector("norm_bias", model.FromFloat32([]int{K}, randVec(r, K, 0.1)))
+		}
+		const eps = 1e-5
+		for _, M := range []int{1, 3, 5} {
+			_, _, streaming, _ := b.gemvPlan([]gemvSeg{{l: lin(ws[0])}}, M)
+			if streaming {
+				k, _ := b.gemvKernel(lin(ws[0]), M)
+				streamed[k] = true
+			}
+			tol := 0.0
+			if streaming {
+				tol = 1e-4
+			}
+			t.Run(fmt.Sprintf("%s/M=%d/streaming=%v", wc.name, M, streaming), func(t *testing.T) {
+				x := upload(b, M, K, randVec(r, M*K, 1))
+				h := poisoned(b, M, K)
+				b.RMSNorm(h, x, nw, nb, eps)
+				free := []*Buf{x, h}
+				defer func() {
+					for _, f := range free {
+						b.Free(f)
+					}
+				}()
+				// NormMatMulN
+				dst := make([]runtime.Buf, 3)
+				for i := range dst {
+					dst[i] = poisoned(b, M, outs[i])
+					want := poisoned(b, M, outs[i])
+					free = append(free, dst[i].(*Buf), want)
+					b.MatMul(want, h, ws[i])
+					defer func(i int, want *Buf) {
+						compare(t, fmt.Sprintf("NormMatMulN weight %d", i), download(b, dst[i]), download(b, want), tol)
+					}(i, want)
+				}
+				b.NormMatMulN(dst, x, nw, nb, eps, ws[:3])
+				// NormSwiGLU
+				g, u, sw := poisoned(b, M, 72), poisoned(b, M, 72), poisoned(b, M, 72)
+				free = append(free, g, u, sw)
+				b.MatMul(g, h, ws[1])
+				b.MatMul(u, h, ws[3])
+				b.SiLUMul(g, g, u)
+				b.NormSwiGLU(sw, x, nw, nb, eps, ws[1], ws[3])
+				compare(t, "NormSwiGLU", download(b, sw), download(b, g), tol)
+				// MatMulAdd: exact
+				res := randVec(r, M*200, 1)
+				acc, ref, tmp := upload(b, M, 200, res), upload(b, M, 200, res), poisoned(b, M, 200)
+				free = append(free, acc, ref, tmp)
+				b.MatMul(tmp, h, ws[0])
+				b.Add(ref, tmp)
+				b.MatMulAdd(acc, h, ws[0])
+				compare(t, "MatMulAdd", download(b, acc), download(b, ref), 0)
+			})
+		}
+	}
+	for _, k := range []string{"gemv_q4_w4h", "gemv_q4_w2h"} {
+		if !streamed[k] && !t.Failed() {
+			t.Errorf("no case runs %s with the fused norm and SwiGLU", k)
+		}
+	}
+}
+
+// compare fails unless got equals want bit for bit (tol 0) or within tol
+// relative (relErr).
+func compare(t *testing.T, what string, got, want []float32, tol float64) {
+	t.Helper()
+	if tol == 0 {
+		if !slices.Equal(got, want) {
+			t.Errorf("%s differs from the unfused sequence", what)
+		}
+		return
+	}
+	checkClose(t, what, got, f64(want), tol)
 }
 
 // TestRoPEStoreKV checks the fused RoPE and cache store against RoPE of q

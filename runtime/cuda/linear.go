@@ -407,7 +407,7 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		b.launch(name, grid, block256, d.p, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
 		return
 	}
-	b.gemv(s, []gemvSeg{{d, l}})
+	b.gemv(s, []gemvSeg{{d, l}}, gemvEpi{})
 }
 
 // gemvSeg is one weight of a GEMV launch and the output it writes.
@@ -416,28 +416,68 @@ type gemvSeg struct {
 	l *Linear
 }
 
-// MatMulN implements runtime.Fused: products of up to three weights that
-// run the same GEMV kernel (same kind, width and groups, no g_idx) go in one
-// launch; the rest, and every GEMM, one product at a time.
-func (b *Backend) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear) {
-	if len(dst) != len(ws) {
-		panic(fmt.Sprintf("cuda backend: MatMulN of %d weights into %d outputs", len(ws), len(dst)))
+// gemvEpi is what a GEMV launch fuses around its products (qtool.cu's
+// GEMV_STORE, GEMV_ADD, GEMV_SWIGLU; the input's RMSNorm with weight nw and
+// bias nb, streaming kernel only).
+type gemvEpi struct {
+	mode   int
+	nw, nb driver.DevicePtr
+	eps    float32
+}
+
+const (
+	gemvStore = iota
+	gemvAdd
+	gemvSwiGLU
+)
+
+// gemvPlan picks the GEMV kernel that computes the products of segs, M
+// rows each, in one launch, with its rows per block (the streaming kernels'
+// gemvStreamRowsTag resolved); ok is false when there is none: more rows
+// than GEMVMaxRows, W8A8, weights that differ in kind, width or groups,
+// g_idx on several weights, or the split-K kernel (per-launch counters).
+func (b *Backend) gemvPlan(segs []gemvSeg, M int) (name string, rows int, streaming, ok bool) {
+	if len(segs) == 0 || len(segs) > 3 || M > b.opt.GEMVMaxRows {
+		return "", 0, false, false
 	}
-	s := buf(x)
-	segs := make([]gemvSeg, len(ws))
-	for i, w := range ws {
-		d, l := buf(dst[i]), lin(w)
-		if s.cols != l.in || d.cols != l.out || d.rows != s.rows || d.p == s.p {
-			panic(fmt.Sprintf("cuda backend: MatMulN [%d %d] <- [%d %d] x [%d %d]ᵀ", d.rows, d.cols, s.rows, s.cols, l.out, l.in))
+	first := segs[0].l
+	for _, g := range segs {
+		l := g.l
+		if l.kind != first.kind || l.kind == kindW8A8 || l.in != first.in || l.gs != first.gs || l.groups != first.groups || (len(segs) > 1 && l.gidx != 0) {
+			return "", 0, false, false
 		}
-		segs[i] = gemvSeg{d, l}
 	}
+	name, R := b.gemvKernel(first, M)
+	if R <= 0 {
+		return "", 0, false, false
+	}
+	for _, g := range segs[1:] {
+		if n, _ := b.gemvKernel(g.l, M); n != name {
+			return "", 0, false, false
+		}
+	}
+	if R == gemvStreamRowsTag {
+		return name, gemvStreamRows(name), true, true
+	}
+	return name, R, false, true
+}
+
+// MatMulN implements runtime.Fused: products of up to three weights that
+// share a GEMV kernel (gemvPlan) go in one launch; the rest, and every
+// GEMM, one product at a time.
+func (b *Backend) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear) {
+	s, segs := b.segments("MatMulN", dst, x, ws)
 	if s.rows == 0 {
 		return
 	}
 	defer b.enter()()
-	if b.oneGEMV(segs, s.rows) {
-		b.gemv(s, segs)
+	b.matmulN(s, segs)
+}
+
+// matmulN is MatMulN on checked operands.
+func (b *Backend) matmulN(s *Buf, segs []gemvSeg) {
+	if _, _, _, ok := b.gemvPlan(segs, s.rows); ok && len(segs) > 1 {
+		b.gemv(s, segs, gemvEpi{})
 		return
 	}
 	for _, g := range segs {
@@ -445,39 +485,103 @@ func (b *Backend) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear)
 	}
 }
 
-// oneGEMV reports whether the products of segs with M rows can share one
-// GEMV launch.
-func (b *Backend) oneGEMV(segs []gemvSeg, M int) bool {
-	if len(segs) < 2 || len(segs) > 3 || M > b.opt.GEMVMaxRows {
-		return false
+// segments checks the operands of a product of x with several weights.
+func (b *Backend) segments(op string, dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear) (*Buf, []gemvSeg) {
+	if len(dst) != len(ws) {
+		panic(fmt.Sprintf("cuda backend: %s of %d weights into %d outputs", op, len(ws), len(dst)))
 	}
-	first := segs[0].l
-	for _, g := range segs {
-		l := g.l
-		if l.kind != first.kind || l.kind == kindW8A8 || l.gidx != 0 || l.gs != first.gs || l.groups != first.groups {
-			return false
+	s := buf(x)
+	segs := make([]gemvSeg, len(ws))
+	for i, w := range ws {
+		d, l := buf(dst[i]), lin(w)
+		if s.cols != l.in || d.cols != l.out || d.rows != s.rows || d.p == s.p {
+			panic(fmt.Sprintf("cuda backend: %s [%d %d] <- [%d %d] x [%d %d]ᵀ", op, d.rows, d.cols, s.rows, s.cols, l.out, l.in))
 		}
+		segs[i] = gemvSeg{d, l}
 	}
-	name, R := b.gemvKernel(first, M)
-	if R <= 0 { // the split-K kernel keeps per-launch counters
-		return false
+	return s, segs
+}
+
+// NormMatMulN implements runtime.Fused: with the streaming 4-bit GEMV the
+// RMSNorm runs inside the products' launch; otherwise RMSNorm into a
+// scratch buffer and MatMulN.
+func (b *Backend) NormMatMulN(dst []runtime.Buf, x runtime.Buf, w, bias runtime.Vector, eps float32, ws []runtime.Linear) {
+	s, segs := b.segments("NormMatMulN", dst, x, ws)
+	if vec(w).n != s.cols {
+		panic("cuda backend: NormMatMulN norm width")
 	}
-	for _, g := range segs[1:] {
-		if n, _ := b.gemvKernel(g.l, M); n != name {
-			return false
-		}
+	if s.rows == 0 {
+		return
 	}
-	return true
+	defer b.enter()()
+	if _, _, streaming, ok := b.gemvPlan(segs, s.rows); ok && streaming {
+		b.gemv(s, segs, gemvEpi{mode: gemvStore, nw: vec(w).p, nb: vecPtr(bias), eps: eps})
+		return
+	}
+	h := b.normScratch(s, w, bias, eps)
+	b.matmulN(h, segs)
+}
+
+// normScratch writes RMSNorm(x) into a scratch buffer shaped like x.
+func (b *Backend) normScratch(s *Buf, w, bias runtime.Vector, eps float32) *Buf {
+	h := &Buf{p: b.scratchBuf("norm_h", 4*s.rows*s.cols), rows: s.rows, cols: s.cols}
+	b.launch("rmsnorm", g1(s.rows), b.rowBlock(s.rows, s.cols), h.p, s.p, vec(w).p, vecPtr(bias), s.cols, eps)
+	return h
+}
+
+// NormSwiGLU implements runtime.Fused: one launch of the streaming 4-bit
+// GEMV (norm, both products and the SwiGLU); otherwise RMSNorm, MatMulN
+// and SiLUMul.
+func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up runtime.Linear) {
+	d := buf(dst)
+	s, segs := b.segments("NormSwiGLU", []runtime.Buf{dst, dst}, x, []runtime.Linear{gate, up})
+	if vec(w).n != s.cols {
+		panic("cuda backend: NormSwiGLU norm width")
+	}
+	if s.rows == 0 {
+		return
+	}
+	defer b.enter()()
+	if _, _, streaming, ok := b.gemvPlan(segs, s.rows); ok && streaming {
+		b.gemv(s, segs, gemvEpi{mode: gemvSwiGLU, nw: vec(w).p, nb: vecPtr(bias), eps: eps})
+		return
+	}
+	h := b.normScratch(s, w, bias, eps)
+	u := b.Alloc(d.rows, d.cols).(*Buf)
+	segs[1].d = u
+	b.matmulN(h, segs)
+	b.launch("silu_mul", b.gridFor(d.n()), block256, d.p, d.p, u.p, int64(d.n()))
+	b.Free(u)
+}
+
+// MatMulAdd implements runtime.Fused: the GEMV kernels add their sums to
+// dst; the split-K GEMV, W8A8 and the GEMMs go through a temporary.
+func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
+	s, segs := b.segments("MatMulAdd", []runtime.Buf{dst}, x, []runtime.Linear{w})
+	if s.rows == 0 {
+		return
+	}
+	defer b.enter()()
+	if _, _, _, ok := b.gemvPlan(segs, s.rows); ok {
+		b.gemv(s, segs, gemvEpi{mode: gemvAdd})
+		return
+	}
+	d := segs[0].d
+	t := b.Alloc(d.rows, d.cols).(*Buf)
+	b.matmul(t, s, segs[0].l, false)
+	b.launch("add_inplace", b.gridFor(d.n()), block256, d.p, t.p, int64(d.n()))
+	b.Free(t)
 }
 
 // gemv launches the GEMV kernel of segs[0]'s weight for all of segs (one
-// segment unless oneGEMV allowed more): the kernels take up to three
-// (output, weight, scales, rows, blocks) segments, see qtool.cu's GemvSeg.
-func (b *Backend) gemv(s *Buf, segs []gemvSeg) {
+// segment unless gemvPlan allowed more; gate and up for gemvSwiGLU): the
+// kernels take up to three (output, weight, scales, rows, blocks) segments,
+// see qtool.cu's GemvSeg.
+func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	l := segs[0].l
 	M, K := s.rows, l.in
 	name, R := b.gemvKernel(l, M)
-	if R <= 0 { // split-K kernel with -R rows per warp, one weight
+	if R <= 0 { // split-K kernel with -R rows per warp, one weight, stored
 		N := l.out
 		d := segs[0].d
 		kl := 32
@@ -503,18 +607,27 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg) {
 	}
 	blocks := 0
 	for i, g := range segs {
-		seg[i].y, seg[i].w, seg[i].sz, seg[i].n = g.d.p, g.l.w, g.l.sz, g.l.out
+		seg[i].w, seg[i].sz, seg[i].n = g.l.w, g.l.sz, g.l.out
+		seg[i].y = g.d.p
 		seg[i].nb = (g.l.out + rows - 1) / rows
 		blocks += seg[i].nb
+	}
+	if epi.mode == gemvSwiGLU { // a block covers rows/2 outputs of gate and up
+		seg[0].nb = (l.out + rows/2 - 1) / (rows / 2)
+		seg[1].nb, seg[1].y = 0, 0
+		blocks = seg[0].nb
 	}
 	segArgs := []any{seg[0].y, seg[0].w, seg[0].sz, seg[0].n, seg[0].nb, seg[1].y, seg[1].w, seg[1].sz, seg[1].n, seg[1].nb,
 		seg[2].y, seg[2].w, seg[2].sz, seg[2].n}
 	grid := [3]uint32{uint32(blocks), uint32(M), 1}
 	if R == gemvStreamRowsTag {
-		b.launchShm(name, grid, block256, shm, append([]any{s.p, K, l.gs, l.groups}, segArgs...)...)
+		b.launchShm(name, grid, block256, shm, append([]any{s.p, K, l.gs, l.groups, epi.nw, epi.nb, epi.eps, epi.mode}, segArgs...)...)
 		return
 	}
-	b.launch(name, grid, block256, append([]any{s.p, l.gidx, K, l.gs, l.groups}, segArgs...)...)
+	if epi.nw != 0 || epi.mode == gemvSwiGLU {
+		panic("cuda backend: " + name + " fuses no norm or SwiGLU")
+	}
+	b.launch(name, grid, block256, append([]any{s.p, l.gidx, K, l.gs, l.groups, epi.mode}, segArgs...)...)
 }
 
 // residentBlocks is how many blocks of a kernel with shm bytes of dynamic
