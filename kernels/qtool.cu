@@ -144,9 +144,10 @@ extern "C" __global__ void embed_q8(float* __restrict__ dst, const int8_t* __res
     }
 }
 
+// perm (act-order weights, else 0): stored column c is feature perm[c].
 extern "C" __global__ void embed_q4(float* __restrict__ dst, const uint32_t* __restrict__ q,
-                                    const float2* __restrict__ sz, const int* __restrict__ ids,
-                                    int cols, int gs, int G, int lo, int n) {
+                                    const float2* __restrict__ sz, const int* __restrict__ perm,
+                                    const int* __restrict__ ids, int cols, int gs, int G, int lo, int n) {
     PDL_ENTRY();
     int r = blockIdx.x;
     int id = ids[r] - lo;
@@ -157,7 +158,7 @@ extern "C" __global__ void embed_q4(float* __restrict__ dst, const uint32_t* __r
         float z = __low2float(zh) - 1024.f;
         uint32_t w = q[((size_t)id * cols + c) >> 3];
         float u = (float)((w >> q4_shift(c & 7)) & 15u);
-        dst[(size_t)r * cols + c] = (u - z) * s.x;
+        dst[(size_t)r * cols + (perm ? perm[c] : c)] = (u - z) * s.x;
     }
 }
 
@@ -1210,7 +1211,8 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 // slot is refilled right after. The weight loads of the first D chunks are
 // issued before the kernel waits for its predecessor (pdl_wait) and stages
 // x, so those latencies overlap. Requires (host side): no g_idx, K and gs
-// multiples of 32.
+// multiples of 32. An act-order weight (stored with its columns sorted by
+// group) passes its column order perm, and the staging gathers x by it.
 //
 // The decode step's neighbours are fused in (runtime.Fused):
 //   - nw set: x is rmsnorm(x)·nw (+ nb), computed by every block from the
@@ -1219,7 +1221,7 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 //   - mode GEMV_SWIGLU: y = silu(x·W0ᵀ) ⊙ (x·W1ᵀ), segment 0 holding the
 //     gate and segment 1 the up weight; a warp's R rows are R/2 gate rows
 //     and the same R/2 up rows.
-// Args (x, K, gs, G, nw, nb, eps, mode, GEMV_SEGS); grid (nb0 + nb1 + nb2, M)
+// Args (x, perm, K, gs, G, nw, nb, eps, mode, GEMV_SEGS); grid (nb0 + nb1 + nb2, M)
 // with nb_s = ceil(N_s/(8R)) (GEMV_SWIGLU: nb0 = ceil(N_0/(4R)), one
 // segment), block 256, dynamic shared memory 2K bytes for the staged x.
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
@@ -1245,12 +1247,20 @@ __device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const f
     return a;
 }
 
+// gemv_norm4g is gemv_norm4 for the features p.x .. p.w.
+__device__ __forceinline__ float4 gemv_norm4g(float4 a, int4 p, float inv, const float* __restrict__ nw,
+                                              const float* __restrict__ nb) {
+    a = make_float4(a.x * inv * nw[p.x], a.y * inv * nw[p.y], a.z * inv * nw[p.z], a.w * inv * nw[p.w]);
+    if (nb) a = make_float4(a.x + nb[p.x], a.y + nb[p.y], a.z + nb[p.z], a.w + nb[p.w]);
+    return a;
+}
+
 template <int R, int D>
 __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
                                            const float2* __restrict__ sz, const void* __restrict__ Wu,
                                            const float2* __restrict__ szu, int N, int K, int gs, int G, int bx,
                                            const float* __restrict__ nw, const float* __restrict__ nb, float eps,
-                                           int mode) {
+                                           int mode, const int* __restrict__ perm) {
     constexpr int KC = 32 * 32;  // k per chunk: 32 lanes x 32 k
     extern __shared__ uint4 xsh[];
     __shared__ float nsh[32];
@@ -1299,11 +1309,22 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     }
     // Stage x row m: unit u = 16 bytes = 8 k of the staged form.
     for (int u = tid; u < K / 8; u += 256) {
-        float4 a = *reinterpret_cast<const float4*>(xr + 8 * u);
-        float4 b = *reinterpret_cast<const float4*>(xr + 8 * u + 4);
-        if (nw) {
-            a = gemv_norm4(a, 8 * u, inv, nw, nb);
-            b = gemv_norm4(b, 8 * u + 4, inv, nw, nb);
+        float4 a, b;
+        if (perm) {  // act-order weight: stored column k holds feature perm[k]
+            int4 p = *reinterpret_cast<const int4*>(perm + 8 * u), q = *reinterpret_cast<const int4*>(perm + 8 * u + 4);
+            a = make_float4(xr[p.x], xr[p.y], xr[p.z], xr[p.w]);
+            b = make_float4(xr[q.x], xr[q.y], xr[q.z], xr[q.w]);
+            if (nw) {
+                a = gemv_norm4g(a, p, inv, nw, nb);
+                b = gemv_norm4g(b, q, inv, nw, nb);
+            }
+        } else {
+            a = *reinterpret_cast<const float4*>(xr + 8 * u);
+            b = *reinterpret_cast<const float4*>(xr + 8 * u + 4);
+            if (nw) {
+                a = gemv_norm4(a, 8 * u, inv, nw, nb);
+                b = gemv_norm4(b, 8 * u + 4, inv, nw, nb);
+            }
         }
         __half2 h0 = __floats2half2_rn(a.x, a.y), h1 = __floats2half2_rn(a.z * 0.0625f, a.w * 0.0625f);
         __half2 h2 = __floats2half2_rn(b.x, b.y), h3 = __floats2half2_rn(b.z * 0.0625f, b.w * 0.0625f);
@@ -1385,10 +1406,11 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
 
 #define GEMVW_ENTRY(name, R, D, MINB)                                                                               \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
-        name(const float* x, int K, int gs, int G, const float* nw, const float* nb, float eps, int mode, GEMV_SEGS) { \
+        name(const float* x, const int* perm, int K, int gs, int G, const float* nw, const float* nb, float eps,      \
+             int mode, GEMV_SEGS) {                                                                                  \
         int bx = blockIdx.x;                                                                                         \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
-        gemvw_body<R, D>(s.y, x, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps, mode);                          \
+        gemvw_body<R, D>(s.y, x, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps, mode, perm);                    \
     }
 GEMVW_ENTRY(gemv_q4_w2h, 2, 4, 2)
 GEMVW_ENTRY(gemv_q4_w4h, 4, 2, 2)
@@ -1611,6 +1633,18 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
 #define GH_BK 64
 #define GH_LD 72  // halfs per smem row (64 + 8 padding)
 #define GH_SMEM (GH_STAGES * (BM + BN) * GH_LD * 2)
+
+// gather_cols: dst[r][j] = x[r][perm[j]] (the input of an act-order
+// weight stored with its columns sorted by group).
+extern "C" __global__ void gather_cols(float* __restrict__ dst, const float* __restrict__ x, const int* __restrict__ perm,
+                                       int rows, int cols) {
+    PDL_ENTRY();
+    long long n = (long long)rows * cols;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / cols;
+        dst[i] = x[r * cols + perm[i - r * cols]];
+    }
+}
 
 extern "C" __global__ void to_half(__half* __restrict__ dst, const float* __restrict__ src, long long n) {
     PDL_ENTRY();

@@ -32,7 +32,7 @@ func benchCommand() *cli.Command {
 			"--synthetic llama2-7b a random-weight model of that shape is generated on the GPU in each --format.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "synthetic", Usage: "random-weight model of this shape: llama2-7b, llama3-8b, tiny (none: kernels only)"},
-			&cli.StringFlag{Name: "format", Value: "w4a16,w8a16,fp16", Usage: "formats of the synthetic model (comma-separated: w4a16, w8a16, fp16)"},
+			&cli.StringFlag{Name: "format", Value: "w4a16,w8a16,fp16", Usage: "formats of the synthetic model (comma-separated: w4a16, w4a16-act (GPTQ act-order), w8a16, w8a16-pc (per-channel), fp16)"},
 			&cli.IntFlag{Name: "prompt", Value: 512, Usage: "prefill length"},
 			&cli.IntFlag{Name: "decode", Value: 128, Usage: "decode steps"},
 			&cli.BoolFlag{Name: "kernels", Value: true, Usage: "run the per-kernel GEMV/GEMM microbenchmarks"},
@@ -216,7 +216,7 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 	for _, sh := range benchShapes {
 		N, K := sh[0], sh[1]
 		var f16Rate float64
-		for _, f := range []string{"fp16", "w8a16", "w4a16"} {
+		for _, f := range []string{"fp16", "w8a16", "w8a16-pc", "w4a16", "w4a16-act"} {
 			w, err := b.UploadLinear("bench", &cuda.Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: seed})
 			if err != nil {
 				return err
@@ -343,7 +343,11 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, copyGBs 
 	if err != nil {
 		return res, err
 	}
-	mm := matmulSeconds(res.Linears, 1, cfg.Layers)
+	layerMM, err := decodeProducts(b, rm, m, cfg, out)
+	if err != nil {
+		return res, err
+	}
+	mm := layerMM*float64(cfg.Layers) + matmulSeconds(res.Linears, 1, 0) // + the head
 	est := mm + other*float64(cfg.Layers)
 	fmt.Fprintf(out, "  decode step estimate from kernel times: matmuls %.0f us + other %.0f us = %.0f us (%.0f tok/s); graph measured %.0f us\n",
 		mm*1e6, other*float64(cfg.Layers)*1e6, est*1e6, 1/est, 1e6/res.DecodeGraphTok)
@@ -450,6 +454,62 @@ func matmulSeconds(linears []kernelResult, M, layers int) float64 {
 		}
 	}
 	return t
+}
+
+// decodeProducts times a decode step's matrix products of layer 0 as the
+// forward pass runs them (runtime.Fused where the backend fuses: q/k/v with
+// the attention norm, o and down with the residual add, gate/up with the
+// MLP norm and the SwiGLU), device time from replayed graphs, beside the
+// q/k/v launch without its norm; it returns their sum for one layer.
+func decodeProducts(b *cuda.Backend, rm *runtime.Model, m *model.Model, cfg model.Config, out io.Writer) (float64, error) {
+	var norms [2]runtime.Vector
+	for i, r := range []model.Role{model.AttnNorm, model.MLPNorm} {
+		t, err := m.Get(model.Name(0, r))
+		if err != nil {
+			return 0, err
+		}
+		if norms[i], err = b.UploadVector("probe_norm", t); err != nil {
+			return 0, err
+		}
+		defer b.FreeVector(norms[i])
+	}
+	w := func(r model.Role) runtime.Linear { return rm.Linear(0, r) }
+	x, q, k, v := b.Alloc(1, cfg.Hidden), b.Alloc(1, cfg.QDim()), b.Alloc(1, cfg.KVDim()), b.Alloc(1, cfg.KVDim())
+	att, g := b.Alloc(1, cfg.QDim()), b.Alloc(1, cfg.Intermediate)
+	defer func() {
+		for _, t := range []runtime.Buf{x, q, k, v, att, g} {
+			b.Free(t)
+		}
+	}()
+	for i, t := range []runtime.Buf{x, att, g} {
+		b.FillRandom(t, uint64(60+i), 1)
+	}
+	eps := float32(cfg.NormEps)
+	qkv, wqkv := []runtime.Buf{q, k, v}, []runtime.Linear{w(model.Q), w(model.K), w(model.V)}
+	ops := []struct {
+		name  string
+		inSum bool
+		f     func()
+	}{
+		{"q,k,v + norm", true, func() { b.NormMatMulN(qkv, x, norms[0], nil, eps, wqkv) }},
+		{"q,k,v alone", false, func() { b.MatMulN(qkv, x, wqkv) }},
+		{"o + add", true, func() { b.MatMulAdd(x, att, w(model.O)) }},
+		{"gate,up + norm, swiglu", true, func() { b.NormSwiGLU(g, x, norms[1], nil, eps, w(model.Gate), w(model.Up)) }},
+		{"down + add", true, func() { b.MatMulAdd(x, g, w(model.Down)) }},
+	}
+	fmt.Fprintf(out, "  decode step, matrix products per layer as the forward pass runs them (device time):\n")
+	var total float64
+	for _, op := range ops {
+		t, err := b.TimeCaptured(20, op.f)
+		if err != nil {
+			return 0, err
+		}
+		if op.inSum {
+			total += t
+		}
+		fmt.Fprintf(out, "    %-24s %9.2f us\n", op.name, t*1e6)
+	}
+	return total, nil
 }
 
 // stepBreakdown times the non-matmul operations (fused as the forward pass

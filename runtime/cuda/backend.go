@@ -97,6 +97,11 @@ type Backend struct {
 
 	uploaded map[string]int64 // device bytes of each uploaded linear, by name
 
+	// perms holds the act-order column orders by content and permUsers
+	// how many linears use each (see Linear.perm).
+	perms     map[string]driver.DevicePtr
+	permUsers map[driver.DevicePtr]int
+
 	heldBytes, peakBytes int64              // device memory allocated now and at most
 	prof                 map[string]float64 // seconds per calibration step, see Profile
 
@@ -164,7 +169,8 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 		return nil, fmt.Errorf("cuda: device %d requested, %d present: %w", opt.Device, n, ErrNoDriver)
 	}
 	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, occupancy: map[occKey]int{}, dynSmem: map[string]int{}, pool: map[int][]driver.DevicePtr{},
-		owned: map[driver.DevicePtr]int{}, scratch: map[string]scratch{}, uploaded: map[string]int64{}, prof: map[string]float64{}}
+		owned: map[driver.DevicePtr]int{}, scratch: map[string]scratch{}, uploaded: map[string]int64{}, prof: map[string]float64{},
+		perms: map[string]driver.DevicePtr{}, permUsers: map[driver.DevicePtr]int{}}
 	for i := range b.slots {
 		b.ptrs[i] = unsafe.Pointer(&b.slots[i])
 	}
@@ -230,7 +236,7 @@ func kernelNames() []string {
 		"silu_mul", "rope", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8", "attn_combine",
 		"attn_tc", "attn_tc_f16", "attn_tc_i8",
 		"gemm_f32", "gemm_q8", "gemm_q4", "to_half", "gemm_h_f16", "gemm_h_bf16", "dequant_h_q4", "dequant_h_q8",
-		"quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "nll", "argmax", "decode_advance", "sample", "fill_random",
+		"gather_cols", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "nll", "argmax", "decode_advance", "sample", "fill_random",
 	}
 	names = append(names, gemvKernels...)
 	return names
@@ -630,7 +636,7 @@ func (b *Backend) EmbedRange(dst runtime.Buf, table runtime.Linear, ids []int, l
 	}
 	switch w.kind {
 	case kindQ4:
-		b.launch("embed_q4", g1(len(ids)), block256, d.p, w.w, w.sz, idp, w.in, w.gs, w.groups, lo, w.out)
+		b.launch("embed_q4", g1(len(ids)), block256, d.p, w.w, w.sz, w.perm, idp, w.in, w.gs, w.groups, lo, w.out)
 	case kindQ8:
 		b.launch("embed_q8", g1(len(ids)), block256, d.p, w.w, w.sz, w.gidx, idp, w.in, w.gs, w.groups, lo, w.out)
 	default:

@@ -112,6 +112,17 @@ type weightCase struct {
 	name string
 	k    int // input features this case needs (0: default)
 	make func(r *rand.Rand, n, k int) (model.Tensor, []float64)
+	// tall: as many rows as the wide streaming GEMV wants (rowsFor)
+	tall bool
+}
+
+// rowsFor is the output rows a test gives wc's weight: base, plus 64 per
+// multiprocessor for a tall case (gemv_q4_w4h's rule).
+func rowsFor(b *Backend, wc weightCase, base int) int {
+	if wc.tall {
+		return base + 64*b.sms
+	}
+	return base
 }
 
 func denseCase(dt model.DType) func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
@@ -190,31 +201,33 @@ func quantCase(bits, gs, zero int, gidx bool) func(r *rand.Rand, n, k int) (mode
 }
 
 var weightCases = []weightCase{
-	{"f32", 0, denseCase(model.F32)},
-	{"f16", 0, denseCase(model.F16)},
-	{"bf16", 0, denseCase(model.BF16)},
+	{"f32", 0, denseCase(model.F32), false},
+	{"f16", 0, denseCase(model.F16), false},
+	{"bf16", 0, denseCase(model.BF16), false},
 	// fewer K steps than the GEMM's cp.async stages
-	{"f16-k96", 96, denseCase(model.F16)},
-	{"bf16-k32", 32, denseCase(model.BF16)},
-	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false)},
-	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false)},
-	{"w8-g128-offset", 0, quantCase(8, 128, 2, false)},
-	{"awq-int4-asym-g128", 0, quantCase(4, 128, 1, false)},
-	{"int4-sym-g32", 0, quantCase(4, 32, 0, false)},
-	{"gptq-int4-actorder-g64", 0, quantCase(4, 64, 1, true)},
-	{"int3-asym-g64", 0, quantCase(3, 64, 1, false)},
-	{"int4-g48-fallback", 384, quantCase(4, 48, 1, false)},
-	{"awq-int4-g128-splitk", 2560, quantCase(4, 128, 1, false)},
-	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false)},
-	{"awq-int4-g128-wide", 4608, quantCase(4, 128, 1, false)}, // K > 4096: gemv_q4_w2h
+	{"f16-k96", 96, denseCase(model.F16), false},
+	{"bf16-k32", 32, denseCase(model.BF16), false},
+	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false), false},
+	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false), false},
+	{"w8-g128-offset", 0, quantCase(8, 128, 2, false), false},
+	{"awq-int4-asym-g128", 0, quantCase(4, 128, 1, false), false},
+	{"int4-sym-g32", 0, quantCase(4, 32, 0, false), false},
+	{"gptq-int4-actorder-g64", 0, quantCase(4, 64, 1, true), false}, // stored with sorted columns (Linear.perm)
+	{"gptq-int8-actorder-g64", 0, quantCase(8, 64, 1, true), false}, // g_idx read by the kernels
+	{"int3-asym-g64", 0, quantCase(3, 64, 1, false), false},
+	{"int4-g48-fallback", 384, quantCase(4, 48, 1, false), false},
+	{"awq-int4-g128-splitk", 2560, quantCase(4, 128, 1, false), false},
+	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false), false},
+	{"awq-int4-g128-wide", 4608, quantCase(4, 128, 1, false), false}, // K > 4096: gemv_q4_w2h
+	{"awq-int4-g128-tall", 0, quantCase(4, 128, 1, false), true},     // ≥ 64 rows a multiprocessor: gemv_q4_w4h
+	{"gptq-int4-actorder-g128-tall", 0, quantCase(4, 128, 1, true), true},
 	// x too wide to stage in shared memory (2K > 96 KB): the split-K gemv_q4_sh
-	{"awq-int4-g128-huge-k", 49280, quantCase(4, 128, 1, false)},
+	{"awq-int4-g128-huge-k", 49280, quantCase(4, 128, 1, false), false},
 }
 
 func TestMatMul(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(1, 2))
-	const N = 200
 	ran := map[string]bool{} // the GEMV kernels the cases reached
 	defer func() {
 		for _, k := range gemvKernels {
@@ -228,6 +241,7 @@ func TestMatMul(t *testing.T) {
 		if wc.k > 0 {
 			K = wc.k
 		}
+		N := rowsFor(b, wc, 200)
 		w, wf := wc.make(r, N, K)
 		lw, err := b.UploadLinear(wc.name, w)
 		if err != nil {
@@ -238,7 +252,7 @@ func TestMatMul(t *testing.T) {
 				name := fmt.Sprintf("%s/%s/M=%d", wc.name, lin(lw).Kind(), M)
 				kernel := ""
 				if M <= b.opt.GEMVMaxRows {
-					kernel, _ = b.gemvKernel(lin(lw), M)
+					kernel, _ = b.gemvKernel(lin(lw), M, N)
 					ran[kernel] = true
 					name += "/" + kernel
 				}

@@ -18,13 +18,13 @@ import (
 func TestMatMulN(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(21, 22))
-	outs := []int{200, 72, 40}
 	fusedKernels := map[string]bool{}
 	for _, wc := range weightCases {
 		K := 256
 		if wc.k > 0 {
 			K = wc.k
 		}
+		outs := []int{rowsFor(b, wc, 200), 72, 40}
 		ws := make([]runtime.Linear, len(outs))
 		for i, n := range outs {
 			w, _ := wc.make(r, n, K)
@@ -82,15 +82,15 @@ func TestMatMulN(t *testing.T) {
 func TestFusedLinearSteps(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(25, 26))
-	outs := []int{200, 72, 40}
 	streamed := map[string]bool{}
 	for ci, wc := range weightCases {
 		K := 256
 		if wc.k > 0 {
 			K = wc.k
 		}
+		outs := []int{rowsFor(b, wc, 200), 72, 40}
 		ws := make([]runtime.Linear, 4) // three for NormMatMulN; gate and up: 1 and 3 (72 rows each)
-		for i, n := range []int{200, 72, 40, 72} {
+		for i, n := range []int{outs[0], 72, 40, 72} {
 			w, _ := wc.make(r, n, K)
 			lw, err := b.UploadLinear(fmt.Sprintf("%s.%d", wc.name, i), w)
 			if err != nil {
@@ -107,7 +107,7 @@ func TestFusedLinearSteps(t *testing.T) {
 		for _, M := range []int{1, 3, 5} {
 			_, _, streaming, _ := b.gemvPlan([]gemvSeg{{l: lin(ws[0])}}, M)
 			if streaming {
-				k, _ := b.gemvKernel(lin(ws[0]), M)
+				k, _, _, _ := b.gemvPlan([]gemvSeg{{l: lin(ws[0])}}, M)
 				streamed[k] = true
 			}
 			tol := 0.0
@@ -145,8 +145,8 @@ func TestFusedLinearSteps(t *testing.T) {
 				b.NormSwiGLU(sw, x, nw, nb, eps, ws[1], ws[3])
 				compare(t, "NormSwiGLU", download(b, sw), download(b, g), tol)
 				// MatMulAdd: exact
-				res := randVec(r, M*200, 1)
-				acc, ref, tmp := upload(b, M, 200, res), upload(b, M, 200, res), poisoned(b, M, 200)
+				res := randVec(r, M*outs[0], 1)
+				acc, ref, tmp := upload(b, M, outs[0], res), upload(b, M, outs[0], res), poisoned(b, M, outs[0])
 				free = append(free, acc, ref, tmp)
 				b.MatMul(tmp, h, ws[0])
 				b.Add(ref, tmp)
@@ -257,4 +257,48 @@ func cacheBytes(b *Backend, c runtime.KVCache) []byte {
 	b.must(b.drv.MemcpyDtoH(unsafe.Pointer(&out[0]), kc.k, uint64(n)))
 	b.must(b.drv.MemcpyDtoH(unsafe.Pointer(&out[n]), kc.v, uint64(n)))
 	return out
+}
+
+// TestActOrder checks (without a GPU) the column order that makes an
+// act-order weight's groups contiguous, and that the reordered weight with
+// the gathered input gives the same values.
+func TestActOrder(t *testing.T) {
+	r := rand.New(rand.NewPCG(27, 28))
+	const rows, cols, gs = 3, 256, 64
+	q, _ := quantCase(4, gs, 1, true)(r, rows, cols)
+	qz := q.(*model.Quantized)
+	perm := actOrder(qz, gs)
+	if perm == nil {
+		t.Fatal("no order for an act-order weight")
+	}
+	p := permuteColumns(qz, perm)
+	want, _ := qz.Float32()
+	got, _ := p.Float32()
+	for j, c := range perm {
+		if int(qz.GIdx[c]) != j/gs {
+			t.Fatalf("column %d (feature %d) is in group %d, want %d", j, c, qz.GIdx[c], j/gs)
+		}
+		for row := 0; row < rows; row++ {
+			if got[row*cols+j] != want[row*cols+int(c)] {
+				t.Fatalf("row %d: reordered column %d = %v, feature %d = %v", row, j, got[row*cols+j], c, want[row*cols+int(c)])
+			}
+		}
+	}
+	for _, tc := range []struct {
+		name  string
+		edit  func(q *model.Quantized)
+		order bool
+	}{
+		{"no g_idx", func(q *model.Quantized) { q.GIdx = nil }, false},
+		{"unequal groups", func(q *model.Quantized) { q.GIdx[0] = (q.GIdx[0] + 1) % int32(q.Groups()) }, false},
+		{"group out of range", func(q *model.Quantized) { q.GIdx[5] = 99 }, false},
+		{"8-bit", func(q *model.Quantized) { q.Bits = 8 }, false},
+	} {
+		c := *qz
+		c.GIdx = slices.Clone(qz.GIdx)
+		tc.edit(&c)
+		if got := actOrder(&c, gs); (got != nil) != tc.order {
+			t.Errorf("%s: order %v, want one: %v", tc.name, got != nil, tc.order)
+		}
+	}
 }

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
+	"slices"
 	"unsafe"
 
 	"qtool/formats/model"
@@ -39,10 +41,15 @@ const gemmHSmem = 3 * (128 + 128) * 72 * 2
 
 // Linear is an uploaded weight [Out, In].
 type Linear struct {
-	kind      int
-	out, in   int
-	w, sz     driver.DevicePtr
-	gidx      driver.DevicePtr
+	kind    int
+	out, in int
+	w, sz   driver.DevicePtr
+	gidx    driver.DevicePtr
+	// perm, for act-order 4-bit weights stored with their columns sorted
+	// by group: int32 [in], stored column j is input feature perm[j]; the
+	// products gather x by it first (Backend.permuted). Shared by the
+	// weights with the same order (q, k and v; gate and up).
+	perm      driver.DevicePtr
 	gs        int
 	groups    int
 	qbias     driver.DevicePtr
@@ -80,8 +87,10 @@ func lin(w runtime.Linear) *Linear {
 
 // Synthetic is a random weight or vector generated directly on the device
 // at upload, for benchmarks at real scale without host copies. Format is
-// "fp16", "w8a16" (int8, per-group) or "w4a16" (4-bit, per-group); vectors
-// (1-D) are 1 ± 0.1 noise whatever the format.
+// "fp16", "w8a16" (int8, per-group: GPTQ 8-bit, Kuiper int8), "w8a16-pc"
+// (int8, one group a row: msmodelslim W8A16), "w4a16" (4-bit, per-group,
+// with zeros: AutoAWQ, ak48) or "w4a16-act" (w4a16 in a random act-order:
+// GPTQ desc_act); vectors (1-D) are 1 ± 0.1 noise whatever the format.
 type Synthetic struct {
 	Format    string
 	Dims      []int
@@ -151,6 +160,10 @@ func (b *Backend) FreeLinear(w runtime.Linear) {
 	}
 	defer b.enter()()
 	b.must(b.drv.StreamSynchronize(b.stream))
+	if l.perm != 0 {
+		b.releasePerm(l.perm)
+		l.perm = 0
+	}
 	for _, p := range []*driver.DevicePtr{&l.w, &l.sz, &l.gidx, &l.qbias, &l.deq, &l.bias} {
 		if *p != 0 {
 			b.must(b.drv.MemFree(*p))
@@ -200,7 +213,8 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 	}
 	G := q.Groups()
 	l := &Linear{out: out, in: in, gs: gs, groups: G}
-	fast4 := q.Bits == 4 && q.GIdx == nil && gs%32 == 0 && in%32 == 0
+	perm := actOrder(q, gs) // act-order 4-bit: stored with its groups contiguous
+	fast4 := q.Bits == 4 && (q.GIdx == nil || perm != nil) && gs%32 == 0 && in%32 == 0
 	if fast4 && q.Zero != nil {
 		for _, z := range q.Zero {
 			if z != float32(math.Round(float64(z))) || z < -8 || z > 7 {
@@ -208,6 +222,11 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 				break
 			}
 		}
+	}
+	if fast4 && perm != nil {
+		q = permuteColumns(q, perm)
+	} else {
+		perm = nil
 	}
 	sz := make([]float32, 2*out*G)
 	if fast4 {
@@ -234,6 +253,10 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 		}
 		l.w = uploadSlice(b, words)
 		l.bytes = int64(4 * len(words))
+		if perm != nil {
+			l.perm = b.sharedPerm(perm)
+			l.bytes += int64(4 * len(perm))
+		}
 	} else {
 		l.kind = kindQ8
 		for i := 0; i < out*G; i++ {
@@ -303,14 +326,18 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		l.w = b.alloc(2 * n)
 		b.fill(l.w, n, s.Seed, 1, a)
 		l.bytes = int64(2 * n)
-	case "w8a16", "q8":
+	case "w8a16", "q8", "w8a16-pc":
+		if s.Format == "w8a16-pc" {
+			gs, G = in, 1
+			l.gs, l.groups = gs, G
+		}
 		l.kind = kindQ8
 		l.w = b.alloc(n)
 		b.fill(l.w, n/4, s.Seed, 0, 0)
 		l.sz = b.alloc(8 * out * G)
 		b.fill(l.sz, out*G, s.Seed+1, 4, a/128)
 		l.bytes = int64(n + 8*out*G)
-	case "w4a16", "q4":
+	case "w4a16", "q4", "w4a16-act":
 		if gs%32 != 0 || in%32 != 0 {
 			return nil, fmt.Errorf("cuda: synthetic %s: 4-bit needs group size and width multiples of 32", name)
 		}
@@ -320,10 +347,103 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		l.sz = b.alloc(8 * out * G)
 		b.fill(l.sz, out*G, s.Seed+1, 3, a/8)
 		l.bytes = int64(n/2 + 8*out*G)
+		if s.Format == "w4a16-act" {
+			perm := make([]int32, in)
+			for i := range perm {
+				perm[i] = int32(i)
+			}
+			rand.New(rand.NewPCG(s.Seed, 7)).Shuffle(in, func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+			l.perm = b.sharedPerm(perm)
+			l.bytes += int64(4 * in)
+		}
 	default:
-		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, w8a16 or w4a16)", name, s.Format)
+		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, w8a16, w8a16-pc, w4a16 or w4a16-act)", name, s.Format)
 	}
 	return l, nil
+}
+
+// actOrder returns the column order that makes an act-order 4-bit
+// weight's groups contiguous (GPTQ desc_act: g_idx a permutation of equal
+// groups): the columns sorted by group, stably. It returns nil when q has
+// no g_idx, is not 4-bit, or its groups are not gs columns each.
+func actOrder(q *model.Quantized, gs int) []int32 {
+	if q.GIdx == nil || q.Bits != 4 || gs%32 != 0 || q.Cols%gs != 0 {
+		return nil
+	}
+	count := make([]int, q.Groups())
+	for _, g := range q.GIdx {
+		if g < 0 || int(g) >= len(count) {
+			return nil
+		}
+		count[g]++
+	}
+	for _, n := range count {
+		if n != gs {
+			return nil
+		}
+	}
+	perm := make([]int32, q.Cols)
+	for c := range perm {
+		perm[c] = int32(c)
+	}
+	slices.SortStableFunc(perm, func(a, b int32) int { return int(q.GIdx[a]) - int(q.GIdx[b]) })
+	return perm
+}
+
+// permuteColumns returns q with column j = column perm[j] of q and the
+// plain group layout (column j in group j / gs).
+func permuteColumns(q *model.Quantized, perm []int32) *model.Quantized {
+	p := *q
+	p.GIdx = nil
+	p.Q = make([]int8, len(q.Q))
+	for r := 0; r < q.Rows; r++ {
+		src, dst := q.Q[r*q.Cols:(r+1)*q.Cols], p.Q[r*q.Cols:(r+1)*q.Cols]
+		for j, c := range perm {
+			dst[j] = src[c]
+		}
+	}
+	return &p
+}
+
+// sharedPerm uploads a column order, or returns the device copy of an
+// equal one (weights that share their input share it), counting its users.
+func (b *Backend) sharedPerm(perm []int32) driver.DevicePtr {
+	key := string(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(perm))), 4*len(perm)))
+	if p, ok := b.perms[key]; ok {
+		b.permUsers[p]++
+		return p
+	}
+	p := uploadSlice(b, perm)
+	b.perms[key] = p
+	b.permUsers[p] = 1
+	return p
+}
+
+// releasePerm drops one user of a shared column order, freeing it with the last.
+func (b *Backend) releasePerm(p driver.DevicePtr) {
+	if b.permUsers[p]--; b.permUsers[p] > 0 {
+		return
+	}
+	delete(b.permUsers, p)
+	for k, q := range b.perms {
+		if q == p {
+			delete(b.perms, k)
+		}
+	}
+	b.must(b.drv.MemFree(p))
+	b.heldBytes -= int64(b.owned[p])
+	delete(b.owned, p)
+}
+
+// permuted returns x, or x with its columns gathered by perm (act-order
+// weights) in a scratch buffer.
+func (b *Backend) permuted(s *Buf, perm driver.DevicePtr) *Buf {
+	if perm == 0 {
+		return s
+	}
+	g := &Buf{p: b.scratchBuf("x_perm", 4*s.rows*s.cols), rows: s.rows, cols: s.cols}
+	b.launch("gather_cols", b.gridFor(s.n()), block256, g.p, s.p, perm, s.rows, s.cols)
+	return g
 }
 
 // MatMul implements runtime.Backend.
@@ -374,6 +494,7 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		return
 	}
 	if (M > b.opt.GEMVMaxRows || forceGEMM) && K%32 == 0 {
+		s = b.permuted(s, l.perm)
 		grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
 		wide := (l.kind == kindQ4 || l.kind == kindQ8) && M >= dequantGEMMMinRows
 		if l.kind == kindF16 || l.kind == kindBF16 || wide {
@@ -433,26 +554,30 @@ const (
 
 // gemvPlan picks the GEMV kernel that computes the products of segs, M
 // rows each, in one launch, with its rows per block (the streaming kernels'
-// gemvStreamRowsTag resolved); ok is false when there is none: more rows
-// than GEMVMaxRows, W8A8, weights that differ in kind, width or groups,
-// g_idx on several weights, or the split-K kernel (per-launch counters).
-func (b *Backend) gemvPlan(segs []gemvSeg, M int) (name string, rows int, streaming, ok bool) {
+// gemvStreamRowsTag resolved) and whether it can fuse the input's norm and
+// the SwiGLU (streaming); ok is false when there is none: more rows than
+// GEMVMaxRows, W8A8, weights that differ in kind, width, groups or column
+// order, g_idx on several weights, or the split-K kernel (per-launch
+// counters).
+func (b *Backend) gemvPlan(segs []gemvSeg, M int) (name string, perBlock int, streaming, ok bool) {
 	if len(segs) == 0 || len(segs) > 3 || M > b.opt.GEMVMaxRows {
 		return "", 0, false, false
 	}
 	first := segs[0].l
 	for _, g := range segs {
 		l := g.l
-		if l.kind != first.kind || l.kind == kindW8A8 || l.in != first.in || l.gs != first.gs || l.groups != first.groups || (len(segs) > 1 && l.gidx != 0) {
+		if l.kind != first.kind || l.kind == kindW8A8 || l.in != first.in || l.gs != first.gs || l.groups != first.groups ||
+			l.perm != first.perm || (len(segs) > 1 && l.gidx != 0) {
 			return "", 0, false, false
 		}
 	}
-	name, R := b.gemvKernel(first, M)
+	total := launchRows(segs)
+	name, R := b.gemvKernel(first, M, total)
 	if R <= 0 {
 		return "", 0, false, false
 	}
 	for _, g := range segs[1:] {
-		if n, _ := b.gemvKernel(g.l, M); n != name {
+		if n, _ := b.gemvKernel(g.l, M, total); n != name {
 			return "", 0, false, false
 		}
 	}
@@ -460,6 +585,15 @@ func (b *Backend) gemvPlan(segs []gemvSeg, M int) (name string, rows int, stream
 		return name, gemvStreamRows(name), true, true
 	}
 	return name, R, false, true
+}
+
+// launchRows is the output rows of a GEMV launch of segs.
+func launchRows(segs []gemvSeg) int {
+	n := 0
+	for _, g := range segs {
+		n += g.l.out
+	}
+	return n
 }
 
 // MatMulN implements runtime.Fused: products of up to three weights that
@@ -580,7 +714,10 @@ func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	l := segs[0].l
 	M, K := s.rows, l.in
-	name, R := b.gemvKernel(l, M)
+	name, R := b.gemvKernel(l, M, launchRows(segs))
+	if R != gemvStreamRowsTag { // the streaming kernel gathers x itself
+		s = b.permuted(s, l.perm)
+	}
 	if R <= 0 { // split-K kernel with -R rows per warp, one weight, stored
 		N := l.out
 		d := segs[0].d
@@ -621,7 +758,7 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		seg[2].y, seg[2].w, seg[2].sz, seg[2].n}
 	grid := [3]uint32{uint32(blocks), uint32(M), 1}
 	if R == gemvStreamRowsTag {
-		b.launchShm(name, grid, block256, shm, append([]any{s.p, K, l.gs, l.groups, epi.nw, epi.nb, epi.eps, epi.mode}, segArgs...)...)
+		b.launchShm(name, grid, block256, shm, append([]any{s.p, l.perm, K, l.gs, l.groups, epi.nw, epi.nb, epi.eps, epi.mode}, segArgs...)...)
 		return
 	}
 	if epi.nw != 0 || epi.mode == gemvSwiGLU {
@@ -714,8 +851,9 @@ const gemvStreamRowsTag = 1 << 29
 //	f32            always                                      gemv_f32_r4u1   4 rows a block
 //	f16, bf16      always                                      gemv_*_r4u2     4 rows a block
 //	q8             always                                      gemv_q8_r4u1    4 rows a block
-//	q4             streamable (gemvStream), K ≤ 4096            gemv_q4_w4h     32 rows a block, x staged
-//	q4             streamable, K > 4096                        gemv_q4_w2h     16 rows a block, x staged
+//	q4             streamable (gemvStream), K ≤ 4096,          gemv_q4_w4h     32 rows a block, x staged
+//	               ≥ 64 rows a multiprocessor in the launch
+//	q4             other streamable                            gemv_q4_w2h     16 rows a block, x staged
 //	q4             g_idx, width or group not a multiple of 32  gemv_q4_sh      split-K, 8 rows a warp
 var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q4_w4h", "gemv_q4_w2h", "gemv_q4_sh"}
 
@@ -723,16 +861,17 @@ var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "
 // runs (see gemvKernels), for reports.
 func (b *Backend) GEMVKernel(w runtime.Linear, M int) string {
 	if l := lin(w); l.kind != kindW8A8 {
-		name, _ := b.gemvKernel(l, M)
+		name, _ := b.gemvKernel(l, M, l.out)
 		return name
 	}
 	return "w8a8_gemm"
 }
 
-// gemvKernel picks the GEMV kernel of l (see gemvKernels) and its launch
-// shape: rows per block, gemvStreamRowsTag for the streaming kernels, or
-// minus the rows per warp for the split-K one.
-func (b *Backend) gemvKernel(l *Linear, M int) (string, int) {
+// gemvKernel picks the GEMV kernel of l (see gemvKernels) for a launch of
+// rows output rows (l's and those of the weights it shares the launch
+// with) and its launch shape: rows per block, gemvStreamRowsTag for the
+// streaming kernels, or minus the rows per warp for the split-K one.
+func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 	switch l.kind {
 	case kindF32:
 		return "gemv_f32_r4u1", 4
@@ -746,7 +885,7 @@ func (b *Backend) gemvKernel(l *Linear, M int) (string, int) {
 		if _, _, ok := gemvStream(l); !ok {
 			return "gemv_q4_sh", -8
 		}
-		if l.in <= 4096 {
+		if l.in <= 4096 && rows >= 64*b.sms { // two blocks of 32 rows a multiprocessor
 			return "gemv_q4_w4h", gemvStreamRowsTag
 		}
 		return "gemv_q4_w2h", gemvStreamRowsTag
