@@ -6,7 +6,8 @@
 # Needs: .devbin/*.gz (CGO_ENABLED=0 builds of qtool and the test binaries,
 # gzipped), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
 #   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench-base bench anchor" kernels/gpu-run.sh
-# (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders)
+# (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
+# KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -116,7 +117,7 @@ if has kv16; then
   done
 fi
 if has kbench; then # kernels and the synthetic 7B (no checkpoint needed)
-  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --synthetic llama2-7b --decode 128 > "$OUT/kbench.txt" 2>&1
+  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --synthetic llama2-7b --decode 128 ${KBENCH_ARGS:-} > "$OUT/kbench.txt" 2>&1
   grep -E "gemv|decode|prefill" "$OUT/kbench.txt" | head -40
 fi
 if has kbench-base; then # the same with the previous commit's binary (.devbin/qtool-base.gz) and its embedded PTX
@@ -124,7 +125,8 @@ if has kbench-base; then # the same with the previous commit's binary (.devbin/q
   grep -E "gemv|decode|prefill" "$OUT/kbench-base.txt" | head -40
 fi
 if has bench; then
-  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --kernels=false --decode 256 /tmp/l7b-awq > "$OUT/bench-awq.txt" 2>&1
+  # the context verify --prompt The --max-new 256 decodes at
+  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --kernels=false --prompt 16 --decode 256 /tmp/l7b-awq > "$OUT/bench-awq.txt" 2>&1
   grep -E "decode batch|prefill" "$OUT/bench-awq.txt"
 fi
 if has anchor; then

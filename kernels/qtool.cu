@@ -830,6 +830,8 @@ template <int R>
 __device__ __forceinline__ void gemv_finish(float (&acc)[R], float* __restrict__ y, int m, int N, int n0, int mode) {
     __shared__ float red[GEMV_THREADS / 32][R];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    // GEMV_ADD: the residual, loaded before the reduction hides its latency
+    float yold = mode == GEMV_ADD && threadIdx.x < R && n0 + (int)threadIdx.x < N ? y[(size_t)m * N + n0 + threadIdx.x] : 0.f;
 #pragma unroll
     for (int r = 0; r < R; r++) {
         float v = warp_sum(acc[r]);
@@ -841,10 +843,7 @@ __device__ __forceinline__ void gemv_finish(float (&acc)[R], float* __restrict__
         float v = 0.f;
 #pragma unroll
         for (int i = 0; i < GEMV_THREADS / 32; i++) v += red[i][r];
-        if (n0 + r < N) {
-            float* p = y + (size_t)m * N + n0 + r;
-            *p = mode == GEMV_ADD ? *p + v : v;
-        }
+        if (n0 + r < N) y[(size_t)m * N + n0 + r] = mode == GEMV_ADD ? yold + v : v;
     }
 }
 
@@ -1212,7 +1211,8 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 // issued before the kernel waits for its predecessor (pdl_wait) and stages
 // x, so those latencies overlap. Requires (host side): no g_idx, K and gs
 // multiples of 32. An act-order weight (stored with its columns sorted by
-// group) passes its column order perm, and the staging gathers x by it.
+// group) passes its column order perm, and the staging gathers x by it from
+// a copy of the row in shared memory.
 //
 // The decode step's neighbours are fused in (runtime.Fused):
 //   - nw set: x is rmsnorm(x)·nw (+ nb), computed by every block from the
@@ -1223,7 +1223,8 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 //     and the same R/2 up rows.
 // Args (x, perm, K, gs, G, nw, nb, eps, mode, GEMV_SEGS); grid (nb0 + nb1 + nb2, M)
 // with nb_s = ceil(N_s/(8R)) (GEMV_SWIGLU: nb0 = ceil(N_0/(4R)), one
-// segment), block 256, dynamic shared memory 2K bytes for the staged x.
+// segment), block 256, dynamic shared memory 2K bytes for the staged x (6K
+// with perm).
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -1297,14 +1298,21 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     pdl_wait();
     pdl_trigger();
     const float* xr = x + (size_t)m * K;
+    // The residual the sums are added to, loaded now to hide its latency.
+    float yold = 0.f;
+    if (mode == GEMV_ADD && lane < R && n0 + lane < N) yold = y[(size_t)m * N + n0 + lane];
+    // An act-order weight's input is gathered from a copy of the row in
+    // shared memory, after the staged form (xraw).
+    float* xraw = reinterpret_cast<float*>(xsh + K / 8);
     float inv = 1.f;
-    if (nw) {
+    if (nw || perm) {
         float ss = 0.f;
         for (int u = tid; u < K / 4; u += 256) {
             float4 a = *reinterpret_cast<const float4*>(xr + 4 * u);
             ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            if (perm) reinterpret_cast<float4*>(xraw)[u] = a;
         }
-        ss = block_sum(ss, nsh);
+        ss = block_sum(ss, nsh);  // also the barrier before xraw is read
         inv = rsqrtf(ss / (float)K + eps);
     }
     // Stage x row m: unit u = 16 bytes = 8 k of the staged form.
@@ -1312,8 +1320,8 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         float4 a, b;
         if (perm) {  // act-order weight: stored column k holds feature perm[k]
             int4 p = *reinterpret_cast<const int4*>(perm + 8 * u), q = *reinterpret_cast<const int4*>(perm + 8 * u + 4);
-            a = make_float4(xr[p.x], xr[p.y], xr[p.z], xr[p.w]);
-            b = make_float4(xr[q.x], xr[q.y], xr[q.z], xr[q.w]);
+            a = make_float4(xraw[p.x], xraw[p.y], xraw[p.z], xraw[p.w]);
+            b = make_float4(xraw[q.x], xraw[q.y], xraw[q.z], xraw[q.w]);
             if (nw) {
                 a = gemv_norm4g(a, p, inv, nw, nb);
                 b = gemv_norm4g(b, q, inv, nw, nb);
@@ -1400,7 +1408,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     if (swiglu) {
         if (lane < R / 2 && n0 + lane < N) *yp = mine / (1.f + expf(-mine)) * upv;  // as silu_mul
     } else if (lane < R && n0 + lane < N) {
-        *yp = mode == GEMV_ADD ? *yp + mine : mine;
+        *yp = mode == GEMV_ADD ? yold + mine : mine;
     }
 }
 

@@ -35,6 +35,7 @@ func benchCommand() *cli.Command {
 			&cli.StringFlag{Name: "format", Value: "w4a16,w8a16,fp16", Usage: "formats of the synthetic model (comma-separated: w4a16, w4a16-act (GPTQ act-order), w8a16, w8a16-pc (per-channel), fp16)"},
 			&cli.IntFlag{Name: "prompt", Value: 512, Usage: "prefill length"},
 			&cli.IntFlag{Name: "decode", Value: 128, Usage: "decode steps"},
+			&cli.StringFlag{Name: "kv-cache", Value: "fp16", Usage: "KV cache element type: fp16 (verify's default on CUDA) or fp32"},
 			&cli.BoolFlag{Name: "kernels", Value: true, Usage: "run the per-kernel GEMV/GEMM microbenchmarks"},
 			&cli.StringFlag{Name: "json", Usage: "also write every number to this JSON file"},
 			&cli.IntFlag{Name: "tp", Usage: "also run MODEL tensor-parallel over `N` GPUs (NCCL) and compare it with one GPU"},
@@ -99,6 +100,10 @@ func runBench(c *cli.Context) error {
 		return errors.New("bench: give a MODEL or --synthetic llama2-7b")
 	}
 	prompt, steps := c.Int("prompt"), c.Int("decode")
+	kvHalf := c.String("kv-cache") == "fp16"
+	if k := c.String("kv-cache"); k != "fp16" && k != "fp32" {
+		return fmt.Errorf("bench: --kv-cache %q: want fp16 or fp32", k)
+	}
 	if prompt <= 0 || steps <= 0 {
 		return errors.New("bench: --prompt and --decode must be positive")
 	}
@@ -134,7 +139,7 @@ func runBench(c *cli.Context) error {
 		}
 		for _, f := range strings.Split(c.String("format"), ",") {
 			m := syntheticModel(cfg, strings.TrimSpace(f))
-			r, err := benchModel(m, syn, strings.TrimSpace(f), prompt, steps, rep.CopyGBs, out)
+			r, err := benchModel(m, syn, strings.TrimSpace(f), prompt, steps, kvHalf, rep.CopyGBs, out)
 			if err != nil {
 				return err
 			}
@@ -148,7 +153,7 @@ func runBench(c *cli.Context) error {
 		}
 		defer m.Close()
 		if tp.ShardedSize(m) == 0 {
-			r, err := benchModel(m, c.Args().First(), m.Format, prompt, steps, rep.CopyGBs, out)
+			r, err := benchModel(m, c.Args().First(), m.Format, prompt, steps, kvHalf, rep.CopyGBs, out)
 			if err != nil {
 				return err
 			}
@@ -210,7 +215,7 @@ func syntheticModel(cfg model.Config, format string) *model.Model {
 
 func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 	copyBps := rep.CopyGBs * 1e9
-	fmt.Fprintf(out, "\n(GEMV times are device time per call from a replayed CUDA graph of 20 calls)\n")
+	fmt.Fprintf(out, "\n(GEMV times are device time per call from a replayed CUDA graph of 20 calls over copies of the weight\n that exceed the L2 cache together)\n")
 	fmt.Fprintf(out, "%-8s %-14s %-12s %5s %10s %12s %9s\n", "kernel", "format", "shape", "M", "time(us)", "rate", "ratio")
 	seed := uint64(1000)
 	for _, sh := range benchShapes {
@@ -223,12 +228,26 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 			}
 			seed++
 			wl := w.(*cuda.Linear)
-			// GEMV, M = 1, the kernel the dispatcher picks.
+			// GEMV, M = 1, the kernel the dispatcher picks, cycling through
+			// enough copies of the weight that none is still in L2 when it
+			// comes round again (as in a decode step).
+			copies := []runtime.Linear{w}
+			for n := int64(b.L2Bytes()); wl.Bytes()*int64(len(copies)) < 3*n && len(copies) < 16; {
+				c, err := b.UploadLinear("bench", &cuda.Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: seed + uint64(1000*len(copies))})
+				if err != nil {
+					return err
+				}
+				copies = append(copies, c)
+			}
 			x1, y1 := b.Alloc(1, K), b.Alloc(1, N)
 			b.FillRandom(x1, seed, 1)
-			tv, err := b.TimeCaptured(20, func() { b.MatMul(y1, x1, w) })
+			i := 0
+			tv, err := b.TimeCaptured(20, func() { b.MatMul(y1, x1, copies[i%len(copies)]); i++ })
 			if err != nil {
 				return err
+			}
+			for _, c := range copies[1:] {
+				b.FreeLinear(c)
 			}
 			bytes := float64(wl.Bytes() + int64(4*K+4*N))
 			kv := kernelResult{Kernel: "gemv", Format: f + "/" + b.GEMVKernel(w, 1), Shape: fmt.Sprintf("%dx%d", N, K), M: 1, Seconds: tv, GBs: bytes / tv / 1e9}
@@ -259,13 +278,14 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 	return nil
 }
 
-func benchModel(m *model.Model, name, format string, prompt, steps int, copyGBs float64, out io.Writer) (modelResult, error) {
+func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf bool, copyGBs float64, out io.Writer) (modelResult, error) {
 	res := modelResult{Name: name, Format: format}
 	b, err := cuda.New()
 	if err != nil {
 		return res, err
 	}
 	defer b.Close()
+	b.Options().KVHalf = kvHalf
 	free0, _ := b.MemInfo()
 	rm, err := runtime.Load(m, b)
 	if err != nil {
@@ -328,14 +348,18 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, copyGBs 
 		if err != nil {
 			return res, err
 		}
-		res.Linears = append(res.Linears, benchLinear(b, string(r), wl.(*cuda.Linear), prompt, copyGBs)...)
+		layers := make([]runtime.Linear, cfg.Layers)
+		for l := range layers {
+			layers[l] = rm.Linear(l, r)
+		}
+		res.Linears = append(res.Linears, benchLinear(b, string(r), wl.(*cuda.Linear), layers, prompt, copyGBs)...)
 		b.FreeLinear(wl)
 	}
 	head, err := b.UploadLinear("probe", headOf(m))
 	if err != nil {
 		return res, err
 	}
-	res.Linears = append(res.Linears, benchLinear(b, "lm_head", head.(*cuda.Linear), prompt, copyGBs)...)
+	res.Linears = append(res.Linears, benchLinear(b, "lm_head", head.(*cuda.Linear), nil, prompt, copyGBs)...)
 	b.FreeLinear(head)
 	res.WeightBytes = weightBytes
 	streaming := strings.HasPrefix(b.GEMVKernel(rm.Linear(0, model.Q), 1), "gemv_q4_w")
@@ -360,7 +384,11 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, copyGBs 
 	fmt.Fprintf(out, "  prefill estimate from kernel times: matmuls %.2f ms + other %.2f ms = %.2f ms (%.0f tok/s); measured %.2f ms\n",
 		mm*1e3, otherPre*float64(cfg.Layers)*1e3, est*1e3, float64(prompt)/est, 1e3*float64(prompt)/res.PrefillTokS)
 	ctx := float64(prompt) + float64(steps)/2
-	kvBytes := 2 * float64(cfg.Layers) * ctx * float64(cfg.KVDim()) * 4
+	elem := 4.0
+	if kvHalf {
+		elem = 2
+	}
+	kvBytes := 2 * float64(cfg.Layers) * ctx * float64(cfg.KVDim()) * elem
 	res.RooflineTokS = copyGBs * 1e9 / (float64(weightBytes) + kvBytes)
 
 	fmt.Fprintf(out, "\nmodel %s (%s): weights %.2f GB, GPU memory used %.2f GB (incl. KV cache of %d positions)\n",
@@ -418,11 +446,18 @@ func headOf(m *model.Model) model.Tensor {
 	return t
 }
 
-func benchLinear(b *cuda.Backend, role string, w *cuda.Linear, M int, copyGBs float64) []kernelResult {
+// benchLinear times w at M = 1 (cycling through layers, the same linear of
+// every layer, when given: none is then in L2, as in a decode step) and at
+// M rows.
+func benchLinear(b *cuda.Backend, role string, w *cuda.Linear, layers []runtime.Linear, M int, copyGBs float64) []kernelResult {
 	N, K := w.Out(), w.In()
 	x1, y1 := b.Alloc(1, K), b.Alloc(1, N)
 	b.FillRandom(x1, 5, 1)
-	t, err := b.TimeCaptured(20, func() { b.MatMul(y1, x1, w) })
+	if len(layers) == 0 {
+		layers = []runtime.Linear{w}
+	}
+	i := 0
+	t, err := b.TimeCaptured(20, func() { b.MatMul(y1, x1, layers[i%len(layers)]); i++ })
 	if err != nil {
 		panic(err)
 	}
@@ -456,11 +491,12 @@ func matmulSeconds(linears []kernelResult, M, layers int) float64 {
 	return t
 }
 
-// decodeProducts times a decode step's matrix products of layer 0 as the
-// forward pass runs them (runtime.Fused where the backend fuses: q/k/v with
-// the attention norm, o and down with the residual add, gate/up with the
-// MLP norm and the SwiGLU), device time from replayed graphs, beside the
-// q/k/v launch without its norm; it returns their sum for one layer.
+// decodeProducts times a decode step's matrix products as the forward pass
+// runs them (runtime.Fused where the backend fuses: q/k/v with the
+// attention norm, o and down with the residual add, gate/up with the MLP
+// norm and the SwiGLU), each call on the next layer's weights so that none
+// comes from L2, device time from replayed graphs, beside the q/k/v launch
+// without its norm; it returns their sum for one layer.
 func decodeProducts(b *cuda.Backend, rm *runtime.Model, m *model.Model, cfg model.Config, out io.Writer) (float64, error) {
 	var norms [2]runtime.Vector
 	for i, r := range []model.Role{model.AttnNorm, model.MLPNorm} {
@@ -473,7 +509,8 @@ func decodeProducts(b *cuda.Backend, rm *runtime.Model, m *model.Model, cfg mode
 		}
 		defer b.FreeVector(norms[i])
 	}
-	w := func(r model.Role) runtime.Linear { return rm.Linear(0, r) }
+	layer := 0 // each call takes the next layer's weights, as a decode step does
+	w := func(r model.Role) runtime.Linear { return rm.Linear(layer, r) }
 	x, q, k, v := b.Alloc(1, cfg.Hidden), b.Alloc(1, cfg.QDim()), b.Alloc(1, cfg.KVDim()), b.Alloc(1, cfg.KVDim())
 	att, g := b.Alloc(1, cfg.QDim()), b.Alloc(1, cfg.Intermediate)
 	defer func() {
@@ -485,14 +522,15 @@ func decodeProducts(b *cuda.Backend, rm *runtime.Model, m *model.Model, cfg mode
 		b.FillRandom(t, uint64(60+i), 1)
 	}
 	eps := float32(cfg.NormEps)
-	qkv, wqkv := []runtime.Buf{q, k, v}, []runtime.Linear{w(model.Q), w(model.K), w(model.V)}
+	qkv := []runtime.Buf{q, k, v}
+	wqkv := func() []runtime.Linear { return []runtime.Linear{w(model.Q), w(model.K), w(model.V)} }
 	ops := []struct {
 		name  string
 		inSum bool
 		f     func()
 	}{
-		{"q,k,v + norm", true, func() { b.NormMatMulN(qkv, x, norms[0], nil, eps, wqkv) }},
-		{"q,k,v alone", false, func() { b.MatMulN(qkv, x, wqkv) }},
+		{"q,k,v + norm", true, func() { b.NormMatMulN(qkv, x, norms[0], nil, eps, wqkv()) }},
+		{"q,k,v alone", false, func() { b.MatMulN(qkv, x, wqkv()) }},
 		{"o + add", true, func() { b.MatMulAdd(x, att, w(model.O)) }},
 		{"gate,up + norm, swiglu", true, func() { b.NormSwiGLU(g, x, norms[1], nil, eps, w(model.Gate), w(model.Up)) }},
 		{"down + add", true, func() { b.MatMulAdd(x, g, w(model.Down)) }},
@@ -500,7 +538,10 @@ func decodeProducts(b *cuda.Backend, rm *runtime.Model, m *model.Model, cfg mode
 	fmt.Fprintf(out, "  decode step, matrix products per layer as the forward pass runs them (device time):\n")
 	var total float64
 	for _, op := range ops {
-		t, err := b.TimeCaptured(20, op.f)
+		t, err := b.TimeCaptured(20, func() {
+			op.f()
+			layer = (layer + 1) % cfg.Layers
+		})
 		if err != nil {
 			return 0, err
 		}

@@ -71,7 +71,7 @@ func verifyCommand() *cli.Command {
 			&cli.Float64Flag{Name: "top-p", Usage: "nucleus sampling probability mass (0 or 1: off)"},
 			&cli.Uint64Flag{Name: "seed", Usage: "random seed for sampling"},
 			&cli.BoolFlag{Name: "no-graph", Usage: "decode step by step, without replaying a captured step (CUDA graphs; to compare)"},
-			&cli.StringFlag{Name: "kv-cache", Value: "auto", Usage: "KV cache element type: auto (int8 when the model carries msmodelslim C8 scales, else fp32), fp32, fp16 (CUDA: half the cache memory and attention reads) or int8 (the model's C8 scales; a quarter of fp32's)"},
+			&cli.StringFlag{Name: "kv-cache", Value: "auto", Usage: "KV cache element type: auto (int8 when the model carries msmodelslim C8 scales, else fp16 on CUDA and fp32 on the CPU), fp32, fp16 (CUDA: half the cache memory and attention reads) or int8 (the model's C8 scales; a quarter of fp32's)"},
 			&cli.StringFlag{Name: "device", Value: "auto", Usage: "where to run: auto (CUDA when a GPU and driver are present, else CPU), cuda or cpu"},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads (0: all cores)"},
 			&cli.IntFlag{Name: "tp", Usage: "run tensor-parallel over `N` ranks (a `qtool shard` directory runs on its own N)"},

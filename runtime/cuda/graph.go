@@ -226,6 +226,15 @@ func (b *Backend) FillRandom(x runtime.Buf, seed uint64, a float32) {
 	b.fill(d.p, d.n(), seed, 2, a)
 }
 
+// L2Bytes is the device's L2 cache size (0 if the driver does not say).
+func (b *Backend) L2Bytes() int {
+	n, err := b.drv.Attribute(b.dev, driver.AttrL2CacheSize)
+	if err != nil {
+		return 0
+	}
+	return n
+}
+
 // SMs is the number of multiprocessors.
 func (b *Backend) SMs() int { return b.sms }
 

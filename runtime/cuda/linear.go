@@ -734,7 +734,7 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	}
 	rows, shm := R, 0
 	if R == gemvStreamRowsTag {
-		_, shm, _ = gemvStream(l)
+		shm, _ = gemvStream(l)
 		rows = gemvStreamRows(name)
 		b.raiseSmem(name, shm)
 	}
@@ -815,19 +815,20 @@ func (b *Backend) counters(name string, n int) driver.DevicePtr {
 }
 
 // gemvStreamMaxSmem bounds the streaming GEMV's staged activation row
-// (2K bytes for q4, 4K for q8); wider inputs take the kind's first variant.
+// (gemvStream); wider inputs take the split-K gemv_q4_sh.
 const gemvStreamMaxSmem = 96 << 10
 
-// gemvStream reports the streaming GEMV's k per lane and chunk (q4 32,
-// q8 16) and its staged bytes per activation row, and whether it can run l:
-// no g_idx, width and group size multiples of the k per lane.
-func gemvStream(l *Linear) (kl, shm int, ok bool) {
-	kl, shm = 16, 4*l.in
-	if l.kind == kindQ4 {
-		kl, shm = 32, 2*l.in
+// gemvStream reports the streaming 4-bit GEMV's dynamic shared memory (the
+// staged activation row: 2 bytes a feature, 6 with a column order to gather
+// by) and whether it can run l: no g_idx, width and group size multiples of
+// 32, the row within gemvStreamMaxSmem.
+func gemvStream(l *Linear) (shm int, ok bool) {
+	shm = 2 * l.in
+	if l.perm != 0 {
+		shm += 4 * l.in
 	}
-	ok = (l.kind == kindQ4 || l.kind == kindQ8) && l.gidx == 0 && l.in%kl == 0 && l.gs%kl == 0 && shm <= gemvStreamMaxSmem
-	return kl, shm, ok
+	ok = l.kind == kindQ4 && l.gidx == 0 && l.in%32 == 0 && l.gs%32 == 0 && shm <= gemvStreamMaxSmem
+	return shm, ok
 }
 
 // gemvStreamRows is the rows per block of a streaming GEMV kernel: 8 warps
@@ -882,7 +883,7 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 	case kindQ8:
 		return "gemv_q8_r4u1", 4
 	case kindQ4:
-		if _, _, ok := gemvStream(l); !ok {
+		if _, ok := gemvStream(l); !ok {
 			return "gemv_q4_sh", -8
 		}
 		if l.in <= 4096 && rows >= 64*b.sms { // two blocks of 32 rows a multiprocessor
