@@ -120,8 +120,9 @@ if has kbench; then # kernels and the synthetic 7B (no checkpoint needed)
   lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --synthetic llama2-7b --decode 128 ${KBENCH_ARGS:-} > "$OUT/kbench.txt" 2>&1
   grep -E "gemv|decode|prefill" "$OUT/kbench.txt" | head -40
 fi
-if has kbench-base; then # the same with the previous commit's binary (.devbin/qtool-base.gz) and its embedded PTX
-  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX bin/qtool-base bench --synthetic llama2-7b --decode 128 > "$OUT/kbench-base.txt" 2>&1
+if has kbench-base; then # the same with the previous commit's binary (.devbin/qtool-base.gz, else qtool) and its embedded PTX
+  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
+  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base bench --synthetic llama2-7b --decode 128 ${KBENCH_ARGS:-} > "$OUT/kbench-base.txt" 2>&1
   grep -E "gemv|decode|prefill" "$OUT/kbench-base.txt" | head -40
 fi
 if has bench; then

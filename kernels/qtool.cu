@@ -1539,7 +1539,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
 
 template <int WT>
 __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __restrict__ A, WArgs wa,
-                                          int M, int N, int K) {
+                                          int M, int N, int K, int kt0, int kt1) {
     __shared__ __align__(16) __half As[2][BM][SPAD];
     __shared__ __align__(16) __half Bs[2][BN][SPAD];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1582,13 +1582,14 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
         *reinterpret_cast<uint4*>(&Bs[buf][lr][lk + 8]) = b1;
     };
 
-    int nk = K / BK;
-    load(0);
-    store(0, 0);
+    if (kt0 < kt1) {
+        load(kt0 * BK);
+        store(0, kt0 * BK);
+    }
     __syncthreads();
-    for (int kt = 0; kt < nk; kt++) {
-        int cur = kt & 1;
-        if (kt + 1 < nk) load((kt + 1) * BK);
+    for (int kt = kt0; kt < kt1; kt++) {
+        int cur = (kt - kt0) & 1;
+        if (kt + 1 < kt1) load((kt + 1) * BK);
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
             uint32_t af[4][4], bf[2][4];
@@ -1604,7 +1605,7 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
                 for (int j = 0; j < 4; j++)
                     mma16816(acc[i][j], af[i], bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
         }
-        if (kt + 1 < nk) store(cur ^ 1, (kt + 1) * BK);
+        if (kt + 1 < kt1) store(cur ^ 1, (kt + 1) * BK);
         __syncthreads();
     }
     int gid = lane >> 2, tq = lane & 3;
@@ -1713,14 +1714,13 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
 
 template <bool BF16>
 __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half* __restrict__ A,
-                                            const uint16_t* __restrict__ W, int M, int N, int K) {
+                                            const uint16_t* __restrict__ W, int M, int N, int K, int kt0, int kt1) {
     extern __shared__ __align__(16) unsigned char gh_smem[];
     __half (*As)[BM][GH_LD] = reinterpret_cast<__half (*)[BM][GH_LD]>(gh_smem);
     __half (*Bs)[BN][GH_LD] = reinterpret_cast<__half (*)[BN][GH_LD]>(gh_smem + GH_STAGES * BM * GH_LD * 2);
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int wm = warp >> 2, wn = warp & 3;  // 2 x 4 warps
     int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-    int nk = (K + GH_BK - 1) / GH_BK;
     // each thread copies 4 chunks of 8 halfs of A and of B per stage
     // (chunks past K zero-filled)
     auto load = [&](int kt, int st) {
@@ -1743,16 +1743,16 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
 #pragma unroll
     for (int s = 0; s < GH_STAGES - 1; s++) {
-        if (s < nk) load(s, s);
+        if (kt0 + s < kt1) load(kt0 + s, s);
         cp_async_commit();
     }
-    for (int kt = 0; kt < nk; kt++) {
+    for (int kt = kt0; kt < kt1; kt++) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(GH_STAGES - 2) : "memory");
         __syncthreads();  // tile kt is in; every warp is done with tile kt-1's stage
         int nx = kt + GH_STAGES - 1;
-        if (nx < nk) load(nx, nx % GH_STAGES);
+        if (nx < kt1) load(nx, (nx - kt0) % GH_STAGES);
         cp_async_commit();
-        int cur = kt % GH_STAGES;
+        int cur = (kt - kt0) % GH_STAGES;
 #pragma unroll
         for (int kk = 0; kk < GH_BK; kk += 16) {
             uint32_t af[4][4], bf[2][4];
@@ -1795,26 +1795,46 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
             }
         }
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_f16(float* C, const __half* A, const uint16_t* W, int M, int N, int K) {
-    PDL_ENTRY();
-    gemm_h_body<false>(C, A, W, M, N, K);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_bf16(float* C, const __half* A, const uint16_t* W, int M, int N, int K) {
-    PDL_ENTRY();
-    gemm_h_body<true>(C, A, W, M, N, K);
-}
+// Split z of gridDim.z takes an equal share of the K steps and writes its
+// partial product to C + z·M·N (sum_splits adds them up; see GEMM_ENTRY).
+#define GEMM_H_ENTRY(name, BF)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256, 2) name(float* C, const __half* A, const uint16_t* W, int M, \
+                                                              int N, int K) {                                    \
+        PDL_ENTRY();                                                                                             \
+        int nk = (K + GH_BK - 1) / GH_BK, per = (nk + gridDim.z - 1) / gridDim.z;                                \
+        int kt0 = min(nk, (int)blockIdx.z * per);                                                                \
+        gemm_h_body<BF>(C + (size_t)blockIdx.z * M * N, A, W, M, N, K, kt0, min(nk, kt0 + per));                \
+    }
+GEMM_H_ENTRY(gemm_h_f16, false)
+GEMM_H_ENTRY(gemm_h_bf16, true)
 
+// The fused GEMMs split K over grid.z where the tiles alone would leave the
+// device idle (few activation rows: 5 to 127 in a prefill): split z takes
+// an equal share of the BK steps and writes its partial product to
+// C + z·M·N, which sum_splits adds up in order.
 #define GEMM_ENTRY(name, WT)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) name(float* C, const float* A, const void* W,              \
                                                            const float2* sz, const int* gidx, int M, int N,      \
                                                            int K, int gs, int G) {                               \
         PDL_ENTRY();                                                                                             \
         WArgs wa{W, sz, gidx, gs, G};                                                                            \
-        gemm_body<WT>(C, A, wa, M, N, K);                                                                        \
+        int nk = K / BK, per = (nk + gridDim.z - 1) / gridDim.z;                                                 \
+        int kt0 = min(nk, (int)blockIdx.z * per);                                                                \
+        gemm_body<WT>(C + (size_t)blockIdx.z * M * N, A, wa, M, N, K, kt0, min(nk, kt0 + per));                 \
     }
 GEMM_ENTRY(gemm_f32, WF32)
 GEMM_ENTRY(gemm_q8, WQ8)
 GEMM_ENTRY(gemm_q4, WQ4)
+
+// sum_splits sets C[i] = Σ_z part[z·n + i] over the S splits, in order.
+extern "C" __global__ void sum_splits(float* __restrict__ C, const float* __restrict__ part, int S, long long n) {
+    PDL_ENTRY();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = 0.f;
+        for (int z = 0; z < S; z++) v += part[z * n + i];
+        C[i] = v;
+    }
+}
 
 // ---------------------------------------------------------------------------
 // W8A8 (msmodelslim static): quantize activations, integer dot, dequantize.

@@ -207,6 +207,9 @@ var weightCases = []weightCase{
 	// fewer K steps than the GEMM's cp.async stages
 	{"f16-k96", 96, denseCase(model.F16), false},
 	{"bf16-k32", 32, denseCase(model.BF16), false},
+	// enough K steps for gemm_h to split K (gemmSplits)
+	{"f16-splitk", 1024, denseCase(model.F16), false},
+	{"bf16-splitk", 1024, denseCase(model.BF16), false},
 	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false), false},
 	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false), false},
 	{"w8-g128-offset", 0, quantCase(8, 128, 2, false), false},
@@ -280,6 +283,22 @@ func TestMatMul(t *testing.T) {
 					b.Free(y)
 				})
 			}
+		}
+	}
+}
+
+func TestGemmSplits(t *testing.T) {
+	for _, c := range []struct{ tiles, steps, sms, want int }{
+		{32, 64, 132, 8},    // 16 rows × a 4096-row weight, gemm_h steps of 64
+		{128, 64, 132, 2},   // 512 rows × 4096: two splits stay within one wave
+		{344, 64, 132, 1},   // 512 rows × 11008: more than a wave already
+		{132, 64, 132, 2},   // exactly one block a multiprocessor
+		{1, 8, 132, 2},      // few K steps: at least gemmSplitMinSteps each
+		{1, 3, 132, 1},      // too few to split
+		{264, 1000, 132, 1}, // a full wave
+	} {
+		if got := gemmSplits(c.tiles, c.steps, c.sms); got != c.want {
+			t.Errorf("gemmSplits(%d tiles, %d steps, %d SMs) = %d, want %d", c.tiles, c.steps, c.sms, got, c.want)
 		}
 	}
 }

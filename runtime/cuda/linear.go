@@ -39,6 +39,9 @@ const w8a8MMASmem = 4 * (128 + 128) * 80
 // (GH_SMEM in qtool.cu: 3 stages of 128 + 128 rows of 72 halfs).
 const gemmHSmem = 3 * (128 + 128) * 72 * 2
 
+// gemmHBK is gemm_h's K step (qtool.cu's GH_BK).
+const gemmHBK = 64
+
 // Linear is an uploaded weight [Out, In].
 type Linear struct {
 	kind    int
@@ -515,6 +518,13 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 			a16 := b.scratchBuf("gemm_a16", 2*M*K)
 			b.launch("to_half", b.gridFor(M*K/4), block256, a16, s.p, int64(M*K))
 			b.raiseSmem(name, gemmHSmem)
+			if S := gemmSplits(int(grid[0]*grid[1]), (K+gemmHBK-1)/gemmHBK, b.sms); S > 1 {
+				part := b.scratchBuf("gemm_part", 4*S*M*N)
+				grid[2] = uint32(S)
+				b.launchShm(name, grid, block256, gemmHSmem, part, a16, w, M, N, K)
+				b.launch("sum_splits", b.gridFor(M*N), block256, d.p, part, S, int64(M*N))
+				return
+			}
 			b.launchShm(name, grid, block256, gemmHSmem, d.p, a16, w, M, N, K)
 			return
 		}
@@ -525,11 +535,35 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		case kindQ4:
 			name = "gemm_q4"
 		}
+		if S := gemmSplits(int(grid[0]*grid[1]), K/32, b.sms); S > 1 {
+			part := b.scratchBuf("gemm_part", 4*S*M*N)
+			grid[2] = uint32(S)
+			b.launch(name, grid, block256, part, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
+			b.launch("sum_splits", b.gridFor(M*N), block256, d.p, part, S, int64(M*N))
+			return
+		}
 		b.launch(name, grid, block256, d.p, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
 		return
 	}
 	b.gemv(s, []gemvSeg{{d, l}}, gemvEpi{})
 }
+
+// gemmSplits is how many ways the tensor-core GEMMs (gemm_h_*, and the
+// fused gemm_f32, gemm_q8, gemm_q4) split K for a launch of tiles 128 × 128
+// tiles and steps K steps: as many as keep the launch within one wave of
+// two blocks a multiprocessor, each split at least gemmSplitMinSteps steps.
+// With few activation rows there are few tiles (512 rows of a 4096-row
+// weight: 128; 16 rows: 32), and without the split much of the device
+// would idle. The splits' partial products go through a scratch buffer that
+// sum_splits adds up in order, so results stay deterministic; it holds at
+// most 2·SMs tiles of 128 × 128 floats (17 MB on 132 multiprocessors).
+func gemmSplits(tiles, steps, sms int) int {
+	return max(1, min(2*sms/tiles, steps/gemmSplitMinSteps))
+}
+
+// gemmSplitMinSteps is the least number of K steps a GEMM split takes (its
+// prologue and epilogue amortized over them).
+const gemmSplitMinSteps = 4
 
 // gemvSeg is one weight of a GEMV launch and the output it writes.
 type gemvSeg struct {
