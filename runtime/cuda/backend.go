@@ -79,11 +79,9 @@ type Backend struct {
 	// dependent holds the kernels launched as programmatic dependent
 	// launches (see Options.NoDependentLaunch).
 	dependent map[string]bool
-	// occupancy caches resident blocks per multiprocessor by kernel and
-	// dynamic shared memory; dynSmem the dynamic shared memory limit set
-	// on each kernel that needed more than the default.
-	occupancy map[occKey]int
-	dynSmem   map[string]int
+	// dynSmem is the dynamic shared memory limit set on each kernel that
+	// needed more than the default.
+	dynSmem map[string]int
 
 	// Kernel argument slots: ptrs[i] points at slots[i].
 	slots [32]uint64
@@ -168,7 +166,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 	if opt.Device < 0 || opt.Device >= n {
 		return nil, fmt.Errorf("cuda: device %d requested, %d present: %w", opt.Device, n, ErrNoDriver)
 	}
-	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, occupancy: map[occKey]int{}, dynSmem: map[string]int{}, pool: map[int][]driver.DevicePtr{},
+	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, dynSmem: map[string]int{}, pool: map[int][]driver.DevicePtr{},
 		owned: map[driver.DevicePtr]int{}, scratch: map[string]scratch{}, uploaded: map[string]int64{}, prof: map[string]float64{},
 		perms: map[string]driver.DevicePtr{}, permUsers: map[driver.DevicePtr]int{}}
 	for i := range b.slots {

@@ -801,29 +801,6 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	b.launch(name, grid, block256, append([]any{s.p, l.gidx, K, l.gs, l.groups, epi.mode}, segArgs...)...)
 }
 
-// residentBlocks is how many blocks of a kernel with shm bytes of dynamic
-// shared memory fit on one multiprocessor (at least 1), from the driver's
-// occupancy calculator, cached per kernel and size. It raises the kernel's
-// dynamic shared memory limit first where shm needs it.
-func (b *Backend) residentBlocks(name string, threads, shm int) int {
-	key := occKey{name, shm}
-	if n, ok := b.occupancy[key]; ok {
-		return n
-	}
-	b.raiseSmem(name, shm)
-	n, err := b.drv.MaxActiveBlocks(b.fn[name], threads, shm)
-	b.must(err)
-	n = max(n, 1)
-	b.occupancy[key] = n
-	return n
-}
-
-// occKey names a kernel and its dynamic shared memory size.
-type occKey struct {
-	name string
-	shm  int
-}
-
 // attrMaxDynSmem is CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
 const attrMaxDynSmem = 8
 
