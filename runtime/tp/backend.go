@@ -29,7 +29,10 @@
 //     (cheaper than computing on rank 0 and broadcasting), keeping the
 //     replicas bit-identical because every rank sees identical inputs;
 //   - RoPE, RMSNormHeads, AddBias, SiLUMul, StoreKV and Attention act on
-//     each rank's local heads or columns; the KV cache is split by KV heads.
+//     each rank's local heads or columns; the KV cache is split by KV heads;
+//   - runtime.Fused's operations run fused on each rank's pieces where the
+//     rank backends fuse (CUDA), the residual add of o and down inside rank
+//     0's partial product before the all-reduce (fused.go).
 //
 // A Backend drives the ranks of its process: all of them (New), or one
 // rank of a job with a process per rank (NewRank; the communicator connects
@@ -86,6 +89,8 @@ type Backend struct {
 	// else each rank issues its own from its thread (with rcomm).
 	grouped bool
 	rcomm   RankDeviceCommunicator
+	// fused: every local rank's backend implements runtime.Fused (fused.go).
+	fused bool
 }
 
 var _ runtime.Backend = (*Backend)(nil)
@@ -145,6 +150,7 @@ func newBackend(cfg model.Config, ranks []runtime.Backend, comm Communicator) (*
 	if len(b.local) == 0 {
 		return nil, fmt.Errorf("tp: no rank backend")
 	}
+	b.fused = allFused(ranks, b.local)
 	dev := make([]DeviceRank, n)
 	for _, r := range b.local {
 		d, ok := ranks[r].(DeviceRank)
@@ -911,11 +917,7 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 		panic(fmt.Sprintf("tp.Attention: %d heads, %d KV heads × %d over %d ranks (model KV dim %d)", heads, kvHeads, headDim, n, b.cfg.KVDim()))
 	}
 	d, s, kc := bufOf(dst), bufOf(q), cacheOf(c)
-	split := make([][2]int, n)
-	per := heads / n * headDim
-	for r := range split {
-		split[r] = [2]int{r * per, (r + 1) * per}
-	}
+	split := headSplit(heads*headDim, n)
 	b.toSplit(s, split)
 	b.run(d, split, func(r int) {
 		b.ranks[r].Attention(d.parts[r], s.parts[r], kc.parts[r], layer, pos0, heads/n, kvHeads/n, headDim)

@@ -1,0 +1,210 @@
+package tp
+
+import (
+	"fmt"
+	"slices"
+
+	"qtool/formats/model"
+	"qtool/formats/shard"
+	"qtool/runtime"
+)
+
+var _ runtime.Fused = (*Backend)(nil)
+
+// The Backend implements runtime.Fused so that the forward pass hands it the
+// decode step's fused sequences. Where every local rank backend fuses too
+// (CUDA ranks) and the weights are split the way Megatron splits them, each
+// rank runs the fused operation on its pieces: q/k/v and gate/up in one
+// launch with the norm before them, the SwiGLU after them, RoPE inside the
+// KV store, and the residual add of o and down inside rank 0's partial
+// product, before the all-reduce that adds the other ranks' (so the sum is
+// (x + p₀) + p₁ + …, not x + (p₀ + p₁ + …)). Otherwise each method runs the
+// sequence the runtime.Fused comment names, which is what the forward pass
+// runs on a backend without Fused, so CPU ranks give the same results bit
+// for bit as before.
+
+// rankFused returns rank r's backend as runtime.Fused when every local
+// rank's backend is one.
+func (b *Backend) rankFused(r int) runtime.Fused {
+	if !b.fused {
+		return nil
+	}
+	return b.ranks[r].(runtime.Fused)
+}
+
+// allFused reports whether every local rank's backend implements
+// runtime.Fused.
+func allFused(ranks []runtime.Backend, local []int) bool {
+	for _, r := range local {
+		if _, ok := ranks[r].(runtime.Fused); !ok {
+			return false
+		}
+	}
+	return len(local) > 0
+}
+
+// columnLinears returns ws as the backend's linears when the ranks fuse and
+// every weight is column-parallel (q, k, v, gate, up), with the shapes of
+// dst and x checked as MatMul checks them; nil otherwise.
+func (b *Backend) columnLinears(op string, dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear) []*Linear {
+	if !b.fused || len(dst) != len(ws) {
+		return nil
+	}
+	s := bufOf(x)
+	ls := make([]*Linear, len(ws))
+	for i, w := range ws {
+		l, d := linearOf(w), bufOf(dst[i])
+		if s.cols != l.in || d.cols != l.out || d.rows != s.rows {
+			panic(fmt.Sprintf("tp.%s: x [%d %d], dst [%d %d], weight %s [%d %d]", op, s.rows, s.cols, d.rows, d.cols, l.name, l.out, l.in))
+		}
+		if l.split != shard.Column {
+			return nil
+		}
+		ls[i] = l
+	}
+	return ls
+}
+
+// MatMulN implements runtime.Fused.
+func (b *Backend) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear) {
+	ls := b.columnLinears("MatMulN", dst, x, ws)
+	if ls == nil {
+		for i, w := range ws {
+			b.MatMul(dst[i], x, w)
+		}
+		return
+	}
+	s := bufOf(x)
+	b.replicate(s)
+	b.fusedColumns(dst, ls, func(r int, parts []runtime.Buf, wp []runtime.Linear) {
+		b.rankFused(r).MatMulN(parts, s.parts[r], wp)
+	})
+}
+
+// NormMatMulN implements runtime.Fused.
+func (b *Backend) NormMatMulN(dst []runtime.Buf, x runtime.Buf, w, bias runtime.Vector, eps float32, ws []runtime.Linear) {
+	ls := b.columnLinears("NormMatMulN", dst, x, ws)
+	if ls == nil {
+		h := b.Alloc(x.Rows(), x.Cols())
+		b.RMSNorm(h, x, w, bias, eps)
+		b.MatMulN(dst, h, ws)
+		b.Free(h)
+		return
+	}
+	s := bufOf(x)
+	wv, bv := b.replicatedVector("NormMatMulN", w, bias)
+	b.replicate(s)
+	b.fusedColumns(dst, ls, func(r int, parts []runtime.Buf, wp []runtime.Linear) {
+		b.rankFused(r).NormMatMulN(parts, s.parts[r], wv.parts[r], bv.part(r), eps, wp)
+	})
+}
+
+// NormSwiGLU implements runtime.Fused.
+func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up runtime.Linear) {
+	ls := b.columnLinears("NormSwiGLU", []runtime.Buf{dst, dst}, x, []runtime.Linear{gate, up})
+	if ls == nil || !slices.Equal(ls[0].ranges, ls[1].ranges) {
+		h := b.Alloc(x.Rows(), x.Cols())
+		b.RMSNorm(h, x, w, bias, eps)
+		u := b.Alloc(dst.Rows(), dst.Cols())
+		b.MatMul(dst, h, gate)
+		b.MatMul(u, h, up)
+		b.SiLUMul(dst, dst, u)
+		b.Free(u)
+		b.Free(h)
+		return
+	}
+	d, s := bufOf(dst), bufOf(x)
+	wv, bv := b.replicatedVector("NormSwiGLU", w, bias)
+	b.replicate(s)
+	b.run(d, ls[0].ranges, func(r int) {
+		b.rankFused(r).NormSwiGLU(d.parts[r], s.parts[r], wv.parts[r], bv.part(r), eps, ls[0].parts[r], ls[1].parts[r])
+	})
+}
+
+// MatMulAdd implements runtime.Fused: with a row-parallel weight on fusing
+// ranks, rank 0 adds its partial product to the residual and the others
+// overwrite their copy with theirs, and the all-reduce sums them.
+func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
+	d, s, l := bufOf(dst), bufOf(x), linearOf(w)
+	if !b.fused || l.split != shard.Row {
+		t := b.Alloc(dst.Rows(), dst.Cols())
+		b.MatMul(t, x, w)
+		b.Add(dst, t)
+		b.Free(t)
+		return
+	}
+	if s.cols != l.in || d.cols != l.out || d.rows != s.rows {
+		panic(fmt.Sprintf("tp.MatMulAdd: x [%d %d], dst [%d %d], weight %s [%d %d]", s.rows, s.cols, d.rows, d.cols, l.name, l.out, l.in))
+	}
+	b.toSplit(s, l.ranges)
+	b.replicate(d)
+	b.each(func(r int) {
+		if r == 0 {
+			b.rankFused(r).MatMulAdd(d.parts[r], s.parts[r], l.parts[r])
+		} else {
+			b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r])
+		}
+	})
+	b.allReduce(d)
+}
+
+// RoPEStoreKV implements runtime.Fused: each rank rotates its heads of q
+// and k and stores its KV heads.
+func (b *Backend) RoPEStoreKV(c runtime.KVCache, layer, pos0 int, q, k, v runtime.Buf, headDim int, theta float64, layout model.RopeLayout) {
+	if !b.fused {
+		b.RoPE(q, headDim, pos0, theta, layout)
+		b.RoPE(k, headDim, pos0, theta, layout)
+		b.StoreKV(c, layer, pos0, k, v)
+		return
+	}
+	kc, qb, kb, vb := cacheOf(c), bufOf(q), bufOf(k), bufOf(v)
+	n := len(b.ranks)
+	if b.cfg.Heads%n != 0 || b.cfg.QDim() != qb.cols {
+		panic(fmt.Sprintf("tp.RoPEStoreKV: q of %d columns, %d heads over %d ranks", qb.cols, b.cfg.Heads, n))
+	}
+	b.toSplit(qb, headSplit(qb.cols, n))
+	b.toSplit(kb, b.kv)
+	b.toSplit(vb, b.kv)
+	b.each(func(r int) {
+		b.rankFused(r).RoPEStoreKV(kc.parts[r], layer, pos0, qb.parts[r], kb.parts[r], vb.parts[r], headDim, theta, layout)
+	})
+}
+
+// headSplit is the column split of q by heads over n ranks: rank r holds
+// columns [r·cols/n, (r+1)·cols/n), as Attention takes it.
+func headSplit(cols, n int) [][2]int {
+	split := make([][2]int, n)
+	per := cols / n
+	for r := range split {
+		split[r] = [2]int{r * per, (r + 1) * per}
+	}
+	return split
+}
+
+// fusedColumns lays out each dst[i] as weight i's column pieces and runs fn
+// on every rank with its pieces of the outputs and weights.
+func (b *Backend) fusedColumns(dst []runtime.Buf, ls []*Linear, fn func(r int, parts []runtime.Buf, wp []runtime.Linear)) {
+	ds := make([]*Buf, len(dst))
+	for i := range dst {
+		ds[i] = bufOf(dst[i])
+		b.layout(ds[i], ls[i].ranges)
+	}
+	b.each(func(r int) {
+		parts := make([]runtime.Buf, len(ds))
+		wp := make([]runtime.Linear, len(ls))
+		for i := range ds {
+			parts[i], wp[i] = ds[i].parts[r], ls[i].parts[r]
+		}
+		fn(r, parts, wp)
+	})
+}
+
+// replicatedVector checks that a norm's weight and bias are replicated
+// vectors, as RMSNorm needs them.
+func (b *Backend) replicatedVector(op string, w, bias runtime.Vector) (*vector, *vector) {
+	wv, bv := vectorOf(w), vectorOf(bias)
+	if wv == nil || wv.split != nil || (bv != nil && bv.split != nil) {
+		panic("tp." + op + ": norm weight and bias must be replicated vectors")
+	}
+	return wv, bv
+}

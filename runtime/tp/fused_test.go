@@ -1,0 +1,125 @@
+package tp
+
+import (
+	"slices"
+	"sync/atomic"
+	"testing"
+
+	"qtool/formats/model"
+	"qtool/runtime"
+	"qtool/runtime/cpu"
+)
+
+// fusingCPU is a CPU backend that implements runtime.Fused by running each
+// fused operation as the sequence its comment names, and counts the calls:
+// with it as the ranks, the TP backend takes its fused path (the layouts of
+// the pieces, the residual added by rank 0 before the all-reduce) on CPUs.
+type fusingCPU struct {
+	runtime.Backend
+	calls *atomic.Int64
+}
+
+func (f fusingCPU) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear) {
+	f.calls.Add(1)
+	for i, w := range ws {
+		f.MatMul(dst[i], x, w)
+	}
+}
+
+func (f fusingCPU) NormMatMulN(dst []runtime.Buf, x runtime.Buf, w, bias runtime.Vector, eps float32, ws []runtime.Linear) {
+	f.calls.Add(1)
+	h := f.Alloc(x.Rows(), x.Cols())
+	f.RMSNorm(h, x, w, bias, eps)
+	for i, l := range ws {
+		f.MatMul(dst[i], h, l)
+	}
+	f.Free(h)
+}
+
+func (f fusingCPU) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up runtime.Linear) {
+	f.calls.Add(1)
+	h := f.Alloc(x.Rows(), x.Cols())
+	f.RMSNorm(h, x, w, bias, eps)
+	u := f.Alloc(dst.Rows(), dst.Cols())
+	f.MatMul(dst, h, gate)
+	f.MatMul(u, h, up)
+	f.SiLUMul(dst, dst, u)
+	f.Free(u)
+	f.Free(h)
+}
+
+func (f fusingCPU) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
+	f.calls.Add(1)
+	t := f.Alloc(dst.Rows(), dst.Cols())
+	f.MatMul(t, x, w)
+	f.Add(dst, t)
+	f.Free(t)
+}
+
+func (f fusingCPU) RoPEStoreKV(c runtime.KVCache, layer, pos0 int, q, k, v runtime.Buf, headDim int, theta float64, layout model.RopeLayout) {
+	f.calls.Add(1)
+	f.RoPE(q, headDim, pos0, theta, layout)
+	f.RoPE(k, headDim, pos0, theta, layout)
+	f.StoreKV(c, layer, pos0, k, v)
+}
+
+// TestFusedRanks runs the TP=2 forward pass over ranks that fuse: the
+// logits match the unsplit CPU backend within 1e-5 of the largest logit (as
+// TestLogits asks of plain TP=2; only the order of the residual sums
+// differs), every fused operation reached the ranks, and greedy decoding
+// (the KV cache written by RoPEStoreKV) gives the reference ids.
+func TestFusedRanks(t *testing.T) {
+	for _, name := range models {
+		ref := loadRef(t, name)
+		base := openHF(t, name)
+		for _, v := range variants {
+			t.Run(name+"/"+v.name, func(t *testing.T) {
+				m := variant(t, base, v.quant)
+				var calls atomic.Int64
+				be := fusingTP(t, m, &calls)
+				want := logits(load(t, m, cpu.New(0)), ref.LogitsInputIDs)
+				got := logits(load(t, m, be), ref.LogitsInputIDs)
+				// a layer: q/k/v with the norm, RoPE + store, gate/up with
+				// the norm and SwiGLU on both ranks; o + add and down + add
+				// on rank 0 (rank 1 computes its partial products plainly)
+				if want := int64((2*3 + 2) * m.Config.Layers); calls.Load() != want {
+					t.Errorf("the ranks ran %d fused operations, want %d", calls.Load(), want)
+				}
+				rel := maxRel(got, want)
+				t.Logf("TP=2 with fusing ranks: max |Δ| / max |logit| = %.3g", rel)
+				if rel > 1e-5 {
+					t.Errorf("TP=2 logits with fusing ranks differ from TP=1 by %.3g relative, want <= 1e-5", rel)
+				}
+			})
+		}
+		t.Run(name+"/greedy", func(t *testing.T) {
+			var calls atomic.Int64
+			want := ref.GreedyIDs[len(ref.GreedyPromptIDs):]
+			if testing.Short() {
+				want = want[:16]
+			}
+			got, err := runtime.Generate(load(t, base, fusingTP(t, base, &calls)), ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: len(want), EOS: []int{}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(got, want) {
+				t.Errorf("TP=2 (fusing ranks) greedy ids %v\nreference                 %v", got, want)
+			}
+		})
+	}
+}
+
+// fusingTP is a TP=2 backend over two fusingCPU ranks that count into calls.
+func fusingTP(t testing.TB, m *model.Model, calls *atomic.Int64) *Backend {
+	t.Helper()
+	comm, err := NewInProcess(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	be, err := New(m.Config, []runtime.Backend{fusingCPU{cpu.New(1), calls}, fusingCPU{cpu.New(1), calls}}, comm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { be.Close() })
+	return be
+}
