@@ -40,7 +40,7 @@ func TestMatMulN(t *testing.T) {
 				for i := range segs {
 					segs[i].l = lin(ws[i])
 				}
-				kernel, _, _, one := b.gemvPlan(segs, M)
+				kernel, _, one := b.gemvPlan(segs, M)
 				name := fmt.Sprintf("%s/M=%d/n=%d/one-launch=%v", wc.name, M, nw, one)
 				t.Run(name, func(t *testing.T) {
 					if one {
@@ -105,9 +105,9 @@ func TestFusedLinearSteps(t *testing.T) {
 		}
 		const eps = 1e-5
 		for _, M := range []int{1, 3, 5} {
-			_, _, streaming, _ := b.gemvPlan([]gemvSeg{{l: lin(ws[0])}}, M)
+			_, streaming, _ := b.gemvPlan([]gemvSeg{{l: lin(ws[0])}}, M)
 			if streaming {
-				k, _, _, _ := b.gemvPlan([]gemvSeg{{l: lin(ws[0])}}, M)
+				k, _, _ := b.gemvPlan([]gemvSeg{{l: lin(ws[0])}}, M)
 				streamed[k] = true
 			}
 			tol := 0.0

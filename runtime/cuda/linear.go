@@ -587,38 +587,34 @@ const (
 )
 
 // gemvPlan picks the GEMV kernel that computes the products of segs, M
-// rows each, in one launch, with its rows per block (the streaming kernels'
-// gemvStreamRowsTag resolved) and whether it can fuse the input's norm and
+// rows each, in one launch, and whether it can fuse the input's norm and
 // the SwiGLU (streaming); ok is false when there is none: more rows than
 // GEMVMaxRows, W8A8, weights that differ in kind, width, groups or column
 // order, g_idx on several weights, or the split-K kernel (per-launch
 // counters).
-func (b *Backend) gemvPlan(segs []gemvSeg, M int) (name string, perBlock int, streaming, ok bool) {
+func (b *Backend) gemvPlan(segs []gemvSeg, M int) (name string, streaming, ok bool) {
 	if len(segs) == 0 || len(segs) > 3 || M > b.opt.GEMVMaxRows {
-		return "", 0, false, false
+		return "", false, false
 	}
 	first := segs[0].l
 	for _, g := range segs {
 		l := g.l
 		if l.kind != first.kind || l.kind == kindW8A8 || l.in != first.in || l.gs != first.gs || l.groups != first.groups ||
 			l.perm != first.perm || (len(segs) > 1 && l.gidx != 0) {
-			return "", 0, false, false
+			return "", false, false
 		}
 	}
 	total := launchRows(segs)
 	name, R := b.gemvKernel(first, M, total)
 	if R <= 0 {
-		return "", 0, false, false
+		return "", false, false
 	}
 	for _, g := range segs[1:] {
 		if n, _ := b.gemvKernel(g.l, M, total); n != name {
-			return "", 0, false, false
+			return "", false, false
 		}
 	}
-	if R == gemvStreamRowsTag {
-		return name, gemvStreamRows(name), true, true
-	}
-	return name, R, false, true
+	return name, R == gemvStreamRowsTag, true
 }
 
 // launchRows is the output rows of a GEMV launch of segs.
@@ -644,7 +640,7 @@ func (b *Backend) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear)
 
 // matmulN is MatMulN on checked operands.
 func (b *Backend) matmulN(s *Buf, segs []gemvSeg) {
-	if _, _, _, ok := b.gemvPlan(segs, s.rows); ok && len(segs) > 1 {
+	if _, _, ok := b.gemvPlan(segs, s.rows); ok && len(segs) > 1 {
 		b.gemv(s, segs, gemvEpi{})
 		return
 	}
@@ -675,19 +671,30 @@ func (b *Backend) segments(op string, dst []runtime.Buf, x runtime.Buf, ws []run
 // scratch buffer and MatMulN.
 func (b *Backend) NormMatMulN(dst []runtime.Buf, x runtime.Buf, w, bias runtime.Vector, eps float32, ws []runtime.Linear) {
 	s, segs := b.segments("NormMatMulN", dst, x, ws)
-	if vec(w).n != s.cols {
-		panic("cuda backend: NormMatMulN norm width")
-	}
-	if s.rows == 0 {
-		return
-	}
 	defer b.enter()()
-	if _, _, streaming, ok := b.gemvPlan(segs, s.rows); ok && streaming {
-		b.gemv(s, segs, gemvEpi{mode: gemvStore, nw: vec(w).p, nb: vecPtr(bias), eps: eps})
+	if b.normStreamed("NormMatMulN", s, segs, w, bias, eps, gemvStore) {
 		return
 	}
 	h := b.normScratch(s, w, bias, eps)
 	b.matmulN(h, segs)
+}
+
+// normStreamed checks the width of the norm before segs and runs segs as
+// one launch of the streaming 4-bit GEMV in mode with the norm fused, where
+// gemvPlan allows it; it reports whether nothing is left to do (that, or
+// there are no rows). The caller holds the context.
+func (b *Backend) normStreamed(op string, s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps float32, mode int) bool {
+	if vec(w).n != s.cols {
+		panic("cuda backend: " + op + " norm width")
+	}
+	if s.rows == 0 {
+		return true
+	}
+	if _, streaming, ok := b.gemvPlan(segs, s.rows); ok && streaming {
+		b.gemv(s, segs, gemvEpi{mode: mode, nw: vec(w).p, nb: vecPtr(bias), eps: eps})
+		return true
+	}
+	return false
 }
 
 // normScratch writes RMSNorm(x) into a scratch buffer shaped like x.
@@ -703,15 +710,8 @@ func (b *Backend) normScratch(s *Buf, w, bias runtime.Vector, eps float32) *Buf 
 func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up runtime.Linear) {
 	d := buf(dst)
 	s, segs := b.segments("NormSwiGLU", []runtime.Buf{dst, dst}, x, []runtime.Linear{gate, up})
-	if vec(w).n != s.cols {
-		panic("cuda backend: NormSwiGLU norm width")
-	}
-	if s.rows == 0 {
-		return
-	}
 	defer b.enter()()
-	if _, _, streaming, ok := b.gemvPlan(segs, s.rows); ok && streaming {
-		b.gemv(s, segs, gemvEpi{mode: gemvSwiGLU, nw: vec(w).p, nb: vecPtr(bias), eps: eps})
+	if b.normStreamed("NormSwiGLU", s, segs, w, bias, eps, gemvSwiGLU) {
 		return
 	}
 	h := b.normScratch(s, w, bias, eps)
@@ -730,7 +730,7 @@ func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 		return
 	}
 	defer b.enter()()
-	if _, _, _, ok := b.gemvPlan(segs, s.rows); ok {
+	if _, _, ok := b.gemvPlan(segs, s.rows); ok {
 		b.gemv(s, segs, gemvEpi{mode: gemvAdd})
 		return
 	}
