@@ -117,3 +117,52 @@ type Fused interface {
 	// k, v): q and k are left rotated.
 	RoPEStoreKV(c KVCache, layer, pos0 int, q, k, v Buf, headDim int, theta float64, layout model.RopeLayout)
 }
+
+// Unfused runs each Fused operation as the sequence its comment names, with
+// the Backend's plain operations: the forward pass's path on a backend that
+// does not fuse, and the fallback of one that fuses only some cases.
+type Unfused struct{ Backend }
+
+var _ Fused = Unfused{}
+
+// MatMulN implements Fused: one MatMul a weight.
+func (u Unfused) MatMulN(dst []Buf, x Buf, ws []Linear) {
+	for i, w := range ws {
+		u.MatMul(dst[i], x, w)
+	}
+}
+
+// NormMatMulN implements Fused.
+func (u Unfused) NormMatMulN(dst []Buf, x Buf, w, bias Vector, eps float32, ws []Linear) {
+	h := u.Alloc(x.Rows(), x.Cols())
+	u.RMSNorm(h, x, w, bias, eps)
+	u.MatMulN(dst, h, ws)
+	u.Free(h)
+}
+
+// NormSwiGLU implements Fused, with dst as the gate's temporary.
+func (u Unfused) NormSwiGLU(dst, x Buf, w, bias Vector, eps float32, gate, up Linear) {
+	h := u.Alloc(x.Rows(), x.Cols())
+	u.RMSNorm(h, x, w, bias, eps)
+	t := u.Alloc(dst.Rows(), dst.Cols())
+	u.MatMul(dst, h, gate)
+	u.MatMul(t, h, up)
+	u.SiLUMul(dst, dst, t)
+	u.Free(t)
+	u.Free(h)
+}
+
+// MatMulAdd implements Fused.
+func (u Unfused) MatMulAdd(dst, x Buf, w Linear) {
+	t := u.Alloc(dst.Rows(), dst.Cols())
+	u.MatMul(t, x, w)
+	u.Add(dst, t)
+	u.Free(t)
+}
+
+// RoPEStoreKV implements Fused.
+func (u Unfused) RoPEStoreKV(c KVCache, layer, pos0 int, q, k, v Buf, headDim int, theta float64, layout model.RopeLayout) {
+	u.RoPE(q, headDim, pos0, theta, layout)
+	u.RoPE(k, headDim, pos0, theta, layout)
+	u.StoreKV(c, layer, pos0, k, v)
+}

@@ -341,7 +341,7 @@ func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) B
 	w := m.weights(l)
 	T := h.Rows()
 	q, k, v := m.be.Alloc(T, c.QDim()), m.be.Alloc(T, c.KVDim()), m.be.Alloc(T, c.KVDim())
-	m.matMulN([]Buf{q, k, v}, h, []Linear{w.linear(model.Q, ov), w.linear(model.K, ov), w.linear(model.V, ov)})
+	m.fused().MatMulN([]Buf{q, k, v}, h, []Linear{w.linear(model.Q, ov), w.linear(model.K, ov), w.linear(model.V, ov)})
 	return m.attend(l, q, k, v, pos0, cache, ov)
 }
 
@@ -368,13 +368,7 @@ func (m *Model) attend(l int, q, k, v Buf, pos0 int, cache KVCache, ov Overrides
 	m.finishProduct(l, model.Q, q, ov)
 	m.finishProduct(l, model.K, k, ov)
 	m.finishProduct(l, model.V, v, ov)
-	if f, ok := be.(Fused); ok {
-		f.RoPEStoreKV(cache, cl, pos0, q, k, v, c.HeadDim, c.RopeTheta, c.Rope)
-	} else {
-		be.RoPE(q, c.HeadDim, pos0, c.RopeTheta, c.Rope)
-		be.RoPE(k, c.HeadDim, pos0, c.RopeTheta, c.Rope)
-		be.StoreKV(cache, cl, pos0, k, v)
-	}
+	m.fused().RoPEStoreKV(cache, cl, pos0, q, k, v, c.HeadDim, c.RopeTheta, c.Rope)
 	be.Free(k)
 	be.Free(v)
 	att := be.Alloc(T, c.QDim())
@@ -391,7 +385,7 @@ func (m *Model) KV(l int, h Buf, pos0 int, ov Overrides) (k, v Buf) {
 	c := &m.cfg
 	w := m.weights(l)
 	k, v = m.be.Alloc(h.Rows(), c.KVDim()), m.be.Alloc(h.Rows(), c.KVDim())
-	m.matMulN([]Buf{k, v}, h, []Linear{w.linear(model.K, ov), w.linear(model.V, ov)})
+	m.fused().MatMulN([]Buf{k, v}, h, []Linear{w.linear(model.K, ov), w.linear(model.V, ov)})
 	m.finishProduct(l, model.K, k, ov)
 	m.finishProduct(l, model.V, v, ov)
 	m.be.RoPE(k, c.HeadDim, pos0, c.RopeTheta, c.Rope)
@@ -425,15 +419,12 @@ func (m *Model) finishProduct(l int, r model.Role, x Buf, ov Overrides) {
 	}
 }
 
-// matMulN sets dst[i] = x·ws[i]ᵀ: one Fused.MatMulN where the backend fuses.
-func (m *Model) matMulN(dst []Buf, x Buf, ws []Linear) {
+// fused is the backend's Fused operations, or their unfused sequences.
+func (m *Model) fused() Fused {
 	if f, ok := m.be.(Fused); ok {
-		f.MatMulN(dst, x, ws)
-		return
+		return f
 	}
-	for i, w := range ws {
-		m.be.MatMul(dst[i], x, w)
-	}
+	return Unfused{m.be}
 }
 
 // MLPHidden returns silu(h·Gateᵀ)·(h·Upᵀ) of layer l, the input of down:
@@ -443,7 +434,7 @@ func (m *Model) MLPHidden(l int, h Buf, ov Overrides) Buf {
 	be := m.be
 	g := be.Alloc(h.Rows(), m.cfg.Intermediate)
 	u := be.Alloc(h.Rows(), m.cfg.Intermediate)
-	m.matMulN([]Buf{g, u}, h, []Linear{w.linear(model.Gate, ov), w.linear(model.Up, ov)})
+	m.fused().MatMulN([]Buf{g, u}, h, []Linear{w.linear(model.Gate, ov), w.linear(model.Up, ov)})
 	be.SiLUMul(g, g, u)
 	be.Free(u)
 	return g
@@ -468,57 +459,41 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 	be := m.be
 	T := x.Rows()
 	eps := float32(c.NormEps)
-	f, fused := be.(Fused)
-	fused = fused && capture == nil // a capture sees the normed inputs
+	f := m.fused()
 
+	// a capture sees the normed inputs, so the norms run on their own
 	q, k, v := be.Alloc(T, c.QDim()), be.Alloc(T, c.KVDim()), be.Alloc(T, c.KVDim())
 	qkv, wqkv := []Buf{q, k, v}, []Linear{w.q, w.k, w.v}
-	if fused {
+	if capture == nil {
 		f.NormMatMulN(qkv, x, w.attnNorm, w.attnNormBias, eps, wqkv)
 	} else {
 		h := m.AttnNorm(l, x)
-		if capture != nil {
-			capture(l, CaptureQKV, h)
-		}
-		m.matMulN(qkv, h, wqkv)
+		capture(l, CaptureQKV, h)
+		f.MatMulN(qkv, h, wqkv)
 		be.Free(h)
 	}
 	att := m.attend(l, q, k, v, pos0, cache, nil)
 	if capture != nil {
 		capture(l, CaptureO, att)
 	}
-	m.matMulAdd(x, att, w.o)
+	f.MatMulAdd(x, att, w.o)
 	be.Free(att)
 
 	var g Buf
-	if fused {
+	if capture == nil {
 		g = be.Alloc(T, c.Intermediate)
 		f.NormSwiGLU(g, x, w.mlpNorm, w.mlpNormBias, eps, w.gate, w.up)
 	} else {
 		h := m.MLPNorm(l, x)
-		if capture != nil {
-			capture(l, CaptureGateUp, h)
-		}
+		capture(l, CaptureGateUp, h)
 		g = m.MLPHidden(l, h, nil)
 		be.Free(h)
 	}
 	if capture != nil {
 		capture(l, CaptureDown, g)
 	}
-	m.matMulAdd(x, g, w.down)
+	f.MatMulAdd(x, g, w.down)
 	be.Free(g)
-}
-
-// matMulAdd sets dst += x·wᵀ: one Fused.MatMulAdd where the backend fuses.
-func (m *Model) matMulAdd(dst, x Buf, w Linear) {
-	if f, ok := m.be.(Fused); ok {
-		f.MatMulAdd(dst, x, w)
-		return
-	}
-	t := m.be.Alloc(dst.Rows(), dst.Cols())
-	m.be.MatMul(t, x, w)
-	m.be.Add(dst, t)
-	m.be.Free(t)
 }
 
 // FinalNorm returns norm(x), the final RMSNorm: the classifier's input, a

@@ -19,9 +19,9 @@ var _ runtime.Fused = (*Backend)(nil)
 // KV store, and the residual add of o and down inside rank 0's partial
 // product, before the all-reduce that adds the other ranks' (so the sum is
 // (x + p₀) + p₁ + …, not x + (p₀ + p₁ + …)). Otherwise each method runs the
-// sequence the runtime.Fused comment names, which is what the forward pass
-// runs on a backend without Fused, so CPU ranks give the same results bit
-// for bit as before.
+// sequence the runtime.Fused comment names (runtime.Unfused), which is what
+// the forward pass runs on a backend without Fused, so CPU ranks give the
+// same results bit for bit as before.
 
 // rankFused returns rank r's backend as runtime.Fused when every local
 // rank's backend is one.
@@ -69,9 +69,7 @@ func (b *Backend) columnLinears(op string, dst []runtime.Buf, x runtime.Buf, ws 
 func (b *Backend) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear) {
 	ls := b.columnLinears("MatMulN", dst, x, ws)
 	if ls == nil {
-		for i, w := range ws {
-			b.MatMul(dst[i], x, w)
-		}
+		runtime.Unfused{Backend: b}.MatMulN(dst, x, ws)
 		return
 	}
 	s := bufOf(x)
@@ -85,10 +83,7 @@ func (b *Backend) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear)
 func (b *Backend) NormMatMulN(dst []runtime.Buf, x runtime.Buf, w, bias runtime.Vector, eps float32, ws []runtime.Linear) {
 	ls := b.columnLinears("NormMatMulN", dst, x, ws)
 	if ls == nil {
-		h := b.Alloc(x.Rows(), x.Cols())
-		b.RMSNorm(h, x, w, bias, eps)
-		b.MatMulN(dst, h, ws)
-		b.Free(h)
+		runtime.Unfused{Backend: b}.NormMatMulN(dst, x, w, bias, eps, ws)
 		return
 	}
 	s := bufOf(x)
@@ -103,14 +98,7 @@ func (b *Backend) NormMatMulN(dst []runtime.Buf, x runtime.Buf, w, bias runtime.
 func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up runtime.Linear) {
 	ls := b.columnLinears("NormSwiGLU", []runtime.Buf{dst, dst}, x, []runtime.Linear{gate, up})
 	if ls == nil || !slices.Equal(ls[0].ranges, ls[1].ranges) {
-		h := b.Alloc(x.Rows(), x.Cols())
-		b.RMSNorm(h, x, w, bias, eps)
-		u := b.Alloc(dst.Rows(), dst.Cols())
-		b.MatMul(dst, h, gate)
-		b.MatMul(u, h, up)
-		b.SiLUMul(dst, dst, u)
-		b.Free(u)
-		b.Free(h)
+		runtime.Unfused{Backend: b}.NormSwiGLU(dst, x, w, bias, eps, gate, up)
 		return
 	}
 	d, s := bufOf(dst), bufOf(x)
@@ -127,10 +115,7 @@ func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps flo
 func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 	d, s, l := bufOf(dst), bufOf(x), linearOf(w)
 	if !b.fused || l.split != shard.Row {
-		t := b.Alloc(dst.Rows(), dst.Cols())
-		b.MatMul(t, x, w)
-		b.Add(dst, t)
-		b.Free(t)
+		runtime.Unfused{Backend: b}.MatMulAdd(dst, x, w)
 		return
 	}
 	if s.cols != l.in || d.cols != l.out || d.rows != s.rows {
@@ -152,9 +137,7 @@ func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 // and k and stores its KV heads.
 func (b *Backend) RoPEStoreKV(c runtime.KVCache, layer, pos0 int, q, k, v runtime.Buf, headDim int, theta float64, layout model.RopeLayout) {
 	if !b.fused {
-		b.RoPE(q, headDim, pos0, theta, layout)
-		b.RoPE(k, headDim, pos0, theta, layout)
-		b.StoreKV(c, layer, pos0, k, v)
+		runtime.Unfused{Backend: b}.RoPEStoreKV(c, layer, pos0, q, k, v, headDim, theta, layout)
 		return
 	}
 	kc, qb, kb, vb := cacheOf(c), bufOf(q), bufOf(k), bufOf(v)

@@ -11,7 +11,7 @@ import (
 )
 
 // fusingCPU is a CPU backend that implements runtime.Fused by running each
-// fused operation as the sequence its comment names, and counts the calls:
+// fused operation as its sequence (runtime.Unfused), and counts the calls:
 // with it as the ranks, the TP backend takes its fused path (the layouts of
 // the pieces, the residual added by rank 0 before the all-reduce) on CPUs.
 type fusingCPU struct {
@@ -19,48 +19,27 @@ type fusingCPU struct {
 	calls *atomic.Int64
 }
 
-func (f fusingCPU) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear) {
+func (f fusingCPU) unfused() runtime.Unfused {
 	f.calls.Add(1)
-	for i, w := range ws {
-		f.MatMul(dst[i], x, w)
-	}
+	return runtime.Unfused{Backend: f.Backend}
+}
+
+func (f fusingCPU) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear) {
+	f.unfused().MatMulN(dst, x, ws)
 }
 
 func (f fusingCPU) NormMatMulN(dst []runtime.Buf, x runtime.Buf, w, bias runtime.Vector, eps float32, ws []runtime.Linear) {
-	f.calls.Add(1)
-	h := f.Alloc(x.Rows(), x.Cols())
-	f.RMSNorm(h, x, w, bias, eps)
-	for i, l := range ws {
-		f.MatMul(dst[i], h, l)
-	}
-	f.Free(h)
+	f.unfused().NormMatMulN(dst, x, w, bias, eps, ws)
 }
 
 func (f fusingCPU) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up runtime.Linear) {
-	f.calls.Add(1)
-	h := f.Alloc(x.Rows(), x.Cols())
-	f.RMSNorm(h, x, w, bias, eps)
-	u := f.Alloc(dst.Rows(), dst.Cols())
-	f.MatMul(dst, h, gate)
-	f.MatMul(u, h, up)
-	f.SiLUMul(dst, dst, u)
-	f.Free(u)
-	f.Free(h)
+	f.unfused().NormSwiGLU(dst, x, w, bias, eps, gate, up)
 }
 
-func (f fusingCPU) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
-	f.calls.Add(1)
-	t := f.Alloc(dst.Rows(), dst.Cols())
-	f.MatMul(t, x, w)
-	f.Add(dst, t)
-	f.Free(t)
-}
+func (f fusingCPU) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) { f.unfused().MatMulAdd(dst, x, w) }
 
 func (f fusingCPU) RoPEStoreKV(c runtime.KVCache, layer, pos0 int, q, k, v runtime.Buf, headDim int, theta float64, layout model.RopeLayout) {
-	f.calls.Add(1)
-	f.RoPE(q, headDim, pos0, theta, layout)
-	f.RoPE(k, headDim, pos0, theta, layout)
-	f.StoreKV(c, layer, pos0, k, v)
+	f.unfused().RoPEStoreKV(c, layer, pos0, q, k, v, headDim, theta, layout)
 }
 
 // TestFusedRanks runs the TP=2 forward pass over ranks that fuse: the
