@@ -5,7 +5,7 @@
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz (CGO_ENABLED=0 builds of qtool and the test binaries,
 # gzipped), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench-base bench anchor" kernels/gpu-run.sh
+#   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -119,6 +119,10 @@ fi
 if has kbench; then # kernels and the synthetic 7B (no checkpoint needed)
   lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --synthetic llama2-7b --decode 128 ${KBENCH_ARGS:-} > "$OUT/kbench.txt" 2>&1
   grep -E "gemv|decode|prefill" "$OUT/kbench.txt" | head -40
+fi
+if has kbench16; then # short prompts: the small-M GEMMs (prefill of 16 tokens)
+  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --synthetic llama2-7b --kernels=false --prompt 16 --decode 32 ${KBENCH_ARGS:-} > "$OUT/kbench16.txt" 2>&1
+  grep -E "prefill [0-9]+ tokens|prefill estimate" "$OUT/kbench16.txt"
 fi
 if has kbench-base; then # the same with the previous commit's binary (.devbin/qtool-base.gz, else qtool) and its embedded PTX
   base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
