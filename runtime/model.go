@@ -79,6 +79,7 @@ type layerWeights struct {
 type Model struct {
 	cfg    model.Config
 	be     Backend
+	ops    Fused // be's fused operations, or their sequences (Unfused)
 	embed  Linear
 	norm   Vector
 	head   Linear // the embedding table when tied
@@ -124,7 +125,11 @@ func LoadLazy(m *model.Model, be Backend) (*Model, error) {
 	if err := m.CheckShapes(); err != nil {
 		return nil, fmt.Errorf("runtime: %w", err)
 	}
-	rm := &Model{cfg: cfg, be: be, src: m, layers: make([]layerWeights, cfg.Layers)}
+	ops, ok := be.(Fused)
+	if !ok {
+		ops = Unfused{be}
+	}
+	rm := &Model{cfg: cfg, be: be, ops: ops, src: m, layers: make([]layerWeights, cfg.Layers)}
 	var err error
 	if rm.kvq, err = kvQuantOf(m); err != nil {
 		return nil, err
@@ -341,7 +346,7 @@ func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) B
 	w := m.weights(l)
 	T := h.Rows()
 	q, k, v := m.be.Alloc(T, c.QDim()), m.be.Alloc(T, c.KVDim()), m.be.Alloc(T, c.KVDim())
-	m.fused().MatMulN([]Buf{q, k, v}, h, []Linear{w.linear(model.Q, ov), w.linear(model.K, ov), w.linear(model.V, ov)})
+	m.ops.MatMulN([]Buf{q, k, v}, h, []Linear{w.linear(model.Q, ov), w.linear(model.K, ov), w.linear(model.V, ov)})
 	return m.attend(l, q, k, v, pos0, cache, ov)
 }
 
@@ -368,7 +373,7 @@ func (m *Model) attend(l int, q, k, v Buf, pos0 int, cache KVCache, ov Overrides
 	m.finishProduct(l, model.Q, q, ov)
 	m.finishProduct(l, model.K, k, ov)
 	m.finishProduct(l, model.V, v, ov)
-	m.fused().RoPEStoreKV(cache, cl, pos0, q, k, v, c.HeadDim, c.RopeTheta, c.Rope)
+	m.ops.RoPEStoreKV(cache, cl, pos0, q, k, v, c.HeadDim, c.RopeTheta, c.Rope)
 	be.Free(k)
 	be.Free(v)
 	att := be.Alloc(T, c.QDim())
@@ -385,7 +390,7 @@ func (m *Model) KV(l int, h Buf, pos0 int, ov Overrides) (k, v Buf) {
 	c := &m.cfg
 	w := m.weights(l)
 	k, v = m.be.Alloc(h.Rows(), c.KVDim()), m.be.Alloc(h.Rows(), c.KVDim())
-	m.fused().MatMulN([]Buf{k, v}, h, []Linear{w.linear(model.K, ov), w.linear(model.V, ov)})
+	m.ops.MatMulN([]Buf{k, v}, h, []Linear{w.linear(model.K, ov), w.linear(model.V, ov)})
 	m.finishProduct(l, model.K, k, ov)
 	m.finishProduct(l, model.V, v, ov)
 	m.be.RoPE(k, c.HeadDim, pos0, c.RopeTheta, c.Rope)
@@ -419,14 +424,6 @@ func (m *Model) finishProduct(l int, r model.Role, x Buf, ov Overrides) {
 	}
 }
 
-// fused is the backend's Fused operations, or their unfused sequences.
-func (m *Model) fused() Fused {
-	if f, ok := m.be.(Fused); ok {
-		return f
-	}
-	return Unfused{m.be}
-}
-
 // MLPHidden returns silu(h·Gateᵀ)·(h·Upᵀ) of layer l, the input of down:
 // a new buffer [T, intermediate]. ov may replace gate or up.
 func (m *Model) MLPHidden(l int, h Buf, ov Overrides) Buf {
@@ -434,7 +431,7 @@ func (m *Model) MLPHidden(l int, h Buf, ov Overrides) Buf {
 	be := m.be
 	g := be.Alloc(h.Rows(), m.cfg.Intermediate)
 	u := be.Alloc(h.Rows(), m.cfg.Intermediate)
-	m.fused().MatMulN([]Buf{g, u}, h, []Linear{w.linear(model.Gate, ov), w.linear(model.Up, ov)})
+	m.ops.MatMulN([]Buf{g, u}, h, []Linear{w.linear(model.Gate, ov), w.linear(model.Up, ov)})
 	be.SiLUMul(g, g, u)
 	be.Free(u)
 	return g
@@ -459,7 +456,7 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 	be := m.be
 	T := x.Rows()
 	eps := float32(c.NormEps)
-	f := m.fused()
+	f := m.ops
 
 	// a capture sees the normed inputs, so the norms run on their own
 	q, k, v := be.Alloc(T, c.QDim()), be.Alloc(T, c.KVDim()), be.Alloc(T, c.KVDim())

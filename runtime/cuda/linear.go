@@ -518,14 +518,7 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 			a16 := b.scratchBuf("gemm_a16", 2*M*K)
 			b.launch("to_half", b.gridFor(M*K/4), block256, a16, s.p, int64(M*K))
 			b.raiseSmem(name, gemmHSmem)
-			if S := gemmSplits(int(grid[0]*grid[1]), (K+gemmHBK-1)/gemmHBK, b.sms); S > 1 {
-				part := b.scratchBuf("gemm_part", 4*S*M*N)
-				grid[2] = uint32(S)
-				b.launchShm(name, grid, block256, gemmHSmem, part, a16, w, M, N, K)
-				b.launch("sum_splits", b.gridFor(M*N), block256, d.p, part, S, int64(M*N))
-				return
-			}
-			b.launchShm(name, grid, block256, gemmHSmem, d.p, a16, w, M, N, K)
+			b.launchGEMM(name, grid, gemmHSmem, (K+gemmHBK-1)/gemmHBK, d, a16, w, M, N, K)
 			return
 		}
 		name := "gemm_f32" // the rest: fused dequantizing loaders
@@ -535,17 +528,27 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		case kindQ4:
 			name = "gemm_q4"
 		}
-		if S := gemmSplits(int(grid[0]*grid[1]), K/32, b.sms); S > 1 {
-			part := b.scratchBuf("gemm_part", 4*S*M*N)
-			grid[2] = uint32(S)
-			b.launch(name, grid, block256, part, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
-			b.launch("sum_splits", b.gridFor(M*N), block256, d.p, part, S, int64(M*N))
-			return
-		}
-		b.launch(name, grid, block256, d.p, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
+		b.launchGEMM(name, grid, 0, K/32, d, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
 		return
 	}
 	b.gemv(s, []gemvSeg{{d, l}}, gemvEpi{})
+}
+
+// launchGEMM launches tensor-core GEMM name (output d first, then args) on
+// grid with shm bytes of dynamic shared memory over steps K steps, split
+// over grid.z as gemmSplits says: the splits write their partial products
+// to a scratch buffer and sum_splits adds them into d.
+func (b *Backend) launchGEMM(name string, grid [3]uint32, shm, steps int, d *Buf, args ...any) {
+	S := gemmSplits(int(grid[0]*grid[1]), steps, b.sms)
+	if S == 1 {
+		b.launchShm(name, grid, block256, shm, append([]any{d.p}, args...)...)
+		return
+	}
+	n := d.n()
+	part := b.scratchBuf("gemm_part", 4*S*n)
+	grid[2] = uint32(S)
+	b.launchShm(name, grid, block256, shm, append([]any{part}, args...)...)
+	b.launch("sum_splits", b.gridFor(n), block256, d.p, part, S, int64(n))
 }
 
 // gemmSplits is how many ways the tensor-core GEMMs (gemm_h_*, and the

@@ -23,14 +23,8 @@ var _ runtime.Fused = (*Backend)(nil)
 // the forward pass runs on a backend without Fused, so CPU ranks give the
 // same results bit for bit as before.
 
-// rankFused returns rank r's backend as runtime.Fused when every local
-// rank's backend is one.
-func (b *Backend) rankFused(r int) runtime.Fused {
-	if !b.fused {
-		return nil
-	}
-	return b.ranks[r].(runtime.Fused)
-}
+// rankFused returns rank r's backend as runtime.Fused (b.fused holds).
+func (b *Backend) rankFused(r int) runtime.Fused { return b.ranks[r].(runtime.Fused) }
 
 // allFused reports whether every local rank's backend implements
 // runtime.Fused.

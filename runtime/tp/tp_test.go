@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"qtool/formats/hf"
@@ -117,7 +118,8 @@ func variant(t testing.TB, m *model.Model, p *quantize.Params) *model.Model {
 // TestLogits compares the logits of the 64 reference ids at TP=2 (the model
 // split in memory, and read back from a shard directory) with the unsplit
 // CPU backend, for float, int8 and int4 weights: within 1e-5 of the largest
-// logit. The float run is also checked against reference.json.
+// logit, also over ranks that fuse (checkFusedRanks). The float run is also
+// checked against reference.json.
 func TestLogits(t *testing.T) {
 	for _, name := range models {
 		ref := loadRef(t, name)
@@ -132,6 +134,7 @@ func TestLogits(t *testing.T) {
 				if rel > 1e-5 {
 					t.Errorf("TP=2 logits differ from TP=1 by %.3g relative, want <= 1e-5", rel)
 				}
+				checkFusedRanks(t, m, ref.LogitsInputIDs, want)
 				if v.quant == nil {
 					V := m.Config.Vocab
 					last := got[(len(ref.LogitsInputIDs)-1)*V:]
@@ -199,8 +202,9 @@ func TestPerplexity(t *testing.T) {
 	}
 }
 
-// TestGreedy decodes token by token through the split KV cache and must
-// reproduce the reference's greedy continuation.
+// TestGreedy decodes token by token through the split KV cache, over plain
+// ranks and over ranks that fuse, and must reproduce the reference's greedy
+// continuation.
 func TestGreedy(t *testing.T) {
 	for _, name := range models {
 		t.Run(name, func(t *testing.T) {
@@ -210,12 +214,17 @@ func TestGreedy(t *testing.T) {
 			if testing.Short() {
 				want = want[:16]
 			}
-			got, err := runtime.Generate(load(t, m, tpBackend(t, m, 2)), ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: len(want), EOS: []int{}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !slices.Equal(got, want) {
-				t.Errorf("TP=2 greedy ids %v\nreference        %v", got, want)
+			// plain ranks, and ranks that fuse (the KV cache written by
+			// RoPEStoreKV on each rank)
+			var calls atomic.Int64
+			for _, be := range []*Backend{tpBackend(t, m, 2), fusingTP(t, m, &calls)} {
+				got, err := runtime.Generate(load(t, m, be), ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: len(want), EOS: []int{}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !slices.Equal(got, want) {
+					t.Errorf("TP=2 greedy ids (fusing ranks: %v) %v\nreference        %v", be.fused, got, want)
+				}
 			}
 		})
 	}
