@@ -3,8 +3,8 @@
 # the PTX, runs the GPU tests, then times `qtool verify` on random-weight
 # Llama-2-7B-shaped checkpoints (synth_hf.py: bf16 and its AutoAWQ twin) on
 # one GPU and at TP=2 (ranks in one process and one process per rank).
-# Needs: .devbin/*.gz (CGO_ENABLED=0 builds of qtool and the test binaries,
-# gzipped), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
+# Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
+# binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
 #   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
@@ -23,7 +23,11 @@ t0=$(date +%s)
 left() { echo $(( ${BUDGET:-570} - ($(date +%s) - t0) )); }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-mkdir -p bin; for f in .devbin/*.gz; do b=$(basename "$f" .gz); gunzip -c "$f" > "bin/$b"; chmod +x "bin/$b"; done
+mkdir -p bin
+for f in .devbin/*.gz .devbin/*.xz; do
+  [ -f "$f" ] || continue
+  b=$(basename "${f%.*}"); case $f in *.xz) xz -dc "$f" ;; *) gunzip -c "$f" ;; esac > "bin/$b"; chmod +x "bin/$b"
+done
 if has build; then
   bash kernels/build.sh "$OUT/ptx" > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
   ls -l "$OUT"/ptx/*.ptx | awk '{print $5, $9}'
