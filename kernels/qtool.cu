@@ -1220,11 +1220,16 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 //   - mode GEMV_ADD: y += x·Wᵀ (MatMulAdd: the residual add);
 //   - mode GEMV_SWIGLU: y = silu(x·W0ᵀ) ⊙ (x·W1ᵀ), segment 0 holding the
 //     gate and segment 1 the up weight; a warp's R rows are R/2 gate rows
-//     and the same R/2 up rows.
-// Args (x, perm, K, gs, G, nw, nb, eps, mode, GEMV_SEGS); grid (nb0 + nb1 + nb2, M)
-// with nb_s = ceil(N_s/(8R)) (GEMV_SWIGLU: nb0 = ceil(N_0/(4R)), one
-// segment), block 256, dynamic shared memory 2K bytes for the staged x (6K
-// with perm).
+//     and the same R/2 up rows;
+//   - yss set (GEMV_ADD, one segment): each block also writes the sum of
+//     the squares of its rows of y, yss[m·gridDim.x + block], for the _n
+//     kernel (gemv_q4_w4h_n, gemv_q4_w2h_n) that normalises y next: it
+//     takes 1/rms from those parts (xss, nss a row) instead of a pass over
+//     the row and a block reduction before its staging.
+// Args (x, xss, nss, perm, K, gs, G, nw, nb, eps, mode, yss, GEMV_SEGS);
+// grid (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/(8R)) (GEMV_SWIGLU: nb0 =
+// ceil(N_0/(4R)), one segment), block 256, dynamic shared memory 2 bytes a
+// feature for the staged x (6 with perm).
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -1256,12 +1261,16 @@ __device__ __forceinline__ float4 gemv_norm4g(float4 a, int4 p, float inv, const
     return a;
 }
 
-template <int R, int D>
-__device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
+// SUMS (with nw set): the kernel that wrote x also wrote the sums of the
+// squares of its row in nss parts (xss; see yss), so the block takes 1/rms
+// from them instead of reading the whole row once more before staging it.
+template <int R, int D, bool SUMS>
+__device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x,
+                                           const float* __restrict__ xss, int nss, const void* __restrict__ W,
                                            const float2* __restrict__ sz, const void* __restrict__ Wu,
                                            const float2* __restrict__ szu, int N, int K, int gs, int G, int bx,
                                            const float* __restrict__ nw, const float* __restrict__ nb, float eps,
-                                           int mode, const int* __restrict__ perm) {
+                                           int mode, const int* __restrict__ perm, float* __restrict__ yss) {
     constexpr int KC = 32 * 32;  // k per chunk: 32 lanes x 32 k
     extern __shared__ uint4 xsh[];
     __shared__ float nsh[32];
@@ -1301,47 +1310,84 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // The residual the sums are added to, loaded now to hide its latency.
     float yold = 0.f;
     if (mode == GEMV_ADD && lane < R && n0 + lane < N) yold = y[(size_t)m * N + n0 + lane];
+    // Each phase of the staging issues all its loads at once (indices
+    // clamped into the row, results used only in range): one round trip
+    // to L2 a phase, not one a unit.
     // An act-order weight's input is gathered from a copy of the row in
     // shared memory, after the staged form (xraw).
     float* xraw = reinterpret_cast<float*>(xsh + K / 8);
     float inv = 1.f;
-    if (nw || perm) {
+    if constexpr (SUMS) {  // every warp adds the parts in the same order
         float ss = 0.f;
-        for (int u = tid; u < K / 4; u += 256) {
-            float4 a = *reinterpret_cast<const float4*>(xr + 4 * u);
-            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
-            if (perm) reinterpret_cast<float4*>(xraw)[u] = a;
+        constexpr int B = 8;
+        const float* part = xss + (size_t)m * nss;
+        for (int i0 = lane; i0 < nss; i0 += 32 * B) {
+            float v[B];
+#pragma unroll
+            for (int i = 0; i < B; i++) v[i] = part[min(i0 + 32 * i, nss - 1)];
+#pragma unroll
+            for (int i = 0; i < B; i++)
+                if (i0 + 32 * i < nss) ss += v[i];
+        }
+        ss = warp_sum(ss);
+        inv = rsqrtf(ss / (float)K + eps);
+    } else if (nw || perm) {
+        float ss = 0.f;
+        constexpr int B = 4;
+        for (int u0 = tid; u0 < K / 4; u0 += 256 * B) {
+            float4 v[B];
+#pragma unroll
+            for (int i = 0; i < B; i++) v[i] = *reinterpret_cast<const float4*>(xr + 4 * min(u0 + 256 * i, K / 4 - 1));
+#pragma unroll
+            for (int i = 0; i < B; i++) {
+                int u = u0 + 256 * i;
+                if (u < K / 4) {
+                    float4 a = v[i];
+                    ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+                    if (perm) reinterpret_cast<float4*>(xraw)[u] = a;
+                }
+            }
         }
         ss = block_sum(ss, nsh);  // also the barrier before xraw is read
         inv = rsqrtf(ss / (float)K + eps);
     }
     // Stage x row m: unit u = 16 bytes = 8 k of the staged form.
-    for (int u = tid; u < K / 8; u += 256) {
-        float4 a, b;
-        if (perm) {  // act-order weight: stored column k holds feature perm[k]
-            int4 p = *reinterpret_cast<const int4*>(perm + 8 * u), q = *reinterpret_cast<const int4*>(perm + 8 * u + 4);
-            a = make_float4(xraw[p.x], xraw[p.y], xraw[p.z], xraw[p.w]);
-            b = make_float4(xraw[q.x], xraw[q.y], xraw[q.z], xraw[q.w]);
-            if (nw) {
-                a = gemv_norm4g(a, p, inv, nw, nb);
-                b = gemv_norm4g(b, q, inv, nw, nb);
-            }
-        } else {
-            a = *reinterpret_cast<const float4*>(xr + 8 * u);
-            b = *reinterpret_cast<const float4*>(xr + 8 * u + 4);
-            if (nw) {
-                a = gemv_norm4(a, 8 * u, inv, nw, nb);
-                b = gemv_norm4(b, 8 * u + 4, inv, nw, nb);
+    int nu = K / 8;
+    constexpr int B = 2;
+    for (int u0 = tid; u0 < nu; u0 += 256 * B) {
+        float4 a[B], b[B];
+#pragma unroll
+        for (int i = 0; i < B; i++) {
+            int u = min(u0 + 256 * i, nu - 1);
+            if (perm) {  // act-order weight: stored column k holds feature perm[k]
+                int4 p = *reinterpret_cast<const int4*>(perm + 8 * u), q = *reinterpret_cast<const int4*>(perm + 8 * u + 4);
+                a[i] = make_float4(xraw[p.x], xraw[p.y], xraw[p.z], xraw[p.w]);
+                b[i] = make_float4(xraw[q.x], xraw[q.y], xraw[q.z], xraw[q.w]);
+                if (nw) {
+                    a[i] = gemv_norm4g(a[i], p, inv, nw, nb);
+                    b[i] = gemv_norm4g(b[i], q, inv, nw, nb);
+                }
+            } else {
+                a[i] = *reinterpret_cast<const float4*>(xr + 8 * u);
+                b[i] = *reinterpret_cast<const float4*>(xr + 8 * u + 4);
+                if (nw) {
+                    a[i] = gemv_norm4(a[i], 8 * u, inv, nw, nb);
+                    b[i] = gemv_norm4(b[i], 8 * u + 4, inv, nw, nb);
+                }
             }
         }
-        __half2 h0 = __floats2half2_rn(a.x, a.y), h1 = __floats2half2_rn(a.z * 0.0625f, a.w * 0.0625f);
-        __half2 h2 = __floats2half2_rn(b.x, b.y), h3 = __floats2half2_rn(b.z * 0.0625f, b.w * 0.0625f);
-        uint4 v;
-        v.x = *reinterpret_cast<uint32_t*>(&h0);
-        v.y = *reinterpret_cast<uint32_t*>(&h1);
-        v.z = *reinterpret_cast<uint32_t*>(&h2);
-        v.w = *reinterpret_cast<uint32_t*>(&h3);
-        xsh[xw_swz(u)] = v;
+#pragma unroll
+        for (int i = 0; i < B; i++) {
+            if (u0 + 256 * i >= nu) continue;
+            __half2 h0 = __floats2half2_rn(a[i].x, a[i].y), h1 = __floats2half2_rn(a[i].z * 0.0625f, a[i].w * 0.0625f);
+            __half2 h2 = __floats2half2_rn(b[i].x, b[i].y), h3 = __floats2half2_rn(b[i].z * 0.0625f, b[i].w * 0.0625f);
+            uint4 v;
+            v.x = *reinterpret_cast<uint32_t*>(&h0);
+            v.y = *reinterpret_cast<uint32_t*>(&h1);
+            v.z = *reinterpret_cast<uint32_t*>(&h2);
+            v.w = *reinterpret_cast<uint32_t*>(&h3);
+            xsh[xw_swz(u0 + 256 * i)] = v;
+        }
     }
     __syncthreads();
     float acc[R];
@@ -1407,21 +1453,36 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     float* yp = y + (size_t)m * N + n0 + lane;
     if (swiglu) {
         if (lane < R / 2 && n0 + lane < N) *yp = mine / (1.f + expf(-mine)) * upv;  // as silu_mul
-    } else if (lane < R && n0 + lane < N) {
-        *yp = mode == GEMV_ADD ? yold + mine : mine;
+    } else {
+        float v = mode == GEMV_ADD ? yold + mine : mine;
+        bool own = lane < R && n0 + lane < N;
+        if (own) *yp = v;
+        if (yss) {  // this block's part of the sums of squares of y's row
+            float s2 = warp_sum(own ? v * v : 0.f);
+            if (lane == 0) nsh[warp] = s2;
+            __syncthreads();
+            if (tid == 0) {
+                float t = 0.f;
+                for (int w = 0; w < 8; w++) t += nsh[w];
+                yss[(size_t)m * gridDim.x + blockIdx.x] = t;
+            }
+        }
     }
 }
 
-#define GEMVW_ENTRY(name, R, D, MINB)                                                                               \
+#define GEMVW_ENTRY(name, R, D, SUMS, MINB)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
-        name(const float* x, const int* perm, int K, int gs, int G, const float* nw, const float* nb, float eps,      \
-             int mode, GEMV_SEGS) {                                                                                  \
+        name(const float* x, const float* xss, int nss, const int* perm, int K, int gs, int G, const float* nw,      \
+             const float* nb, float eps, int mode, float* yss, GEMV_SEGS) {                                          \
         int bx = blockIdx.x;                                                                                         \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
-        gemvw_body<R, D>(s.y, x, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps, mode, perm);                    \
+        gemvw_body<R, D, SUMS>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps, mode, perm,     \
+                               yss);                                                                                 \
     }
-GEMVW_ENTRY(gemv_q4_w2h, 2, 4, 2)
-GEMVW_ENTRY(gemv_q4_w4h, 4, 2, 2)
+GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2)
+GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2)
+GEMVW_ENTRY(gemv_q4_w2h_n, 2, 4, true, 2)
+GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2)
 
 // ---------------------------------------------------------------------------
 // cp.async (16-byte copies to shared memory, zero-filled where !valid) and

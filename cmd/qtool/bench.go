@@ -89,9 +89,12 @@ type modelResult struct {
 	DecodeGraphTok float64 `json:"decode_graph_tok_s"`
 	// DecodeGraphPlainTok is DecodeGraphTok without programmatic dependent
 	// launches, measured in the same run.
-	DecodeGraphPlainTok float64        `json:"decode_graph_plain_launch_tok_s"`
-	RooflineTokS        float64        `json:"roofline_tok_s"`
-	Linears             []kernelResult `json:"linears"`
+	DecodeGraphPlainTok float64 `json:"decode_graph_plain_launch_tok_s"`
+	// DecodeGraphNoSumsTok is DecodeGraphTok with every normed streaming
+	// GEMV summing its input's squares itself (cuda.Options.NoRowSums).
+	DecodeGraphNoSumsTok float64        `json:"decode_graph_no_row_sums_tok_s"`
+	RooflineTokS         float64        `json:"roofline_tok_s"`
+	Linears              []kernelResult `json:"linears"`
 }
 
 func runBench(c *cli.Context) error {
@@ -322,11 +325,17 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 	res.DecodeTokS = float64(steps) / time.Since(t0).Seconds()
 
 	// Decode replayed as a CUDA graph.
-	if res.DecodeGraphTok, err = decodeGraphTokS(b, rm, cache, prompt, maxSeq, next, steps, false); err != nil {
+	if res.DecodeGraphTok, err = decodeGraphTokS(b, rm, cache, prompt, maxSeq, next, steps, nil); err != nil {
 		return res, err
 	}
-	// The same without programmatic dependent launches, side by side.
-	if res.DecodeGraphPlainTok, err = decodeGraphTokS(b, rm, cache, prompt, maxSeq, next, steps, true); err != nil {
+	// The same without programmatic dependent launches, and without the
+	// producers' row sums, side by side.
+	if res.DecodeGraphPlainTok, err = decodeGraphTokS(b, rm, cache, prompt, maxSeq, next, steps,
+		func(o *cuda.Options) { o.NoDependentLaunch = true }); err != nil {
+		return res, err
+	}
+	if res.DecodeGraphNoSumsTok, err = decodeGraphTokS(b, rm, cache, prompt, maxSeq, next, steps,
+		func(o *cuda.Options) { o.NoRowSums = true }); err != nil {
 		return res, err
 	}
 
@@ -394,8 +403,8 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 	fmt.Fprintf(out, "\nmodel %s (%s): weights %.2f GB, GPU memory used %.2f GB (incl. KV cache of %d positions)\n",
 		name, format, float64(weightBytes)/1e9, float64(res.GPUMemBytes)/1e9, maxSeq)
 	fmt.Fprintf(out, "  prefill %d tokens: %.0f tok/s\n", prompt, res.PrefillTokS)
-	fmt.Fprintf(out, "  decode batch 1: %.1f tok/s plain, %.1f tok/s CUDA graph (%.1f without dependent launches); roofline %.1f tok/s (%.0f%% reached)\n",
-		res.DecodeTokS, res.DecodeGraphTok, res.DecodeGraphPlainTok, res.RooflineTokS, 100*res.DecodeGraphTok/res.RooflineTokS)
+	fmt.Fprintf(out, "  decode batch 1: %.1f tok/s plain, %.1f tok/s CUDA graph (%.1f without dependent launches, %.1f without row sums); roofline %.1f tok/s (%.0f%% reached)\n",
+		res.DecodeTokS, res.DecodeGraphTok, res.DecodeGraphPlainTok, res.DecodeGraphNoSumsTok, res.RooflineTokS, 100*res.DecodeGraphTok/res.RooflineTokS)
 	for _, k := range res.Linears {
 		if k.M == 1 {
 			fmt.Fprintf(out, "  %-8s %-12s M=1   %8.1f us %7.0f GB/s (%.0f%% of copy)\n", k.Kernel, k.Shape, k.Seconds*1e6, k.GBs, k.RatioPct)
@@ -407,12 +416,14 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 }
 
 // decodeGraphTokS captures one greedy decode step at position prompt and
-// replays it steps times from token next: tokens per second. plainLaunch
-// captures it without programmatic dependent launches.
-func decodeGraphTokS(b *cuda.Backend, rm *runtime.Model, cache runtime.KVCache, prompt, maxSeq, next, steps int, plainLaunch bool) (float64, error) {
+// replays it steps times from token next: tokens per second. change, when
+// set, alters the backend's options for this capture only.
+func decodeGraphTokS(b *cuda.Backend, rm *runtime.Model, cache runtime.KVCache, prompt, maxSeq, next, steps int, change func(*cuda.Options)) (float64, error) {
 	opt := b.Options()
-	defer func(was bool) { opt.NoDependentLaunch = was }(opt.NoDependentLaunch)
-	opt.NoDependentLaunch = opt.NoDependentLaunch || plainLaunch
+	defer func(was cuda.Options) { *opt = was }(*opt)
+	if change != nil {
+		change(opt)
+	}
 	if err := b.BeginCapture(prompt, maxSeq); err != nil {
 		return 0, err
 	}

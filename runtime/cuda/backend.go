@@ -60,6 +60,10 @@ type Options struct {
 	// sm_90 build) are programmatic dependent launches: each may start, and
 	// prefetch its weights, while the kernel before it finishes.
 	NoDependentLaunch bool
+	// NoRowSums makes every streaming 4-bit GEMV with a norm sum its input's
+	// squares itself instead of using the parts its producer wrote (see
+	// rowsums.go; for comparisons, like NoDependentLaunch).
+	NoRowSums bool
 }
 
 // Backend runs the forward pass on one CUDA device.
@@ -92,6 +96,11 @@ type Backend struct {
 	graphs []*Graph
 
 	scratch map[string]scratch
+
+	// launches counts kernel launches and other writes; sums are the row
+	// sums the last one wrote (rowsums.go).
+	launches uint64
+	sums     rowSums
 
 	uploaded map[string]int64 // device bytes of each uploaded linear, by name
 
@@ -329,6 +338,9 @@ func (b *Backend) release(p driver.DevicePtr) {
 	if !ok {
 		panic("cuda backend: freeing a buffer this backend does not own")
 	}
+	if b.sums.of == p { // the pool may hand p out again
+		b.sums = rowSums{}
+	}
 	b.pool[n] = append(b.pool[n], p)
 }
 
@@ -433,6 +445,7 @@ func (b *Backend) Upload(dst runtime.Buf, src []float32) {
 		panic(fmt.Sprintf("cuda backend: Upload of %d values into [%d %d]", len(src), d.rows, d.cols))
 	}
 	defer b.enter()()
+	b.wrote()
 	if len(src) > 0 {
 		b.upload(d.p, unsafe.Pointer(&src[0]), 4*len(src))
 	}
@@ -512,6 +525,7 @@ func (b *Backend) launchShm(name string, grid, block [3]uint32, shm int, args ..
 	if !ok {
 		panic("cuda backend: unknown kernel " + name)
 	}
+	b.launches++
 	if len(args) > len(b.slots) {
 		panic("cuda backend: too many kernel arguments")
 	}

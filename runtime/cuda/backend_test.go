@@ -234,7 +234,7 @@ func TestMatMul(t *testing.T) {
 	ran := map[string]bool{} // the GEMV kernels the cases reached
 	defer func() {
 		for _, k := range gemvKernels {
-			if !ran[k] && !t.Failed() {
+			if !ran[k] && !strings.HasSuffix(k, "_n") && !t.Failed() { // _n: TestRowSums
 				t.Errorf("no case runs the shipped GEMV kernel %s", k)
 			}
 		}

@@ -16,8 +16,12 @@ import (
 func (b *Backend) Stream() uintptr { return uintptr(b.stream) }
 
 // BufPtr is the device address of the first value of x, a live buffer of
-// this backend.
-func (b *Backend) BufPtr(x runtime.Buf) uint64 { return uint64(buf(x).p) }
+// this backend. The caller may write x through it (a collective), so it
+// counts as a write: no row sums (rowsums.go) outlive it.
+func (b *Backend) BufPtr(x runtime.Buf) uint64 {
+	b.wrote()
+	return uint64(buf(x).p)
+}
 
 // Do runs fn on a locked OS thread with the backend's context current (for
 // library calls on the backend's stream, e.g. NCCL).
@@ -42,6 +46,7 @@ func (b *Backend) Copy2D(dst runtime.Buf, dstRow, dstCol int, src runtime.Buf, s
 	dp := d.p + driver.DevicePtr(4*(dstRow*d.cols+dstCol))
 	sp := s.p + driver.DevicePtr(4*(srcRow*s.cols+srcCol))
 	defer b.enter()()
+	b.wrote()
 	if rows == 1 || (cols == d.cols && cols == s.cols) {
 		b.must(b.drv.MemcpyDtoDAsync(dp, sp, uint64(4*rows*cols), b.stream))
 		return

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -67,7 +68,7 @@ func TestMatMulN(t *testing.T) {
 		}
 	}
 	for _, k := range gemvKernels {
-		if k != "gemv_q4_sh" && !fusedKernels[k] && !t.Failed() {
+		if k != "gemv_q4_sh" && !strings.HasSuffix(k, "_n") && !fusedKernels[k] && !t.Failed() { // _n: TestRowSums
 			t.Errorf("no case runs the GEMV kernel %s with several weights", k)
 		}
 	}
@@ -158,6 +159,118 @@ func TestFusedLinearSteps(t *testing.T) {
 	for _, k := range []string{"gemv_q4_w4h", "gemv_q4_w2h"} {
 		if !streamed[k] && !t.Failed() {
 			t.Errorf("no case runs %s with the fused norm and SwiGLU", k)
+		}
+	}
+}
+
+// TestRowSums checks the row sums of a decode step (rowsums.go) on the
+// steps of a layer: o's residual add → norm, gate/up and SwiGLU → down's
+// residual add → norm and q. Each normed GEMV must find the sums its
+// producer wrote and run the _n kernel, and the results must equal those
+// of the same steps with Options.NoRowSums: the first residual add bit for
+// bit, the normed products within 1e-4 (their sums of squares are added in
+// another order, which can flip the fp16 rounding of a staged input), what
+// follows within 2e-4 and, past a second norm, 5e-4. A write
+// or a launch between producer and consumer, or freeing the buffer,
+// leaves no sums to read.
+func TestRowSums(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(29, 30))
+	const qdim, inter = 512, 256
+	tall := (64*b.sms+127)/128*128 + 256 // rows enough for gemv_q4_w4h (K ≤ 4096)
+	q4 := quantCase(4, 128, 1, false)
+	uploads := 0
+	upLinear := func(n, k int) runtime.Linear {
+		w, _ := q4(r, n, k)
+		uploads++
+		l, err := b.UploadLinear(fmt.Sprintf("w%d", uploads), w)
+		if err != nil {
+			t.Fatalf("upload [%d %d]: %v", n, k, err)
+		}
+		return l
+	}
+	ran := map[string]bool{}
+	for _, N := range []int{256, tall} { // the hidden size
+		wo, gate, up, down := upLinear(N, qdim), upLinear(inter, N), upLinear(inter, N), upLinear(N, inter)
+		nq := tall + 256 - N
+		wq := upLinear(nq, N) // gemv_q4_w4h_n at N = 256, gemv_q4_w2h_n (K > 4096) at the other
+		nw, _ := b.UploadVector(fmt.Sprintf("norm%d", N), model.FromFloat32([]int{N}, randVec(r, N, 1)))
+		var nb runtime.Vector
+		if N != 256 {
+			nb, _ = b.UploadVector(fmt.Sprintf("bias%d", N), model.FromFloat32([]int{N}, randVec(r, N, 0.1)))
+		}
+		for _, M := range []int{1, 3} {
+			t.Run(fmt.Sprintf("N=%d/M=%d", N, M), func(t *testing.T) {
+				a, res := randVec(r, M*qdim, 1), randVec(r, M*N, 1)
+				// run the steps and return every output; withSums: each
+				// normed GEMV must find its producer's sums
+				run := func(withSums bool) [][]float32 {
+					b.opt.NoRowSums = !withSums
+					defer func() { b.opt.NoRowSums = false }()
+					att, x := upload(b, M, qdim, a), upload(b, M, N, res)
+					g, q := poisoned(b, M, inter), poisoned(b, M, nq)
+					defer func() {
+						for _, f := range []*Buf{att, x, g, q} {
+							b.Free(f)
+						}
+					}()
+					// expect checks what the normed GEMV of x finds and notes
+					// its kernel
+					expect := func(w runtime.Linear, rows int) {
+						if got := b.sumsIn(x).p != 0; got != withSums {
+							t.Errorf("row sums found: %v, want %v", got, withSums)
+						}
+						name, _ := b.gemvKernel(lin(w), M, rows)
+						ran[name+"_n"] = true
+					}
+					b.MatMulAdd(x, att, wo)
+					out := [][]float32{download(b, x)}
+					expect(gate, 2*inter)
+					b.NormSwiGLU(g, x, nw, nb, 1e-5, gate, up)
+					b.MatMulAdd(x, g, down)
+					expect(wq, nq)
+					b.NormMatMulN([]runtime.Buf{q}, x, nw, nb, 1e-5, []runtime.Linear{wq})
+					return append(out, download(b, g), download(b, x), download(b, q))
+				}
+				got, want := run(true), run(false)
+				for i, what := range []string{"o", "SwiGLU", "down", "q"} {
+					compare(t, what+" with row sums", got[i], want[i], []float64{0, 1e-4, 2e-4, 5e-4}[i])
+				}
+			})
+		}
+	}
+	for _, k := range gemvKernels {
+		if strings.HasSuffix(k, "_n") && !ran[k] && !t.Failed() {
+			t.Errorf("no case runs %s", k)
+		}
+	}
+	// nothing stale: an Upload, a launch, BufPtr or freeing the buffer
+	// between producer and consumer; freeing another buffer is harmless
+	wo := upLinear(256, qdim)
+	att, x, other := upload(b, 1, qdim, randVec(r, qdim, 1)), poisoned(b, 1, 256), poisoned(b, 1, 256)
+	defer func() {
+		for _, f := range []*Buf{att, x, other} {
+			b.Free(f)
+		}
+	}()
+	for _, between := range []struct {
+		name  string
+		do    func()
+		stays bool
+	}{
+		{"Upload", func() { b.Upload(x, randVec(r, 256, 1)) }, false},
+		{"a launch", func() { b.Add(other, x) }, false},
+		{"BufPtr", func() { b.BufPtr(x) }, false},
+		{"Free of the buffer, then Alloc", func() { b.Free(x); x = b.Alloc(1, 256).(*Buf) }, false},
+		{"Free of another buffer", func() { b.Free(b.Alloc(1, 1)) }, true},
+	} {
+		b.MatMulAdd(x, att, wo)
+		if b.sumsIn(x).p == 0 {
+			t.Fatalf("MatMulAdd left no row sums")
+		}
+		between.do()
+		if got := b.sumsIn(x).p != 0; got != between.stays {
+			t.Errorf("after %s: row sums found %v, want %v", between.name, got, between.stays)
 		}
 	}
 }

@@ -770,9 +770,15 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		return
 	}
 	rows, shm := R, 0
+	var in rowSums // x's sums of squares from its producer (rowsums.go)
 	if R == gemvStreamRowsTag {
-		shm, _ = gemvStream(l)
 		rows = gemvStreamRows(name)
+		if in = b.sumsIn(s); in.p != 0 && epi.nw != 0 && l.perm == 0 {
+			name += "_n"
+		} else {
+			in = rowSums{}
+		}
+		shm, _ = gemvStream(l)
 		b.raiseSmem(name, shm)
 	}
 	var seg [3]struct {
@@ -795,7 +801,13 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		seg[2].y, seg[2].w, seg[2].sz, seg[2].n}
 	grid := [3]uint32{uint32(blocks), uint32(M), 1}
 	if R == gemvStreamRowsTag {
-		b.launchShm(name, grid, block256, shm, append([]any{s.p, l.perm, K, l.gs, l.groups, epi.nw, epi.nb, epi.eps, epi.mode}, segArgs...)...)
+		var yss driver.DevicePtr // the residual's sums of squares
+		if epi.mode == gemvAdd {
+			yss = b.sumsOut(segs[0].d, blocks)
+		}
+		args := []any{s.p, in.p, in.n, l.perm, K, l.gs, l.groups, epi.nw, epi.nb, epi.eps, epi.mode, yss}
+		b.launchShm(name, grid, block256, shm, append(args, segArgs...)...)
+		b.wroteSums(segs[0].d, yss, blocks)
 		return
 	}
 	if epi.nw != 0 || epi.mode == gemvSwiGLU {
@@ -870,7 +882,11 @@ const gemvStreamRowsTag = 1 << 29
 //	               ≥ 64 rows a multiprocessor in the launch
 //	q4             other streamable                            gemv_q4_w2h     16 rows a block, x staged
 //	q4             g_idx, width or group not a multiple of 32  gemv_q4_sh      split-K, 8 rows a warp
-var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q4_w4h", "gemv_q4_w2h", "gemv_q4_sh"}
+//
+// A streaming kernel with a norm whose input's sums of squares the
+// previous launch wrote (rowsums.go) runs as its _n twin.
+var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q4_w4h", "gemv_q4_w2h",
+	"gemv_q4_w4h_n", "gemv_q4_w2h_n", "gemv_q4_sh"}
 
 // GEMVKernel names the GEMV kernel a product of M activation rows with w
 // runs (see gemvKernels), for reports.
