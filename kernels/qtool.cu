@@ -1975,7 +1975,9 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
 // memory (a cp.async ring of W8_STAGES tiles, rows padded to 80 bytes: the fragment
 // loads of a warp hit 32 distinct banks); 8 warps, 4 along m × 2 along n,
 // each 32 × 64 (2 × 8 mma tiles). K % 16 == 0 (16-byte row chunks; chunks
-// past K or rows past M/N are zero-filled).
+// past K or rows past M/N are zero-filled). With gridDim.z > 1 split z takes
+// an equal share of the K steps and writes its integer sums, not y, to the
+// int32 array y + z·M·N; w8a8_sum_splits adds them and applies w8a8_out.
 #define W8_BM 128
 #define W8_BN 128
 #define W8_BK 64
@@ -1999,13 +2001,15 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
     int gid = lane >> 2, tq = lane & 3;
     int wm = warp & 3, wn = warp >> 2;  // warp tile: rows wm*32.., cols wn*64..
     int bm = blockIdx.y * W8_BM, bn = blockIdx.x * W8_BN;
-    int nk = (K + W8_BK - 1) / W8_BK;
-    // Each thread copies 2 chunks of 16 bytes of A and of B per K step.
+    int nkt = (K + W8_BK - 1) / W8_BK, per = (nkt + gridDim.z - 1) / gridDim.z;
+    int kt0 = min(nkt, (int)blockIdx.z * per), nk = min(nkt, kt0 + per) - kt0;  // this split's K steps
+    // Each thread copies 2 chunks of 16 bytes of A and of B per K step (kt
+    // counts from kt0).
     auto load = [&](int kt, int buf) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             int c = tid + i * 256;  // 0..511: row c/4, chunk c%4
-            int r = c >> 2, kc = (c & 3) * 16, k = kt * W8_BK + kc;
+            int r = c >> 2, kc = (c & 3) * 16, k = (kt0 + kt) * W8_BK + kc;
             bool kin = k < K;
             int am = bm + r, bnr = bn + r;
             bool va = kin && am < M, vb = kin && bnr < N;
@@ -2059,6 +2063,7 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
         }
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;
 #pragma unroll
     for (int mt = 0; mt < 2; mt++) {
 #pragma unroll
@@ -2067,9 +2072,27 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
             for (int e = 0; e < 4; e++) {
                 int m = bm + wm * 32 + mt * 16 + gid + (e >> 1) * 8;
                 int n = bn + wn * 64 + nt * 8 + 2 * tq + (e & 1);
-                if (m < M && n < N) y[(size_t)m * N + n] = w8a8_out(acc[mt][nt][e], m, n, qbias, deq, bias, tok);
+                if (m >= M || n >= N) continue;
+                if (part)
+                    part[(size_t)m * N + n] = acc[mt][nt][e];
+                else
+                    y[(size_t)m * N + n] = w8a8_out(acc[mt][nt][e], m, n, qbias, deq, bias, tok);
             }
         }
+    }
+}
+
+// y = w8a8_out of the S splits' integer sums of w8a8_mma (part: S × M × N
+// int32); integer addition, so the result is the unsplit kernel's.
+extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __restrict__ part, int S, int M, int N,
+                                           const int* __restrict__ qbias, const float* __restrict__ deq,
+                                           const float* __restrict__ bias, const float* __restrict__ tok) {
+    PDL_ENTRY();
+    long long n = (long long)M * N;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        int acc = 0;
+        for (int s = 0; s < S; s++) acc += part[s * n + i];
+        y[i] = w8a8_out(acc, (int)(i / N), (int)(i % N), qbias, deq, bias, tok);
     }
 }
 

@@ -305,9 +305,10 @@ func TestGemmSplits(t *testing.T) {
 
 // TestW8A8 checks the W8A8 products against integer arithmetic: the dp4a
 // GEMV (M ≤ GEMVMaxRows) and the int8 tensor-core GEMM (partial 128-tiles
-// in M and N, K not a multiple of the 64-wide K step).
+// in M and N, K not a multiple of the 64-wide K step; K split over the grid
+// where there are K steps enough, gemmSplits).
 func TestW8A8(t *testing.T) {
-	for _, shape := range [][2]int{{136, 256}, {200, 80}} {
+	for _, shape := range [][2]int{{136, 256}, {200, 80}, {136, 1024}, {200, 1040}} {
 		testW8A8(t, shape[0], shape[1])
 	}
 }

@@ -479,8 +479,17 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		}
 		if M > b.opt.GEMVMaxRows || forceGEMM { // the int8 tensor cores, 128 × 128 tiles
 			b.raiseSmem("w8a8_mma", w8a8MMASmem)
-			b.launchShm("w8a8_mma", [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}, block256, w8a8MMASmem,
-				d.p, xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K)
+			grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
+			S := gemmSplits(int(grid[0]*grid[1]), (K+63)/64, b.sms) // K steps of 64
+			if S == 1 {
+				b.launchShm("w8a8_mma", grid, block256, w8a8MMASmem, d.p, xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K)
+				return
+			}
+			// split K: integer partial sums, added exactly by w8a8_sum_splits
+			part := b.scratchBuf("gemm_part", 4*S*M*N)
+			grid[2] = uint32(S)
+			b.launchShm("w8a8_mma", grid, block256, w8a8MMASmem, part, xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K)
+			b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok)
 			return
 		}
 		// dp4a, one warp per output and one block row per activation row:
@@ -551,15 +560,16 @@ func (b *Backend) launchGEMM(name string, grid [3]uint32, shm, steps int, d *Buf
 	b.launch("sum_splits", b.gridFor(n), block256, d.p, part, S, int64(n))
 }
 
-// gemmSplits is how many ways the tensor-core GEMMs (gemm_h_*, and the
-// fused gemm_f32, gemm_q8, gemm_q4) split K for a launch of tiles 128 × 128
-// tiles and steps K steps: as many as keep the launch within one wave of
-// two blocks a multiprocessor, each split at least gemmSplitMinSteps steps.
-// With few activation rows there are few tiles (512 rows of a 4096-row
-// weight: 128; 16 rows: 32), and without the split much of the device
-// would idle. The splits' partial products go through a scratch buffer that
-// sum_splits adds up in order, so results stay deterministic; it holds at
-// most 2·SMs tiles of 128 × 128 floats (17 MB on 132 multiprocessors).
+// gemmSplits is how many ways the tensor-core GEMMs (gemm_h_*, the fused
+// gemm_f32, gemm_q8, gemm_q4, and w8a8_mma) split K for a launch of tiles
+// 128 × 128 tiles and steps K steps: as many as keep the launch within one
+// wave of two blocks a multiprocessor, each split at least
+// gemmSplitMinSteps steps. With few activation rows there are few tiles
+// (512 rows of a 4096-row weight: 128; 16 rows: 32), and without the split
+// much of the device would idle. The splits' partial products go through a
+// scratch buffer that sum_splits adds up in order (w8a8_sum_splits:
+// integers), so results stay deterministic; it holds at most 2·SMs tiles
+// of 128 × 128 values (17 MB on 132 multiprocessors).
 func gemmSplits(tiles, steps, sms int) int {
 	return max(1, min(2*sms/tiles, steps/gemmSplitMinSteps))
 }

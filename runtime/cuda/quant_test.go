@@ -15,12 +15,18 @@ import (
 )
 
 // TestW8A8Dynamic checks the per-token dynamic W8A8 product (GEMV and
-// tensor-core paths) against integer arithmetic: x_q = round(x/s_t),
-// s_t = max|x_t|/127, y = (float32(Σ x_q·W)·s_t)·scale[n] + bias[n].
+// tensor-core paths, K split or not) against integer arithmetic:
+// x_q = round(x/s_t), s_t = max|x_t|/127, y = (float32(Σ x_q·W)·s_t)·scale[n]
+// + bias[n].
 func TestW8A8Dynamic(t *testing.T) {
+	for _, K := range []int{256, 1024} {
+		testW8A8Dynamic(t, 136, K)
+	}
+}
+
+func testW8A8Dynamic(t *testing.T, N, K int) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(13, 14))
-	const N, K = 136, 256
 	q := &model.Quantized{Bits: 8, Rows: N, Cols: K, Q: make([]int8, N*K), Scale: make([]float32, N)}
 	for i := range q.Q {
 		q.Q[i] = int8(r.IntN(255) - 127)
@@ -53,7 +59,7 @@ func TestW8A8Dynamic(t *testing.T) {
 		}
 		y := poisoned(b, M, N)
 		b.MatMul(y, upload(b, M, K, x), lw)
-		checkClose(t, fmt.Sprintf("dynamic w8a8 M=%d", M), download(b, y), want, 0)
+		checkClose(t, fmt.Sprintf("dynamic w8a8 M=%d K=%d", M, K), download(b, y), want, 0)
 	}
 }
 
