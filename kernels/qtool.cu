@@ -1691,7 +1691,8 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
 }
 
 // Multistage fp16 tensor-core GEMM for dense fp16/bf16 weights and, in
-// prefill, 4-/8-bit weights widened to fp16 (dequant_h_*): C[M,N] =
+// prefill, 4-bit weights (gemm_h_q4, dequantized in the registers) or
+// 4-/8-bit weights widened to fp16 (dequant_h_*): C[M,N] =
 // A16[M,K]·W[N,K]ᵀ with A16 the activations rounded to fp16 once
 // (to_half). 128 × 128 block tiles, K in steps of GH_BK through a cp.async
 // ring of GH_STAGES tiles, so the copies of the next tiles overlap the mma
@@ -1703,6 +1704,12 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
 #define GH_BK 64
 #define GH_LD 72  // halfs per smem row (64 + 8 padding)
 #define GH_SMEM (GH_STAGES * (BM + BN) * GH_LD * 2)
+// gemm_h_q4 keeps a stage's 4-bit weights as they are (BN rows of 8 words,
+// the two 16-byte halves of a row swapped on rows 4-7 of every 8, so that
+// the 8 rows a fragment load touches fall in distinct banks) and each
+// row's {scale, zero} (one group a stage: gs % GH_BK == 0).
+#define GHQ_SMEM (GH_STAGES * (BM * GH_LD * 2 + BN * 32 + BN * 8))
+enum { GH_F16 = 0, GH_BF16 = 1, GH_Q4 = 2 };
 
 // gather_cols: dst[r][j] = x[r][perm[j]] (the input of an act-order
 // weight stored with its columns sorted by group).
@@ -1773,17 +1780,33 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
     return pack_h2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
 }
 
-template <bool BF16>
-__device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half* __restrict__ A,
-                                            const uint16_t* __restrict__ W, int M, int N, int K, int kt0, int kt1) {
+// 8-byte cp.async (the {scale, zero} of a 4-bit weight row), zero-filled
+// where !valid.
+__device__ __forceinline__ void cp_async8_zfill(void* s, const void* g, bool valid) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+    int n = valid ? 8 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
+}
+
+// WK: GH_F16 and GH_BF16 (W [N, K] of 16-bit values), GH_Q4 (W [N, K/8]
+// words of 4-bit codes as in the q4 convention, sz [N, G] their {scale,
+// half2(1024 + z)}, gs a multiple of GH_BK; each fragment dequantized in
+// registers, (u − z)·scale in fp16).
+template <int WK>
+__device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half* __restrict__ A, const void* __restrict__ W,
+                                            const float2* __restrict__ sz, int M, int N, int K, int gs, int G, int kt0,
+                                            int kt1) {
     extern __shared__ __align__(16) unsigned char gh_smem[];
     __half (*As)[BM][GH_LD] = reinterpret_cast<__half (*)[BM][GH_LD]>(gh_smem);
     __half (*Bs)[BN][GH_LD] = reinterpret_cast<__half (*)[BN][GH_LD]>(gh_smem + GH_STAGES * BM * GH_LD * 2);
+    uint32_t (*Bq)[BN][8] = reinterpret_cast<uint32_t (*)[BN][8]>(gh_smem + GH_STAGES * BM * GH_LD * 2);
+    float2 (*Ss)[BN] = reinterpret_cast<float2 (*)[BN]>(gh_smem + GH_STAGES * (BM * GH_LD * 2 + BN * 32));
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int wm = warp >> 2, wn = warp & 3;  // 2 x 4 warps
     int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     // each thread copies 4 chunks of 8 halfs of A and of B per stage
-    // (chunks past K zero-filled)
+    // (chunks past K zero-filled); GH_Q4: one 16-byte half of a weight row
+    // and, threads 0..127, a row's {scale, zero}
     auto load = [&](int kt, int st) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -1792,7 +1815,20 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
             int am = m0 + r, bn = n0 + r;
             bool va = am < M && k < K, vb = bn < N && k < K;
             cp_async16_zfill(&As[st][r][kc], va ? (const void*)(A + (size_t)am * K + k) : (const void*)A, va);
-            cp_async16_zfill(&Bs[st][r][kc], vb ? (const void*)(W + (size_t)bn * K + k) : (const void*)W, vb);
+            if constexpr (WK != GH_Q4) {
+                const uint16_t* W16 = static_cast<const uint16_t*>(W);
+                cp_async16_zfill(&Bs[st][r][kc], vb ? (const void*)(W16 + (size_t)bn * K + k) : W, vb);
+            }
+        }
+        if constexpr (WK == GH_Q4) {
+            int r = tid >> 1, h = tid & 1, bn = n0 + r, k = kt * GH_BK + h * 32;
+            bool vb = bn < N && k < K;
+            const uint32_t* Wq = static_cast<const uint32_t*>(W);
+            cp_async16_zfill(&Bq[st][r][(h ^ ((r >> 2) & 1)) * 4], vb ? (const void*)(Wq + ((size_t)bn * K + k) / 8) : W, vb);
+            if (tid < BN) {
+                bool vs = n0 + tid < N && kt * GH_BK < K;
+                cp_async8_zfill(&Ss[st][tid], vs ? (const void*)(sz + (size_t)(n0 + tid) * G + kt * GH_BK / gs) : (const void*)sz, vs);
+            }
         }
     };
     float acc[4][4][4];
@@ -1814,18 +1850,47 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
         if (nx < kt1) load(nx, (nx - kt0) % GH_STAGES);
         cp_async_commit();
         int cur = (kt - kt0) % GH_STAGES;
+        // GH_Q4: this lane's 4 weight rows (n = gid of each 8-row tile j)
+        // and their scale and zero1024, as half2
+        __half2 qs[4], qz[4];
+        if constexpr (WK == GH_Q4) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float2 sv = Ss[cur][wn * 32 + j * 8 + (lane >> 2)];
+                qs[j] = __float2half2_rn(sv.x);
+                qz[j] = *reinterpret_cast<__half2*>(&sv.y);
+            }
+        }
 #pragma unroll
         for (int kk = 0; kk < GH_BK; kk += 16) {
             uint32_t af[4][4], bf[2][4];
 #pragma unroll
             for (int i = 0; i < 4; i++)
                 ldmatrix_x4(af[i], &As[cur][wm * 64 + i * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+            if constexpr (WK == GH_Q4) {
+                // tile j's b0, b1: k = kk + 2tq (+1) and kk + 8 + 2tq (+1) of
+                // row gid, elements 2tq and 2tq+1 of words kk/8 and kk/8 + 1
+                int tq = lane & 3;
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                ldmatrix_x4(bf[j], &Bs[cur][wn * 32 + j * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
-                if (BF16) {
+                for (int j = 0; j < 4; j++) {
+                    int r = wn * 32 + j * 8 + (lane >> 2);
+                    const uint32_t* wp = &Bq[cur][r][((kk >> 5) ^ ((r >> 2) & 1)) * 4 + ((kk >> 3) & 3)];
+                    uint32_t h[2];
 #pragma unroll
-                    for (int e = 0; e < 4; e++) bf[j][e] = bf2_to_h2(bf[j][e]);
+                    for (int e = 0; e < 2; e++) {
+                        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h[e]) : "r"(wp[e] >> (4 * tq)), "n"(0x000f000fu), "n"(0x64006400u));
+                        __half2 v = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&h[e]), qz[j]), qs[j]);
+                        bf[j >> 1][(j & 1) * 2 + e] = *reinterpret_cast<uint32_t*>(&v);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    ldmatrix_x4(bf[j], &Bs[cur][wn * 32 + j * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+                    if (WK == GH_BF16) {
+#pragma unroll
+                        for (int e = 0; e < 4; e++) bf[j][e] = bf2_to_h2(bf[j][e]);
+                    }
                 }
             }
 #pragma unroll
@@ -1858,16 +1923,24 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
 }
 // Split z of gridDim.z takes an equal share of the K steps and writes its
 // partial product to C + z·M·N (sum_splits adds them up; see GEMM_ENTRY).
-#define GEMM_H_ENTRY(name, BF)                                                                                   \
+#define GEMM_H_SPLIT(WK, W, sz, gs, G)                                                                           \
+    PDL_ENTRY();                                                                                                 \
+    int nk = (K + GH_BK - 1) / GH_BK, per = (nk + gridDim.z - 1) / gridDim.z;                                    \
+    int kt0 = min(nk, (int)blockIdx.z * per);                                                                    \
+    gemm_h_body<WK>(C + (size_t)blockIdx.z * M * N, A, W, sz, M, N, K, gs, G, kt0, min(nk, kt0 + per));
+#define GEMM_H_ENTRY(name, WK)                                                                                   \
     extern "C" __global__ void __launch_bounds__(256, 2) name(float* C, const __half* A, const uint16_t* W, int M, \
                                                               int N, int K) {                                    \
-        PDL_ENTRY();                                                                                             \
-        int nk = (K + GH_BK - 1) / GH_BK, per = (nk + gridDim.z - 1) / gridDim.z;                                \
-        int kt0 = min(nk, (int)blockIdx.z * per);                                                                \
-        gemm_h_body<BF>(C + (size_t)blockIdx.z * M * N, A, W, M, N, K, kt0, min(nk, kt0 + per));                \
+        GEMM_H_SPLIT(WK, W, nullptr, GH_BK, 0)                                                                   \
     }
-GEMM_H_ENTRY(gemm_h_f16, false)
-GEMM_H_ENTRY(gemm_h_bf16, true)
+GEMM_H_ENTRY(gemm_h_f16, GH_F16)
+GEMM_H_ENTRY(gemm_h_bf16, GH_BF16)
+// gemm_h_q4(C, A16, W, sz, M, N, K, gs, G): the 4-bit weight fused (no
+// widening pass); gs % GH_BK == 0, dynamic shared memory GHQ_SMEM.
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q4(float* C, const __half* A, const uint32_t* W,
+                                                               const float2* sz, int M, int N, int K, int gs, int G) {
+    GEMM_H_SPLIT(GH_Q4, W, sz, gs, G)
+}
 
 // The fused GEMMs split K over grid.z where the tiles alone would leave the
 // device idle (few activation rows: 5 to 127 in a prefill): split z takes
