@@ -2113,26 +2113,21 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
         const int8_t* B = Bs[buf];
 #pragma unroll
         for (int ks = 0; ks < W8_BK; ks += 32) {
-            uint32_t a[2][4], b[8][2];
+            // fragments by ldmatrix, the int8 tiles read as 16-bit pairs: A's
+            // four 8 × 16-byte matrices are rows 0-7 / 8-15 × bytes 0-15 /
+            // 16-31 (a0..a3), B's two n-tiles × the two byte halves (b0, b1)
+            uint32_t a[2][4], b[4][4];
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
-                const int8_t* p = A + (wm * 32 + mt * 16 + gid) * W8_LD + ks + tq * 4;
-                a[mt][0] = *reinterpret_cast<const uint32_t*>(p);
-                a[mt][1] = *reinterpret_cast<const uint32_t*>(p + 8 * W8_LD);
-                a[mt][2] = *reinterpret_cast<const uint32_t*>(p + 16);
-                a[mt][3] = *reinterpret_cast<const uint32_t*>(p + 8 * W8_LD + 16);
-            }
+            for (int mt = 0; mt < 2; mt++)
+                ldmatrix_x4(a[mt], A + (wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * W8_LD + ks + (lane >> 4) * 16);
 #pragma unroll
-            for (int nt = 0; nt < 8; nt++) {
-                const int8_t* p = B + (wn * 64 + nt * 8 + gid) * W8_LD + ks + tq * 4;
-                b[nt][0] = *reinterpret_cast<const uint32_t*>(p);
-                b[nt][1] = *reinterpret_cast<const uint32_t*>(p + 16);
-            }
+            for (int np = 0; np < 4; np++)
+                ldmatrix_x4(b[np], B + (wn * 64 + np * 16 + (lane & 7) + (lane >> 4) * 8) * W8_LD + ks + ((lane >> 3) & 1) * 16);
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
 #pragma unroll
                 for (int nt = 0; nt < 8; nt++)
-                    mma_s8(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[nt][0], b[nt][1]);
+                    mma_s8(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[nt >> 1][(nt & 1) * 2], b[nt >> 1][(nt & 1) * 2 + 1]);
         }
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
