@@ -1691,8 +1691,8 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
 }
 
 // Multistage fp16 tensor-core GEMM for dense fp16/bf16 weights and, in
-// prefill, 4-bit weights (gemm_h_q4, dequantized in the registers) or
-// 4-/8-bit weights widened to fp16 (dequant_h_*): C[M,N] =
+// prefill, 4- and 8-bit weights (gemm_h_q4, gemm_h_q8: dequantized in the
+// registers) or, with other groups, widened to fp16 (dequant_h_*): C[M,N] =
 // A16[M,K]·W[N,K]ᵀ with A16 the activations rounded to fp16 once
 // (to_half). 128 × 128 block tiles, K in steps of GH_BK through a cp.async
 // ring of GH_STAGES tiles, so the copies of the next tiles overlap the mma
@@ -1709,7 +1709,11 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
 // the 8 rows a fragment load touches fall in distinct banks) and each
 // row's {scale, zero} (one group a stage: gs % GH_BK == 0).
 #define GHQ_SMEM (GH_STAGES * (BM * GH_LD * 2 + BN * 32 + BN * 8))
-enum { GH_F16 = 0, GH_BF16 = 1, GH_Q4 = 2 };
+// gemm_h_q8 keeps a stage's int8 codes (BN rows of GH_BK bytes, padded to
+// GHQ8_LD) and each row's {scale, zero} (gs % GH_BK == 0, no g_idx).
+#define GHQ8_LD 80
+#define GHQ8_SMEM (GH_STAGES * (BM * GH_LD * 2 + BN * GHQ8_LD + BN * 8))
+enum { GH_F16 = 0, GH_BF16 = 1, GH_Q4 = 2, GH_Q8 = 3 };
 
 // gather_cols: dst[r][j] = x[r][perm[j]] (the input of an act-order
 // weight stored with its columns sorted by group).
@@ -1791,7 +1795,9 @@ __device__ __forceinline__ void cp_async8_zfill(void* s, const void* g, bool val
 // WK: GH_F16 and GH_BF16 (W [N, K] of 16-bit values), GH_Q4 (W [N, K/8]
 // words of 4-bit codes as in the q4 convention, sz [N, G] their {scale,
 // half2(1024 + z)}, gs a multiple of GH_BK; each fragment dequantized in
-// registers, (u − z)·scale in fp16).
+// registers, (u − z)·scale in fp16), GH_Q8 (W [N, K] int8 codes, sz their
+// {scale, zero}, gs a multiple of GH_BK: ((float)q − zero)·scale rounded
+// to fp16, as dequant_h_q8 widens them).
 template <int WK>
 __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half* __restrict__ A, const void* __restrict__ W,
                                             const float2* __restrict__ sz, int M, int N, int K, int gs, int G, int kt0,
@@ -1800,7 +1806,8 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
     __half (*As)[BM][GH_LD] = reinterpret_cast<__half (*)[BM][GH_LD]>(gh_smem);
     __half (*Bs)[BN][GH_LD] = reinterpret_cast<__half (*)[BN][GH_LD]>(gh_smem + GH_STAGES * BM * GH_LD * 2);
     uint32_t (*Bq)[BN][8] = reinterpret_cast<uint32_t (*)[BN][8]>(gh_smem + GH_STAGES * BM * GH_LD * 2);
-    float2 (*Ss)[BN] = reinterpret_cast<float2 (*)[BN]>(gh_smem + GH_STAGES * (BM * GH_LD * 2 + BN * 32));
+    int8_t (*B8)[BN][GHQ8_LD] = reinterpret_cast<int8_t (*)[BN][GHQ8_LD]>(gh_smem + GH_STAGES * BM * GH_LD * 2);
+    float2 (*Ss)[BN] = reinterpret_cast<float2 (*)[BN]>(gh_smem + GH_STAGES * (BM * GH_LD * 2 + (WK == GH_Q8 ? BN * GHQ8_LD : BN * 32)));
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int wm = warp >> 2, wn = warp & 3;  // 2 x 4 warps
     int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
@@ -1815,9 +1822,19 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
             int am = m0 + r, bn = n0 + r;
             bool va = am < M && k < K, vb = bn < N && k < K;
             cp_async16_zfill(&As[st][r][kc], va ? (const void*)(A + (size_t)am * K + k) : (const void*)A, va);
-            if constexpr (WK != GH_Q4) {
+            if constexpr (WK == GH_F16 || WK == GH_BF16) {
                 const uint16_t* W16 = static_cast<const uint16_t*>(W);
                 cp_async16_zfill(&Bs[st][r][kc], vb ? (const void*)(W16 + (size_t)bn * K + k) : W, vb);
+            }
+        }
+        if constexpr (WK == GH_Q8) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                int c = tid + i * 256;  // row c/4, 16 bytes c%4
+                int r = c >> 2, kc = (c & 3) * 16, bn = n0 + r, k = kt * GH_BK + kc;
+                bool vb = bn < N && k < K;
+                const int8_t* W8 = static_cast<const int8_t*>(W);
+                cp_async16_zfill(&B8[st][r][kc], vb ? (const void*)(W8 + (size_t)bn * K + k) : W, vb);
             }
         }
         if constexpr (WK == GH_Q4) {
@@ -1825,6 +1842,8 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
             bool vb = bn < N && k < K;
             const uint32_t* Wq = static_cast<const uint32_t*>(W);
             cp_async16_zfill(&Bq[st][r][(h ^ ((r >> 2) & 1)) * 4], vb ? (const void*)(Wq + ((size_t)bn * K + k) / 8) : W, vb);
+        }
+        if constexpr (WK == GH_Q4 || WK == GH_Q8) {
             if (tid < BN) {
                 bool vs = n0 + tid < N && kt * GH_BK < K;
                 cp_async8_zfill(&Ss[st][tid], vs ? (const void*)(sz + (size_t)(n0 + tid) * G + kt * GH_BK / gs) : (const void*)sz, vs);
@@ -1851,8 +1870,13 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
         cp_async_commit();
         int cur = (kt - kt0) % GH_STAGES;
         // GH_Q4: this lane's 4 weight rows (n = gid of each 8-row tile j)
-        // and their scale and zero1024, as half2
+        // and their scale and zero1024, as half2; GH_Q8: {scale, zero}
         __half2 qs[4], qz[4];
+        float2 q8s[4];
+        if constexpr (WK == GH_Q8) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) q8s[j] = Ss[cur][wn * 32 + j * 8 + (lane >> 2)];
+        }
         if constexpr (WK == GH_Q4) {
 #pragma unroll
             for (int j = 0; j < 4; j++) {
@@ -1881,6 +1905,20 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
                         asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h[e]) : "r"(wp[e] >> (4 * tq)), "n"(0x000f000fu), "n"(0x64006400u));
                         __half2 v = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&h[e]), qz[j]), qs[j]);
                         bf[j >> 1][(j & 1) * 2 + e] = *reinterpret_cast<uint32_t*>(&v);
+                    }
+                }
+            } else if constexpr (WK == GH_Q8) {
+                // tile j's b0, b1: codes kk + 2tq (+1) and kk + 8 + 2tq (+1)
+                // of row gid
+                int tq = lane & 3;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const int8_t* cp = &B8[cur][wn * 32 + j * 8 + (lane >> 2)][kk + 2 * tq];
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        uint32_t v = *reinterpret_cast<const uint16_t*>(cp + 8 * e);
+                        float lo = (float)(int8_t)(v & 0xffu), hi = (float)(int8_t)(v >> 8);
+                        bf[j >> 1][(j & 1) * 2 + e] = pack_h2((lo - q8s[j].y) * q8s[j].x, (hi - q8s[j].y) * q8s[j].x);
                     }
                 }
             } else {
@@ -1940,6 +1978,12 @@ GEMM_H_ENTRY(gemm_h_bf16, GH_BF16)
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q4(float* C, const __half* A, const uint32_t* W,
                                                                const float2* sz, int M, int N, int K, int gs, int G) {
     GEMM_H_SPLIT(GH_Q4, W, sz, gs, G)
+}
+// gemm_h_q8(C, A16, W, sz, M, N, K, gs, G): the 8-bit weight fused; gs %
+// GH_BK == 0, no g_idx, dynamic shared memory GHQ8_SMEM.
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q8(float* C, const __half* A, const int8_t* W,
+                                                               const float2* sz, int M, int N, int K, int gs, int G) {
+    GEMM_H_SPLIT(GH_Q8, W, sz, gs, G)
 }
 
 // The fused GEMMs split K over grid.z where the tiles alone would leave the

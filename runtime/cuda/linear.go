@@ -26,7 +26,7 @@ const (
 var kindNames = [...]string{"f32", "f16", "bf16", "q8", "q4", "w8a8"}
 
 // dequantGEMMMinRows is the least number of rows for which a 4- or 8-bit
-// weight goes through the fp16 tensor-core GEMM: gemm_h_q4, or widened to
+// weight goes through the fp16 tensor-core GEMM: gemm_h_q4/q8, or widened to
 // fp16 and multiplied by gemm_h_f16 (one more pass over the weight,
 // amortised over the rows); fewer rows take the fused gemm_q4/gemm_q8,
 // which dequantize each tile in their loaders.
@@ -43,6 +43,10 @@ const gemmHSmem = 3 * (128 + 128) * 72 * 2
 // gemmHQ4Smem is gemm_h_q4's (GHQ_SMEM: 3 stages of 128 rows of 72 halfs,
 // 128 rows of 8 words and 128 {scale, zero}).
 const gemmHQ4Smem = 3 * (128*72*2 + 128*32 + 128*8)
+
+// gemmHQ8Smem is gemm_h_q8's (GHQ8_SMEM: 3 stages of 128 rows of 72 halfs,
+// 128 rows of 80 bytes and 128 {scale, zero}).
+const gemmHQ8Smem = 3 * (128*72*2 + 128*80 + 128*8)
 
 // gemmHBK is gemm_h's K step (qtool.cu's GH_BK).
 const gemmHBK = 64
@@ -516,15 +520,19 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		wide := (l.kind == kindQ4 || l.kind == kindQ8) && M >= dequantGEMMMinRows
 		if l.kind == kindF16 || l.kind == kindBF16 || wide {
 			// activations rounded to fp16 once, both operands streamed
-			// through shared memory with cp.async (gemm_h_*); 4-bit
-			// weights with groups of whole K steps dequantized in the
-			// registers (gemm_h_q4), other quantized weights widened to
-			// fp16 first
+			// through shared memory with cp.async (gemm_h_*); quantized
+			// weights with groups of whole K steps (and no g_idx)
+			// dequantized in the registers (gemm_h_q4, gemm_h_q8), other
+			// quantized weights widened to fp16 first
 			a16 := b.scratchBuf("gemm_a16", 2*M*K)
-			if l.kind == kindQ4 && l.gs%gemmHBK == 0 {
+			if l.gs%gemmHBK == 0 && l.gidx == 0 && (l.kind == kindQ4 || l.kind == kindQ8) {
+				name, shm := "gemm_h_q4", gemmHQ4Smem
+				if l.kind == kindQ8 {
+					name, shm = "gemm_h_q8", gemmHQ8Smem
+				}
 				b.launch("to_half", b.gridFor(M*K/4), block256, a16, s.p, int64(M*K))
-				b.raiseSmem("gemm_h_q4", gemmHQ4Smem)
-				b.launchGEMM("gemm_h_q4", grid, gemmHQ4Smem, (K+gemmHBK-1)/gemmHBK, d, a16, l.w, l.sz, M, N, K, l.gs, l.groups)
+				b.raiseSmem(name, shm)
+				b.launchGEMM(name, grid, shm, (K+gemmHBK-1)/gemmHBK, d, a16, l.w, l.sz, M, N, K, l.gs, l.groups)
 				return
 			}
 			w, name := l.w, "gemm_h_f16"
