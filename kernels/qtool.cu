@@ -1699,7 +1699,8 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
 // of this one; warps and fragments as in gemm_body (bf16 weights rounded
 // to fp16 in the registers after ldmatrix, as gemm_body rounds them before
 // its shared-memory store). K % 8 == 0; rows past M or N and chunks past K
-// are zero-filled. Dynamic shared memory: GH_SMEM bytes.
+// are zero-filled. Dynamic shared memory: GH_SMEM bytes (gemm_h_q4:
+// GHQ_SMEM, gemm_h_q8: GHQ8_SMEM).
 #define GH_STAGES 3
 #define GH_BK 64
 #define GH_LD 72  // halfs per smem row (64 + 8 padding)
@@ -1784,8 +1785,8 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
     return pack_h2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
 }
 
-// 8-byte cp.async (the {scale, zero} of a 4-bit weight row), zero-filled
-// where !valid.
+// 8-byte cp.async (the {scale, zero} of a quantized weight row's group),
+// zero-filled where !valid.
 __device__ __forceinline__ void cp_async8_zfill(void* s, const void* g, bool valid) {
     uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
     int n = valid ? 8 : 0;
@@ -1812,8 +1813,9 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
     int wm = warp >> 2, wn = warp & 3;  // 2 x 4 warps
     int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     // each thread copies 4 chunks of 8 halfs of A and of B per stage
-    // (chunks past K zero-filled); GH_Q4: one 16-byte half of a weight row
-    // and, threads 0..127, a row's {scale, zero}
+    // (chunks past K zero-filled); GH_Q8: 2 chunks of 16 codes, GH_Q4: one
+    // 16-byte half of a row of words, and (threads 0..127) a row's {scale,
+    // zero}
     auto load = [&](int kt, int st) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
