@@ -868,17 +868,50 @@ __device__ __forceinline__ void gw_load(uint32_t* raw, const void* __restrict__ 
     }
 }
 
+// q4_h2 is (x & MASK) | 0x64006400 in one LOP3: with MASK 0x000f000f the
+// half2 1024 + u of the nibbles at bits 0 and 16 of x, with 0x00f000f0 the
+// half2 1024 + 16u of those at bits 4 and 20.
+template <uint32_t MASK>
+__device__ __forceinline__ __half2 q4_h2(uint32_t x) {
+    uint32_t h;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h) : "r"(x), "n"(MASK), "n"(0x64006400u));
+    return *reinterpret_cast<__half2*>(&h);
+}
+
+// q4_pair_uz is the half2 (u - z) of element pair j (elements 2j, 2j + 1,
+// at bits 4j and 16 + 4j) of a q4 word, z1024 = half2(1024 + z): exact.
+__device__ __forceinline__ __half2 q4_pair_uz(uint32_t w, int j, __half2 z1024) {
+    return __hsub2(q4_h2<0x000f000fu>(w >> (4 * j)), z1024);
+}
+
 // LOP3-style unpack of one q4 word: four half2 (u - z) pairs in k order.
-// Element pair j sits at bits 4j and 16+4j; (w >> 4j) & 0x000f000f | 0x6400
-// makes the halves 1024 + u, and subtracting half2(1024 + z) leaves u - z exactly.
 __device__ __forceinline__ void q4_dequant_uz(uint32_t w, __half2 z1024, __half2 (&out)[4]) {
-    constexpr uint32_t LO = 0x000f000fu, MAGIC = 0x64006400u;
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        uint32_t h;
-        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h) : "r"(w >> (4 * j)), "n"(LO), "n"(MAGIC));
-        out[j] = __hsub2(*reinterpret_cast<__half2*>(&h), z1024);
+    for (int j = 0; j < 4; j++) out[j] = q4_pair_uz(w, j, z1024);
+}
+
+// q4_dot_staged is Σ x·(u − z) over the 32 codes of a 16-byte chunk of q4
+// words w4, with x the matching 16 half2 in staged form (the high-nibble
+// pairs pre-scaled by 1/16, see stage x in gemvw_body) and z1024 the
+// chunk's half2(1024 + z): a word's 8 products summed in one half2, the
+// four words' sums in fp32. The high nibbles are unpacked as 1024 + 16u
+// without a shift, less half2(1024 + 16z).
+__device__ __forceinline__ float q4_dot_staged(const uint32_t (&w4)[4], const __half2* __restrict__ xh, __half2 z1024) {
+    constexpr uint32_t LO = 0x000f000fu, HI = 0x00f000f0u;
+    // (1024 + z) * 16 - 15360 = 1024 + 16 z, exact in fp16.
+    __half2 z16 = __hfma2(z1024, __float2half2_rn(16.f), __float2half2_rn(-15360.f));
+    float p = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        uint32_t w = w4[q], w8 = w4[q] >> 8;
+        __half2 a = __hmul2(xh[4 * q], __hsub2(q4_h2<LO>(w), z1024));
+        a = __hfma2(xh[4 * q + 1], __hsub2(q4_h2<HI>(w), z16), a);
+        a = __hfma2(xh[4 * q + 2], __hsub2(q4_h2<LO>(w8), z1024), a);
+        a = __hfma2(xh[4 * q + 3], __hsub2(q4_h2<HI>(w8), z16), a);
+        float2 af = __half22float2(a);
+        p += af.x + af.y;
     }
+    return p;
 }
 
 template <int F, bool HACC>
@@ -1116,26 +1149,7 @@ __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* _
         for (int r = 0; r < R; r++) {
             uint32_t w4[4] = {raw[r].x, raw[r].y, raw[r].z, raw[r].w};
             if (F == GQ4 && HACC) {
-                constexpr uint32_t LO = 0x000f000fu, HI = 0x00f000f0u, MAGIC = 0x64006400u;
-                __half2 z1024 = *reinterpret_cast<const __half2*>(&s[r].y);
-                // (1024 + z) * 16 - 15360 = 1024 + 16 z, exact in fp16.
-                __half2 z16 = __hfma2(z1024, __float2half2_rn(16.f), __float2half2_rn(-15360.f));
-                float p = 0.f;
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    uint32_t w = w4[j], w8 = w4[j] >> 8, h0, h1, h2, h3;
-                    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h0) : "r"(w), "n"(LO), "n"(MAGIC));
-                    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h1) : "r"(w), "n"(HI), "n"(MAGIC));
-                    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h2) : "r"(w8), "n"(LO), "n"(MAGIC));
-                    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h3) : "r"(w8), "n"(HI), "n"(MAGIC));
-                    __half2 a = __hmul2(xh[4 * j], __hsub2(*reinterpret_cast<__half2*>(&h0), z1024));
-                    a = __hfma2(xh[4 * j + 1], __hsub2(*reinterpret_cast<__half2*>(&h1), z16), a);
-                    a = __hfma2(xh[4 * j + 2], __hsub2(*reinterpret_cast<__half2*>(&h2), z1024), a);
-                    a = __hfma2(xh[4 * j + 3], __hsub2(*reinterpret_cast<__half2*>(&h3), z16), a);
-                    float2 af = __half22float2(a);
-                    p += af.x + af.y;
-                }
-                acc[r] = s[r].x * p;
+                acc[r] = s[r].x * q4_dot_staged(w4, xh, *reinterpret_cast<const __half2*>(&s[r].y));
             } else if (F == GQ4) {
                 __half2 z1024 = *reinterpret_cast<const __half2*>(&s[r].y);
                 float p = 0.f;
@@ -1403,28 +1417,10 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                 uint4 xv[4];
 #pragma unroll
                 for (int q = 0; q < 4; q++) xv[q] = xsh[xw_swz(u0 + q)];
-                constexpr uint32_t LO = 0x000f000fu, HI = 0x00f000f0u, MAGIC = 0x64006400u;
 #pragma unroll
                 for (int r = 0; r < R; r++) {
-                    __half2 z1024 = *reinterpret_cast<const __half2*>(&sb[d][r].y);
-                    __half2 z16 = __hfma2(z1024, __float2half2_rn(16.f), __float2half2_rn(-15360.f));
                     uint32_t w4[4] = {buf[d][r].x, buf[d][r].y, buf[d][r].z, buf[d][r].w};
-                    float p = 0.f;
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        uint32_t w = w4[q], w8 = w4[q] >> 8, h0, h1, h2, h3;
-                        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h0) : "r"(w), "n"(LO), "n"(MAGIC));
-                        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h1) : "r"(w), "n"(HI), "n"(MAGIC));
-                        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h2) : "r"(w8), "n"(LO), "n"(MAGIC));
-                        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h3) : "r"(w8), "n"(HI), "n"(MAGIC));
-                        const __half2* xh = reinterpret_cast<const __half2*>(&xv[q]);
-                        __half2 a = __hmul2(xh[0], __hsub2(*reinterpret_cast<__half2*>(&h0), z1024));
-                        a = __hfma2(xh[1], __hsub2(*reinterpret_cast<__half2*>(&h1), z16), a);
-                        a = __hfma2(xh[2], __hsub2(*reinterpret_cast<__half2*>(&h2), z1024), a);
-                        a = __hfma2(xh[3], __hsub2(*reinterpret_cast<__half2*>(&h3), z16), a);
-                        float2 af = __half22float2(a);
-                        p += af.x + af.y;
-                    }
+                    float p = q4_dot_staged(w4, reinterpret_cast<const __half2*>(xv), *reinterpret_cast<const __half2*>(&sb[d][r].y));
                     acc[r] = fmaf(sb[d][r].x, p, acc[r]);
                 }
             }
@@ -1492,6 +1488,13 @@ __device__ __forceinline__ void cp_async16_zfill(void* s, const void* g, bool va
     uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
     int n = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
+}
+// The same with 8 bytes (the {scale, zero} of a quantized weight row's
+// group in gemm_h_q4/q8).
+__device__ __forceinline__ void cp_async8_zfill(void* s, const void* g, bool valid) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+    int n = valid ? 8 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
 }
 
 // ---------------------------------------------------------------------------
@@ -1785,14 +1788,6 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
     return pack_h2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
 }
 
-// 8-byte cp.async (the {scale, zero} of a quantized weight row's group),
-// zero-filled where !valid.
-__device__ __forceinline__ void cp_async8_zfill(void* s, const void* g, bool valid) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
-    int n = valid ? 8 : 0;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
-}
-
 // WK: GH_F16 and GH_BF16 (W [N, K] of 16-bit values), GH_Q4 (W [N, K/8]
 // words of 4-bit codes as in the q4 convention, sz [N, G] their {scale,
 // half2(1024 + z)}, gs a multiple of GH_BK; each fragment dequantized in
@@ -1901,11 +1896,9 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
                 for (int j = 0; j < 4; j++) {
                     int r = wn * 32 + j * 8 + (lane >> 2);
                     const uint32_t* wp = &Bq[cur][r][((kk >> 5) ^ ((r >> 2) & 1)) * 4 + ((kk >> 3) & 3)];
-                    uint32_t h[2];
 #pragma unroll
                     for (int e = 0; e < 2; e++) {
-                        asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h[e]) : "r"(wp[e] >> (4 * tq)), "n"(0x000f000fu), "n"(0x64006400u));
-                        __half2 v = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&h[e]), qz[j]), qs[j]);
+                        __half2 v = __hmul2(q4_pair_uz(wp[e], tq, qz[j]), qs[j]);
                         bf[j >> 1][(j & 1) * 2 + e] = *reinterpret_cast<uint32_t*>(&v);
                     }
                 }

@@ -36,6 +36,9 @@ const dequantGEMMMinRows = 128
 // stages of 128 + 128 rows of 80 bytes).
 const w8a8MMASmem = 4 * (128 + 128) * 80
 
+// w8a8BK is w8a8_mma's K step (W8_BK).
+const w8a8BK = 64
+
 // gemmHSmem is the dynamic shared memory of gemm_h_f16/gemm_h_bf16
 // (GH_SMEM in qtool.cu: 3 stages of 128 + 128 rows of 72 halfs).
 const gemmHSmem = 3 * (128 + 128) * 72 * 2
@@ -489,16 +492,12 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		if M > b.opt.GEMVMaxRows || forceGEMM { // the int8 tensor cores, 128 × 128 tiles
 			b.raiseSmem("w8a8_mma", w8a8MMASmem)
 			grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
-			S := gemmSplits(int(grid[0]*grid[1]), (K+63)/64, b.sms) // K steps of 64
-			if S == 1 {
-				b.launchShm("w8a8_mma", grid, block256, w8a8MMASmem, d.p, xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K)
-				return
-			}
 			// split K: integer partial sums, added exactly by w8a8_sum_splits
-			part := b.scratchBuf("gemm_part", 4*S*M*N)
-			grid[2] = uint32(S)
-			b.launchShm("w8a8_mma", grid, block256, w8a8MMASmem, part, xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K)
-			b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok)
+			b.launchSplit("w8a8_mma", grid, w8a8MMASmem, (K+w8a8BK-1)/w8a8BK, d,
+				[]any{xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K},
+				func(part driver.DevicePtr, S int) {
+					b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok)
+				})
 			return
 		}
 		// dp4a, one warp per output and one block row per activation row:
@@ -525,30 +524,25 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 			// dequantized in the registers (gemm_h_q4, gemm_h_q8), other
 			// quantized weights widened to fp16 first
 			a16 := b.scratchBuf("gemm_a16", 2*M*K)
-			if l.gs%gemmHBK == 0 && l.gidx == 0 && (l.kind == kindQ4 || l.kind == kindQ8) {
-				name, shm := "gemm_h_q4", gemmHQ4Smem
-				if l.kind == kindQ8 {
-					name, shm = "gemm_h_q8", gemmHQ8Smem
-				}
-				b.launch("to_half", b.gridFor(M*K/4), block256, a16, s.p, int64(M*K))
-				b.raiseSmem(name, shm)
-				b.launchGEMM(name, grid, shm, (K+gemmHBK-1)/gemmHBK, d, a16, l.w, l.sz, M, N, K, l.gs, l.groups)
-				return
-			}
-			w, name := l.w, "gemm_h_f16"
-			switch l.kind {
-			case kindBF16:
+			name, shm, args := "gemm_h_f16", gemmHSmem, []any{a16, l.w, M, N, K}
+			inRegs := l.gs%gemmHBK == 0 && l.gidx == 0
+			switch {
+			case l.kind == kindBF16:
 				name = "gemm_h_bf16"
-			case kindQ4:
-				w = b.scratchBuf("gemm_w16", 2*N*K)
-				b.launch("dequant_h_q4", b.gridFor(N*K/8), block256, w, l.w, l.sz, N, K, l.gs, l.groups)
-			case kindQ8:
-				w = b.scratchBuf("gemm_w16", 2*N*K)
-				b.launch("dequant_h_q8", b.gridFor(N*K/8), block256, w, l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
+			case l.kind == kindQ4 && inRegs:
+				name, shm, args = "gemm_h_q4", gemmHQ4Smem, []any{a16, l.w, l.sz, M, N, K, l.gs, l.groups}
+			case l.kind == kindQ8 && inRegs:
+				name, shm, args = "gemm_h_q8", gemmHQ8Smem, []any{a16, l.w, l.sz, M, N, K, l.gs, l.groups}
+			case l.kind == kindQ4:
+				args[1] = b.scratchBuf("gemm_w16", 2*N*K)
+				b.launch("dequant_h_q4", b.gridFor(N*K/8), block256, args[1], l.w, l.sz, N, K, l.gs, l.groups)
+			case l.kind == kindQ8:
+				args[1] = b.scratchBuf("gemm_w16", 2*N*K)
+				b.launch("dequant_h_q8", b.gridFor(N*K/8), block256, args[1], l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
 			}
 			b.launch("to_half", b.gridFor(M*K/4), block256, a16, s.p, int64(M*K))
-			b.raiseSmem(name, gemmHSmem)
-			b.launchGEMM(name, grid, gemmHSmem, (K+gemmHBK-1)/gemmHBK, d, a16, w, M, N, K)
+			b.raiseSmem(name, shm)
+			b.launchGEMM(name, grid, shm, (K+gemmHBK-1)/gemmHBK, d, args...)
 			return
 		}
 		name := "gemm_f32" // the rest: fused dequantizing loaders
@@ -569,16 +563,24 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 // over grid.z as gemmSplits says: the splits write their partial products
 // to a scratch buffer and sum_splits adds them into d.
 func (b *Backend) launchGEMM(name string, grid [3]uint32, shm, steps int, d *Buf, args ...any) {
+	n := d.n()
+	b.launchSplit(name, grid, shm, steps, d, args, func(part driver.DevicePtr, S int) {
+		b.launch("sum_splits", b.gridFor(n), block256, d.p, part, S, int64(n))
+	})
+}
+
+// launchSplit is launchGEMM with sum, which adds the S splits' partial
+// products (4 bytes a value) at part into d.
+func (b *Backend) launchSplit(name string, grid [3]uint32, shm, steps int, d *Buf, args []any, sum func(part driver.DevicePtr, S int)) {
 	S := gemmSplits(int(grid[0]*grid[1]), steps, b.sms)
 	if S == 1 {
 		b.launchShm(name, grid, block256, shm, append([]any{d.p}, args...)...)
 		return
 	}
-	n := d.n()
-	part := b.scratchBuf("gemm_part", 4*S*n)
+	part := b.scratchBuf("gemm_part", 4*S*d.n())
 	grid[2] = uint32(S)
 	b.launchShm(name, grid, block256, shm, append([]any{part}, args...)...)
-	b.launch("sum_splits", b.gridFor(n), block256, d.p, part, S, int64(n))
+	sum(part, S)
 }
 
 // gemmSplits is how many ways the tensor-core GEMMs (gemm_h_*, the fused
