@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compiles the CUDA sources (qtool.cu: inference; calib.cu: calibration) to
-# PTX for sm_80 and sm_90 with nvcc and records each source's SHA-256 in
-# the first line of its PTX files (kernels_test.go checks it). Usage:
+# PTX for sm_80 and sm_90 (qtool: sm_90a, for Hopper's wgmma) with nvcc and
+# records each source's SHA-256 in the first line of its PTX files
+# (kernels_test.go checks it). Usage:
 # kernels/build.sh [OUTDIR] (default: kernels/). Also writes the ptxas
 # resource report (registers, shared memory, spills) to OUTDIR/ptxas.txt.
 # The nvcc runs go in parallel.
@@ -12,10 +13,11 @@ mkdir -p "$out"
 tmp=$(mktemp -d)
 pids=()
 for src in qtool calib; do
-  for arch in 80 90; do
-    nvcc -ptx -O3 -std=c++17 -arch=sm_$arch -o "$tmp/${src}${arch}.ptx" "$here/$src.cu" & pids+=($!)
-  done
-  nvcc -cubin -O3 -std=c++17 -arch=sm_90 -Xptxas -v -o "$tmp/${src}90.cubin" "$here/$src.cu" > "$tmp/ptxas-$src.txt" 2>&1 & pids+=($!)
+  # qtool's Hopper PTX is arch-specific (sm_90a: wgmma); calib's stays sm_90
+  a90=sm_90; [ $src = qtool ] && a90=sm_90a
+  nvcc -ptx -O3 -std=c++17 -arch=sm_80 -o "$tmp/${src}80.ptx" "$here/$src.cu" & pids+=($!)
+  nvcc -ptx -O3 -std=c++17 -arch=compute_${a90#sm_} -o "$tmp/${src}90.ptx" "$here/$src.cu" & pids+=($!)
+  nvcc -cubin -O3 -std=c++17 -gencode=arch=compute_${a90#sm_},code=$a90 -Xptxas -v -o "$tmp/${src}90.cubin" "$here/$src.cu" > "$tmp/ptxas-$src.txt" 2>&1 & pids+=($!)
 done
 for p in "${pids[@]}"; do
   wait "$p" || { cat "$tmp"/ptxas-*.txt; exit 1; }

@@ -1,7 +1,8 @@
 // Package kernels embeds qtool's CUDA kernels: the CUDA C sources (qtool.cu
 // for inference, calib.cu for calibration, a module of its own) and the PTX
 // that build.sh compiles from them with nvcc, for sm_80 (any GPU
-// from Ampere on, JIT-compiled by the driver) and sm_90 (Hopper). The PTX is
+// from Ampere on, JIT-compiled by the driver) and sm_90 (Hopper; qtool.cu's
+// as sm_90a, for the wgmma GEMMs, which run on 9.0 devices alone). The PTX is
 // committed so that the Go build needs no CUDA toolkit; the first line of
 // each PTX file records the SHA-256 of the source it was built from.
 package kernels
@@ -44,16 +45,30 @@ func SourceHash() string {
 }
 
 // PTX returns the PTX best suited to a device of compute capability
-// major.minor and its name ("sm_90" or "sm_80"); nil for devices older than
-// sm_80.
+// major.minor and its name ("sm_90a" or "sm_80"); nil for devices older than
+// sm_80. The sm_90a PTX uses Hopper's arch-specific instructions (wgmma),
+// which the driver compiles for 9.0 devices alone; every other device from
+// 8.0 on gets the sm_80 PTX.
 func PTX(major, minor int) ([]byte, string) {
 	switch {
-	case major >= 9:
-		return bytes.Clone(ptx90), "sm_90"
-	case major == 8:
+	case major == 9 && minor == 0:
+		return bytes.Clone(ptx90), "sm_90a"
+	case major >= 8:
 		return bytes.Clone(ptx80), "sm_80"
 	}
 	return nil, ""
+}
+
+// IsArchSpecific reports whether a PTX module targets an arch-specific
+// variant such as sm_90a (its kernels run on that architecture alone).
+func IsArchSpecific(ptx []byte) bool {
+	for _, line := range bytes.SplitN(ptx, []byte("\n"), 64) {
+		if t, ok := bytes.CutPrefix(bytes.TrimSpace(line), []byte(".target ")); ok {
+			arch, _, _ := bytes.Cut(t, []byte(","))
+			return bytes.HasSuffix(bytes.TrimSpace(arch), []byte("a"))
+		}
+	}
+	return false
 }
 
 // CalibSourceHash is the hex SHA-256 of calib.cu.

@@ -21,9 +21,9 @@ func TestPTXBuiltFromSource(t *testing.T) {
 		kernels []string
 	}{
 		{"qtool_sm80.ptx", ptx80, ".target sm_80", SourceHash(), inference},
-		{"qtool_sm90.ptx", ptx90, ".target sm_90", SourceHash(), inference},
+		{"qtool_sm90.ptx", ptx90, ".target sm_90a", SourceHash(), append(inference, "gemm_wg_f16", "gemm_wg_bf16", "gemm_wg_q4", "gemm_wg_q8", "gemm_wg_s8")},
 		{"calib_sm80.ptx", calibPTX80, ".target sm_80", CalibSourceHash(), calibration},
-		{"calib_sm90.ptx", calibPTX90, ".target sm_90", CalibSourceHash(), calibration},
+		{"calib_sm90.ptx", calibPTX90, ".target sm_90\n", CalibSourceHash(), calibration},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, ok := RecordedHash(tc.ptx)
@@ -49,9 +49,25 @@ func TestPTXSelection(t *testing.T) {
 	for _, tc := range []struct {
 		major, minor int
 		want         string
-	}{{9, 0, "sm_90"}, {10, 0, "sm_90"}, {8, 0, "sm_80"}, {8, 9, "sm_80"}, {7, 5, ""}} {
+	}{{9, 0, "sm_90a"}, {10, 0, "sm_80"}, {12, 0, "sm_80"}, {8, 0, "sm_80"}, {8, 9, "sm_80"}, {7, 5, ""}} {
 		if _, got := PTX(tc.major, tc.minor); got != tc.want {
 			t.Errorf("PTX(%d.%d) = %q, want %q", tc.major, tc.minor, got, tc.want)
+		}
+	}
+}
+
+func TestIsArchSpecific(t *testing.T) {
+	for _, tc := range []struct {
+		ptx  string
+		want bool
+	}{
+		{"//\n.version 8.8\n.target sm_90a\n.address_size 64\n", true},
+		{".version 8.8\n.target sm_90\n", false},
+		{".version 8.8\n.target sm_80, debug\n", false},
+		{"no target", false},
+	} {
+		if got := IsArchSpecific([]byte(tc.ptx)); got != tc.want {
+			t.Errorf("IsArchSpecific(%q) = %v, want %v", tc.ptx, got, tc.want)
 		}
 	}
 }

@@ -14,6 +14,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <type_traits>
 
 #define FULL 0xffffffffu
 
@@ -1717,7 +1718,7 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
 // GHQ8_LD) and each row's {scale, zero} (gs % GH_BK == 0, no g_idx).
 #define GHQ8_LD 80
 #define GHQ8_SMEM (GH_STAGES * (BM * GH_LD * 2 + BN * GHQ8_LD + BN * 8))
-enum { GH_F16 = 0, GH_BF16 = 1, GH_Q4 = 2, GH_Q8 = 3 };
+enum { GH_F16 = 0, GH_BF16 = 1, GH_Q4 = 2, GH_Q8 = 3, GH_S8 = 4 };  // GH_S8: gemm_wg_s8 alone
 
 // gather_cols: dst[r][j] = x[r][perm[j]] (the input of an act-order
 // weight stored with its columns sorted by group).
@@ -1981,6 +1982,377 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q8(float* C, const _
     GEMM_H_SPLIT(GH_Q8, W, sz, gs, G)
 }
 
+// ---------------------------------------------------------------------------
+// Hopper GEMM (sm_90a only: the wgmma instructions exist in no other
+// target; the backend selects these kernels where the device is 9.0 and the
+// driver can encode tensor maps). C[M, N] = A[M, K] · W[N, K]ᵀ with A the
+// activations rounded to fp16 (to_half) and W of any gemm_h kind, each
+// value as gemm_h_body makes it. A block of 3 warpgroups computes a 128 ×
+// 128 tile. Warpgroup 0 produces: one thread loads the A and W tiles of
+// each K step of 64 with the bulk tensor copy engine (TMA: a tensor map per
+// operand, 128-byte swizzle for the 16-bit tiles, the parts past M, N or K
+// zero-filled) into a ring of GW_STAGES stages, each completing on its
+// mbarrier "full"; for the quantized kinds each producer thread also
+// copies one weight row's {scale, zero}. Warpgroups 1 and 2 consume and
+// release each stage to the producer once their wgmma has read it
+// ("empty": one arrival per consumer warp). fp16 weights: each consumer
+// multiplies its 64 rows of A by the W tile, four wgmma m64n128k16 a stage
+// with both operands read from shared memory through descriptors, one
+// stage in flight. Other kinds: each consumer computes the transposed
+// product of its 64 weight rows, widened or dequantized from shared memory
+// into the A registers of wgmma, by the A tile as the B operand, making the
+// next step's registers while the tensor cores run the current one. fp32
+// accumulators in registers. Split z of gridDim.z takes an equal share of
+// the K steps and writes its partial product to C + z·M·N, as the gemm_h
+// kernels do.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GW_BK 64       // K step: 64 halfs, one 128-byte swizzle row
+#define GW_STAGES 5    // ring depth; a stage is gw_stage_bytes
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+// TmaMap holds a CUtensorMap (cuTensorMapEncodeTiled) passed by value.
+struct __align__(64) TmaMap {
+    unsigned long long v[16];
+};
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// tma_load_2d copies the box at (x, y) (x the inner, contiguous dimension)
+// of the tensor map's tensor into shared memory at dst, completing on bar.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaMap* map, int x, int y, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+// wg_desc is the wgmma descriptor of a K-major tile at shared address a:
+// rows of 128 bytes, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t a) {
+    return (uint64_t)((a & 0x3ffff) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+// D[64 × 128] += A[64 × 16] · B[128 × 16]ᵀ, both from shared memory.
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(1));
+}
+// gw_w_bytes is the W tile of a ring stage as the copy engine lands it: 128
+// rows of 64 fp16/bf16 values (128-byte swizzle), 4-bit words (32 bytes a
+// row) or int8 codes (64 bytes a row); the quantized kinds add the rows'
+// {scale, zero}.
+// D[64 × 128] += A[64 × 32] · B[128 × 32]ᵀ in int8, int32 accumulators.
+__device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p;\n"
+        "}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+          "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+          "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
+          "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
+          "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
+          "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
+          "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "l"(da), "l"(db), "r"(1));
+}
+// wgmma_ss: one k step of 32 bytes (16 halfs or 32 int8) with both operands
+// in shared memory, by the accumulators' type.
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k16(d, da, db); }
+__device__ __forceinline__ void wgmma_ss(int (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k32_s8(d, da, db); }
+template <int WK>
+__host__ __device__ constexpr int gw_w_bytes() {
+    return WK == GH_Q4 ? 128 * 32 : WK == GH_Q8 ? 128 * 64 : 128 * GW_BK * 2;
+}
+template <int WK>
+__host__ __device__ constexpr int gw_stage_bytes() {
+    return 128 * GW_BK * 2 + gw_w_bytes<WK>() + (WK == GH_Q4 || WK == GH_Q8 ? 128 * 8 : 0);
+}
+// D[64 × 128] += A[64 × 16] · B[128 × 16]ᵀ, A in registers (the layout of
+// mma.m16n8k16's A, warp w of the warpgroup holding rows 16w..16w+15), B
+// from shared memory.
+__device__ __forceinline__ void wgmma_m64n128k16_ra(float (&d)[64], const uint32_t* a, uint64_t db) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+// gw_frags fills f with this thread's A fragments of one K step (f[4kk +
+// r]: register r of k16 step kk) from the W tile at w (and its {scale,
+// zero} at sz) for tile rows ra and ra + 8, t = lane % 4: register 0 holds
+// row ra, k = 16kk + 2t (+1), register 1 row ra + 8, registers 2 and 3 the
+// same at k + 8; each value as gemm_h_body makes it (bf16 rounded to fp16;
+// 4-bit (u − z)·scale in fp16; 8-bit ((float)q − zero)·scale rounded).
+template <int WK>
+__device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char* w, const float2* sz, int ra, int t) {
+    if constexpr (WK == GH_BF16) {
+        // 32-bit word t of 16-byte chunks 2kk and 2kk + 1 of the 128-byte
+        // swizzled rows: chunk c of row r sits at c ^ (r % 8)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int r = ra + 8 * h;
+            const uint32_t* row = reinterpret_cast<const uint32_t*>(w + r * 128);
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                f[4 * kk + h] = bf2_to_h2(row[((2 * kk) ^ (r & 7)) * 4 + t]);
+                f[4 * kk + 2 + h] = bf2_to_h2(row[((2 * kk + 1) ^ (r & 7)) * 4 + t]);
+            }
+        }
+    } else if constexpr (WK == GH_Q4) {
+        // the row's 8 words, k 8c..8c+7 in word c; pair t of words 2kk and
+        // 2kk + 1
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int r = ra + 8 * h;
+            const uint4* q = reinterpret_cast<const uint4*>(w + r * 32);
+            uint4 q0 = q[0], q1 = q[1];
+            uint32_t words[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+            float2 sv = sz[r];
+            __half2 hs = __float2half2_rn(sv.x), hz = *reinterpret_cast<__half2*>(&sv.y);
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                f[4 * kk + h] = h2_bits(__hmul2(q4_pair_uz(words[2 * kk], t, hz), hs));
+                f[4 * kk + 2 + h] = h2_bits(__hmul2(q4_pair_uz(words[2 * kk + 1], t, hz), hs));
+            }
+        }
+    } else {
+        // the row's 64 codes; bytes 16kk + 2t (+1) and 16kk + 8 + 2t (+1)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int r = ra + 8 * h;
+            const uint4* q = reinterpret_cast<const uint4*>(w + r * 64);
+            float2 sv = sz[r];
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                uint4 v = q[kk];
+                uint32_t lo = ((t < 2 ? v.x : v.y) >> (16 * (t & 1))) & 0xffffu;
+                uint32_t hi = ((t < 2 ? v.z : v.w) >> (16 * (t & 1))) & 0xffffu;
+                f[4 * kk + h] = pack_h2(((float)(int8_t)(lo & 0xff) - sv.y) * sv.x, ((float)(int8_t)(lo >> 8) - sv.y) * sv.x);
+                f[4 * kk + 2 + h] = pack_h2(((float)(int8_t)(hi & 0xff) - sv.y) * sv.x, ((float)(int8_t)(hi >> 8) - sv.y) * sv.x);
+            }
+        }
+    }
+}
+// GH_S8: A and W int8 tiles of 128 rows of 128 codes a K step, the
+// integer sums handed to epi(m, n, sum).
+template <int WK, typename Epi>
+__device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap* mapA, const TmaMap* mapW,
+                                             const float2* __restrict__ sz, int M, int N, int gs, int G, int kt0,
+                                             int kt1, Epi epi) {
+    constexpr int SB = gw_stage_bytes<WK>();
+    constexpr int BKE = WK == GH_S8 ? 128 : GW_BK;  // elements of a K step
+    constexpr bool QUANT = WK == GH_Q4 || WK == GH_Q8;
+    extern __shared__ __align__(1024) unsigned char gw_raw[];
+    uint32_t raw = smem_u32(gw_raw), base = (raw + 1023) & ~1023u;  // the swizzle repeats every 1024 bytes
+    uint32_t bars = base + GW_STAGES * SB;
+    auto full = [&](int s) { return bars + 8 * s; };
+    auto empty = [&](int s) { return bars + 8 * (GW_STAGES + s); };
+    auto tileA = [&](int s) { return base + s * SB; };
+    auto tileW = [&](int s) { return base + s * SB + 128 * GW_BK * 2; };
+    auto tileS = [&](int s) { return tileW(s) + gw_w_bytes<WK>(); };  // GH_Q4, GH_Q8: {scale, zero}
+    auto at = [&](uint32_t a) { return gw_raw + (a - raw); };      // generic address of shared address a
+    // blockIdx.x walks the activation tiles: the blocks running at once
+    // share weight tiles, so each weight tile leaves device memory once
+    int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128, n0 = blockIdx.y * 128, nk = kt1 - kt0;
+    if (tid == 0) {
+        for (int s = 0; s < GW_STAGES; s++) {
+            mbar_init(full(s), QUANT ? 1 + 128 : 1);  // the copy engine's bytes; the scales' copies
+            mbar_init(empty(s), 8);                   // the 8 consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 0) {
+        // one thread loads the A and W tiles of every K step; for the
+        // quantized kinds every thread copies its weight row's {scale, zero}
+        // of the step, its arrival on "full" due when the copy lands
+        if (!QUANT && tid != 0) return;
+        for (int i = 0; i < nk; i++) {
+            int s = i % GW_STAGES;
+            if (i >= GW_STAGES) mbar_wait(empty(s), (i / GW_STAGES - 1) & 1);
+            if (tid == 0) {
+                mbar_expect_tx(full(s), 128 * GW_BK * 2 + gw_w_bytes<WK>());
+                tma_load_2d(tileA(s), mapA, (kt0 + i) * BKE, m0, full(s));
+                tma_load_2d(tileW(s), mapW, (kt0 + i) * BKE / (WK == GH_Q4 ? 8 : 1), n0, full(s));
+            }
+            if (QUANT) {
+                bool v = n0 + tid < N;
+                const float2* src = sz + (size_t)(n0 + tid) * G + (kt0 + i) * GW_BK / gs;
+                cp_async8_zfill(at(tileS(s)) + 8 * tid, v ? (const void*)src : (const void*)sz, v);
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full(s)) : "memory");
+            }
+        }
+        return;
+    }
+    int c = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31;
+    if constexpr (WK == GH_F16 || WK == GH_S8) {
+        // D = A · Wᵀ: 64 activation rows of warpgroup c by the 128 weight
+        // rows, both operands from shared memory
+        typename std::conditional<WK == GH_S8, int, float>::type d[64];
+#pragma unroll
+        for (int e = 0; e < 64; e++) d[e] = 0;
+        for (int i = 0; i < nk; i++) {
+            int s = i % GW_STAGES;
+            mbar_wait(full(s), (i / GW_STAGES) & 1);
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+            uint64_t da = wg_desc(tileA(s) + c * 64 * 128), dw = wg_desc(tileW(s));
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) wgmma_ss(d, da + 2 * kk, dw + 2 * kk);  // +32 bytes a k step
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // step i − 1 is done with its stage
+            if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % GW_STAGES));
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        // accumulator e of n8 chunk j: activation row 16·warp + lane/4 (+8
+        // for e ≥ 2), weight row 8j + 2·(lane % 4) (+1 for odd e)
+        int r = m0 + c * 64 + warp * 16 + (lane >> 2);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            int n = n0 + j * 8 + 2 * (lane & 3);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int m = r + 8 * h;
+                if (m >= M) continue;
+                if constexpr (WK == GH_S8) {
+                    if (n < N) epi(m, n, d[4 * j + 2 * h]);
+                    if (n + 1 < N) epi(m, n + 1, d[4 * j + 2 * h + 1]);
+                    continue;
+                }
+                float* cp = C + (size_t)m * N + n;
+                if (n + 1 < N && (N & 1) == 0) {
+                    *reinterpret_cast<float2*>(cp) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                } else {
+                    if (n < N) cp[0] = d[4 * j + 2 * h];
+                    if (n + 1 < N) cp[1] = d[4 * j + 2 * h + 1];
+                }
+            }
+        }
+    } else {
+        // Dᵀ = W · Aᵀ: the 64 weight rows of warpgroup c, widened or
+        // dequantized from shared memory into registers, by the 128
+        // activation rows from shared memory. The fragments of step i + 1
+        // are made while step i's wgmma runs (two register sets).
+        int ra = c * 64 + warp * 16 + (lane >> 2), t = lane & 3;
+        float d[64];
+#pragma unroll
+        for (int e = 0; e < 64; e++) d[e] = 0.f;
+        uint32_t f[2][16];
+        auto frags = [&](int i, uint32_t (&fi)[16]) {
+            int s = i % GW_STAGES;
+            mbar_wait(full(s), (i / GW_STAGES) & 1);
+            gw_frags<WK>(fi, at(tileW(s)), reinterpret_cast<const float2*>(at(tileS(s))), ra, t);
+        };
+        auto step = [&](int i, const uint32_t (&fi)[16]) {
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+            uint64_t da = wg_desc(tileA(i % GW_STAGES));
+#pragma unroll
+            for (int kk = 0; kk < GW_BK / 16; kk++) wgmma_m64n128k16_ra(d, &fi[4 * kk], da + 2 * kk);
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        };
+        auto done = [&](int i) {  // step i's wgmma is complete: its fragments and stage are free
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            if (lane == 0) mbar_arrive(empty(i % GW_STAGES));
+        };
+        if (nk > 0) frags(0, f[0]);
+        for (int i = 0; i < nk; i += 2) {
+            step(i, f[0]);
+            if (i + 1 < nk) frags(i + 1, f[1]);
+            done(i);
+            if (i + 1 < nk) {
+                step(i + 1, f[1]);
+                if (i + 2 < nk) frags(i + 2, f[0]);
+                done(i + 1);
+            }
+        }
+        // accumulator e of n8 chunk j: weight row 16·warp + lane/4 (+8 for
+        // e ≥ 2), activation row 8j + 2·(lane % 4) (+1 for odd e)
+        int n = n0 + ra;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int m = m0 + j * 8 + 2 * t + (e & 1), nn = n + 8 * (e >> 1);
+                if (m < M && nn < N) C[(size_t)m * N + nn] = d[4 * j + e];
+            }
+        }
+    }
+}
+// name(C, mapA, mapW, sz, M, N, K, gs, G): mapA over the fp16 activations
+// [M, K], mapW over the weight (fp16 or bf16 [N, K]; GH_Q4: the words
+// [N, K/8]; GH_Q8: the codes [N, K]), sz and the group size gs (a multiple
+// of GW_BK) and count G of the quantized kinds; dynamic shared memory
+// gw_stage_bytes · GW_STAGES + the barriers + 1024.
+#define GEMM_WG_ENTRY(name, WK)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
+        name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \
+             int M, int N, int K, int gs, int G) {                                                               \
+        PDL_ENTRY();                                                                                             \
+        int nk = (K + GW_BK - 1) / GW_BK, per = (nk + gridDim.z - 1) / gridDim.z;                                \
+        int kt0 = min(nk, (int)blockIdx.z * per);                                                                \
+        gemm_wg_body<WK>(C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, M, N, gs, G, kt0, min(nk, kt0 + per), 0); \
+    }
+GEMM_WG_ENTRY(gemm_wg_f16, GH_F16)
+GEMM_WG_ENTRY(gemm_wg_bf16, GH_BF16)
+GEMM_WG_ENTRY(gemm_wg_q4, GH_Q4)
+GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
+#endif
+
 // The fused GEMMs split K over grid.z where the tiles alone would leave the
 // device idle (few activation rows: 5 to 127 in a prefill): split z takes
 // an equal share of the BK steps and writes its partial product to
@@ -2203,6 +2575,29 @@ extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __r
     }
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// gemm_wg_s8(y, mapA, mapW, qbias, deq, bias, tok, M, N, K): w8a8_mma on
+// the Hopper GEMM (gemm_wg_body, GH_S8): mapA over the int8 activations xq
+// [M, K], mapW over the int8 weight [N, K]; split z of gridDim.z > 1 writes
+// its integer sums to the int32 array y + z·M·N for w8a8_sum_splits, else
+// y = w8a8_out. Dynamic shared memory as gemm_wg_f16's.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    gemm_wg_s8(float* y, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW,
+               const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
+               const float* __restrict__ tok, int M, int N, int K) {
+    PDL_ENTRY();
+    int nk = (K + 127) / 128, per = (nk + gridDim.z - 1) / gridDim.z;
+    int kt0 = min(nk, (int)blockIdx.z * per);
+    int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;
+    gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, M, N, 128, 0, kt0, min(nk, kt0 + per), [&](int m, int n, int acc) {
+        if (part)
+            part[(size_t)m * N + n] = acc;
+        else
+            y[(size_t)m * N + n] = w8a8_out(acc, m, n, qbias, deq, bias, tok);
+    });
+}
+#endif
+
 // ---------------------------------------------------------------------------
 // Logits: NLL, argmax, sampling.
 
@@ -2336,6 +2731,7 @@ extern "C" __global__ void fill_random(void* p, long long n, unsigned long long 
         }
         case 4: ((float2*)p)[i] = make_float2(a * (1.5f + 0.5f * unif(seed, i)), 0.f); break;
         case 5: ((float*)p)[i] = 1.f + a * unif(seed, i); break;
+        case 6: ((uint16_t*)p)[i] = (uint16_t)(__float_as_uint(a * unif(seed, i)) >> 16); break;
         }
     }
 }

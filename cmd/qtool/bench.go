@@ -224,7 +224,7 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 	for _, sh := range benchShapes {
 		N, K := sh[0], sh[1]
 		var f16Rate float64
-		for _, f := range []string{"fp16", "w8a16", "w8a16-pc", "w4a16", "w4a16-act"} {
+		for _, f := range []string{"fp16", "bf16", "w8a16", "w8a16-pc", "w4a16", "w4a16-act"} {
 			w, err := b.UploadLinear("bench", &cuda.Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: seed})
 			if err != nil {
 				return err

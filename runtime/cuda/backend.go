@@ -64,6 +64,10 @@ type Options struct {
 	// squares itself instead of using the parts its producer wrote (see
 	// rowsums.go; for comparisons, like NoDependentLaunch).
 	NoRowSums bool
+	// NoWGMMA keeps the prefill GEMMs on the mma.sync kernels (gemm_h_*,
+	// w8a8_mma) where the Hopper ones (gemm_wg_*) would run (for
+	// comparisons, like NoDependentLaunch).
+	NoWGMMA bool
 }
 
 // Backend runs the forward pass on one CUDA device.
@@ -87,9 +91,18 @@ type Backend struct {
 	// needed more than the default.
 	dynSmem map[string]int
 
-	// Kernel argument slots: ptrs[i] points at slots[i].
+	// Kernel argument slots: ptrs[i] points at slots[i], or at a tensor
+	// map's bytes.
 	slots [32]uint64
 	ptrs  [32]unsafe.Pointer
+	// wgmma: the Hopper GEMMs (hopperKernels) are loaded and the driver
+	// encodes tensor maps; tmaps are their operands' maps, encoded anew
+	// for each launch.
+	wgmma bool
+	tmaps []*driver.TensorMap
+	// maxSplits, where positive, caps the K splits of a GEMM (tests: rings
+	// refilled many times).
+	maxSplits int
 
 	pool   map[int][]driver.DevicePtr // freed activation buffers by byte size
 	owned  map[driver.DevicePtr]int   // every live allocation and its size
@@ -226,6 +239,14 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 			return nil, err
 		}
 	}
+	if kernels.IsArchSpecific(ptx) && drv.CanEncodeTensorMaps() {
+		for _, k := range hopperKernels {
+			if b.fn[k], err = drv.Function(b.mod, k); err != nil {
+				return nil, err
+			}
+		}
+		b.wgmma, b.tmaps = true, driver.NewTensorMaps(2)
+	}
 	if b.cc[0] >= 9 && drv.CanLaunchDependent() {
 		b.dependent = waitingKernels(ptx)
 	}
@@ -248,6 +269,10 @@ func kernelNames() []string {
 	names = append(names, gemvKernels...)
 	return names
 }
+
+// hopperKernels are the kernels only the sm_90a PTX holds (wgmma), looked
+// up where it is loaded.
+var hopperKernels = []string{"gemm_wg_f16", "gemm_wg_bf16", "gemm_wg_q4", "gemm_wg_q8", "gemm_wg_s8"}
 
 // enter binds the context to the calling thread; call the result when done.
 func (b *Backend) enter() func() {
@@ -530,7 +555,10 @@ func (b *Backend) launchShm(name string, grid, block [3]uint32, shm int, args ..
 		panic("cuda backend: too many kernel arguments")
 	}
 	for i, a := range args {
+		b.ptrs[i] = unsafe.Pointer(&b.slots[i])
 		switch v := a.(type) {
+		case *driver.TensorMap:
+			b.ptrs[i] = v.Ptr()
 		case driver.DevicePtr:
 			b.slots[i] = uint64(v)
 		case int:

@@ -238,6 +238,11 @@ func TestMatMul(t *testing.T) {
 				t.Errorf("no case runs the shipped GEMV kernel %s", k)
 			}
 		}
+		for _, k := range hopperKernels {
+			if b.wgmma && !ran[k] && k != "gemm_wg_s8" && !t.Failed() { // gemm_wg_s8: TestW8A8
+				t.Errorf("no case runs the Hopper GEMM %s", k)
+			}
+		}
 	}()
 	for _, wc := range weightCases {
 		K := 256
@@ -250,7 +255,7 @@ func TestMatMul(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: upload: %v", wc.name, err)
 		}
-		for _, M := range []int{1, 3, 5, 37, 130} {
+		for _, M := range []int{1, 3, 5, 37, 130, 300} {
 			{
 				name := fmt.Sprintf("%s/%s/M=%d", wc.name, lin(lw).Kind(), M)
 				kernel := ""
@@ -258,6 +263,11 @@ func TestMatMul(t *testing.T) {
 					kernel, _ = b.gemvKernel(lin(lw), M, N)
 					ran[kernel] = true
 					name += "/" + kernel
+				} else if gh, _ := gemmHKernel(lin(lw)); lin(lw).kind != kindF32 && K%32 == 0 {
+					if wg := b.wgmmaKernel(gh, M); wg != "" { // else gemm_h_* or the fused gemm_*
+						ran[wg] = true
+						name += "/" + wg
+					}
 				}
 				t.Run(name, func(t *testing.T) {
 					x := randVec(r, M*K, 1)
@@ -287,18 +297,66 @@ func TestMatMul(t *testing.T) {
 	}
 }
 
+// TestGEMMRing runs the prefill GEMMs unsplit over more K steps than their
+// rings have stages (gemm_wg_*: 5, gemm_h_*: 3), so that every stage is
+// refilled several times, for each kind of weight they dequantize.
+func TestGEMMRing(t *testing.T) {
+	b := newTestBackend(t)
+	b.maxSplits = 1
+	r := rand.New(rand.NewPCG(3, 4))
+	const M, K = 200, 1024
+	for _, wc := range weightCases {
+		switch wc.name {
+		case "f16", "bf16", "kuiper-int8-sym-g64", "w8-g128-offset", "awq-int4-asym-g128", "gptq-int4-actorder-g64":
+		default:
+			continue
+		}
+		N := rowsFor(b, wc, 200)
+		w, wf := wc.make(r, N, K)
+		lw, err := b.UploadLinear(wc.name, w)
+		if err != nil {
+			t.Fatalf("%s: upload: %v", wc.name, err)
+		}
+		gh, _ := gemmHKernel(lin(lw))
+		name := wc.name + "/" + gh
+		if wg := b.wgmmaKernel(gh, M); wg != "" {
+			name = wc.name + "/" + wg
+		}
+		x := randVec(r, M*K, 1)
+		want := make([]float64, M*N)
+		for m := 0; m < M; m++ {
+			for n := 0; n < N; n++ {
+				var s float64
+				for k := 0; k < K; k++ {
+					s += float64(x[m*K+k]) * wf[n*K+k]
+				}
+				want[m*N+n] = s
+			}
+		}
+		xb := upload(b, M, K, x)
+		y := poisoned(b, M, N)
+		b.MatMul(y, xb, lw)
+		checkClose(t, name, download(b, y), want, 3e-3)
+		b.Free(xb)
+		b.Free(y)
+		b.FreeLinear(lw)
+	}
+}
+
 func TestGemmSplits(t *testing.T) {
-	for _, c := range []struct{ tiles, steps, sms, want int }{
-		{32, 64, 132, 8},    // 16 rows × a 4096-row weight, gemm_h steps of 64
-		{128, 64, 132, 2},   // 512 rows × 4096: two splits stay within one wave
-		{344, 64, 132, 1},   // 512 rows × 11008: more than a wave already
-		{132, 64, 132, 2},   // exactly one block a multiprocessor
-		{1, 8, 132, 2},      // few K steps: at least gemmSplitMinSteps each
-		{1, 3, 132, 1},      // too few to split
-		{264, 1000, 132, 1}, // a full wave
+	for _, c := range []struct{ tiles, steps, resident, want int }{
+		{32, 64, 264, 8},    // 16 rows × a 4096-row weight, gemm_h steps of 64, 2 blocks × 132 SMs
+		{128, 64, 264, 2},   // 512 rows × 4096: two splits stay within one wave
+		{344, 64, 264, 1},   // 512 rows × 11008: more than a wave already
+		{132, 64, 264, 2},   // exactly one block a multiprocessor
+		{1, 8, 264, 2},      // few K steps: at least gemmSplitMinSteps each
+		{1, 3, 264, 1},      // too few to split
+		{264, 1000, 264, 1}, // a full wave
+		{128, 64, 132, 1},   // gemm_wg: one block a multiprocessor
+		{32, 64, 132, 4},    // gemm_wg, 128 rows × 4096
 	} {
-		if got := gemmSplits(c.tiles, c.steps, c.sms); got != c.want {
-			t.Errorf("gemmSplits(%d tiles, %d steps, %d SMs) = %d, want %d", c.tiles, c.steps, c.sms, got, c.want)
+		if got := gemmSplits(c.tiles, c.steps, c.resident); got != c.want {
+			t.Errorf("gemmSplits(%d tiles, %d steps, %d resident) = %d, want %d", c.tiles, c.steps, c.resident, got, c.want)
 		}
 	}
 }
@@ -306,15 +364,17 @@ func TestGemmSplits(t *testing.T) {
 // TestW8A8 checks the W8A8 products against integer arithmetic: the dp4a
 // GEMV (M ≤ GEMVMaxRows) and the int8 tensor-core GEMM (partial 128-tiles
 // in M and N, K not a multiple of the 64-wide K step; K split over the grid
-// where there are K steps enough, gemmSplits).
+// where there are K steps enough, gemmSplits; on Hopper gemm_wg_s8 from 128
+// rows, also unsplit over more K steps than its ring has stages).
 func TestW8A8(t *testing.T) {
-	for _, shape := range [][2]int{{136, 256}, {200, 80}, {136, 1024}, {200, 1040}} {
-		testW8A8(t, shape[0], shape[1])
+	for _, c := range [][3]int{{136, 256, 0}, {200, 80, 0}, {136, 1024, 0}, {200, 1040, 0}, {200, 1040, 1}} {
+		testW8A8(t, c[0], c[1], c[2])
 	}
 }
 
-func testW8A8(t *testing.T, N, K int) {
+func testW8A8(t *testing.T, N, K, maxSplits int) {
 	b := newTestBackend(t)
+	b.maxSplits = maxSplits
 	r := rand.New(rand.NewPCG(3, 4))
 	q := &model.Quantized{Bits: 8, Rows: N, Cols: K, Q: make([]int8, N*K), Scale: make([]float32, N)}
 	for i := range q.Q {
@@ -670,14 +730,16 @@ func TestPoolReuse(t *testing.T) {
 // TestKernelNamesInPTX checks (without a GPU) that every kernel the backend
 // looks up is in both embedded PTX files.
 func TestKernelNamesInPTX(t *testing.T) {
-	used := map[string]bool{}
-	for _, k := range kernelNames() {
-		used[k] = true
-	}
 	entry := regexp.MustCompile(`\.entry ([A-Za-z0-9_]+)\(`)
 	for _, cc := range [][2]int{{8, 0}, {9, 0}} {
 		ptx, arch := kernels.PTX(cc[0], cc[1])
-		for _, k := range kernelNames() {
+		names := kernelNames()
+		if kernels.IsArchSpecific(ptx) {
+			names = append(names, hopperKernels...)
+		}
+		used := map[string]bool{}
+		for _, k := range names {
+			used[k] = true
 			if !strings.Contains(string(ptx), ".entry "+k+"(") {
 				t.Errorf("%s PTX lacks kernel %s", arch, k)
 			}
@@ -691,7 +753,7 @@ func TestKernelNamesInPTX(t *testing.T) {
 		// sm_90: every kernel waits for its predecessor, so every launch
 		// is a programmatic dependent one; sm_80 has no such launches
 		waiting := waitingKernels(ptx)
-		for _, k := range kernelNames() {
+		for _, k := range names {
 			if cc[0] >= 9 && !waiting[k] {
 				t.Errorf("%s PTX: kernel %s lacks griddepcontrol.wait (pdl_wait)", arch, k)
 			}

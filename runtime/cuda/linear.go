@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"unsafe"
 
 	"qtool/formats/model"
@@ -102,7 +103,7 @@ func lin(w runtime.Linear) *Linear {
 
 // Synthetic is a random weight or vector generated directly on the device
 // at upload, for benchmarks at real scale without host copies. Format is
-// "fp16", "w8a16" (int8, per-group: GPTQ 8-bit, Kuiper int8), "w8a16-pc"
+// "fp16", "bf16", "w8a16" (int8, per-group: GPTQ 8-bit, Kuiper int8), "w8a16-pc"
 // (int8, one group a row: msmodelslim W8A16), "w4a16" (4-bit, per-group,
 // with zeros: AutoAWQ, ak48) or "w4a16-act" (w4a16 in a random act-order:
 // GPTQ desc_act); vectors (1-D) are 1 ± 0.1 noise whatever the format.
@@ -341,6 +342,11 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		l.w = b.alloc(2 * n)
 		b.fill(l.w, n, s.Seed, 1, a)
 		l.bytes = int64(2 * n)
+	case "bf16":
+		l.kind = kindBF16
+		l.w = b.alloc(2 * n)
+		b.fill(l.w, n, s.Seed, 6, a)
+		l.bytes = int64(2 * n)
 	case "w8a16", "q8", "w8a16-pc":
 		if s.Format == "w8a16-pc" {
 			gs, G = in, 1
@@ -372,7 +378,7 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 			l.bytes += int64(4 * in)
 		}
 	default:
-		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, w8a16, w8a16-pc, w4a16 or w4a16-act)", name, s.Format)
+		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, bf16, w8a16, w8a16-pc, w4a16 or w4a16-act)", name, s.Format)
 	}
 	return l, nil
 }
@@ -489,11 +495,19 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		} else {
 			b.launch("quant_act", b.gridFor(M*K), block256, xq, s.p, int64(M*K), l.inScale, l.inOffset)
 		}
+		if M >= dequantGEMMMinRows && K%16 == 0 && b.wgmma && !b.opt.NoWGMMA { // Hopper: wgmma
+			grid, shm := b.prepareWG("gemm_wg_s8", xq, l.w, l, M)
+			b.launchSplit("gemm_wg_s8", grid, block384, shm, b.sms, (K+127)/128, d, []any{b.tmaps[0], b.tmaps[1], l.qbias, l.deq, l.bias, tok, M, N, K},
+				func(part driver.DevicePtr, S int) {
+					b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok)
+				})
+			return
+		}
 		if M > b.opt.GEMVMaxRows || forceGEMM { // the int8 tensor cores, 128 × 128 tiles
 			b.raiseSmem("w8a8_mma", w8a8MMASmem)
 			grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
 			// split K: integer partial sums, added exactly by w8a8_sum_splits
-			b.launchSplit("w8a8_mma", grid, w8a8MMASmem, (K+w8a8BK-1)/w8a8BK, d,
+			b.launchSplit("w8a8_mma", grid, block256, w8a8MMASmem, 2*b.sms, (K+w8a8BK-1)/w8a8BK, d,
 				[]any{xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K},
 				func(part driver.DevicePtr, S int) {
 					b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok)
@@ -524,23 +538,25 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 			// dequantized in the registers (gemm_h_q4, gemm_h_q8), other
 			// quantized weights widened to fp16 first
 			a16 := b.scratchBuf("gemm_a16", 2*M*K)
-			name, shm, args := "gemm_h_f16", gemmHSmem, []any{a16, l.w, M, N, K}
-			inRegs := l.gs%gemmHBK == 0 && l.gidx == 0
+			name, widen := gemmHKernel(l)
+			shm, args := gemmHSmem, []any{a16, l.w, M, N, K}
 			switch {
-			case l.kind == kindBF16:
-				name = "gemm_h_bf16"
-			case l.kind == kindQ4 && inRegs:
-				name, shm, args = "gemm_h_q4", gemmHQ4Smem, []any{a16, l.w, l.sz, M, N, K, l.gs, l.groups}
-			case l.kind == kindQ8 && inRegs:
-				name, shm, args = "gemm_h_q8", gemmHQ8Smem, []any{a16, l.w, l.sz, M, N, K, l.gs, l.groups}
-			case l.kind == kindQ4:
+			case name == "gemm_h_q4":
+				shm, args = gemmHQ4Smem, []any{a16, l.w, l.sz, M, N, K, l.gs, l.groups}
+			case name == "gemm_h_q8":
+				shm, args = gemmHQ8Smem, []any{a16, l.w, l.sz, M, N, K, l.gs, l.groups}
+			case widen && l.kind == kindQ4:
 				args[1] = b.scratchBuf("gemm_w16", 2*N*K)
 				b.launch("dequant_h_q4", b.gridFor(N*K/8), block256, args[1], l.w, l.sz, N, K, l.gs, l.groups)
-			case l.kind == kindQ8:
+			case widen:
 				args[1] = b.scratchBuf("gemm_w16", 2*N*K)
 				b.launch("dequant_h_q8", b.gridFor(N*K/8), block256, args[1], l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
 			}
 			b.launch("to_half", b.gridFor(M*K/4), block256, a16, s.p, int64(M*K))
+			if wg := b.wgmmaKernel(name, M); wg != "" {
+				b.launchWG(wg, d, a16, args[1].(driver.DevicePtr), l, M)
+				return
+			}
 			b.raiseSmem(name, shm)
 			b.launchGEMM(name, grid, shm, (K+gemmHBK-1)/gemmHBK, d, args...)
 			return
@@ -558,43 +574,152 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 	b.gemv(s, []gemvSeg{{d, l}}, gemvEpi{})
 }
 
+// gemmHKernel is the gemm_h kernel that multiplies by l's weight (fp16,
+// bf16, 4- or 8-bit) from dequantGEMMMinRows rows on, and whether the
+// weight is widened to fp16 first (quantized weights with groups of part
+// of a K step, or a g_idx: gemm_h_f16 on the widened copy); quantized
+// weights of whole K steps are dequantized in the kernel (gemm_h_q4,
+// gemm_h_q8).
+func gemmHKernel(l *Linear) (name string, widen bool) {
+	inKernel := l.gs%gemmHBK == 0 && l.gidx == 0
+	switch {
+	case l.kind == kindBF16:
+		return "gemm_h_bf16", false
+	case l.kind == kindQ4 && inKernel:
+		return "gemm_h_q4", false
+	case l.kind == kindQ8 && inKernel:
+		return "gemm_h_q8", false
+	}
+	return "gemm_h_f16", l.kind == kindQ4 || l.kind == kindQ8
+}
+
+// wgmmaKernel is the Hopper GEMM that replaces gemm_h kernel name for M
+// activation rows, or "" where there is none: every gemm_h kernel (the
+// widened 4- and 8-bit weights under gemm_h_f16) from dequantGEMMMinRows
+// rows on, where the sm_90a kernels are loaded and not turned off.
+func (b *Backend) wgmmaKernel(name string, M int) string {
+	if !b.wgmma || b.opt.NoWGMMA || M < dequantGEMMMinRows {
+		return ""
+	}
+	if wg, ok := strings.CutPrefix(name, "gemm_h_"); ok {
+		return "gemm_wg_" + wg
+	}
+	return ""
+}
+
+// gemmWGSmem is the dynamic shared memory of Hopper GEMM name (qtool.cu's
+// gw_stage_bytes × GW_STAGES, 10 mbarriers, 1024 bytes to align the ring):
+// a stage holds the A tile (128 rows of 128 bytes) and the W tile as loaded
+// (128 rows of 128 bytes; 4-bit: 32; 8-bit: 64, and 128 {scale, zero}).
+func gemmWGSmem(name string) int {
+	stage := 128 * 128
+	switch name {
+	case "gemm_wg_q4":
+		stage += 128*32 + 128*8
+	case "gemm_wg_q8":
+		stage += 128*64 + 128*8
+	default:
+		stage += 128 * 128
+	}
+	return gemmWGStages*stage + 2*gemmWGStages*8 + 1024
+}
+
+// gemmWGStages is the depth of gemm_wg's ring (GW_STAGES).
+const gemmWGStages = 5
+
+// launchWG launches Hopper GEMM name for l: d[M, N] = a16[M, K] · wᵀ, a16
+// the activations in fp16 and w l's weight (fp16 or bf16 [N, K], 4-bit
+// words [N, K/8], int8 codes [N, K]) or its widening to fp16; K a multiple
+// of 32 (the tensor maps' row pitch a multiple of 16 bytes). 128 × 128
+// tiles of 3 warpgroups, one block a multiprocessor, K split as for the
+// other GEMMs.
+func (b *Backend) launchWG(name string, d *Buf, a16, w driver.DevicePtr, l *Linear, M int) {
+	grid, shm := b.prepareWG(name, a16, w, l, M)
+	gs, G := max(l.gs, gemmHBK), l.groups
+	b.launchGEMMBlocks(name, grid, block384, shm, b.sms, (l.in+gemmHBK-1)/gemmHBK, d, b.tmaps[0], b.tmaps[1], l.sz, M, l.out, l.in, gs, G)
+}
+
+// prepareWG encodes the tensor maps of Hopper GEMM name (b.tmaps[0] over
+// the activations a [M, K]: fp16, int8 for gemm_wg_s8; b.tmaps[1] over the
+// weight w [N, K] of l as the kernel reads it), raises its shared memory
+// limit, and returns its grid (activation tiles first: the blocks running
+// at once share weight tiles) and shared memory.
+func (b *Backend) prepareWG(name string, a, w driver.DevicePtr, l *Linear, M int) (grid [3]uint32, shm int) {
+	N, K := l.out, l.in
+	m := b.tmaps[1]
+	at, aw := uint32(driver.TensorMapFloat16), uint64(2) // activations' type and width
+	switch name {
+	case "gemm_wg_f16", "gemm_wg_bf16":
+		wt := uint32(driver.TensorMapFloat16)
+		if name == "gemm_wg_bf16" {
+			wt = driver.TensorMapBFloat16
+		}
+		b.must(b.drv.EncodeTensorMap2D(m, wt, w, uint64(N), uint64(K), uint64(2*K), 128, 64, driver.TensorMapSwizzle128))
+	case "gemm_wg_q4":
+		b.must(b.drv.EncodeTensorMap2D(m, driver.TensorMapUint32, w, uint64(N), uint64(K/8), uint64(K/2), 128, 8, driver.TensorMapNoSwizzle))
+	case "gemm_wg_q8":
+		b.must(b.drv.EncodeTensorMap2D(m, driver.TensorMapUint8, w, uint64(N), uint64(K), uint64(K), 128, 64, driver.TensorMapNoSwizzle))
+	case "gemm_wg_s8":
+		at, aw = driver.TensorMapUint8, 1
+		b.must(b.drv.EncodeTensorMap2D(m, driver.TensorMapUint8, w, uint64(N), uint64(K), uint64(K), 128, 128, driver.TensorMapSwizzle128))
+	}
+	// a K step is 128 bytes of activations whatever their type
+	b.must(b.drv.EncodeTensorMap2D(b.tmaps[0], at, a, uint64(M), uint64(K), aw*uint64(K), 128, uint32(128/aw), driver.TensorMapSwizzle128))
+	shm = gemmWGSmem(name)
+	b.raiseSmem(name, shm)
+	return [3]uint32{uint32((M + 127) / 128), uint32((N + 127) / 128), 1}, shm
+}
+
+var block384 = [3]uint32{384, 1, 1}
+
 // launchGEMM launches tensor-core GEMM name (output d first, then args) on
 // grid with shm bytes of dynamic shared memory over steps K steps, split
 // over grid.z as gemmSplits says: the splits write their partial products
 // to a scratch buffer and sum_splits adds them into d.
 func (b *Backend) launchGEMM(name string, grid [3]uint32, shm, steps int, d *Buf, args ...any) {
+	b.launchGEMMBlocks(name, grid, block256, shm, 2*b.sms, steps, d, args...)
+}
+
+// launchGEMMBlocks is launchGEMM for blocks of the given size, resident of
+// them on the device at once.
+func (b *Backend) launchGEMMBlocks(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, args ...any) {
 	n := d.n()
-	b.launchSplit(name, grid, shm, steps, d, args, func(part driver.DevicePtr, S int) {
+	b.launchSplit(name, grid, block, shm, resident, steps, d, args, func(part driver.DevicePtr, S int) {
 		b.launch("sum_splits", b.gridFor(n), block256, d.p, part, S, int64(n))
 	})
 }
 
-// launchSplit is launchGEMM with sum, which adds the S splits' partial
+// launchSplit is launchGEMM for blocks of the given size, resident of them
+// on the device at once, with sum, which adds the S splits' partial
 // products (4 bytes a value) at part into d.
-func (b *Backend) launchSplit(name string, grid [3]uint32, shm, steps int, d *Buf, args []any, sum func(part driver.DevicePtr, S int)) {
-	S := gemmSplits(int(grid[0]*grid[1]), steps, b.sms)
+func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, args []any, sum func(part driver.DevicePtr, S int)) {
+	S := gemmSplits(int(grid[0]*grid[1]), steps, resident)
+	if b.maxSplits > 0 {
+		S = min(S, b.maxSplits)
+	}
 	if S == 1 {
-		b.launchShm(name, grid, block256, shm, append([]any{d.p}, args...)...)
+		b.launchShm(name, grid, block, shm, append([]any{d.p}, args...)...)
 		return
 	}
 	part := b.scratchBuf("gemm_part", 4*S*d.n())
 	grid[2] = uint32(S)
-	b.launchShm(name, grid, block256, shm, append([]any{part}, args...)...)
+	b.launchShm(name, grid, block, shm, append([]any{part}, args...)...)
 	sum(part, S)
 }
 
-// gemmSplits is how many ways the tensor-core GEMMs (gemm_h_*, the fused
-// gemm_f32, gemm_q8, gemm_q4, and w8a8_mma) split K for a launch of tiles
-// 128 × 128 tiles and steps K steps: as many as keep the launch within one
-// wave of two blocks a multiprocessor, each split at least
-// gemmSplitMinSteps steps. With few activation rows there are few tiles
+// gemmSplits is how many ways the tensor-core GEMMs (gemm_h_*, gemm_wg_*,
+// the fused gemm_f32, gemm_q8, gemm_q4, and w8a8_mma) split K for a launch
+// of tiles 128 × 128 tiles and steps K steps where resident blocks fit on
+// the device at once (two a multiprocessor, one for gemm_wg_*): as many as
+// keep the launch within one wave, each split at least gemmSplitMinSteps
+// steps. With few activation rows there are few tiles
 // (512 rows of a 4096-row weight: 128; 16 rows: 32), and without the split
 // much of the device would idle. The splits' partial products go through a
 // scratch buffer that sum_splits adds up in order (w8a8_sum_splits:
 // integers), so results stay deterministic; it holds at most 2·SMs tiles
 // of 128 × 128 values (17 MB on 132 multiprocessors).
-func gemmSplits(tiles, steps, sms int) int {
-	return max(1, min(2*sms/tiles, steps/gemmSplitMinSteps))
+func gemmSplits(tiles, steps, resident int) int {
+	return max(1, min(resident/tiles, steps/gemmSplitMinSteps))
 }
 
 // gemmSplitMinSteps is the least number of K steps a GEMM split takes (its

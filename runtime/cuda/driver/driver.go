@@ -92,7 +92,8 @@ type Driver struct {
 	cuFuncSetAttribute          func(f Function, attr int32, v int32) Result
 	cuOccupancyMaxBlocks        func(n *int32, f Function, blockSize int32, dynSmem uint64) Result
 	cuLaunchKernel              func(f Function, gx, gy, gz, bx, by, bz, shmem uint32, s Stream, params *unsafe.Pointer, extra *unsafe.Pointer) Result
-	cuLaunchKernelEx            func(cfg *launchConfig, f Function, params *unsafe.Pointer, extra *unsafe.Pointer) Result // nil before CUDA 12
+	cuLaunchKernelEx            func(cfg *launchConfig, f Function, params *unsafe.Pointer, extra *unsafe.Pointer) Result                                                           // nil before CUDA 12
+	cuTensorMapEncodeTiled      func(m *TensorMap, dtype, rank uint32, addr DevicePtr, dims, strides *uint64, box, elemStrides *uint32, interleave, swizzle, l2, oob uint32) Result // nil before CUDA 12
 	cuMemAlloc                  func(p *DevicePtr, n uint64) Result
 	cuMemFree                   func(p DevicePtr) Result
 	cuMemAllocHost              func(p *unsafe.Pointer, n uint64) Result
@@ -203,6 +204,9 @@ func Open() (*Driver, error) {
 	}
 	if sym, err := purego.Dlsym(lib, "cuLaunchKernelEx"); err == nil {
 		purego.RegisterFunc(&d.cuLaunchKernelEx, sym)
+	}
+	if sym, err := purego.Dlsym(lib, "cuTensorMapEncodeTiled"); err == nil {
+		purego.RegisterFunc(&d.cuTensorMapEncodeTiled, sym)
 	}
 	if err := d.check("cuInit", d.cuInit(0)); err != nil {
 		// A driver library without a usable GPU (a container without the
@@ -410,6 +414,63 @@ func (d *Driver) LaunchDependent(f Function, grid, block [3]uint32, shmem uint32
 	err := d.check("cuLaunchKernelEx", d.cuLaunchKernelEx(&cfg, f, params, nil))
 	runtime.KeepAlive(&attr)
 	return err
+}
+
+// TensorMap is a CUtensorMap: the description of a tensor in device memory
+// that the bulk tensor copy engine (TMA, sm_90) copies tiles of. Kernels
+// take it by value (a 128-byte parameter, 64-byte aligned).
+type TensorMap struct {
+	v [16]uint64
+}
+
+// Ptr is the address of the map's bytes, for a kernel's parameter list.
+func (m *TensorMap) Ptr() unsafe.Pointer { return unsafe.Pointer(&m.v[0]) }
+
+// NewTensorMaps returns n tensor maps at 64-byte aligned addresses, as
+// cuTensorMapEncodeTiled wants them.
+func NewTensorMaps(n int) []*TensorMap {
+	buf := make([]byte, 128*n+64)
+	off := int((64 - uintptr(unsafe.Pointer(&buf[0]))%64) % 64)
+	maps := make([]*TensorMap, n)
+	for i := range maps {
+		maps[i] = (*TensorMap)(unsafe.Pointer(&buf[off+128*i]))
+	}
+	return maps
+}
+
+// CanEncodeTensorMaps reports whether EncodeTensorMap2D is available (a CUDA
+// 12 driver).
+func (d *Driver) CanEncodeTensorMaps() bool { return d.cuTensorMapEncodeTiled != nil }
+
+// Tensor map element types and swizzles (CUtensorMapDataType,
+// CUtensorMapSwizzle).
+const (
+	TensorMapUint8      = 0
+	TensorMapUint32     = 2
+	TensorMapFloat16    = 6
+	TensorMapBFloat16   = 9
+	TensorMapNoSwizzle  = 0
+	TensorMapSwizzle128 = 3
+)
+
+// EncodeTensorMap2D describes the row-major matrix of rows × cols elements
+// of type dtype at p, rows pitch bytes apart, copied in boxes of boxRows ×
+// boxCols with the given swizzle; the parts of a box outside the matrix
+// read as zeros. pitch and a box row's bytes must be multiples of 16, p
+// 16-byte aligned, a box row at most the swizzle span.
+func (d *Driver) EncodeTensorMap2D(m *TensorMap, dtype uint32, p DevicePtr, rows, cols, pitch uint64, boxRows, boxCols uint32, swizzle uint32) error {
+	if d.cuTensorMapEncodeTiled == nil {
+		return fmt.Errorf("cuTensorMapEncodeTiled: the driver predates CUDA 12")
+	}
+	if uintptr(unsafe.Pointer(m))%64 != 0 {
+		return fmt.Errorf("cuTensorMapEncodeTiled: tensor map at %p is not 64-byte aligned", m)
+	}
+	dims := [2]uint64{cols, rows}
+	strides := [1]uint64{pitch}
+	box := [2]uint32{boxCols, boxRows}
+	elem := [2]uint32{1, 1}
+	const l2Promote256 = 3
+	return d.check("cuTensorMapEncodeTiled", d.cuTensorMapEncodeTiled(m, dtype, 2, p, &dims[0], &strides[0], &box[0], &elem[0], 0, swizzle, l2Promote256, 0))
 }
 
 // MemAlloc allocates n bytes of device memory.
