@@ -32,7 +32,7 @@ func benchCommand() *cli.Command {
 			"--synthetic llama2-7b a random-weight model of that shape is generated on the GPU in each --format.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "synthetic", Usage: "random-weight model of this shape: llama2-7b, llama3-8b, tiny (none: kernels only)"},
-			&cli.StringFlag{Name: "format", Value: "w4a16,w8a16,fp16", Usage: "formats of the synthetic model (comma-separated: w4a16, w4a16-act (GPTQ act-order), w8a16, w8a16-pc (per-channel), fp16)"},
+			&cli.StringFlag{Name: "format", Value: "w4a16,w8a16,fp16", Usage: "formats of the synthetic model (comma-separated: w4a16, w4a16-act (GPTQ act-order), w8a16, w8a16-pc (per-channel), w8a8 (static int8 activations), fp16, bf16)"},
 			&cli.IntFlag{Name: "prompt", Value: 512, Usage: "prefill length"},
 			&cli.IntFlag{Name: "decode", Value: 128, Usage: "decode steps"},
 			&cli.StringFlag{Name: "kv-cache", Value: "fp16", Usage: "KV cache element type: fp16 (verify's default on CUDA) or fp32"},
@@ -77,6 +77,9 @@ type kernelResult struct {
 	GBs      float64 `json:"GBps,omitempty"`
 	TFLOPs   float64 `json:"TFLOPs,omitempty"`
 	RatioPct float64 `json:"ratio_pct"` // vs copy bandwidth (GEMV) or our fp16 GEMM (GEMM)
+	// MMASyncTFLOPs: the GEMM on the mma.sync kernels (Options.NoWGMMA),
+	// where the device runs the Hopper ones.
+	MMASyncTFLOPs float64 `json:"mma_sync_TFLOPs,omitempty"`
 }
 
 type modelResult struct {
@@ -224,7 +227,7 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 	for _, sh := range benchShapes {
 		N, K := sh[0], sh[1]
 		var f16Rate float64
-		for _, f := range []string{"fp16", "bf16", "w8a16", "w8a16-pc", "w4a16", "w4a16-act"} {
+		for _, f := range []string{"fp16", "bf16", "w8a8", "w8a16", "w8a16-pc", "w4a16", "w4a16-act"} {
 			w, err := b.UploadLinear("bench", &cuda.Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: seed})
 			if err != nil {
 				return err
@@ -266,13 +269,20 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 			t := b.Time(3, 20, func() { b.MatMul(ym, xm, w) })
 			flops := 2 * float64(M) * float64(N) * float64(K)
 			kr := kernelResult{Kernel: "gemm", Format: f, Shape: fmt.Sprintf("%dx%d", N, K), M: M, Seconds: t, TFLOPs: flops / t / 1e12}
+			mma := ""
+			if b.HasWGMMA() {
+				b.Options().NoWGMMA = true
+				kr.MMASyncTFLOPs = flops / b.Time(3, 20, func() { b.MatMul(ym, xm, w) }) / 1e12
+				b.Options().NoWGMMA = false
+				mma = fmt.Sprintf(" (mma.sync %.1f)", kr.MMASyncTFLOPs)
+			}
 			if f == "fp16" {
 				f16Rate = kr.TFLOPs
 				rep.GEMMF16[kr.Shape] = f16Rate
 			}
 			kr.RatioPct = 100 * kr.TFLOPs / f16Rate
 			rep.Kernels = append(rep.Kernels, kr)
-			fmt.Fprintf(out, "%-8s %-14s %-12s %5d %10.1f %7.1f TFLOP/s %6.1f%% of our fp16 GEMM\n", "gemm", f, kr.Shape, M, t*1e6, kr.TFLOPs, kr.RatioPct)
+			fmt.Fprintf(out, "%-8s %-14s %-12s %5d %10.1f %7.1f TFLOP/s %6.1f%% of our fp16 GEMM%s\n", "gemm", f, kr.Shape, M, t*1e6, kr.TFLOPs, kr.RatioPct, mma)
 			b.Free(xm)
 			b.Free(ym)
 			b.FreeLinear(w)

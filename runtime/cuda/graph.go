@@ -241,6 +241,10 @@ func (b *Backend) SMs() int { return b.sms }
 // Options returns the backend's options; changes apply to later calls.
 func (b *Backend) Options() *Options { return &b.opt }
 
+// HasWGMMA reports whether the Hopper GEMMs (gemm_wg_*) are loaded: a 9.0
+// device with the sm_90a PTX and a driver that encodes tensor maps.
+func (b *Backend) HasWGMMA() bool { return b.wgmma }
+
 // TimeCaptured captures reps calls of f (which queues kernels only: no
 // host transfers) into a graph, replays it and returns the device time per
 // call in seconds: kernel time without host launch overhead.

@@ -103,7 +103,8 @@ func lin(w runtime.Linear) *Linear {
 
 // Synthetic is a random weight or vector generated directly on the device
 // at upload, for benchmarks at real scale without host copies. Format is
-// "fp16", "bf16", "w8a16" (int8, per-group: GPTQ 8-bit, Kuiper int8), "w8a16-pc"
+// "fp16", "bf16", "w8a8" (int8 weights, static int8 activations:
+// SmoothQuant, msmodelslim W8A8), "w8a16" (int8, per-group: GPTQ 8-bit, Kuiper int8), "w8a16-pc"
 // (int8, one group a row: msmodelslim W8A16), "w4a16" (4-bit, per-group,
 // with zeros: AutoAWQ, ak48) or "w4a16-act" (w4a16 in a random act-order:
 // GPTQ desc_act); vectors (1-D) are 1 ± 0.1 noise whatever the format.
@@ -347,6 +348,18 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		l.w = b.alloc(2 * n)
 		b.fill(l.w, n, s.Seed, 6, a)
 		l.bytes = int64(2 * n)
+	case "w8a8":
+		if in%16 != 0 {
+			return nil, fmt.Errorf("cuda: synthetic %s: W8A8 needs a width multiple of 16", name)
+		}
+		l.kind, l.inScale = kindW8A8, 1.0/64
+		l.w = b.alloc(n)
+		b.fill(l.w, n/4, s.Seed, 0, 0)
+		l.qbias = b.alloc(4 * out)
+		b.must(b.drv.MemsetD32Async(l.qbias, 0, uint64(out), b.stream))
+		l.deq = b.alloc(4 * out)
+		b.fill(l.deq, out, s.Seed+1, 2, a/8192)
+		l.bytes = int64(n + 8*out)
 	case "w8a16", "q8", "w8a16-pc":
 		if s.Format == "w8a16-pc" {
 			gs, G = in, 1
@@ -378,7 +391,7 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 			l.bytes += int64(4 * in)
 		}
 	default:
-		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, bf16, w8a16, w8a16-pc, w4a16 or w4a16-act)", name, s.Format)
+		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, bf16, w8a8, w8a16, w8a16-pc, w4a16 or w4a16-act)", name, s.Format)
 	}
 	return l, nil
 }
