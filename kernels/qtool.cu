@@ -2135,24 +2135,25 @@ __device__ __forceinline__ void wgmma_m64n128k16_ra(float (&d)[64], const uint32
 __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 // gw_frags fills f with this thread's A fragments of one K step (f[4kk +
 // r]: register r of k16 step kk) from the W tile at w (and its {scale,
-// zero} at sz) for tile rows ra and ra + 8, t = lane % 4: register 0 holds
-// row ra, k = 16kk + 2t (+1), register 1 row ra + 8, registers 2 and 3 the
-// same at k + 8; each value as gemm_h_body makes it (bf16 rounded to fp16;
-// 4-bit (u − z)·scale in fp16; 8-bit ((float)q − zero)·scale rounded).
+// zero} at sz) for the warp's 16 tile rows from rw: with ra = rw + lane/4
+// and t = lane % 4, register 0 holds row ra, k = 16kk + 2t (+1), register
+// 1 row ra + 8, registers 2 and 3 the same at k + 8; each value as
+// gemm_h_body makes it (bf16 rounded to fp16; 4-bit (u − z)·scale in fp16;
+// 8-bit ((float)q − zero)·scale rounded).
 template <int WK>
-__device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char* w, const float2* sz, int ra, int t) {
+__device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char* w, const float2* sz, int rw, int lane) {
+    int ra = rw + (lane >> 2), t = lane & 3;
     if constexpr (WK == GH_BF16) {
-        // 32-bit word t of 16-byte chunks 2kk and 2kk + 1 of the 128-byte
-        // swizzled rows: chunk c of row r sits at c ^ (r % 8)
+        // ldmatrix: lanes 0-7 / 8-15 / 16-23 / 24-31 address rows 0-7 / 8-15
+        // / 0-7 / 8-15 at 16-byte chunk 2kk / 2kk / 2kk + 1 / 2kk + 1 of the
+        // 128-byte swizzled rows (chunk c of row r sits at c ^ (r % 8))
+        int r = rw + (lane & 15);
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int r = ra + 8 * h;
-            const uint32_t* row = reinterpret_cast<const uint32_t*>(w + r * 128);
+        for (int kk = 0; kk < 4; kk++) {
+            uint32_t v[4];
+            ldmatrix_x4(v, w + r * 128 + (((2 * kk + (lane >> 4)) ^ (r & 7)) << 4));
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                f[4 * kk + h] = bf2_to_h2(row[((2 * kk) ^ (r & 7)) * 4 + t]);
-                f[4 * kk + 2 + h] = bf2_to_h2(row[((2 * kk + 1) ^ (r & 7)) * 4 + t]);
-            }
+            for (int e = 0; e < 4; e++) f[4 * kk + e] = bf2_to_h2(v[e]);
         }
     } else if constexpr (WK == GH_Q4) {
         // the row's 8 words, k 8c..8c+7 in word c; pair t of words 2kk and
@@ -2172,7 +2173,13 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
             }
         }
     } else {
-        // the row's 64 codes; bytes 16kk + 2t (+1) and 16kk + 8 + 2t (+1)
+        // the row's 64 codes; bytes 16kk + 2t (+1) and 16kk + 8 + 2t (+1),
+        // each made a float without a conversion: 2^23 + (q + 128) from the
+        // code's bits with a byte permute, less 2^23 + 128 (exact)
+        uint32_t s0 = 0x7540u + 2 * (t & 1), s1 = s0 + 1;
+        auto deq = [&](uint32_t word, uint32_t sel, float2 sv) {
+            return (__int_as_float(__byte_perm(word, 0x4B000000u, sel)) - 8388736.f - sv.y) * sv.x;
+        };
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             int r = ra + 8 * h;
@@ -2181,10 +2188,9 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
                 uint4 v = q[kk];
-                uint32_t lo = ((t < 2 ? v.x : v.y) >> (16 * (t & 1))) & 0xffffu;
-                uint32_t hi = ((t < 2 ? v.z : v.w) >> (16 * (t & 1))) & 0xffffu;
-                f[4 * kk + h] = pack_h2(((float)(int8_t)(lo & 0xff) - sv.y) * sv.x, ((float)(int8_t)(lo >> 8) - sv.y) * sv.x);
-                f[4 * kk + 2 + h] = pack_h2(((float)(int8_t)(hi & 0xff) - sv.y) * sv.x, ((float)(int8_t)(hi >> 8) - sv.y) * sv.x);
+                uint32_t lo = (t < 2 ? v.x : v.y) ^ 0x80808080u, hi = (t < 2 ? v.z : v.w) ^ 0x80808080u;
+                f[4 * kk + h] = pack_h2(deq(lo, s0, sv), deq(lo, s1, sv));
+                f[4 * kk + 2 + h] = pack_h2(deq(hi, s0, sv), deq(hi, s1, sv));
             }
         }
     }
@@ -2288,7 +2294,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         // dequantized from shared memory into registers, by the 128
         // activation rows from shared memory. The fragments of step i + 1
         // are made while step i's wgmma runs (two register sets).
-        int ra = c * 64 + warp * 16 + (lane >> 2), t = lane & 3;
+        int rw = c * 64 + warp * 16, t = lane & 3;
         float d[64];
 #pragma unroll
         for (int e = 0; e < 64; e++) d[e] = 0.f;
@@ -2296,7 +2302,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         auto frags = [&](int i, uint32_t (&fi)[16]) {
             int s = i % GW_STAGES;
             mbar_wait(full(s), (i / GW_STAGES) & 1);
-            gw_frags<WK>(fi, at(tileW(s)), reinterpret_cast<const float2*>(at(tileS(s))), ra, t);
+            gw_frags<WK>(fi, at(tileW(s)), reinterpret_cast<const float2*>(at(tileS(s))), rw, lane);
         };
         auto step = [&](int i, const uint32_t (&fi)[16]) {
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -2322,7 +2328,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         }
         // accumulator e of n8 chunk j: weight row 16·warp + lane/4 (+8 for
         // e ≥ 2), activation row 8j + 2·(lane % 4) (+1 for odd e)
-        int n = n0 + ra;
+        int n = n0 + rw + (lane >> 2);
 #pragma unroll
         for (int j = 0; j < 16; j++) {
 #pragma unroll
