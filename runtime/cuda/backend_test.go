@@ -271,16 +271,7 @@ func TestMatMul(t *testing.T) {
 				}
 				t.Run(name, func(t *testing.T) {
 					x := randVec(r, M*K, 1)
-					want := make([]float64, M*N)
-					for m := 0; m < M; m++ {
-						for n := 0; n < N; n++ {
-							var s float64
-							for k := 0; k < K; k++ {
-								s += float64(x[m*K+k]) * wf[n*K+k]
-							}
-							want[m*N+n] = s
-						}
-					}
+					want := matmulRef(x, wf, M, N, K)
 					xb := upload(b, M, K, x)
 					y := poisoned(b, M, N)
 					b.MatMul(y, xb, lw)
@@ -323,16 +314,7 @@ func TestGEMMRing(t *testing.T) {
 			name = wc.name + "/" + wg
 		}
 		x := randVec(r, M*K, 1)
-		want := make([]float64, M*N)
-		for m := 0; m < M; m++ {
-			for n := 0; n < N; n++ {
-				var s float64
-				for k := 0; k < K; k++ {
-					s += float64(x[m*K+k]) * wf[n*K+k]
-				}
-				want[m*N+n] = s
-			}
-		}
+		want := matmulRef(x, wf, M, N, K)
 		xb := upload(b, M, K, x)
 		y := poisoned(b, M, N)
 		b.MatMul(y, xb, lw)
@@ -341,6 +323,21 @@ func TestGEMMRing(t *testing.T) {
 		b.Free(y)
 		b.FreeLinear(lw)
 	}
+}
+
+// matmulRef is x[M, K] · w[N, K]ᵀ in float64.
+func matmulRef(x []float32, w []float64, M, N, K int) []float64 {
+	out := make([]float64, M*N)
+	for m := 0; m < M; m++ {
+		for n := 0; n < N; n++ {
+			var s float64
+			for k := 0; k < K; k++ {
+				s += float64(x[m*K+k]) * w[n*K+k]
+			}
+			out[m*N+n] = s
+		}
+	}
+	return out
 }
 
 func TestGemmSplits(t *testing.T) {

@@ -104,10 +104,11 @@ func lin(w runtime.Linear) *Linear {
 // Synthetic is a random weight or vector generated directly on the device
 // at upload, for benchmarks at real scale without host copies. Format is
 // "fp16", "bf16", "w8a8" (int8 weights, static int8 activations:
-// SmoothQuant, msmodelslim W8A8), "w8a16" (int8, per-group: GPTQ 8-bit, Kuiper int8), "w8a16-pc"
-// (int8, one group a row: msmodelslim W8A16), "w4a16" (4-bit, per-group,
-// with zeros: AutoAWQ, ak48) or "w4a16-act" (w4a16 in a random act-order:
-// GPTQ desc_act); vectors (1-D) are 1 ± 0.1 noise whatever the format.
+// SmoothQuant, msmodelslim W8A8), "w8a16" (int8, per-group: GPTQ 8-bit,
+// Kuiper int8), "w8a16-pc" (int8, one group a row: msmodelslim W8A16),
+// "w4a16" (4-bit, per-group, with zeros: AutoAWQ, ak48) or "w4a16-act"
+// (w4a16 in a random act-order: GPTQ desc_act); vectors (1-D) are 1 ± 0.1
+// noise whatever the format.
 type Synthetic struct {
 	Format    string
 	Dims      []int
