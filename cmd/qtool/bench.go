@@ -270,10 +270,10 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 			flops := 2 * float64(M) * float64(N) * float64(K)
 			kr := kernelResult{Kernel: "gemm", Format: f, Shape: fmt.Sprintf("%dx%d", N, K), M: M, Seconds: t, TFLOPs: flops / t / 1e12}
 			mma := ""
-			if b.HasWGMMA() {
-				b.Options().NoWGMMA = true
+			if opt := b.Options(); b.HasWGMMA() && !opt.NoWGMMA {
+				opt.NoWGMMA = true
 				kr.MMASyncTFLOPs = flops / b.Time(3, 20, func() { b.MatMul(ym, xm, w) }) / 1e12
-				b.Options().NoWGMMA = false
+				opt.NoWGMMA = false
 				mma = fmt.Sprintf(" (mma.sync %.1f)", kr.MMASyncTFLOPs)
 			}
 			if f == "fp16" {

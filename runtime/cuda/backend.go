@@ -17,9 +17,11 @@ package cuda
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"os"
 	goruntime "runtime"
+	"slices"
 	"strings"
 	"unsafe"
 
@@ -270,9 +272,9 @@ func kernelNames() []string {
 	return names
 }
 
-// hopperKernels are the kernels only the sm_90a PTX holds (wgmma), looked
-// up where it is loaded.
-var hopperKernels = []string{"gemm_wg_f16", "gemm_wg_bf16", "gemm_wg_q4", "gemm_wg_q8", "gemm_wg_s8"}
+// hopperKernels are the kernels only the sm_90a PTX holds (wgmma: the
+// values of hopperGEMM), looked up where it is loaded.
+var hopperKernels = slices.Sorted(maps.Values(hopperGEMM))
 
 // enter binds the context to the calling thread; call the result when done.
 func (b *Backend) enter() func() {

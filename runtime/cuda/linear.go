@@ -6,7 +6,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
-	"strings"
 	"unsafe"
 
 	"qtool/formats/model"
@@ -509,23 +508,21 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		} else {
 			b.launch("quant_act", b.gridFor(M*K), block256, xq, s.p, int64(M*K), l.inScale, l.inOffset)
 		}
-		if M >= dequantGEMMMinRows && K%16 == 0 && b.wgmma && !b.opt.NoWGMMA { // Hopper: wgmma
-			grid, shm := b.prepareWG("gemm_wg_s8", xq, l.w, l, M)
-			b.launchSplit("gemm_wg_s8", grid, block384, shm, b.sms, (K+127)/128, d, []any{b.tmaps[0], b.tmaps[1], l.qbias, l.deq, l.bias, tok, M, N, K},
-				func(part driver.DevicePtr, S int) {
-					b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok)
-				})
+		// the int8 tensor cores split K into integer partial sums, which
+		// w8a8_sum_splits adds exactly
+		sum := func(part driver.DevicePtr, S int) {
+			b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok)
+		}
+		if wg := b.wgmmaKernel("w8a8_mma", M); wg != "" { // K steps of 128 int8
+			grid, shm := b.prepareWG(wg, xq, l.w, l, M)
+			b.launchSplit(wg, grid, block384, shm, b.sms, (K+127)/128, d, []any{b.tmaps[0], b.tmaps[1], l.qbias, l.deq, l.bias, tok, M, N, K}, sum)
 			return
 		}
-		if M > b.opt.GEMVMaxRows || forceGEMM { // the int8 tensor cores, 128 × 128 tiles
+		if M > b.opt.GEMVMaxRows || forceGEMM { // 128 × 128 tiles
 			b.raiseSmem("w8a8_mma", w8a8MMASmem)
 			grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
-			// split K: integer partial sums, added exactly by w8a8_sum_splits
 			b.launchSplit("w8a8_mma", grid, block256, w8a8MMASmem, 2*b.sms, (K+w8a8BK-1)/w8a8BK, d,
-				[]any{xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K},
-				func(part driver.DevicePtr, S int) {
-					b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok)
-				})
+				[]any{xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K}, sum)
 			return
 		}
 		// dp4a, one warp per output and one block row per activation row:
@@ -553,26 +550,29 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 			// quantized weights widened to fp16 first
 			a16 := b.scratchBuf("gemm_a16", 2*M*K)
 			name, widen := gemmHKernel(l)
-			shm, args := gemmHSmem, []any{a16, l.w, M, N, K}
-			switch {
-			case name == "gemm_h_q4":
-				shm, args = gemmHQ4Smem, []any{a16, l.w, l.sz, M, N, K, l.gs, l.groups}
-			case name == "gemm_h_q8":
-				shm, args = gemmHQ8Smem, []any{a16, l.w, l.sz, M, N, K, l.gs, l.groups}
-			case widen && l.kind == kindQ4:
-				args[1] = b.scratchBuf("gemm_w16", 2*N*K)
-				b.launch("dequant_h_q4", b.gridFor(N*K/8), block256, args[1], l.w, l.sz, N, K, l.gs, l.groups)
-			case widen:
-				args[1] = b.scratchBuf("gemm_w16", 2*N*K)
-				b.launch("dequant_h_q8", b.gridFor(N*K/8), block256, args[1], l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
+			w := l.w
+			if widen {
+				w = b.scratchBuf("gemm_w16", 2*N*K)
+				if l.kind == kindQ4 {
+					b.launch("dequant_h_q4", b.gridFor(N*K/8), block256, w, l.w, l.sz, N, K, l.gs, l.groups)
+				} else {
+					b.launch("dequant_h_q8", b.gridFor(N*K/8), block256, w, l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
+				}
 			}
 			b.launch("to_half", b.gridFor(M*K/4), block256, a16, s.p, int64(M*K))
 			if wg := b.wgmmaKernel(name, M); wg != "" {
-				b.launchWG(wg, d, a16, args[1].(driver.DevicePtr), l, M)
+				b.launchWG(wg, d, a16, w, l, M)
 				return
 			}
+			shm, args := gemmHSmem, []any{a16, w, M, N, K}
+			switch name {
+			case "gemm_h_q4":
+				shm, args = gemmHQ4Smem, []any{a16, w, l.sz, M, N, K, l.gs, l.groups}
+			case "gemm_h_q8":
+				shm, args = gemmHQ8Smem, []any{a16, w, l.sz, M, N, K, l.gs, l.groups}
+			}
 			b.raiseSmem(name, shm)
-			b.launchGEMM(name, grid, shm, (K+gemmHBK-1)/gemmHBK, d, args...)
+			b.launchGEMM(name, grid, block256, shm, 2*b.sms, (K+gemmHBK-1)/gemmHBK, d, args...)
 			return
 		}
 		name := "gemm_f32" // the rest: fused dequantizing loaders
@@ -582,7 +582,7 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		case kindQ4:
 			name = "gemm_q4"
 		}
-		b.launchGEMM(name, grid, 0, K/32, d, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
+		b.launchGEMM(name, grid, block256, 0, 2*b.sms, K/32, d, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
 		return
 	}
 	b.gemv(s, []gemvSeg{{d, l}}, gemvEpi{})
@@ -607,18 +607,19 @@ func gemmHKernel(l *Linear) (name string, widen bool) {
 	return "gemm_h_f16", l.kind == kindQ4 || l.kind == kindQ8
 }
 
-// wgmmaKernel is the Hopper GEMM that replaces gemm_h kernel name for M
-// activation rows, or "" where there is none: every gemm_h kernel (the
-// widened 4- and 8-bit weights under gemm_h_f16) from dequantGEMMMinRows
-// rows on, where the sm_90a kernels are loaded and not turned off.
+// hopperGEMM maps each mma.sync GEMM to the Hopper GEMM that replaces it
+// (the widened 4- and 8-bit weights go under gemm_h_f16).
+var hopperGEMM = map[string]string{"gemm_h_f16": "gemm_wg_f16", "gemm_h_bf16": "gemm_wg_bf16",
+	"gemm_h_q4": "gemm_wg_q4", "gemm_h_q8": "gemm_wg_q8", "w8a8_mma": "gemm_wg_s8"}
+
+// wgmmaKernel is the Hopper GEMM that replaces GEMM name for M activation
+// rows, or "" where there is none: from dequantGEMMMinRows rows on, where
+// the sm_90a kernels are loaded and not turned off.
 func (b *Backend) wgmmaKernel(name string, M int) string {
 	if !b.wgmma || b.opt.NoWGMMA || M < dequantGEMMMinRows {
 		return ""
 	}
-	if wg, ok := strings.CutPrefix(name, "gemm_h_"); ok {
-		return "gemm_wg_" + wg
-	}
-	return ""
+	return hopperGEMM[name]
 }
 
 // gemmWGSmem is the dynamic shared memory of Hopper GEMM name (qtool.cu's
@@ -650,7 +651,7 @@ const gemmWGStages = 5
 func (b *Backend) launchWG(name string, d *Buf, a16, w driver.DevicePtr, l *Linear, M int) {
 	grid, shm := b.prepareWG(name, a16, w, l, M)
 	gs, G := max(l.gs, gemmHBK), l.groups
-	b.launchGEMMBlocks(name, grid, block384, shm, b.sms, (l.in+gemmHBK-1)/gemmHBK, d, b.tmaps[0], b.tmaps[1], l.sz, M, l.out, l.in, gs, G)
+	b.launchGEMM(name, grid, block384, shm, b.sms, (l.in+gemmHBK-1)/gemmHBK, d, b.tmaps[0], b.tmaps[1], l.sz, M, l.out, l.in, gs, G)
 }
 
 // prepareWG encodes the tensor maps of Hopper GEMM name (b.tmaps[0] over
@@ -687,24 +688,18 @@ func (b *Backend) prepareWG(name string, a, w driver.DevicePtr, l *Linear, M int
 var block384 = [3]uint32{384, 1, 1}
 
 // launchGEMM launches tensor-core GEMM name (output d first, then args) on
-// grid with shm bytes of dynamic shared memory over steps K steps, split
-// over grid.z as gemmSplits says: the splits write their partial products
-// to a scratch buffer and sum_splits adds them into d.
-func (b *Backend) launchGEMM(name string, grid [3]uint32, shm, steps int, d *Buf, args ...any) {
-	b.launchGEMMBlocks(name, grid, block256, shm, 2*b.sms, steps, d, args...)
-}
-
-// launchGEMMBlocks is launchGEMM for blocks of the given size, resident of
-// them on the device at once.
-func (b *Backend) launchGEMMBlocks(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, args ...any) {
+// grid with blocks of the given size, resident of them on the device at
+// once, shm bytes of dynamic shared memory and steps K steps, split over
+// grid.z as gemmSplits says: the splits write their partial products to a
+// scratch buffer and sum_splits adds them into d.
+func (b *Backend) launchGEMM(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, args ...any) {
 	n := d.n()
 	b.launchSplit(name, grid, block, shm, resident, steps, d, args, func(part driver.DevicePtr, S int) {
 		b.launch("sum_splits", b.gridFor(n), block256, d.p, part, S, int64(n))
 	})
 }
 
-// launchSplit is launchGEMM for blocks of the given size, resident of them
-// on the device at once, with sum, which adds the S splits' partial
+// launchSplit is launchGEMM with sum, which adds the S splits' partial
 // products (4 bytes a value) at part into d.
 func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, args []any, sum func(part driver.DevicePtr, S int)) {
 	S := gemmSplits(int(grid[0]*grid[1]), steps, resident)
