@@ -105,6 +105,37 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// cp.async (16-byte copies to shared memory, zero-filled where !valid) and
+// its group commit, used by the tensor-core GEMMs (gemm_h_*, w8a8_mma) and
+// attn_tc_f16.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async16_zfill(void* s, const void* g, bool valid) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
+}
+// The same with 8 bytes (the {scale, zero} of a quantized weight row's
+// group in gemm_h_q4/q8).
+__device__ __forceinline__ void cp_async8_zfill(void* s, const void* g, bool valid) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+    int n = valid ? 8 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
+}
+// ldmatrix_x4 loads four 8 × 8 fp16 matrices, lanes 8i..8i+7 addressing
+// the rows of matrix i; lane l receives row l/4, columns 2(l%4) and
+// 2(l%4) + 1 of each. ldmatrix_x4_trans gives the transposed: rows 2(l%4)
+// and 2(l%4) + 1 of column l/4.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
 // ---------------------------------------------------------------------------
 // Elementwise and normalisation.
 
@@ -163,9 +194,11 @@ extern "C" __global__ void embed_q4(float* __restrict__ dst, const uint32_t* __r
     }
 }
 
+// rmsnorm writes row r of RMSNorm(x) to dst, or (dst16 set) rounded to
+// fp16 to dst16: the GEMMs' input (to_half) without an fp32 copy.
 extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restrict__ x,
                                    const float* __restrict__ w, const float* __restrict__ bias,
-                                   int cols, float eps) {
+                                   int cols, float eps, __half* __restrict__ dst16) {
     PDL_ENTRY();
     __shared__ float sh[32];
     int r = blockIdx.x;
@@ -174,11 +207,13 @@ extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restr
     for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
     ss = block_sum(ss, sh);
     float inv = rsqrtf(ss / (float)cols + eps);
-    float* d = dst + (size_t)r * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         float v = xr[c] * inv * w[c];
         if (bias) v += bias[c];
-        d[c] = v;
+        if (dst16)
+            dst16[(size_t)r * cols + c] = __float2half_rn(v);
+        else
+            dst[(size_t)r * cols + c] = v;
     }
 }
 
@@ -206,18 +241,89 @@ extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restri
         x[i] += b[i % cols];
 }
 
+// silu_times is SwiGLU's silu(g)·u, the one formula of silu_mul, the
+// GEMVs' SwiGLU epilogue and the GEMMs' OUT_SWIGLU.
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
+// How a product's results v land in its output C (the out argument of the
+// tensor-core GEMMs, sum_splits and the W8A8 products): stored; added to
+// C (MatMulAdd, as add_inplace); or, with C holding the gate's products
+// and v the up products, silu(C)·v (the SwiGLU, as silu_mul). Splits of K
+// store their partial products and the sum applies out.
+#define OUT_STORE 0
+#define OUT_ADD 1
+#define OUT_SWIGLU 2
+__device__ __forceinline__ float out_val(const float* C, float v, int out) {
+    if (out == OUT_ADD) return *C + v;
+    if (out == OUT_SWIGLU) return silu_times(*C, v);
+    return v;
+}
+// out_tile puts a thread's NU result units of a GEMM tile into C [M, N] by
+// out: unit u is W (1 or 2) values at row m, columns n (and n + 1), from
+// at(u, m, n); raw(u, i) is its value i (of type T) before fin(m, n, raw)
+// (w8a8_out of an integer sum; the identity for the float GEMMs). Stores
+// and adds are unrolled, pairs as one float2 where they can; the SwiGLU,
+// whose expf and division the unrolling would repeat at every value of
+// every GEMM, loads all its gate values first (unrolled: one latency), then
+// finishes in one rolled loop over local arrays.
+template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
+__device__ __forceinline__ void out_tile(float* C, int M, int N, int out, At at, Raw raw, Fin fin) {
+    if (out != OUT_SWIGLU) {
+        bool add = out == OUT_ADD;
+#pragma unroll
+        for (int u = 0; u < NU; u++) {
+            int m, n;
+            at(u, m, n);
+            if (m >= M) continue;
+            float* cp = C + (size_t)m * N + n;
+            float v0 = n < N ? fin(m, n, raw(u, 0)) : 0.f;
+            if (W == 2 && n + 1 < N && (N & 1) == 0) {
+                float v1 = fin(m, n + 1, raw(u, 1));
+                float2 c = add ? *reinterpret_cast<const float2*>(cp) : make_float2(0.f, 0.f);
+                *reinterpret_cast<float2*>(cp) = add ? make_float2(c.x + v0, c.y + v1) : make_float2(v0, v1);
+                continue;
+            }
+            if (n < N) cp[0] = add ? cp[0] + v0 : v0;
+            if (W == 2 && n + 1 < N) {
+                float v1 = fin(m, n + 1, raw(u, 1));
+                cp[1] = add ? cp[1] + v1 : v1;
+            }
+        }
+        return;
+    }
+    T keep[NU][W];
+    float gate[NU][W];
+#pragma unroll
+    for (int u = 0; u < NU; u++) {
+        int m, n;
+        at(u, m, n);
+#pragma unroll
+        for (int i = 0; i < W; i++) {
+            keep[u][i] = raw(u, i);
+            gate[u][i] = m < M && n + i < N ? C[(size_t)m * N + n + i] : 0.f;
+        }
+    }
+#pragma unroll 1
+    for (int u = 0; u < NU; u++) {
+        int m, n;
+        at(u, m, n);
+#pragma unroll
+        for (int i = 0; i < W; i++)
+            if (m < M && n + i < N) C[(size_t)m * N + n + i] = silu_times(gate[u][i], fin(m, n + i, keep[u][i]));
+    }
+}
+// AsIs is out_tile's fin for float results.
+struct AsIs {
+    __device__ __forceinline__ float operator()(int, int, float v) const { return v; }
+};
 extern "C" __global__ void add_inplace(float* __restrict__ dst, const float* __restrict__ x, long long n) {
     PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        dst[i] += x[i];
+        dst[i] = out_val(dst + i, x[i], OUT_ADD);
 }
-
 extern "C" __global__ void silu_mul(float* dst, const float* gate, const float* __restrict__ up, long long n) {
     PDL_ENTRY();
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        float g = gate[i];
-        dst[i] = g / (1.f + expf(-g)) * up[i];
-    }
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = silu_times(gate[i], up[i]);
 }
 
 // Position of row t: pos0 + t, plus *dpos when dpos is set (CUDA graph replay).
@@ -570,77 +676,164 @@ extern "C" __global__ void __launch_bounds__(128) attention_i8(
 }
 
 // Prefill attention on the tensor cores (FlashAttention-2 style) for T ≥
-// a few dozen rows at positions pos0 + t: grid (ceil(T/64), heads), block
-// 128 (4 warps × 16 query rows). q·scale·log2 e and each tile of 64 keys
+// a few dozen rows at positions pos0 + t: grid (heads, ceil(T/64)), block
+// 128 (4 warps × 16 query rows); the query tiles in reverse, so the blocks
+// with the most keys start first. q·scale·log2 e and each tile of 64 keys
 // (an int8 cache dequantized as (q − o)·s first) go to shared memory as
 // fp16 pairs x ≈ hi + lo, and S = Q·Kᵀ is Qhi·Khi + Qlo·Khi + Qhi·Klo on
 // mma.sync m16n8k16 with fp32 accumulators, and O = P·V likewise as
 // Phi·Vhi + Plo·Vhi + Phi·Vlo: near-fp32 results (single fp16 operands give
 // relative errors of ~3e-4, which the int8 activations of a W8A8 model turn
-// into perplexity differences of 1e-3 against the CPU). Causal mask and
-// online softmax in fp32 registers. Head size a multiple of 16, at most
-// 128. Dynamic shared memory: AT_SMEM.
+// into perplexity differences of 1e-3 against the CPU). An fp16 cache has
+// no lo parts: attn_tc_f16 (attn_tc_h_body) copies its tiles unconverted
+// with cp.async, one tile landing while the previous one is multiplied,
+// and leaves out the products with Klo and Vlo (zero), which gives the same
+// sums. Causal mask and online softmax in fp32 registers. Head size a
+// multiple of 32, at most 128. Dynamic shared memory: AT_SMEM.
 #define AT_Q 64
 #define AT_K 64
 #define AT_LD 136  // halfs per row of Ks (128 + 8): also stages Q
 #define AT_VLD 72  // halfs per row of Vt (64 keys + 8)
 #define AT_SMEM ((2 * AT_K * AT_LD + 2 * 128 * AT_VLD) * 2)
+static_assert(4 * AT_K * AT_LD * 2 <= AT_SMEM, "attn_tc_h_body's two K and two V tiles exceed AT_SMEM");
 __device__ __forceinline__ uint2 split_h4(float a, float b, float c, float d, uint2& lo) {
     __half2 h0 = __floats2half2_rn(a, b), h1 = __floats2half2_rn(c, d);
     float2 f0 = __half22float2(h0), f1 = __half22float2(h1);
     lo = make_uint2(pack_h2(a - f0.x, b - f0.y), pack_h2(c - f1.x, d - f1.y));
     return make_uint2(*reinterpret_cast<uint32_t*>(&h0), *reinterpret_cast<uint32_t*>(&h1));
 }
-template <typename KV>
-__device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const float* __restrict__ q,
-                                             const KV* __restrict__ kc, const KV* __restrict__ vc, int T,
-                                             int heads, int kvHeads, int hd, int pos0, float scale, KVQuant kq) {
-    extern __shared__ __align__(16) unsigned char at_smem[];
-    __half (*Ks)[AT_LD] = reinterpret_cast<__half (*)[AT_LD]>(at_smem);
-    __half (*Kl)[AT_LD] = reinterpret_cast<__half (*)[AT_LD]>(at_smem + AT_K * AT_LD * 2);
-    __half (*Vt)[AT_VLD] = reinterpret_cast<__half (*)[AT_VLD]>(at_smem + 2 * AT_K * AT_LD * 2);
-    __half (*Vl)[AT_VLD] = reinterpret_cast<__half (*)[AT_VLD]>(at_smem + (2 * AT_K * AT_LD + 128 * AT_VLD) * 2);
-    int h = blockIdx.y, t0 = blockIdx.x * AT_Q;
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tq = lane & 3;
-    int kvDim = kvHeads * hd, kvh = h / (heads / kvHeads);
-    int nks = hd >> 4, nnt = hd >> 3, c4 = hd >> 2;
-    float sl2 = scale * 1.4426950408889634f;
+typedef __half AtRow[AT_LD];
+// at_q_frags stages the block's 64 query rows from t0 (head h, times
+// scale·log2 e, zeros from row T on) in Qh and Ql as fp16 hi and lo parts
+// and reads the warp's 16 rows from qr back as A fragments (k16 step ks in
+// qa[ks], ql[ks]). It ends with a barrier: Qh and Ql may then be reused.
+__device__ __forceinline__ void at_q_frags(uint32_t (&qa)[8][4], uint32_t (&ql)[8][4], AtRow* Qh, AtRow* Ql,
+                                           const float* __restrict__ q, int t0, int T, int heads, int hd, int h,
+                                           float sl2, int qr) {
+    int tid = threadIdx.x, lane = tid & 31, gid = lane >> 2, tq = lane & 3, c4 = hd >> 2;
     for (int i = tid; i < AT_Q * c4; i += 128) {
         int r = i / c4, c = (i % c4) * 4;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (t0 + r < T) v = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * heads * hd + (size_t)h * hd + c);
         uint2 lo;
-        *reinterpret_cast<uint2*>(&Ks[r][c]) = split_h4(v.x * sl2, v.y * sl2, v.z * sl2, v.w * sl2, lo);
-        *reinterpret_cast<uint2*>(&Kl[r][c]) = lo;
+        *reinterpret_cast<uint2*>(&Qh[r][c]) = split_h4(v.x * sl2, v.y * sl2, v.z * sl2, v.w * sl2, lo);
+        *reinterpret_cast<uint2*>(&Ql[r][c]) = lo;
     }
     __syncthreads();
-    int qr = warp * 16;
-    uint32_t qa[8][4], ql[8][4];
 #pragma unroll
     for (int ks = 0; ks < 8; ks++) {
-        if (ks < nks) {
+        if (ks < (hd >> 4)) {
             int k0 = ks * 16 + 2 * tq;
-            qa[ks][0] = *reinterpret_cast<const uint32_t*>(&Ks[qr + gid][k0]);
-            qa[ks][1] = *reinterpret_cast<const uint32_t*>(&Ks[qr + gid + 8][k0]);
-            qa[ks][2] = *reinterpret_cast<const uint32_t*>(&Ks[qr + gid][k0 + 8]);
-            qa[ks][3] = *reinterpret_cast<const uint32_t*>(&Ks[qr + gid + 8][k0 + 8]);
-            ql[ks][0] = *reinterpret_cast<const uint32_t*>(&Kl[qr + gid][k0]);
-            ql[ks][1] = *reinterpret_cast<const uint32_t*>(&Kl[qr + gid + 8][k0]);
-            ql[ks][2] = *reinterpret_cast<const uint32_t*>(&Kl[qr + gid][k0 + 8]);
-            ql[ks][3] = *reinterpret_cast<const uint32_t*>(&Kl[qr + gid + 8][k0 + 8]);
+            qa[ks][0] = *reinterpret_cast<const uint32_t*>(&Qh[qr + gid][k0]);
+            qa[ks][1] = *reinterpret_cast<const uint32_t*>(&Qh[qr + gid + 8][k0]);
+            qa[ks][2] = *reinterpret_cast<const uint32_t*>(&Qh[qr + gid][k0 + 8]);
+            qa[ks][3] = *reinterpret_cast<const uint32_t*>(&Qh[qr + gid + 8][k0 + 8]);
+            ql[ks][0] = *reinterpret_cast<const uint32_t*>(&Ql[qr + gid][k0]);
+            ql[ks][1] = *reinterpret_cast<const uint32_t*>(&Ql[qr + gid + 8][k0]);
+            ql[ks][2] = *reinterpret_cast<const uint32_t*>(&Ql[qr + gid][k0 + 8]);
+            ql[ks][3] = *reinterpret_cast<const uint32_t*>(&Ql[qr + gid + 8][k0 + 8]);
         }
     }
+    __syncthreads();
+}
+// AtState is a warp's running softmax over the key tiles: this thread's
+// outputs o (n8 column chunk nt of rows lo = row gid and hi = gid + 8),
+// maxima m and sums l of its two rows.
+struct AtState {
     float o[16][4];
+    float m0, m1, l0, l1;
+    __device__ __forceinline__ AtState() : m0(-INFINITY), m1(-INFINITY), l0(0.f), l1(0.f) {
 #pragma unroll
-    for (int nt = 0; nt < 16; nt++)
+        for (int nt = 0; nt < 16; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) o[nt][e] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+            for (int e = 0; e < 4; e++) o[nt][e] = 0.f;
+    }
+    // rescale masks the scores sc of keys j0..j0 + 63 after positions plo and
+    // phi (this thread's rows) and moves m, l and o to the new maxima.
+    __device__ __forceinline__ void rescale(float (&sc)[8][4], int j0, int plo, int phi) {
+        int tq = threadIdx.x & 3;
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int key = j0 + nt * 8 + 2 * tq + e;
+                if (key > plo) sc[nt][e] = -INFINITY;
+                if (key > phi) sc[nt][2 + e] = -INFINITY;
+                mx0 = fmaxf(mx0, sc[nt][e]);
+                mx1 = fmaxf(mx1, sc[nt][2 + e]);
+            }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 2));
+        // key 0 is in the first tile and visible to every row: mx is finite
+        float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+        m0 = mx0;
+        m1 = mx1;
+        l0 *= c0;
+        l1 *= c1;
+#pragma unroll
+        for (int nt = 0; nt < 16; nt++) {
+            o[nt][0] *= c0; o[nt][1] *= c0;
+            o[nt][2] *= c1; o[nt][3] *= c1;
+        }
+    }
+    // probs makes P's 16 keys of step kk (16kk..16kk + 15 of the tile) A
+    // fragments, hi in pa and lo in pl, and adds them to l.
+    __device__ __forceinline__ void probs(const float (&sc)[8][4], int kk, uint32_t (&pa)[4], uint32_t (&pl)[4]) {
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            int nt = 2 * kk + u;
+            float p0 = exp2f(sc[nt][0] - m0), p1 = exp2f(sc[nt][1] - m0);
+            float p2 = exp2f(sc[nt][2] - m1), p3 = exp2f(sc[nt][3] - m1);
+            l0 += p0 + p1;
+            l1 += p2 + p3;
+            uint2 lo;
+            uint2 hi = split_h4(p0, p1, p2, p3, lo);
+            pa[2 * u] = hi.x; pa[2 * u + 1] = hi.y;
+            pl[2 * u] = lo.x; pl[2 * u + 1] = lo.y;
+        }
+    }
+    // store writes o/l for the rows tlo and tlo + 8 below T of head h.
+    __device__ __forceinline__ void store(float* __restrict__ dst, int tlo, int T, int heads, int hd, int h) {
+        int tq = threadIdx.x & 3, thi = tlo + 8;
+        l0 += __shfl_xor_sync(FULL, l0, 1);
+        l0 += __shfl_xor_sync(FULL, l0, 2);
+        l1 += __shfl_xor_sync(FULL, l1, 1);
+        l1 += __shfl_xor_sync(FULL, l1, 2);
+#pragma unroll
+        for (int nt = 0; nt < 16; nt++) {
+            if (nt < (hd >> 3)) {
+                int d = nt * 8 + 2 * tq;
+                if (tlo < T) *reinterpret_cast<float2*>(dst + (size_t)tlo * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][0] / l0, o[nt][1] / l0);
+                if (thi < T) *reinterpret_cast<float2*>(dst + (size_t)thi * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][2] / l1, o[nt][3] / l1);
+            }
+        }
+    }
+};
+template <typename KV>
+__device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const float* __restrict__ q,
+                                             const KV* __restrict__ kc, const KV* __restrict__ vc, int T,
+                                             int heads, int kvHeads, int hd, int pos0, float scale, KVQuant kq) {
+    extern __shared__ __align__(16) unsigned char at_smem[];
+    AtRow* Ks = reinterpret_cast<AtRow*>(at_smem);
+    AtRow* Kl = reinterpret_cast<AtRow*>(at_smem + AT_K * AT_LD * 2);
+    __half (*Vt)[AT_VLD] = reinterpret_cast<__half (*)[AT_VLD]>(at_smem + 2 * AT_K * AT_LD * 2);
+    __half (*Vl)[AT_VLD] = reinterpret_cast<__half (*)[AT_VLD]>(at_smem + (2 * AT_K * AT_LD + 128 * AT_VLD) * 2);
+    int h = blockIdx.x, t0 = (gridDim.y - 1 - blockIdx.y) * AT_Q;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tq = lane & 3;
+    int kvDim = kvHeads * hd, kvh = h / (heads / kvHeads);
+    int nks = hd >> 4, nnt = hd >> 3, c4 = hd >> 2;
+    int qr = warp * 16;
+    uint32_t qa[8][4], ql[8][4];
+    at_q_frags(qa, ql, Ks, Kl, q, t0, T, heads, hd, h, scale * 1.4426950408889634f, qr);
+    AtState st;
     int plo = pos0 + t0 + qr + gid, phi = plo + 8;  // this thread's two rows
     int wlast = pos0 + t0 + qr + 15;                // the warp's last row
     int last = pos0 + min(T, t0 + AT_Q) - 1;        // the block's last key
     for (int j0 = 0; j0 <= last; j0 += AT_K) {
-        __syncthreads();  // Q staging or the previous tile consumed
+        if (j0 > 0) __syncthreads();  // the previous tile consumed
         for (int i = tid; i < AT_K * c4; i += 128) {
             int r = i % AT_K, c = (i / AT_K) * 4, j = j0 + r;
             float kx[8], vx[8];
@@ -692,48 +885,11 @@ __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const floa
                 }
             }
         }
-        float mx0 = m0, mx1 = m1;
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                int key = j0 + nt * 8 + 2 * tq + e;
-                if (key > plo) sc[nt][e] = -INFINITY;
-                if (key > phi) sc[nt][2 + e] = -INFINITY;
-                mx0 = fmaxf(mx0, sc[nt][e]);
-                mx1 = fmaxf(mx1, sc[nt][2 + e]);
-            }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 2));
-        // key 0 is in the first tile and visible to every row: mx is finite
-        float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
-        m0 = mx0;
-        m1 = mx1;
-        l0 *= c0;
-        l1 *= c1;
-#pragma unroll
-        for (int nt = 0; nt < 16; nt++) {
-            o[nt][0] *= c0; o[nt][1] *= c0;
-            o[nt][2] *= c1; o[nt][3] *= c1;
-        }
+        st.rescale(sc, j0, plo, phi);
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            // P's 16 keys of this step as A fragments, hi and lo
             uint32_t pa[4], pl[4];
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                int nt = 2 * kk + u;
-                float p0 = exp2f(sc[nt][0] - m0), p1 = exp2f(sc[nt][1] - m0);
-                float p2 = exp2f(sc[nt][2] - m1), p3 = exp2f(sc[nt][3] - m1);
-                l0 += p0 + p1;
-                l1 += p2 + p3;
-                uint2 lo;
-                uint2 hi = split_h4(p0, p1, p2, p3, lo);
-                pa[2 * u] = hi.x; pa[2 * u + 1] = hi.y;
-                pl[2 * u] = lo.x; pl[2 * u + 1] = lo.y;
-            }
+            st.probs(sc, kk, pa, pl);
 #pragma unroll
             for (int nt = 0; nt < 16; nt++) {
                 if (nt < nnt) {
@@ -741,26 +897,104 @@ __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const floa
                     uint32_t b1 = *reinterpret_cast<const uint32_t*>(&Vt[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
                     uint32_t c0 = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq]);
                     uint32_t c1 = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
-                    mma16816(o[nt], pl, b0, b1);
-                    mma16816(o[nt], pa, c0, c1);
-                    mma16816(o[nt], pa, b0, b1);
+                    mma16816(st.o[nt], pl, b0, b1);
+                    mma16816(st.o[nt], pa, c0, c1);
+                    mma16816(st.o[nt], pa, b0, b1);
                 }
             }
         }
     }
-    l0 += __shfl_xor_sync(FULL, l0, 1);
-    l0 += __shfl_xor_sync(FULL, l0, 2);
-    l1 += __shfl_xor_sync(FULL, l1, 1);
-    l1 += __shfl_xor_sync(FULL, l1, 2);
-    int tlo = t0 + qr + gid, thi = tlo + 8;
-#pragma unroll
-    for (int nt = 0; nt < 16; nt++) {
-        if (nt < nnt) {
-            int d = nt * 8 + 2 * tq;
-            if (tlo < T) *reinterpret_cast<float2*>(dst + (size_t)tlo * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][0] / l0, o[nt][1] / l0);
-            if (thi < T) *reinterpret_cast<float2*>(dst + (size_t)thi * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][2] / l1, o[nt][3] / l1);
+    st.store(dst, t0 + qr + gid, T, heads, hd, h);
+}
+// attn_tc_h_body is attn_tc_body for an fp16 cache: K and V tiles of 64
+// keys, two buffers each (rows of AT_LD halfs, the values untransposed: the
+// B fragments of P·V come from ldmatrix .trans), copied with cp.async
+// (zeros past the block's last key, so masked probabilities meet zeros,
+// not stale values); Q staged in the second buffers before the first tile.
+__device__ __forceinline__ void attn_tc_h_body(float* __restrict__ dst, const float* __restrict__ q,
+                                               const __half* __restrict__ kc, const __half* __restrict__ vc, int T,
+                                               int heads, int kvHeads, int hd, int pos0, float scale) {
+    extern __shared__ __align__(16) unsigned char at_smem[];
+    AtRow* Ks = reinterpret_cast<AtRow*>(at_smem);  // [2][AT_K], then V likewise
+    AtRow* Vs = Ks + 2 * AT_K;
+    int h = blockIdx.x, t0 = (gridDim.y - 1 - blockIdx.y) * AT_Q;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2;
+    int kvDim = kvHeads * hd, kvh = h / (heads / kvHeads);
+    int nks = hd >> 4, nnt = hd >> 3, c8 = hd >> 3;
+    int last = pos0 + min(T, t0 + AT_Q) - 1;  // the block's last key
+    int tiles = last / AT_K + 1;
+    auto load = [&](int jt) {
+        AtRow *K = Ks + (jt & 1) * AT_K, *V = Vs + (jt & 1) * AT_K;
+        for (int i = tid; i < AT_K * c8; i += 128) {
+            int r = i / c8, c = (i % c8) * 8, j = jt * AT_K + r;
+            bool v = j <= last;
+            size_t off = (size_t)(v ? j : 0) * kvDim + (size_t)kvh * hd + c;
+            cp_async16_zfill(&K[r][c], kc + off, v);
+            cp_async16_zfill(&V[r][c], vc + off, v);
         }
+        cp_async_commit();
+    };
+    load(0);
+    int qr = warp * 16;
+    uint32_t qa[8][4], ql[8][4];
+    at_q_frags(qa, ql, Ks + AT_K, Vs + AT_K, q, t0, T, heads, hd, h, scale * 1.4426950408889634f, qr);
+    AtState st;
+    int plo = pos0 + t0 + qr + gid, phi = plo + 8;  // this thread's two rows
+    int wlast = pos0 + t0 + qr + 15;                // the warp's last row
+    for (int jt = 0; jt < tiles; jt++) {
+        if (jt + 1 < tiles) {
+            load(jt + 1);
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        }
+        __syncthreads();  // tile jt landed for every thread's copies
+        int j0 = jt * AT_K;
+        const AtRow *K = Ks + (jt & 1) * AT_K, *V = Vs + (jt & 1) * AT_K;
+        if (j0 <= wlast) {  // else every key of the tile is after this warp's rows
+            float sc[8][4];
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sc[nt][e] = 0.f;
+            // b: K rows 8nt..8nt + 7 at dims 16ks.. (b[0], b[1]) and
+            // 16(ks + 1).. (b[2], b[3])
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int ks = 0; ks < 8; ks += 2) {
+                    if (ks < nks) {
+                        uint32_t b[4];
+                        ldmatrix_x4(b, &K[nt * 8 + (lane & 7)][(2 * ks + (lane >> 3)) * 8]);
+                        mma16816(sc[nt], ql[ks], b[0], b[1]);
+                        mma16816(sc[nt], qa[ks], b[0], b[1]);
+                        mma16816(sc[nt], ql[ks + 1], b[2], b[3]);
+                        mma16816(sc[nt], qa[ks + 1], b[2], b[3]);
+                    }
+                }
+            st.rescale(sc, j0, plo, phi);
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                uint32_t pa[4], pl[4];
+                st.probs(sc, kk, pa, pl);
+                // b: keys 16kk..16kk + 15 of dims 8nt.. (b[0], b[1]) and
+                // 8(nt + 1).. (b[2], b[3]), transposed
+#pragma unroll
+                for (int nt = 0; nt < 16; nt += 2) {
+                    if (nt < nnt) {
+                        uint32_t b[4];
+                        ldmatrix_x4_trans(b, &V[kk * 16 + (lane & 15)][(nt + (lane >> 4)) * 8]);
+                        mma16816(st.o[nt], pl, b[0], b[1]);
+                        mma16816(st.o[nt], pa, b[0], b[1]);
+                        mma16816(st.o[nt + 1], pl, b[2], b[3]);
+                        mma16816(st.o[nt + 1], pa, b[2], b[3]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // tile jt consumed before its buffers take tile jt + 2
     }
+    st.store(dst, t0 + qr + gid, T, heads, hd, h);
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const float* q, const float* kc, const float* vc,
                                                           int T, int heads, int kvHeads, int hd, int pos0, float scale) {
@@ -770,7 +1004,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const floa
 extern "C" __global__ void __launch_bounds__(128) attn_tc_f16(float* dst, const float* q, const __half* kc, const __half* vc,
                                                               int T, int heads, int kvHeads, int hd, int pos0, float scale) {
     PDL_ENTRY();
-    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, KVQuant{});
+    attn_tc_h_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale);
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const float* q, const int8_t* kc, const int8_t* vc,
                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale,
@@ -1449,7 +1683,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         if (lane == r) upv = acc[r + R / 2];
     float* yp = y + (size_t)m * N + n0 + lane;
     if (swiglu) {
-        if (lane < R / 2 && n0 + lane < N) *yp = mine / (1.f + expf(-mine)) * upv;  // as silu_mul
+        if (lane < R / 2 && n0 + lane < N) *yp = silu_times(mine, upv);
     } else {
         float v = mode == GEMV_ADD ? yold + mine : mine;
         bool own = lane < R && n0 + lane < N;
@@ -1480,23 +1714,6 @@ GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2)
 GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2)
 GEMVW_ENTRY(gemv_q4_w2h_n, 2, 4, true, 2)
 GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2)
-
-// ---------------------------------------------------------------------------
-// cp.async (16-byte copies to shared memory, zero-filled where !valid) and
-// its group commit, used by the tensor-core GEMMs (gemm_h_*, w8a8_mma).
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async16_zfill(void* s, const void* g, bool valid) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
-}
-// The same with 8 bytes (the {scale, zero} of a quantized weight row's
-// group in gemm_h_q4/q8).
-__device__ __forceinline__ void cp_async8_zfill(void* s, const void* g, bool valid) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
-    int n = valid ? 8 : 0;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
-}
 
 // ---------------------------------------------------------------------------
 // Tensor-core GEMM: C[M, N] = A[M, K] (fp32, rounded to fp16) · W[N, K]ᵀ with
@@ -1596,15 +1813,9 @@ __device__ __forceinline__ void b_convert(const BRaw& r, const WArgs& wa, int n,
     o1 = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
 template <int WT>
 __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __restrict__ A, WArgs wa,
-                                          int M, int N, int K, int kt0, int kt1) {
+                                          int M, int N, int K, int kt0, int kt1, int out) {
     __shared__ __align__(16) __half As[2][BM][SPAD];
     __shared__ __align__(16) __half Bs[2][BN][SPAD];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1673,25 +1884,16 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
         if (kt + 1 < kt1) store(cur ^ 1, (kt + 1) * BK);
         __syncthreads();
     }
+    // unit u = (4i + j)·2 + hh: row gid (+8 for hh) of m16 tile i, columns
+    // 2·tq, 2·tq + 1 of n8 tile j
     int gid = lane >> 2, tq = lane & 3;
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            int n = n0 + wn * 32 + j * 8 + tq * 2;
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++) {
-                int m = m0 + wm * 64 + i * 16 + gid + hh * 8;
-                if (m >= M) continue;
-                float* cp = C + (size_t)m * N + n;
-                if (n + 1 < N && (N & 1) == 0) {
-                    *reinterpret_cast<float2*>(cp) = make_float2(acc[i][j][2 * hh], acc[i][j][2 * hh + 1]);
-                } else {
-                    if (n < N) cp[0] = acc[i][j][2 * hh];
-                    if (n + 1 < N) cp[1] = acc[i][j][2 * hh + 1];
-                }
-            }
-        }
+    out_tile<32, 2, float>(
+        C, M, N, out,
+        [&](int u, int& m, int& n) {
+            m = m0 + wm * 64 + (u >> 3) * 16 + gid + (u & 1) * 8;
+            n = n0 + wn * 32 + ((u >> 1) & 3) * 8 + tq * 2;
+        },
+        [&](int u, int e) { return acc[u >> 3][(u >> 1) & 3][2 * (u & 1) + e]; }, AsIs{});
 }
 
 // Multistage fp16 tensor-core GEMM for dense fp16/bf16 weights and, in
@@ -1798,7 +2000,7 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
 template <int WK>
 __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half* __restrict__ A, const void* __restrict__ W,
                                             const float2* __restrict__ sz, int M, int N, int K, int gs, int G, int kt0,
-                                            int kt1) {
+                                            int kt1, int out) {
     extern __shared__ __align__(16) unsigned char gh_smem[];
     __half (*As)[BM][GH_LD] = reinterpret_cast<__half (*)[BM][GH_LD]>(gh_smem);
     __half (*Bs)[BN][GH_LD] = reinterpret_cast<__half (*)[BN][GH_LD]>(gh_smem + GH_STAGES * BM * GH_LD * 2);
@@ -1935,50 +2137,45 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
         }
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    // unit u = (4i + j)·2 + hh: row gid (+8 for hh) of m16 tile i, columns
+    // 2·tq, 2·tq + 1 of n8 tile j
     int gid = lane >> 2, tq = lane & 3;
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            int n = n0 + wn * 32 + j * 8 + tq * 2;
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++) {
-                int m = m0 + wm * 64 + i * 16 + gid + hh * 8;
-                if (m >= M) continue;
-                float* cp = C + (size_t)m * N + n;
-                if (n + 1 < N && (N & 1) == 0) {
-                    *reinterpret_cast<float2*>(cp) = make_float2(acc[i][j][2 * hh], acc[i][j][2 * hh + 1]);
-                } else {
-                    if (n < N) cp[0] = acc[i][j][2 * hh];
-                    if (n + 1 < N) cp[1] = acc[i][j][2 * hh + 1];
-                }
-            }
-        }
+    out_tile<32, 2, float>(
+        C, M, N, out,
+        [&](int u, int& m, int& n) {
+            m = m0 + wm * 64 + (u >> 3) * 16 + gid + (u & 1) * 8;
+            n = n0 + wn * 32 + ((u >> 1) & 3) * 8 + tq * 2;
+        },
+        [&](int u, int e) { return acc[u >> 3][(u >> 1) & 3][2 * (u & 1) + e]; }, AsIs{});
 }
 // Split z of gridDim.z takes an equal share of the K steps and writes its
-// partial product to C + z·M·N (sum_splits adds them up; see GEMM_ENTRY).
+// partial product to C + z·M·N (sum_splits adds them up and applies out;
+// see GEMM_ENTRY); an unsplit launch applies out itself.
+#define SPLIT_OUT (gridDim.z > 1 ? OUT_STORE : out)
 #define GEMM_H_SPLIT(WK, W, sz, gs, G)                                                                           \
     PDL_ENTRY();                                                                                                 \
     int nk = (K + GH_BK - 1) / GH_BK, per = (nk + gridDim.z - 1) / gridDim.z;                                    \
     int kt0 = min(nk, (int)blockIdx.z * per);                                                                    \
-    gemm_h_body<WK>(C + (size_t)blockIdx.z * M * N, A, W, sz, M, N, K, gs, G, kt0, min(nk, kt0 + per));
+    gemm_h_body<WK>(C + (size_t)blockIdx.z * M * N, A, W, sz, M, N, K, gs, G, kt0, min(nk, kt0 + per), SPLIT_OUT);
 #define GEMM_H_ENTRY(name, WK)                                                                                   \
     extern "C" __global__ void __launch_bounds__(256, 2) name(float* C, const __half* A, const uint16_t* W, int M, \
-                                                              int N, int K) {                                    \
+                                                              int N, int K, int out) {                           \
         GEMM_H_SPLIT(WK, W, nullptr, GH_BK, 0)                                                                   \
     }
 GEMM_H_ENTRY(gemm_h_f16, GH_F16)
 GEMM_H_ENTRY(gemm_h_bf16, GH_BF16)
-// gemm_h_q4(C, A16, W, sz, M, N, K, gs, G): the 4-bit weight fused (no
-// widening pass); gs % GH_BK == 0, dynamic shared memory GHQ_SMEM.
+// gemm_h_q4(C, A16, W, sz, M, N, K, gs, G, out): the 4-bit weight fused
+// (no widening pass); gs % GH_BK == 0, dynamic shared memory GHQ_SMEM.
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q4(float* C, const __half* A, const uint32_t* W,
-                                                               const float2* sz, int M, int N, int K, int gs, int G) {
+                                                               const float2* sz, int M, int N, int K, int gs, int G,
+                                                               int out) {
     GEMM_H_SPLIT(GH_Q4, W, sz, gs, G)
 }
-// gemm_h_q8(C, A16, W, sz, M, N, K, gs, G): the 8-bit weight fused; gs %
-// GH_BK == 0, no g_idx, dynamic shared memory GHQ8_SMEM.
+// gemm_h_q8(C, A16, W, sz, M, N, K, gs, G, out): the 8-bit weight fused;
+// gs % GH_BK == 0, no g_idx, dynamic shared memory GHQ8_SMEM.
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q8(float* C, const __half* A, const int8_t* W,
-                                                               const float2* sz, int M, int N, int K, int gs, int G) {
+                                                               const float2* sz, int M, int N, int K, int gs, int G,
+                                                               int out) {
     GEMM_H_SPLIT(GH_Q8, W, sz, gs, G)
 }
 
@@ -2178,11 +2375,11 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
     }
 }
 // GH_S8: A and W int8 tiles of 128 rows of 128 codes a K step, the
-// integer sums handed to epi(m, n, sum).
+// integer sums handed to epi(at, raw) as out_tile takes them.
 template <int WK, typename Epi>
 __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap* mapA, const TmaMap* mapW,
                                              const float2* __restrict__ sz, int M, int N, int gs, int G, int kt0,
-                                             int kt1, Epi epi) {
+                                             int kt1, int out, Epi epi) {
     constexpr int SB = gw_stage_bytes<WK>();
     constexpr int BKE = WK == GH_S8 ? 128 : GW_BK;  // elements of a K step
     constexpr bool QUANT = WK == GH_Q4 || WK == GH_Q8;
@@ -2249,28 +2446,17 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         // accumulator e of n8 chunk j: activation row 16·warp + lane/4 (+8
         // for e ≥ 2), weight row 8j + 2·(lane % 4) (+1 for odd e)
+        // (unit u = 2j + h)
         int r = m0 + c * 64 + warp * 16 + (lane >> 2);
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            int n = n0 + j * 8 + 2 * (lane & 3);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                int m = r + 8 * h;
-                if (m >= M) continue;
-                if constexpr (WK == GH_S8) {
-                    if (n < N) epi(m, n, d[4 * j + 2 * h]);
-                    if (n + 1 < N) epi(m, n + 1, d[4 * j + 2 * h + 1]);
-                    continue;
-                }
-                float* cp = C + (size_t)m * N + n;
-                if (n + 1 < N && (N & 1) == 0) {
-                    *reinterpret_cast<float2*>(cp) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-                } else {
-                    if (n < N) cp[0] = d[4 * j + 2 * h];
-                    if (n + 1 < N) cp[1] = d[4 * j + 2 * h + 1];
-                }
-            }
-        }
+        auto at = [&](int u, int& m, int& n) {
+            m = r + 8 * (u & 1);
+            n = n0 + (u >> 1) * 8 + 2 * (lane & 3);
+        };
+        auto raw = [&](int u, int e) { return d[4 * (u >> 1) + 2 * (u & 1) + e]; };
+        if constexpr (WK == GH_S8)
+            epi(at, raw);
+        else
+            out_tile<32, 2, float>(C, M, N, out, at, raw, AsIs{});
     } else {
         // Dᵀ = W · Aᵀ: the 64 weight rows of warpgroup c, widened or
         // dequantized from shared memory into registers, by the 128
@@ -2310,18 +2496,17 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         }
         // accumulator e of n8 chunk j: weight row 16·warp + lane/4 (+8 for
         // e ≥ 2), activation row 8j + 2·(lane % 4) (+1 for odd e)
-        int n = n0 + rw + (lane >> 2);
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int m = m0 + j * 8 + 2 * t + (e & 1), nn = n + 8 * (e >> 1);
-                if (m < M && nn < N) C[(size_t)m * N + nn] = d[4 * j + e];
-            }
-        }
+        // (unit u = 4j + e)
+        out_tile<64, 1, float>(
+            C, M, N, out,
+            [&](int u, int& m, int& n) {
+                m = m0 + (u >> 2) * 8 + 2 * t + (u & 1);
+                n = n0 + rw + (lane >> 2) + 8 * ((u >> 1) & 1);
+            },
+            [&](int u, int) { return d[u]; }, AsIs{});
     }
 }
-// name(C, mapA, mapW, sz, M, N, K, gs, G): mapA over the fp16 activations
+// name(C, mapA, mapW, sz, M, N, K, gs, G, out): mapA over the fp16 activations
 // [M, K], mapW over the weight (fp16 or bf16 [N, K]; GH_Q4: the words
 // [N, K/8]; GH_Q8: the codes [N, K]), sz and the group size gs (a multiple
 // of GW_BK) and count G of the quantized kinds; dynamic shared memory
@@ -2329,11 +2514,12 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
 #define GEMM_WG_ENTRY(name, WK)                                                                                  \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \
-             int M, int N, int K, int gs, int G) {                                                               \
+             int M, int N, int K, int gs, int G, int out) {                                                      \
         PDL_ENTRY();                                                                                             \
         int nk = (K + GW_BK - 1) / GW_BK, per = (nk + gridDim.z - 1) / gridDim.z;                                \
         int kt0 = min(nk, (int)blockIdx.z * per);                                                                \
-        gemm_wg_body<WK>(C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, M, N, gs, G, kt0, min(nk, kt0 + per), 0); \
+        gemm_wg_body<WK>(C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, M, N, gs, G, kt0, min(nk, kt0 + per), \
+                         SPLIT_OUT, 0);                                                                          \
     }
 GEMM_WG_ENTRY(gemm_wg_f16, GH_F16)
 GEMM_WG_ENTRY(gemm_wg_bf16, GH_BF16)
@@ -2348,24 +2534,26 @@ GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
 #define GEMM_ENTRY(name, WT)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) name(float* C, const float* A, const void* W,              \
                                                            const float2* sz, const int* gidx, int M, int N,      \
-                                                           int K, int gs, int G) {                               \
+                                                           int K, int gs, int G, int out) {                      \
         PDL_ENTRY();                                                                                             \
         WArgs wa{W, sz, gidx, gs, G};                                                                            \
         int nk = K / BK, per = (nk + gridDim.z - 1) / gridDim.z;                                                 \
         int kt0 = min(nk, (int)blockIdx.z * per);                                                                \
-        gemm_body<WT>(C + (size_t)blockIdx.z * M * N, A, wa, M, N, K, kt0, min(nk, kt0 + per));                 \
+        gemm_body<WT>(C + (size_t)blockIdx.z * M * N, A, wa, M, N, K, kt0, min(nk, kt0 + per), SPLIT_OUT);      \
     }
 GEMM_ENTRY(gemm_f32, WF32)
 GEMM_ENTRY(gemm_q8, WQ8)
 GEMM_ENTRY(gemm_q4, WQ4)
 
-// sum_splits sets C[i] = Σ_z part[z·n + i] over the S splits, in order.
-extern "C" __global__ void sum_splits(float* __restrict__ C, const float* __restrict__ part, int S, long long n) {
+// sum_splits puts Σ_z part[z·n + i] over the S splits, in order, into C[i]
+// by out.
+extern "C" __global__ void sum_splits(float* __restrict__ C, const float* __restrict__ part, int S, long long n,
+                                      int out) {
     PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float v = 0.f;
         for (int z = 0; z < S; z++) v += part[z * n + i];
-        C[i] = v;
+        C[i] = out_val(C + i, v, out);
     }
 }
 
@@ -2415,12 +2603,34 @@ __device__ __forceinline__ float w8a8_out(int acc, int m, int n, const int* __re
     if (bias) v = __fadd_rn(v, bias[n]);
     return v;
 }
+// w8a8_tile is the epilogue of a W8A8 GEMM tile (units as out_tile's, two
+// integer sums each): split K, the sums stored to part; else w8a8_out put
+// into y by out.
+template <int NU, typename At, typename Raw>
+__device__ __forceinline__ void w8a8_tile(float* y, int* part, int M, int N, int out, At at, Raw raw,
+                                          const int* __restrict__ qbias, const float* __restrict__ deq,
+                                          const float* __restrict__ bias, const float* __restrict__ tok) {
+    if (part) {
+#pragma unroll
+        for (int u = 0; u < NU; u++) {
+            int m, n;
+            at(u, m, n);
+            if (m >= M) continue;
+            if (n < N) part[(size_t)m * N + n] = raw(u, 0);
+            if (n + 1 < N) part[(size_t)m * N + n + 1] = raw(u, 1);
+        }
+        return;
+    }
+    out_tile<NU, 2, int>(y, M, N, out, at, raw,
+                         [&](int m, int n, int acc) { return w8a8_out(acc, m, n, qbias, deq, bias, tok); });
+}
 
-// grid (ceil(N/8), M), block 256: one warp per output. K % 16 == 0.
+// grid (ceil(N/8), M), block 256: one warp per output, put into y by
+// out. K % 16 == 0.
 extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
     float* __restrict__ y, const int8_t* __restrict__ xq, const int8_t* __restrict__ W,
     const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
-    const float* __restrict__ tok, int N, int K) {
+    const float* __restrict__ tok, int N, int K, int out) {
     PDL_ENTRY();
     int lane = threadIdx.x & 31;
     int n = blockIdx.x * 8 + (threadIdx.x >> 5), m = blockIdx.y;
@@ -2437,7 +2647,8 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL, acc, o);
-    if (lane == 0) y[(size_t)m * N + n] = w8a8_out(acc, m, n, qbias, deq, bias, tok);
+    float* yp = y + (size_t)m * N + n;
+    if (lane == 0) *yp = out_val(yp, w8a8_out(acc, m, n, qbias, deq, bias, tok), out);
 }
 
 // W8A8 GEMM on the int8 tensor cores (mma.sync m16n8k32 s8·s8→s32), for
@@ -2449,7 +2660,8 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
 // each 32 × 64 (2 × 8 mma tiles). K % 16 == 0 (16-byte row chunks; chunks
 // past K or rows past M/N are zero-filled). With gridDim.z > 1 split z takes
 // an equal share of the K steps and writes its integer sums, not y, to the
-// int32 array y + z·M·N; w8a8_sum_splits adds them and applies w8a8_out.
+// int32 array y + z·M·N; w8a8_sum_splits adds them and applies w8a8_out
+// and out.
 #define W8_BM 128
 #define W8_BN 128
 #define W8_BK 64
@@ -2464,7 +2676,7 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, ui
 extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
     float* __restrict__ y, const int8_t* __restrict__ xq, const int8_t* __restrict__ W,
     const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
-    const float* __restrict__ tok, int M, int N, int K) {
+    const float* __restrict__ tok, int M, int N, int K, int out) {
     PDL_ENTRY();
     extern __shared__ __align__(16) unsigned char w8_smem[];
     int8_t (*As)[W8_BM * W8_LD] = reinterpret_cast<int8_t (*)[W8_BM * W8_LD]>(w8_smem);
@@ -2531,57 +2743,48 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++) {
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int m = bm + wm * 32 + mt * 16 + gid + (e >> 1) * 8;
-                int n = bn + wn * 64 + nt * 8 + 2 * tq + (e & 1);
-                if (m >= M || n >= N) continue;
-                if (part)
-                    part[(size_t)m * N + n] = acc[mt][nt][e];
-                else
-                    y[(size_t)m * N + n] = w8a8_out(acc[mt][nt][e], m, n, qbias, deq, bias, tok);
-            }
-        }
-    }
+    // unit u = (8mt + nt)·2 + h: row gid (+8 for h) of m16 tile mt, columns
+    // 2·tq, 2·tq + 1 of n8 tile nt
+    w8a8_tile<32>(
+        y, part, M, N, out,
+        [&](int u, int& m, int& n) {
+            m = bm + wm * 32 + (u >> 4) * 16 + gid + (u & 1) * 8;
+            n = bn + wn * 64 + ((u >> 1) & 7) * 8 + 2 * tq;
+        },
+        [&](int u, int e) { return acc[u >> 4][(u >> 1) & 7][2 * (u & 1) + e]; }, qbias, deq, bias, tok);
 }
 
-// y = w8a8_out of the S splits' integer sums of w8a8_mma (part: S × M × N
-// int32); integer addition, so the result is the unsplit kernel's.
+// w8a8_out of the S splits' integer sums of w8a8_mma (part: S × M × N
+// int32) into y by out; integer addition, so the result is the unsplit
+// kernel's.
 extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __restrict__ part, int S, int M, int N,
                                            const int* __restrict__ qbias, const float* __restrict__ deq,
-                                           const float* __restrict__ bias, const float* __restrict__ tok) {
+                                           const float* __restrict__ bias, const float* __restrict__ tok, int out) {
     PDL_ENTRY();
     long long n = (long long)M * N;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         int acc = 0;
         for (int s = 0; s < S; s++) acc += part[s * n + i];
-        y[i] = w8a8_out(acc, (int)(i / N), (int)(i % N), qbias, deq, bias, tok);
+        y[i] = out_val(y + i, w8a8_out(acc, (int)(i / N), (int)(i % N), qbias, deq, bias, tok), out);
     }
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// gemm_wg_s8(y, mapA, mapW, qbias, deq, bias, tok, M, N, K): w8a8_mma on
+// gemm_wg_s8(y, mapA, mapW, qbias, deq, bias, tok, M, N, K, out): w8a8_mma on
 // the Hopper GEMM (gemm_wg_body, GH_S8): mapA over the int8 activations xq
 // [M, K], mapW over the int8 weight [N, K]; split z of gridDim.z > 1 writes
 // its integer sums to the int32 array y + z·M·N for w8a8_sum_splits, else
-// y = w8a8_out. Dynamic shared memory as gemm_wg_f16's.
+// w8a8_out into y by out. Dynamic shared memory as gemm_wg_f16's.
 extern "C" __global__ void __launch_bounds__(384, 1)
     gemm_wg_s8(float* y, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW,
                const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
-               const float* __restrict__ tok, int M, int N, int K) {
+               const float* __restrict__ tok, int M, int N, int K, int out) {
     PDL_ENTRY();
     int nk = (K + 127) / 128, per = (nk + gridDim.z - 1) / gridDim.z;
     int kt0 = min(nk, (int)blockIdx.z * per);
     int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;
-    gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, M, N, 128, 0, kt0, min(nk, kt0 + per), [&](int m, int n, int acc) {
-        if (part)
-            part[(size_t)m * N + n] = acc;
-        else
-            y[(size_t)m * N + n] = w8a8_out(acc, m, n, qbias, deq, bias, tok);
+    gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, M, N, 128, 0, kt0, min(nk, kt0 + per), OUT_STORE, [&](auto at, auto raw) {
+        w8a8_tile<32>(y, part, M, N, out, at, raw, qbias, deq, bias, tok);
     });
 }
 #endif

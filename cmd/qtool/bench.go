@@ -581,8 +581,7 @@ func decodeProducts(b *cuda.Backend, rm *runtime.Model, m *model.Model, cfg mode
 func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 int, streaming bool, out io.Writer) (float64, error) {
 	h, q, k, v := b.Alloc(T, cfg.Hidden), b.Alloc(T, cfg.QDim()), b.Alloc(T, cfg.KVDim()), b.Alloc(T, cfg.KVDim())
 	g, u, att := b.Alloc(T, cfg.Intermediate), b.Alloc(T, cfg.Intermediate), b.Alloc(T, cfg.QDim())
-	h3 := b.Alloc(T, cfg.Hidden)
-	for i, x := range []runtime.Buf{h, q, k, v, g, u, h3} {
+	for i, x := range []runtime.Buf{h, q, k, v, g, u} {
 		b.FillRandom(x, uint64(40+i), 1)
 	}
 	nt, _ := m.Get(model.Name(0, model.AttnNorm))
@@ -599,14 +598,15 @@ func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 in
 	}
 	// With the streaming 4-bit GEMV a decode step's norms, SwiGLU and
 	// residual adds run inside the matrix products (runtime.Fused); the
-	// other GEMVs fuse the adds; prefill runs them all as kernels.
+	// other GEMVs fuse the adds, the GEMMs (prefill) the adds and the
+	// SwiGLU.
 	ops := []op{{"rope+store", 1, func() { b.RoPEStoreKV(cache, 0, pos0, q, k, v, cfg.HeadDim, cfg.RopeTheta, cfg.Rope) }},
 		{"attention", 1, func() { b.Attention(att, q, cache, 0, pos0, cfg.Heads, cfg.KVHeads, cfg.HeadDim) }}}
 	if T > 1 || !streaming {
-		ops = append(ops, op{"rmsnorm", 2, func() { b.RMSNorm(h, h, nw, nil, eps) }}, op{"silu_mul", 1, func() { b.SiLUMul(g, g, u) }})
+		ops = append(ops, op{"rmsnorm", 2, func() { b.RMSNorm(h, h, nw, nil, eps) }})
 	}
-	if T > 1 {
-		ops = append(ops, op{"add", 2, func() { b.Add(h, h3) }})
+	if gemm := T > b.Options().GEMVMaxRows; !gemm && !(T == 1 && streaming) {
+		ops = append(ops, op{"silu_mul", 1, func() { b.SiLUMul(g, g, u) }})
 	}
 	var total float64
 	if T == 1 {
@@ -623,7 +623,7 @@ func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 in
 		fmt.Fprintf(out, "    %-10s x%d %9.2f us\n", op.name, op.times, t*1e6)
 	}
 	b.FreeKVCache(cache)
-	for _, x := range []runtime.Buf{h, q, k, v, g, u, att, h3} {
+	for _, x := range []runtime.Buf{h, q, k, v, g, u, att} {
 		b.Free(x)
 	}
 	return total, nil

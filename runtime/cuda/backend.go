@@ -693,7 +693,7 @@ func (b *Backend) RMSNorm(dst, x runtime.Buf, w, bias runtime.Vector, eps float3
 		panic(fmt.Sprintf("cuda backend: RMSNorm shapes [%d %d] <- [%d %d], weight %d", d.rows, d.cols, s.rows, s.cols, vec(w).n))
 	}
 	defer b.enter()()
-	b.launch("rmsnorm", g1(s.rows), b.rowBlock(s.rows, s.cols), d.p, s.p, vec(w).p, vecPtr(bias), s.cols, eps)
+	b.launch("rmsnorm", g1(s.rows), b.rowBlock(s.rows, s.cols), d.p, s.p, vec(w).p, vecPtr(bias), s.cols, eps, driver.DevicePtr(0))
 }
 
 // rowBlock is the block size of a one-block-per-row kernel: wide blocks
@@ -919,7 +919,8 @@ const attnChunk = 32
 const attnTCMinRows = 32
 
 // attnTCSmem is attn_tc's dynamic shared memory (AT_SMEM in qtool.cu: keys
-// as fp16 hi and lo, 64 × 136 halfs each, values transposed, 128 × 72 each).
+// as fp16 hi and lo, 64 × 136 halfs each, values transposed, 128 × 72 each;
+// attn_tc_f16 holds two key and two value tiles of 64 × 136 halfs in it).
 const attnTCSmem = (2*64*136 + 2*128*72) * 2
 
 // Attention implements runtime.Backend.
@@ -944,7 +945,7 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 		}
 		name := kc.kernel("attn_tc")
 		b.raiseSmem(name, attnTCSmem)
-		b.launchShm(name, [3]uint32{uint32((T + 63) / 64), uint32(heads), 1}, [3]uint32{128, 1, 1}, attnTCSmem, args...)
+		b.launchShm(name, [3]uint32{uint32(heads), uint32((T + 63) / 64), 1}, [3]uint32{128, 1, 1}, attnTCSmem, args...)
 		return
 	}
 	var nsplit, chunk int

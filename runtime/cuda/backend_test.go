@@ -581,17 +581,28 @@ func TestAttention(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(13, 14))
 	const heads, kvHeads, maxSeq, layers = 8, 2, 400, 2
-	for _, hd := range []int{64, 128} {
-		kvDim := kvHeads * hd
+	defer func() { b.opt.KVHalf = false }()
+	for _, cfg := range []struct {
+		hd   int
+		half bool // an fp16 cache: attention_f16, attn_tc_f16
+	}{{64, false}, {128, false}, {64, true}, {128, true}} {
+		hd, kvDim := cfg.hd, kvHeads*cfg.hd
+		b.opt.KVHalf = cfg.half
 		c := b.NewKVCache(layers, maxSeq, kvDim)
 		const filled = 350
 		keys, vals := randVec(r, filled*kvDim, 1), randVec(r, filled*kvDim, 1)
 		kb, vb := upload(b, filled, kvDim, keys), upload(b, filled, kvDim, vals)
 		b.StoreKV(c, 1, 0, kb, vb)
+		if cfg.half { // the reference reads what the cache holds
+			for i := range keys {
+				keys[i] = model.F16ToFloat32(model.Float32ToF16(keys[i]))
+				vals[i] = model.F16ToFloat32(model.Float32ToF16(vals[i]))
+			}
+		}
 		// T ≥ attnTCMinRows: the tensor-core kernel (one and several
 		// 64-query blocks, partial ones, after a filled prefix)
 		for _, tc := range []struct{ T, pos0 int }{{9, 0}, {1, 0}, {1, 299}, {3, 297}, {1, 349}, {31, 300}, {50, 300}, {64, 0}, {130, 0}, {200, 150}} {
-			t.Run(fmt.Sprintf("hd=%d/T=%d/pos0=%d", hd, tc.T, tc.pos0), func(t *testing.T) {
+			t.Run(fmt.Sprintf("hd=%d/half=%v/T=%d/pos0=%d", hd, cfg.half, tc.T, tc.pos0), func(t *testing.T) {
 				q := randVec(r, tc.T*heads*hd, 1)
 				want := make([]float64, tc.T*heads*hd)
 				scale := 1 / math.Sqrt(float64(hd))

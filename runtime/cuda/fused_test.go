@@ -35,7 +35,7 @@ func TestMatMulN(t *testing.T) {
 			}
 			ws[i] = lw
 		}
-		for _, M := range []int{1, 3, 5} {
+		for _, M := range []int{1, 3, 5, 130} {
 			for _, nw := range []int{2, 3} {
 				segs := make([]gemvSeg, nw)
 				for i := range segs {
@@ -77,9 +77,12 @@ func TestMatMulN(t *testing.T) {
 // TestFusedLinearSteps checks NormMatMulN, NormSwiGLU and MatMulAdd against
 // the sequences of operations runtime.Fused names, for every weight case at
 // decode (M = 1, 3: the GEMV kernels, the streaming q4 one with the norm and
-// SwiGLU inside) and prefill sizes (M = 5: the fallbacks). The residual add
-// is exact; the fused norm sums its squares in another order, so the
-// streaming kernel's results may differ in the last bits of fp16 inputs.
+// SwiGLU inside) and prefill sizes (M = 5: the GEMMs split over K, the sums
+// of the splits adding or applying the SwiGLU; M = 130: the fp16-input and
+// Hopper GEMMs with the same in their epilogues, the norm written in fp16).
+// The residual add and the GEMMs' epilogues are exact; the streaming
+// kernel's fused norm sums its squares in another order, so its results may
+// differ in the last bits of fp16 inputs.
 func TestFusedLinearSteps(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(25, 26))
@@ -105,7 +108,7 @@ func TestFusedLinearSteps(t *testing.T) {
 			nb, _ = b.UploadVector("norm_bias", model.FromFloat32([]int{K}, randVec(r, K, 0.1)))
 		}
 		const eps = 1e-5
-		for _, M := range []int{1, 3, 5} {
+		for _, M := range []int{1, 3, 5, 130} {
 			_, streaming, _ := b.gemvPlan([]gemvSeg{{l: lin(ws[0])}}, M)
 			if streaming {
 				k, _, _ := b.gemvPlan([]gemvSeg{{l: lin(ws[0])}}, M)

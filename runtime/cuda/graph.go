@@ -216,7 +216,7 @@ func (b *Backend) MatMulGEMM(dst, x runtime.Buf, w runtime.Linear) {
 		panic("cuda backend: MatMulGEMM shapes")
 	}
 	defer b.enter()()
-	b.matmul(d, s, l, true)
+	b.matmul(d, &gemmIn{x: s}, l, true, outStore)
 }
 
 // FillRandom fills x with uniform values in [-a, a) (benchmarks).

@@ -493,35 +493,108 @@ func (b *Backend) MatMul(dst, x runtime.Buf, w runtime.Linear) {
 		return
 	}
 	defer b.enter()()
-	b.matmul(d, s, l, false)
+	b.matmul(d, &gemmIn{x: s}, l, false, outStore)
 }
 
-// matmul dispatches; forceGEMM picks the tensor-core path whatever M is.
-func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
-	M, N, K := s.rows, l.out, l.in
+// How matmul puts the products p into d (qtool.cu's OUT_*, the out
+// argument of every tensor-core GEMM and of the sums of their splits).
+const (
+	outStore  = iota // d = p
+	outAdd           // d += p (MatMulAdd)
+	outSwiGLU        // d = silu(d)·p, d holding the gate's products (NormSwiGLU)
+)
+
+// gemmIn is the input of one or more products (the weights of one
+// MatMulN): x, and the forms the GEMMs take it in, made by the first GEMM
+// that needs them and kept for the next: rounded to fp16 in the column
+// order perm (a16; a norm may write it directly, and x is then a shape
+// only, p == 0), or quantized to int8 for W8A8 (xq, per-token scales tok)
+// as key says.
+type gemmIn struct {
+	x         *Buf
+	a16, perm driver.DevicePtr
+	xq, tok   driver.DevicePtr
+	xqKey     actQuant
+}
+
+// actQuant is how W8A8 quantizes a layer's input: per token, or with one
+// scale and offset.
+type actQuant struct {
+	dynamic       bool
+	scale, offset float32
+}
+
+// half returns in's activations in fp16 in l's column order, made once
+// (to_half, after gather_cols for act-order weights).
+func (b *Backend) half(in *gemmIn, l *Linear) driver.DevicePtr {
+	if in.a16 != 0 && in.perm == l.perm {
+		return in.a16
+	}
+	s := b.permuted(in.x, l.perm)
+	in.a16, in.perm = b.scratchBuf("gemm_a16", 2*s.n()), l.perm
+	b.launch("to_half", b.gridFor(s.n()/4), block256, in.a16, s.p, int64(s.n()))
+	return in.a16
+}
+
+// quantized returns in's activations quantized for W8A8 layer l (and the
+// per-token scales of a dynamic one), made once for each actQuant.
+func (b *Backend) quantized(in *gemmIn, l *Linear) (xq, tok driver.DevicePtr) {
+	key := actQuant{l.dynamic, l.inScale, l.inOffset}
+	if l.dynamic {
+		key.scale, key.offset = 0, 0
+	}
+	if in.xq != 0 && in.xqKey == key {
+		return in.xq, in.tok
+	}
+	s := in.x
+	M, K := s.rows, s.cols
+	in.xq, in.tok, in.xqKey = b.scratchBuf("xq", M*K), 0, key
+	if l.dynamic {
+		in.tok = b.scratchBuf("xq_tok", 4*M)
+		b.launch("quant_act_token", g1(M), block256, in.xq, in.tok, s.p, K)
+	} else {
+		b.launch("quant_act", b.gridFor(M*K), block256, in.xq, s.p, int64(M*K), l.inScale, l.inOffset)
+	}
+	return in.xq, in.tok
+}
+
+// halfGEMM reports whether matmul multiplies M rows by l with a gemm_h or
+// Hopper GEMM (the activations in fp16): fp16 and bf16 weights, and 4- and
+// 8-bit ones from dequantGEMMMinRows rows, where the GEMMs run at all
+// (more than GEMVMaxRows rows, or forceGEMM; K a multiple of 32).
+func (b *Backend) halfGEMM(l *Linear, M int, forceGEMM bool) bool {
+	if !(M > b.opt.GEMVMaxRows || forceGEMM) || l.in%32 != 0 {
+		return false
+	}
+	switch l.kind {
+	case kindF16, kindBF16:
+		return true
+	case kindQ4, kindQ8:
+		return M >= dequantGEMMMinRows
+	}
+	return false
+}
+
+// matmul dispatches d = in·lᵀ, the products put into d by out;
+// forceGEMM picks the tensor-core path whatever M is.
+func (b *Backend) matmul(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int) {
+	M, N, K := in.x.rows, l.out, l.in
 	if l.kind == kindW8A8 {
-		xq := b.scratchBuf("xq", M*K)
-		var tok driver.DevicePtr // per-token scales, dynamic layers
-		if l.dynamic {
-			tok = b.scratchBuf("xq_tok", 4*M)
-			b.launch("quant_act_token", g1(M), block256, xq, tok, s.p, K)
-		} else {
-			b.launch("quant_act", b.gridFor(M*K), block256, xq, s.p, int64(M*K), l.inScale, l.inOffset)
-		}
+		xq, tok := b.quantized(in, l)
 		// the int8 tensor cores split K into integer partial sums, which
 		// w8a8_sum_splits adds exactly
 		sum := func(part driver.DevicePtr, S int) {
-			b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok)
+			b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok, out)
 		}
 		if wg := b.wgmmaKernel("w8a8_mma", M); wg != "" { // K steps of 128 int8
 			grid, shm := b.prepareWG(wg, xq, l.w, l, M)
-			b.launchSplit(wg, grid, block384, shm, b.sms, (K+127)/128, d, []any{b.tmaps[0], b.tmaps[1], l.qbias, l.deq, l.bias, tok, M, N, K}, sum)
+			b.launchSplit(wg, grid, block384, shm, b.sms, (K+127)/128, d, out, []any{b.tmaps[0], b.tmaps[1], l.qbias, l.deq, l.bias, tok, M, N, K}, sum)
 			return
 		}
 		if M > b.opt.GEMVMaxRows || forceGEMM { // 128 × 128 tiles
 			b.raiseSmem("w8a8_mma", w8a8MMASmem)
 			grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
-			b.launchSplit("w8a8_mma", grid, block256, w8a8MMASmem, 2*b.sms, (K+w8a8BK-1)/w8a8BK, d,
+			b.launchSplit("w8a8_mma", grid, block256, w8a8MMASmem, 2*b.sms, (K+w8a8BK-1)/w8a8BK, d, out,
 				[]any{xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K}, sum)
 			return
 		}
@@ -534,47 +607,45 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 				t += driver.DevicePtr(4 * r0)
 			}
 			b.launch("w8a8_gemm", [3]uint32{uint32((N + 7) / 8), uint32(m), 1}, block256, d.p+driver.DevicePtr(4*r0*N),
-				xq+driver.DevicePtr(r0*K), l.w, l.qbias, l.deq, l.bias, t, N, K)
+				xq+driver.DevicePtr(r0*K), l.w, l.qbias, l.deq, l.bias, t, N, K, out)
 		}
 		return
 	}
-	if (M > b.opt.GEMVMaxRows || forceGEMM) && K%32 == 0 {
-		s = b.permuted(s, l.perm)
-		grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
-		wide := (l.kind == kindQ4 || l.kind == kindQ8) && M >= dequantGEMMMinRows
-		if l.kind == kindF16 || l.kind == kindBF16 || wide {
-			// activations rounded to fp16 once, both operands streamed
-			// through shared memory with cp.async (gemm_h_*); quantized
-			// weights with groups of whole K steps (and no g_idx)
-			// dequantized in the registers (gemm_h_q4, gemm_h_q8), other
-			// quantized weights widened to fp16 first
-			a16 := b.scratchBuf("gemm_a16", 2*M*K)
-			name, widen := gemmHKernel(l)
-			w := l.w
-			if widen {
-				w = b.scratchBuf("gemm_w16", 2*N*K)
-				if l.kind == kindQ4 {
-					b.launch("dequant_h_q4", b.gridFor(N*K/8), block256, w, l.w, l.sz, N, K, l.gs, l.groups)
-				} else {
-					b.launch("dequant_h_q8", b.gridFor(N*K/8), block256, w, l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
-				}
+	grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
+	if b.halfGEMM(l, M, forceGEMM) {
+		// activations rounded to fp16 once, both operands streamed
+		// through shared memory (gemm_h_*, gemm_wg_*); quantized weights
+		// with groups of whole K steps (and no g_idx) dequantized in the
+		// registers (gemm_h_q4, gemm_h_q8), other quantized weights
+		// widened to fp16 first
+		name, widen := gemmHKernel(l)
+		w := l.w
+		if widen {
+			w = b.scratchBuf("gemm_w16", 2*N*K)
+			if l.kind == kindQ4 {
+				b.launch("dequant_h_q4", b.gridFor(N*K/8), block256, w, l.w, l.sz, N, K, l.gs, l.groups)
+			} else {
+				b.launch("dequant_h_q8", b.gridFor(N*K/8), block256, w, l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
 			}
-			b.launch("to_half", b.gridFor(M*K/4), block256, a16, s.p, int64(M*K))
-			if wg := b.wgmmaKernel(name, M); wg != "" {
-				b.launchWG(wg, d, a16, w, l, M)
-				return
-			}
-			shm, args := gemmHSmem, []any{a16, w, M, N, K}
-			switch name {
-			case "gemm_h_q4":
-				shm, args = gemmHQ4Smem, []any{a16, w, l.sz, M, N, K, l.gs, l.groups}
-			case "gemm_h_q8":
-				shm, args = gemmHQ8Smem, []any{a16, w, l.sz, M, N, K, l.gs, l.groups}
-			}
-			b.raiseSmem(name, shm)
-			b.launchGEMM(name, grid, block256, shm, 2*b.sms, (K+gemmHBK-1)/gemmHBK, d, args...)
+		}
+		a16 := b.half(in, l)
+		if wg := b.wgmmaKernel(name, M); wg != "" {
+			b.launchWG(wg, d, a16, w, l, M, out)
 			return
 		}
+		shm, args := gemmHSmem, []any{a16, w, M, N, K}
+		switch name {
+		case "gemm_h_q4":
+			shm, args = gemmHQ4Smem, []any{a16, w, l.sz, M, N, K, l.gs, l.groups}
+		case "gemm_h_q8":
+			shm, args = gemmHQ8Smem, []any{a16, w, l.sz, M, N, K, l.gs, l.groups}
+		}
+		b.raiseSmem(name, shm)
+		b.launchGEMM(name, grid, block256, shm, 2*b.sms, (K+gemmHBK-1)/gemmHBK, d, out, args...)
+		return
+	}
+	if (M > b.opt.GEMVMaxRows || forceGEMM) && K%32 == 0 {
+		s := b.permuted(in.x, l.perm)
 		name := "gemm_f32" // the rest: fused dequantizing loaders
 		switch l.kind {
 		case kindQ8:
@@ -582,10 +653,33 @@ func (b *Backend) matmul(d, s *Buf, l *Linear, forceGEMM bool) {
 		case kindQ4:
 			name = "gemm_q4"
 		}
-		b.launchGEMM(name, grid, block256, 0, 2*b.sms, K/32, d, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
+		b.launchGEMM(name, grid, block256, 0, 2*b.sms, K/32, d, out, s.p, l.w, l.sz, l.gidx, M, N, K, l.gs, l.groups)
 		return
 	}
-	b.gemv(s, []gemvSeg{{d, l}}, gemvEpi{})
+	segs := []gemvSeg{{d, l}}
+	switch _, _, ok := b.gemvPlan(segs, M); {
+	case out == outStore:
+		b.gemv(in.x, segs, gemvEpi{})
+	case out == outAdd && ok: // the GEMV kernels add their sums to d
+		b.gemv(in.x, segs, gemvEpi{mode: gemvAdd})
+	default: // the split-K GEMV, or the SwiGLU: through a temporary
+		t := b.Alloc(d.rows, d.cols).(*Buf)
+		b.gemv(in.x, []gemvSeg{{t, l}}, gemvEpi{})
+		b.putOut(d, t, out)
+		b.Free(t)
+	}
+}
+
+// putOut puts the products p into d by out with an elementwise kernel.
+func (b *Backend) putOut(d, p *Buf, out int) {
+	switch out {
+	case outAdd:
+		b.launch("add_inplace", b.gridFor(d.n()), block256, d.p, p.p, int64(d.n()))
+	case outSwiGLU:
+		b.launch("silu_mul", b.gridFor(d.n()), block256, d.p, d.p, p.p, int64(d.n()))
+	default:
+		panic("cuda backend: putOut with out = store")
+	}
 }
 
 // gemmHKernel is the gemm_h kernel that multiplies by l's weight (fp16,
@@ -645,13 +739,13 @@ const gemmWGStages = 5
 // launchWG launches Hopper GEMM name for l: d[M, N] = a16[M, K] · wᵀ, a16
 // the activations in fp16 and w l's weight (fp16 or bf16 [N, K], 4-bit
 // words [N, K/8], int8 codes [N, K]) or its widening to fp16; K a multiple
-// of 32 (the tensor maps' row pitch a multiple of 16 bytes). 128 × 128
-// tiles of 3 warpgroups, one block a multiprocessor, K split as for the
-// other GEMMs.
-func (b *Backend) launchWG(name string, d *Buf, a16, w driver.DevicePtr, l *Linear, M int) {
+// of 32 (the tensor maps' row pitch a multiple of 16 bytes); the products
+// put into d by out. 128 × 128 tiles of 3 warpgroups, one block a
+// multiprocessor, K split as for the other GEMMs.
+func (b *Backend) launchWG(name string, d *Buf, a16, w driver.DevicePtr, l *Linear, M, out int) {
 	grid, shm := b.prepareWG(name, a16, w, l, M)
 	gs, G := max(l.gs, gemmHBK), l.groups
-	b.launchGEMM(name, grid, block384, shm, b.sms, (l.in+gemmHBK-1)/gemmHBK, d, b.tmaps[0], b.tmaps[1], l.sz, M, l.out, l.in, gs, G)
+	b.launchGEMM(name, grid, block384, shm, b.sms, (l.in+gemmHBK-1)/gemmHBK, d, out, b.tmaps[0], b.tmaps[1], l.sz, M, l.out, l.in, gs, G)
 }
 
 // prepareWG encodes the tensor maps of Hopper GEMM name (b.tmaps[0] over
@@ -687,25 +781,27 @@ func (b *Backend) prepareWG(name string, a, w driver.DevicePtr, l *Linear, M int
 
 var block384 = [3]uint32{384, 1, 1}
 
-// launchGEMM launches tensor-core GEMM name (output d first, then args) on
-// grid with blocks of the given size, resident of them on the device at
-// once, shm bytes of dynamic shared memory and steps K steps, split over
-// grid.z as gemmSplits says: the splits write their partial products to a
-// scratch buffer and sum_splits adds them into d.
-func (b *Backend) launchGEMM(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, args ...any) {
+// launchGEMM launches tensor-core GEMM name (output d first, then args,
+// then out) on grid with blocks of the given size, resident of them on the
+// device at once, shm bytes of dynamic shared memory and steps K steps,
+// split over grid.z as gemmSplits says: the splits write their partial
+// products to a scratch buffer and sum_splits puts their sum into d by out.
+func (b *Backend) launchGEMM(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, out int, args ...any) {
 	n := d.n()
-	b.launchSplit(name, grid, block, shm, resident, steps, d, args, func(part driver.DevicePtr, S int) {
-		b.launch("sum_splits", b.gridFor(n), block256, d.p, part, S, int64(n))
+	b.launchSplit(name, grid, block, shm, resident, steps, d, out, args, func(part driver.DevicePtr, S int) {
+		b.launch("sum_splits", b.gridFor(n), block256, d.p, part, S, int64(n), out)
 	})
 }
 
-// launchSplit is launchGEMM with sum, which adds the S splits' partial
-// products (4 bytes a value) at part into d.
-func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, args []any, sum func(part driver.DevicePtr, S int)) {
+// launchSplit is launchGEMM with sum, which puts the sum of the S splits'
+// partial products (4 bytes a value) at part into d by out; the kernel
+// gets out (the splits store whatever it says).
+func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, out int, args []any, sum func(part driver.DevicePtr, S int)) {
 	S := gemmSplits(int(grid[0]*grid[1]), steps, resident)
 	if b.maxSplits > 0 {
 		S = min(S, b.maxSplits)
 	}
+	args = append(slices.Clip(args), out)
 	if S == 1 {
 		b.launchShm(name, grid, block, shm, append([]any{d.p}, args...)...)
 		return
@@ -798,24 +894,25 @@ func launchRows(segs []gemvSeg) int {
 
 // MatMulN implements runtime.Fused: products of up to three weights that
 // share a GEMV kernel (gemvPlan) go in one launch; the rest, and every
-// GEMM, one product at a time.
+// GEMM, one product at a time, the GEMMs sharing the input's fp16 or int8
+// form.
 func (b *Backend) MatMulN(dst []runtime.Buf, x runtime.Buf, ws []runtime.Linear) {
 	s, segs := b.segments("MatMulN", dst, x, ws)
 	if s.rows == 0 {
 		return
 	}
 	defer b.enter()()
-	b.matmulN(s, segs)
+	b.matmulN(&gemmIn{x: s}, segs)
 }
 
 // matmulN is MatMulN on checked operands.
-func (b *Backend) matmulN(s *Buf, segs []gemvSeg) {
-	if _, _, ok := b.gemvPlan(segs, s.rows); ok && len(segs) > 1 {
-		b.gemv(s, segs, gemvEpi{})
+func (b *Backend) matmulN(in *gemmIn, segs []gemvSeg) {
+	if _, _, ok := b.gemvPlan(segs, in.x.rows); ok && len(segs) > 1 {
+		b.gemv(in.x, segs, gemvEpi{})
 		return
 	}
 	for _, g := range segs {
-		b.matmul(g.d, s, g.l, false)
+		b.matmul(g.d, in, g.l, false, outStore)
 	}
 }
 
@@ -838,15 +935,15 @@ func (b *Backend) segments(op string, dst []runtime.Buf, x runtime.Buf, ws []run
 
 // NormMatMulN implements runtime.Fused: with the streaming 4-bit GEMV the
 // RMSNorm runs inside the products' launch; otherwise RMSNorm into a
-// scratch buffer and MatMulN.
+// scratch buffer (fp16, where every product is a GEMM that takes fp16) and
+// MatMulN.
 func (b *Backend) NormMatMulN(dst []runtime.Buf, x runtime.Buf, w, bias runtime.Vector, eps float32, ws []runtime.Linear) {
 	s, segs := b.segments("NormMatMulN", dst, x, ws)
 	defer b.enter()()
 	if b.normStreamed("NormMatMulN", s, segs, w, bias, eps, gemvStore) {
 		return
 	}
-	h := b.normScratch(s, w, bias, eps)
-	b.matmulN(h, segs)
+	b.matmulN(b.normed(s, segs, w, bias, eps), segs)
 }
 
 // normStreamed checks the width of the norm before segs and runs segs as
@@ -867,16 +964,28 @@ func (b *Backend) normStreamed(op string, s *Buf, segs []gemvSeg, w, bias runtim
 	return false
 }
 
-// normScratch writes RMSNorm(x) into a scratch buffer shaped like x.
-func (b *Backend) normScratch(s *Buf, w, bias runtime.Vector, eps float32) *Buf {
-	h := &Buf{p: b.scratchBuf("norm_h", 4*s.rows*s.cols), rows: s.rows, cols: s.cols}
-	b.launch("rmsnorm", g1(s.rows), b.rowBlock(s.rows, s.cols), h.p, s.p, vec(w).p, vecPtr(bias), s.cols, eps)
-	return h
+// normed writes RMSNorm(x) into a scratch buffer shaped like x, the input
+// of the products segs: in fp16 alone where every one of them is a
+// halfGEMM with the columns in order, in fp32 otherwise.
+func (b *Backend) normed(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps float32) *gemmIn {
+	half := true
+	for _, g := range segs {
+		half = half && b.halfGEMM(g.l, s.rows, false) && g.l.perm == 0
+	}
+	in := &gemmIn{x: &Buf{rows: s.rows, cols: s.cols}}
+	if half {
+		in.a16 = b.scratchBuf("gemm_a16", 2*s.n())
+	} else {
+		in.x.p = b.scratchBuf("norm_h", 4*s.n())
+	}
+	b.launch("rmsnorm", g1(s.rows), b.rowBlock(s.rows, s.cols), in.x.p, s.p, vec(w).p, vecPtr(bias), s.cols, eps, in.a16)
+	return in
 }
 
 // NormSwiGLU implements runtime.Fused: one launch of the streaming 4-bit
-// GEMV (norm, both products and the SwiGLU); otherwise RMSNorm, MatMulN
-// and SiLUMul.
+// GEMV (norm, both products and the SwiGLU); both products in one launch
+// of another GEMV, then silu_mul; otherwise RMSNorm, the gate's products
+// into dst, and the up products with the SwiGLU in their epilogue (OUT_SWIGLU).
 func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up runtime.Linear) {
 	d := buf(dst)
 	s, segs := b.segments("NormSwiGLU", []runtime.Buf{dst, dst}, x, []runtime.Linear{gate, up})
@@ -884,31 +993,28 @@ func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps flo
 	if b.normStreamed("NormSwiGLU", s, segs, w, bias, eps, gemvSwiGLU) {
 		return
 	}
-	h := b.normScratch(s, w, bias, eps)
-	u := b.Alloc(d.rows, d.cols).(*Buf)
-	segs[1].d = u
-	b.matmulN(h, segs)
-	b.launch("silu_mul", b.gridFor(d.n()), block256, d.p, d.p, u.p, int64(d.n()))
-	b.Free(u)
+	in := b.normed(s, segs, w, bias, eps)
+	if _, _, ok := b.gemvPlan(segs, s.rows); ok {
+		u := b.Alloc(d.rows, d.cols).(*Buf)
+		segs[1].d = u
+		b.gemv(in.x, segs, gemvEpi{})
+		b.putOut(d, u, outSwiGLU)
+		b.Free(u)
+		return
+	}
+	b.matmul(d, in, segs[0].l, false, outStore)
+	b.matmul(d, in, segs[1].l, false, outSwiGLU)
 }
 
-// MatMulAdd implements runtime.Fused: the GEMV kernels add their sums to
-// dst; the split-K GEMV, W8A8 and the GEMMs go through a temporary.
+// MatMulAdd implements runtime.Fused: the GEMV kernels and the GEMMs add
+// their sums to dst; the split-K GEMV goes through a temporary.
 func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 	s, segs := b.segments("MatMulAdd", []runtime.Buf{dst}, x, []runtime.Linear{w})
 	if s.rows == 0 {
 		return
 	}
 	defer b.enter()()
-	if _, _, ok := b.gemvPlan(segs, s.rows); ok {
-		b.gemv(s, segs, gemvEpi{mode: gemvAdd})
-		return
-	}
-	d := segs[0].d
-	t := b.Alloc(d.rows, d.cols).(*Buf)
-	b.matmul(t, s, segs[0].l, false)
-	b.launch("add_inplace", b.gridFor(d.n()), block256, d.p, t.p, int64(d.n()))
-	b.Free(t)
+	b.matmul(segs[0].d, &gemmIn{x: s}, segs[0].l, false, outAdd)
 }
 
 // gemv launches the GEMV kernel of segs[0]'s weight for all of segs (one
