@@ -795,6 +795,26 @@ struct AtState {
             pl[2 * u] = lo.x; pl[2 * u + 1] = lo.y;
         }
     }
+    // tile takes one key tile from j0: qk(sc) adds the warp's scores Q·Kᵀ of
+    // its 64 keys to sc (zeroed here); after the mask and the softmax step,
+    // pv(kk, pa, pl, o) adds P·V of keys 16kk..16kk + 15 to o, P as A
+    // fragments hi (pa) and lo (pl).
+    template <typename QK, typename PV>
+    __device__ __forceinline__ void tile(int j0, int plo, int phi, QK qk, PV pv) {
+        float sc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) sc[nt][e] = 0.f;
+        qk(sc);
+        rescale(sc, j0, plo, phi);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            uint32_t pa[4], pl[4];
+            probs(sc, kk, pa, pl);
+            pv(kk, pa, pl, o);
+        }
+    }
     // store writes o/l for the rows tlo and tlo + 8 below T of head h.
     __device__ __forceinline__ void store(float* __restrict__ dst, int tlo, int T, int heads, int hd, int h) {
         int tq = threadIdx.x & 3, thi = tlo + 8;
@@ -865,44 +885,39 @@ __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const floa
         }
         __syncthreads();
         if (j0 > wlast) continue;  // every key of the tile is after this warp's rows
-        float sc[8][4];
+        st.tile(
+            j0, plo, phi,
+            [&](float (&sc)[8][4]) {
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++)
+                for (int ks = 0; ks < 8; ks++) {
+                    if (ks < nks) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) sc[nt][e] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < 8; ks++) {
-            if (ks < nks) {
-#pragma unroll
-                for (int nt = 0; nt < 8; nt++) {
-                    uint32_t b0 = *reinterpret_cast<const uint32_t*>(&Ks[nt * 8 + gid][ks * 16 + 2 * tq]);
-                    uint32_t b1 = *reinterpret_cast<const uint32_t*>(&Ks[nt * 8 + gid][ks * 16 + 2 * tq + 8]);
-                    uint32_t c0 = *reinterpret_cast<const uint32_t*>(&Kl[nt * 8 + gid][ks * 16 + 2 * tq]);
-                    uint32_t c1 = *reinterpret_cast<const uint32_t*>(&Kl[nt * 8 + gid][ks * 16 + 2 * tq + 8]);
-                    mma16816(sc[nt], ql[ks], b0, b1);
-                    mma16816(sc[nt], qa[ks], c0, c1);
-                    mma16816(sc[nt], qa[ks], b0, b1);
+                        for (int nt = 0; nt < 8; nt++) {
+                            uint32_t b0 = *reinterpret_cast<const uint32_t*>(&Ks[nt * 8 + gid][ks * 16 + 2 * tq]);
+                            uint32_t b1 = *reinterpret_cast<const uint32_t*>(&Ks[nt * 8 + gid][ks * 16 + 2 * tq + 8]);
+                            uint32_t c0 = *reinterpret_cast<const uint32_t*>(&Kl[nt * 8 + gid][ks * 16 + 2 * tq]);
+                            uint32_t c1 = *reinterpret_cast<const uint32_t*>(&Kl[nt * 8 + gid][ks * 16 + 2 * tq + 8]);
+                            mma16816(sc[nt], ql[ks], b0, b1);
+                            mma16816(sc[nt], qa[ks], c0, c1);
+                            mma16816(sc[nt], qa[ks], b0, b1);
+                        }
+                    }
                 }
-            }
-        }
-        st.rescale(sc, j0, plo, phi);
+            },
+            [&](int kk, const uint32_t (&pa)[4], const uint32_t (&pl)[4], float (&o)[16][4]) {
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            uint32_t pa[4], pl[4];
-            st.probs(sc, kk, pa, pl);
-#pragma unroll
-            for (int nt = 0; nt < 16; nt++) {
-                if (nt < nnt) {
-                    uint32_t b0 = *reinterpret_cast<const uint32_t*>(&Vt[nt * 8 + gid][kk * 16 + 2 * tq]);
-                    uint32_t b1 = *reinterpret_cast<const uint32_t*>(&Vt[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
-                    uint32_t c0 = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq]);
-                    uint32_t c1 = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
-                    mma16816(st.o[nt], pl, b0, b1);
-                    mma16816(st.o[nt], pa, c0, c1);
-                    mma16816(st.o[nt], pa, b0, b1);
+                for (int nt = 0; nt < 16; nt++) {
+                    if (nt < nnt) {
+                        uint32_t b0 = *reinterpret_cast<const uint32_t*>(&Vt[nt * 8 + gid][kk * 16 + 2 * tq]);
+                        uint32_t b1 = *reinterpret_cast<const uint32_t*>(&Vt[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
+                        uint32_t c0 = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq]);
+                        uint32_t c1 = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
+                        mma16816(o[nt], pl, b0, b1);
+                        mma16816(o[nt], pa, c0, c1);
+                        mma16816(o[nt], pa, b0, b1);
+                    }
                 }
-            }
-        }
+            });
     }
     st.store(dst, t0 + qr + gid, T, heads, hd, h);
 }
@@ -951,47 +966,41 @@ __device__ __forceinline__ void attn_tc_h_body(float* __restrict__ dst, const fl
         __syncthreads();  // tile jt landed for every thread's copies
         int j0 = jt * AT_K;
         const AtRow *K = Ks + (jt & 1) * AT_K, *V = Vs + (jt & 1) * AT_K;
-        if (j0 <= wlast) {  // else every key of the tile is after this warp's rows
-            float sc[8][4];
+        if (j0 <= wlast)  // else every key of the tile is after this warp's rows
+            st.tile(
+                j0, plo, phi,
+                [&](float (&sc)[8][4]) {
+                    // b: K rows 8nt..8nt + 7 at dims 16ks.. (b[0], b[1]) and
+                    // 16(ks + 1).. (b[2], b[3])
 #pragma unroll
-            for (int nt = 0; nt < 8; nt++)
+                    for (int nt = 0; nt < 8; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) sc[nt][e] = 0.f;
-            // b: K rows 8nt..8nt + 7 at dims 16ks.. (b[0], b[1]) and
-            // 16(ks + 1).. (b[2], b[3])
+                        for (int ks = 0; ks < 8; ks += 2) {
+                            if (ks < nks) {
+                                uint32_t b[4];
+                                ldmatrix_x4(b, &K[nt * 8 + (lane & 7)][(2 * ks + (lane >> 3)) * 8]);
+                                mma16816(sc[nt], ql[ks], b[0], b[1]);
+                                mma16816(sc[nt], qa[ks], b[0], b[1]);
+                                mma16816(sc[nt], ql[ks + 1], b[2], b[3]);
+                                mma16816(sc[nt], qa[ks + 1], b[2], b[3]);
+                            }
+                        }
+                },
+                [&](int kk, const uint32_t (&pa)[4], const uint32_t (&pl)[4], float (&o)[16][4]) {
+                    // b: keys 16kk..16kk + 15 of dims 8nt.. (b[0], b[1]) and
+                    // 8(nt + 1).. (b[2], b[3]), transposed
 #pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int ks = 0; ks < 8; ks += 2) {
-                    if (ks < nks) {
-                        uint32_t b[4];
-                        ldmatrix_x4(b, &K[nt * 8 + (lane & 7)][(2 * ks + (lane >> 3)) * 8]);
-                        mma16816(sc[nt], ql[ks], b[0], b[1]);
-                        mma16816(sc[nt], qa[ks], b[0], b[1]);
-                        mma16816(sc[nt], ql[ks + 1], b[2], b[3]);
-                        mma16816(sc[nt], qa[ks + 1], b[2], b[3]);
+                    for (int nt = 0; nt < 16; nt += 2) {
+                        if (nt < nnt) {
+                            uint32_t b[4];
+                            ldmatrix_x4_trans(b, &V[kk * 16 + (lane & 15)][(nt + (lane >> 4)) * 8]);
+                            mma16816(o[nt], pl, b[0], b[1]);
+                            mma16816(o[nt], pa, b[0], b[1]);
+                            mma16816(o[nt + 1], pl, b[2], b[3]);
+                            mma16816(o[nt + 1], pa, b[2], b[3]);
+                        }
                     }
-                }
-            st.rescale(sc, j0, plo, phi);
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                uint32_t pa[4], pl[4];
-                st.probs(sc, kk, pa, pl);
-                // b: keys 16kk..16kk + 15 of dims 8nt.. (b[0], b[1]) and
-                // 8(nt + 1).. (b[2], b[3]), transposed
-#pragma unroll
-                for (int nt = 0; nt < 16; nt += 2) {
-                    if (nt < nnt) {
-                        uint32_t b[4];
-                        ldmatrix_x4_trans(b, &V[kk * 16 + (lane & 15)][(nt + (lane >> 4)) * 8]);
-                        mma16816(st.o[nt], pl, b[0], b[1]);
-                        mma16816(st.o[nt], pa, b[0], b[1]);
-                        mma16816(st.o[nt + 1], pl, b[2], b[3]);
-                        mma16816(st.o[nt + 1], pa, b[2], b[3]);
-                    }
-                }
-            }
-        }
+                });
         __syncthreads();  // tile jt consumed before its buffers take tile jt + 2
     }
     st.store(dst, t0 + qr + gid, T, heads, hd, h);
@@ -1813,6 +1822,22 @@ __device__ __forceinline__ void b_convert(const BRaw& r, const WArgs& wa, int n,
     o1 = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
+// mma_tile_out is the epilogue of gemm_body's and gemm_h_body's warp tile:
+// 4 × 4 m16n8 accumulators from row m0, column n0, put into C by out (unit
+// u = (4i + j)·2 + hh: row gid (+8 for hh) of m16 tile i, columns 2·tq and
+// 2·tq + 1 of n8 tile j).
+__device__ __forceinline__ void mma_tile_out(float* C, int M, int N, int out, const float (&acc)[4][4][4], int m0,
+                                             int n0, int lane) {
+    int gid = lane >> 2, tq = lane & 3;
+    out_tile<32, 2, float>(
+        C, M, N, out,
+        [&](int u, int& m, int& n) {
+            m = m0 + (u >> 3) * 16 + gid + (u & 1) * 8;
+            n = n0 + ((u >> 1) & 3) * 8 + tq * 2;
+        },
+        [&](int u, int e) { return acc[u >> 3][(u >> 1) & 3][2 * (u & 1) + e]; }, AsIs{});
+}
+
 template <int WT>
 __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __restrict__ A, WArgs wa,
                                           int M, int N, int K, int kt0, int kt1, int out) {
@@ -1884,16 +1909,7 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
         if (kt + 1 < kt1) store(cur ^ 1, (kt + 1) * BK);
         __syncthreads();
     }
-    // unit u = (4i + j)·2 + hh: row gid (+8 for hh) of m16 tile i, columns
-    // 2·tq, 2·tq + 1 of n8 tile j
-    int gid = lane >> 2, tq = lane & 3;
-    out_tile<32, 2, float>(
-        C, M, N, out,
-        [&](int u, int& m, int& n) {
-            m = m0 + wm * 64 + (u >> 3) * 16 + gid + (u & 1) * 8;
-            n = n0 + wn * 32 + ((u >> 1) & 3) * 8 + tq * 2;
-        },
-        [&](int u, int e) { return acc[u >> 3][(u >> 1) & 3][2 * (u & 1) + e]; }, AsIs{});
+    mma_tile_out(C, M, N, out, acc, m0 + wm * 64, n0 + wn * 32, lane);
 }
 
 // Multistage fp16 tensor-core GEMM for dense fp16/bf16 weights and, in
@@ -2137,16 +2153,7 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
         }
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    // unit u = (4i + j)·2 + hh: row gid (+8 for hh) of m16 tile i, columns
-    // 2·tq, 2·tq + 1 of n8 tile j
-    int gid = lane >> 2, tq = lane & 3;
-    out_tile<32, 2, float>(
-        C, M, N, out,
-        [&](int u, int& m, int& n) {
-            m = m0 + wm * 64 + (u >> 3) * 16 + gid + (u & 1) * 8;
-            n = n0 + wn * 32 + ((u >> 1) & 3) * 8 + tq * 2;
-        },
-        [&](int u, int e) { return acc[u >> 3][(u >> 1) & 3][2 * (u & 1) + e]; }, AsIs{});
+    mma_tile_out(C, M, N, out, acc, m0 + wm * 64, n0 + wn * 32, lane);
 }
 // Split z of gridDim.z takes an equal share of the K steps and writes its
 // partial product to C + z·M·N (sum_splits adds them up and applies out;

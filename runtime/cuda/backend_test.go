@@ -263,8 +263,8 @@ func TestMatMul(t *testing.T) {
 					kernel, _ = b.gemvKernel(lin(lw), M, N)
 					ran[kernel] = true
 					name += "/" + kernel
-				} else if gh, _ := gemmHKernel(lin(lw)); lin(lw).kind != kindF32 && K%32 == 0 {
-					if wg := b.wgmmaKernel(gh, M); wg != "" { // else gemm_h_* or the fused gemm_*
+				} else if gh, _ := gemmHKernel(lin(lw)); b.halfGEMM(lin(lw), M, false) {
+					if wg := b.wgmmaKernel(gh, M); wg != "" { // else gemm_h_*
 						ran[wg] = true
 						name += "/" + wg
 					}
