@@ -194,11 +194,24 @@ extern "C" __global__ void embed_q4(float* __restrict__ dst, const uint32_t* __r
     }
 }
 
-// rmsnorm writes row r of RMSNorm(x) to dst, or (dst16 set) rounded to
-// fp16 to dst16: the GEMMs' input (to_half) without an fp32 copy.
+// The W8A8 activation quantizers (msmodelslim): static, round(v/scale +
+// offset) saturated to int8 (quant_act); per token, rint(v/s) within ±127
+// for the row's s = max|v|/127, 0 where s = 0 (quant_act_token).
+__device__ __forceinline__ int8_t quant_static(float v, float scale, float offset) {
+    return (int8_t)fminf(fmaxf(roundf(__fdiv_rn(v, scale) + offset), -128.f), 127.f);
+}
+__device__ __forceinline__ int8_t quant_token(float v, float s) {
+    return (int8_t)(s == 0.f ? 0.f : fminf(fmaxf(rintf(__fdiv_rn(v, s)), -127.f), 127.f));
+}
+
+// rmsnorm writes row r of RMSNorm(x) in the form its products take: to
+// dst; or rounded to fp16 to dst16 (to_half's); or quantized for W8A8 to
+// dstq, per token where tok is set (the row's scale to tok[r]), else with
+// qs and qo: the GEMMs' input without an fp32 copy.
 extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restrict__ x,
                                    const float* __restrict__ w, const float* __restrict__ bias,
-                                   int cols, float eps, __half* __restrict__ dst16) {
+                                   int cols, float eps, __half* __restrict__ dst16, int8_t* __restrict__ dstq,
+                                   float* __restrict__ tok, float qs, float qo) {
     PDL_ENTRY();
     __shared__ float sh[32];
     int r = blockIdx.x;
@@ -207,13 +220,25 @@ extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restr
     for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
     ss = block_sum(ss, sh);
     float inv = rsqrtf(ss / (float)cols + eps);
+    auto normed = [&](int c) {  // each product rounded: the same value in every pass
+        float v = __fmul_rn(__fmul_rn(xr[c], inv), w[c]);
+        return bias ? __fadd_rn(v, bias[c]) : v;
+    };
+    if (tok) {
+        float mx = 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) mx = fmaxf(mx, fabsf(normed(c)));
+        qs = __fdiv_rn(block_max(mx, sh), 127.f);
+        if (threadIdx.x == 0) tok[r] = qs;
+    }
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = xr[c] * inv * w[c];
-        if (bias) v += bias[c];
-        if (dst16)
-            dst16[(size_t)r * cols + c] = __float2half_rn(v);
+        float v = normed(c);
+        size_t i = (size_t)r * cols + c;
+        if (dstq)
+            dstq[i] = tok ? quant_token(v, qs) : quant_static(v, qs, qo);
+        else if (dst16)
+            dst16[i] = __float2half_rn(v);
         else
-            dst[(size_t)r * cols + c] = v;
+            dst[i] = v;
     }
 }
 
@@ -256,6 +281,21 @@ __device__ __forceinline__ float out_val(const float* C, float v, int out) {
     if (out == OUT_ADD) return *C + v;
     if (out == OUT_SWIGLU) return silu_times(*C, v);
     return v;
+}
+// TileStage is shared memory free for a whole result tile of TS_ROWS ×
+// TS_COLS from row m0, column n0 (a Hopper GEMM's stages once
+// its products are done), shared by the nthr threads (this one: tid) that
+// meet at named barrier bar; nthr is a multiple of TS_COLS / 4.
+#define TS_ROWS 128
+#define TS_COLS 128
+#define TS_LD (TS_COLS + 8)  // the fragments' float2 writes hit 32 banks a half warp
+template <typename T>
+struct TileStage {
+    T* s;
+    int m0, n0, bar, nthr, tid;
+};
+__device__ __forceinline__ void named_sync(int bar, int nthr) {
+    asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(nthr) : "memory");
 }
 // out_tile puts a thread's NU result units of a GEMM tile into C [M, N] by
 // out: unit u is W (1 or 2) values at row m, columns n (and n + 1), from
@@ -311,10 +351,48 @@ __device__ __forceinline__ void out_tile(float* C, int M, int N, int out, At at,
             if (m < M && n + i < N) C[(size_t)m * N + n + i] = silu_times(gate[u][i], fin(m, n + i, keep[u][i]));
     }
 }
-// AsIs is out_tile's fin for float results.
+// AsIs is out_tile's (and out_tile_staged's) fin for float results.
 struct AsIs {
     __device__ __forceinline__ float operator()(int, int, float v) const { return v; }
 };
+// out_tile_staged is out_tile for a block whose free shared memory holds
+// the whole tile (st): the tile's raw values go there and its threads
+// finish it four columns a thread, rows apart: every load and store of C a
+// coalesced float4, a thread's columns the same in every row, the SwiGLU's
+// expf and division in one rolled loop.
+template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
+__device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out, At at, Raw raw, Fin fin,
+                                                TileStage<T> st) {
+    named_sync(st.bar, st.nthr);  // every thread is done with the stages
+#pragma unroll
+    for (int u = 0; u < NU; u++) {
+        int m, n;
+        at(u, m, n);
+#pragma unroll
+        for (int i = 0; i < W; i++) st.s[(m - st.m0) * TS_LD + n + i - st.n0] = raw(u, i);
+    }
+    named_sync(st.bar, st.nthr);
+#pragma unroll 4
+    for (int e = st.tid; e < TS_ROWS * TS_COLS / 4; e += st.nthr) {
+        int r = e / (TS_COLS / 4), c = e % (TS_COLS / 4) * 4, m = st.m0 + r, n = st.n0 + c;
+        if (m >= M) break;
+        const T* kp = st.s + r * TS_LD + c;
+        float* cp = C + (size_t)m * N + n;
+        if ((N & 3) == 0 && n < N) {
+            float4 v = make_float4(fin(m, n, kp[0]), fin(m, n + 1, kp[1]), fin(m, n + 2, kp[2]), fin(m, n + 3, kp[3]));
+            if (out != OUT_STORE) {
+                float4 g = *reinterpret_cast<const float4*>(cp);
+                v = make_float4(out_val(&g.x, v.x, out), out_val(&g.y, v.y, out), out_val(&g.z, v.z, out),
+                                out_val(&g.w, v.w, out));
+            }
+            *reinterpret_cast<float4*>(cp) = v;
+            continue;
+        }
+#pragma unroll 1
+        for (int i = 0; i < 4; i++)
+            if (n + i < N) cp[i] = out_val(cp + i, fin(m, n + i, kp[i]), out);
+    }
+}
 extern "C" __global__ void add_inplace(float* __restrict__ dst, const float* __restrict__ x, long long n) {
     PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
@@ -449,12 +527,13 @@ struct KVQuant { const float *ks, *ko, *vs, *vo; };
 // store_kv_body writes rows of k and v (positions pos0..) into the cache.
 // With q set (runtime.Fused.RoPEStoreKV) it first rotates q [rows, qcols] in
 // place and k by RoPE (heads of hd values), as the rope kernel would, and
-// stores the rotated keys (k keeps them too).
+// stores the rotated keys (k keeps them too); hg heads share each angle.
 template <typename KV>
 __device__ __forceinline__ void store_kv_body(KV* __restrict__ kc, KV* __restrict__ vc, float* __restrict__ k,
                                               const float* __restrict__ v, int rows, int kvDim, int pos0,
                                               const int* __restrict__ dpos, int maxSeq, KVQuant kq,
-                                              float* __restrict__ q, int qcols, int hd, double theta, int layout) {
+                                              float* __restrict__ q, int qcols, int hd, double theta, int layout,
+                                              int hg) {
     long long it = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
     if (q == nullptr) {
         long long n = (long long)rows * kvDim;
@@ -469,48 +548,60 @@ __device__ __forceinline__ void store_kv_body(KV* __restrict__ kc, KV* __restric
         }
         return;
     }
-    // Items: the pairs of q, then the pairs of k, each storing its two keys
-    // and the two values at the same places.
-    long long qpairs = (long long)rows * (qcols / 2), items = qpairs + (long long)rows * (kvDim / 2);
-    for (long long j = it; j < items; j += stride) {
-        if (j < qpairs) {
-            rope_at(q, j, qcols, hd, pos0, dpos, theta, layout);
-            continue;
+    // Items: (row, pair of a head, group of hg heads), the heads of q
+    // first, then those of k. An item takes its angle once and rotates
+    // that pair in each head of its group; for a head of k it also stores
+    // the two keys and the two values at the same places. Consecutive items
+    // are consecutive pairs of one head (coalesced).
+    int half = hd / 2, qh = qcols / hd, heads = qh + kvDim / hd, groups = (heads + hg - 1) / hg;
+    int items = rows * half * groups;
+    for (int j = (int)it; j < items; j += (int)stride) {
+        int i = j % half, rg = j / half, g = rg % groups, r = rg / groups;
+        int pos = row_pos(pos0, dpos, r);
+        RopePair rp = rope_pair(i, hd, pos, theta, layout);
+#pragma unroll 4
+        for (int h = g * hg; h < min(heads, (g + 1) * hg); h++) {
+            if (h < qh) {
+                float* x = q + (size_t)r * qcols + (size_t)h * hd;
+                float2 o = rope_rotate(rp, x[rp.a], x[rp.b]);
+                x[rp.a] = o.x;
+                x[rp.b] = o.y;
+                continue;
+            }
+            int c0 = (h - qh) * hd;
+            size_t off = (size_t)r * kvDim + c0;
+            float2 o = rope_rotate(rp, k[off + rp.a], k[off + rp.b]);
+            k[off + rp.a] = o.x;
+            k[off + rp.b] = o.y;
+            if (pos >= maxSeq) continue;
+            int ca = c0 + rp.a, cb = c0 + rp.b;
+            size_t row = (size_t)pos * kvDim;
+            float ks = 1.f, ko = 0.f, vs = 1.f, vo = 0.f;
+            if constexpr (kv_quantized<KV>::value) { ks = kq.ks[ca]; ko = kq.ko[ca]; vs = kq.vs[ca]; vo = kq.vo[ca]; }
+            kv_store(kc, row + ca, o.x, ks, ko);
+            kv_store(vc, row + ca, v[off + rp.a], vs, vo);
+            if constexpr (kv_quantized<KV>::value) { ks = kq.ks[cb]; ko = kq.ko[cb]; vs = kq.vs[cb]; vo = kq.vo[cb]; }
+            kv_store(kc, row + cb, o.y, ks, ko);
+            kv_store(vc, row + cb, v[off + rp.b], vs, vo);
         }
-        size_t off;
-        int pos;
-        RopePair rp = rope_find(j - qpairs, kvDim, hd, pos0, dpos, theta, layout, off, pos);
-        float2 o = rope_rotate(rp, k[off + rp.a], k[off + rp.b]);
-        k[off + rp.a] = o.x;
-        k[off + rp.b] = o.y;
-        if (pos >= maxSeq) continue;
-        int ca = (int)(off % kvDim) + rp.a, cb = (int)(off % kvDim) + rp.b;
-        size_t row = (size_t)pos * kvDim;
-        float ks = 1.f, ko = 0.f, vs = 1.f, vo = 0.f;
-        if constexpr (kv_quantized<KV>::value) { ks = kq.ks[ca]; ko = kq.ko[ca]; vs = kq.vs[ca]; vo = kq.vo[ca]; }
-        kv_store(kc, row + ca, o.x, ks, ko);
-        kv_store(vc, row + ca, v[off + rp.a], vs, vo);
-        if constexpr (kv_quantized<KV>::value) { ks = kq.ks[cb]; ko = kq.ko[cb]; vs = kq.vs[cb]; vo = kq.vo[cb]; }
-        kv_store(kc, row + cb, o.y, ks, ko);
-        kv_store(vc, row + cb, v[off + rp.b], vs, vo);
     }
 }
 
 // store_kv*(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, [ks, ko, vs, vo,]
-// q, qcols, hd, theta, layout): q = 0 stores only.
-#define STORE_KV_ROPE float *__restrict__ q, int qcols, int hd, double theta, int layout
+// q, qcols, hd, theta, layout, hg): q = 0 stores only.
+#define STORE_KV_ROPE float *__restrict__ q, int qcols, int hd, double theta, int layout, int hg
 extern "C" __global__ void store_kv(float* __restrict__ kc, float* __restrict__ vc, float* __restrict__ k,
                                     const float* __restrict__ v, int rows, int kvDim, int pos0,
                                     const int* __restrict__ dpos, int maxSeq, STORE_KV_ROPE) {
     PDL_ENTRY();
-    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{}, q, qcols, hd, theta, layout);
+    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{}, q, qcols, hd, theta, layout, hg);
 }
 
 extern "C" __global__ void store_kv_f16(__half* __restrict__ kc, __half* __restrict__ vc, float* __restrict__ k,
                                         const float* __restrict__ v, int rows, int kvDim, int pos0,
                                         const int* __restrict__ dpos, int maxSeq, STORE_KV_ROPE) {
     PDL_ENTRY();
-    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{}, q, qcols, hd, theta, layout);
+    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{}, q, qcols, hd, theta, layout, hg);
 }
 
 extern "C" __global__ void store_kv_i8(int8_t* __restrict__ kc, int8_t* __restrict__ vc, float* __restrict__ k,
@@ -519,7 +610,7 @@ extern "C" __global__ void store_kv_i8(int8_t* __restrict__ kc, int8_t* __restri
                                        const float* __restrict__ ko, const float* __restrict__ vs,
                                        const float* __restrict__ vo, STORE_KV_ROPE) {
     PDL_ENTRY();
-    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{ks, ko, vs, vo}, q, qcols, hd, theta, layout);
+    store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{ks, ko, vs, vo}, q, qcols, hd, theta, layout, hg);
 }
 
 // ---------------------------------------------------------------------------
@@ -2213,7 +2304,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q8(float* C, const _
 // kernels do.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define GW_BK 64       // K step: 64 halfs, one 128-byte swizzle row
-#define GW_STAGES 5    // ring depth; a stage is gw_stage_bytes
+#ifndef GW_STAGES
+#define GW_STAGES 5  // ring depth; a stage is gw_stage_bytes
+#endif
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 // TmaMap holds a CUtensorMap (cuTensorMapEncodeTiled) passed by value.
 struct __align__(64) TmaMap {
@@ -2433,6 +2526,11 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         return;
     }
     int c = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31;
+    // the stages hold the whole result tile for the epilogue once the
+    // products are done (consumers meet at barrier 1)
+    static_assert(TS_ROWS * TS_LD * 4 <= GW_STAGES * SB, "the result tile fits in the stages");
+    float* stage = reinterpret_cast<float*>(at(base));
+    TileStage<float> st{stage, m0, n0, 1, 256, tid - 128};
     if constexpr (WK == GH_F16 || WK == GH_S8) {
         // D = A · Wᵀ: 64 activation rows of warpgroup c by the 128 weight
         // rows, both operands from shared memory
@@ -2461,9 +2559,9 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         };
         auto raw = [&](int u, int e) { return d[4 * (u >> 1) + 2 * (u & 1) + e]; };
         if constexpr (WK == GH_S8)
-            epi(at, raw);
+            epi(at, raw, stage);
         else
-            out_tile<32, 2, float>(C, M, N, out, at, raw, AsIs{});
+            out_tile_staged<32, 2, float>(C, M, N, out, at, raw, AsIs{}, st);
     } else {
         // Dᵀ = W · Aᵀ: the 64 weight rows of warpgroup c, widened or
         // dequantized from shared memory into registers, by the 128
@@ -2504,13 +2602,13 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         // accumulator e of n8 chunk j: weight row 16·warp + lane/4 (+8 for
         // e ≥ 2), activation row 8j + 2·(lane % 4) (+1 for odd e)
         // (unit u = 4j + e)
-        out_tile<64, 1, float>(
+        out_tile_staged<64, 1, float>(
             C, M, N, out,
             [&](int u, int& m, int& n) {
                 m = m0 + (u >> 2) * 8 + 2 * t + (u & 1);
                 n = n0 + rw + (lane >> 2) + 8 * ((u >> 1) & 1);
             },
-            [&](int u, int) { return d[u]; }, AsIs{});
+            [&](int u, int) { return d[u]; }, AsIs{}, st);
     }
 }
 // name(C, mapA, mapW, sz, M, N, K, gs, G, out): mapA over the fp16 activations
@@ -2569,34 +2667,22 @@ extern "C" __global__ void sum_splits(float* __restrict__ C, const float* __rest
 extern "C" __global__ void quant_act(int8_t* __restrict__ xq, const float* __restrict__ x, long long n,
                                      float scale, float offset) {
     PDL_ENTRY();
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        float v = roundf(__fdiv_rn(x[i], scale) + offset);
-        v = fminf(fmaxf(v, -128.f), 127.f);
-        xq[i] = (int8_t)v;
-    }
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        xq[i] = quant_static(x[i], scale, offset);
 }
 
 // Per-token dynamic W8A8 (msmodelslim W8A8_DYNAMIC): grid M, block 256.
-// Row m: s = max|x|/127, xq = clamp(rint(x/s), ±127) (0 when s = 0), tok[m] = s.
+// Row m quantized by quant_token, tok[m] = its scale s = max|x|/127.
 extern "C" __global__ void __launch_bounds__(256) quant_act_token(int8_t* __restrict__ xq, float* __restrict__ tok,
                                                                   const float* __restrict__ x, int K) {
     PDL_ENTRY();
-    __shared__ float red[8];
+    __shared__ float sh[32];
     const float* xr = x + (size_t)blockIdx.x * K;
     float mx = 0.f;
     for (int i = threadIdx.x; i < K; i += blockDim.x) mx = fmaxf(mx, fabsf(xr[i]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
-    __syncthreads();
-    mx = 0.f;
-    for (int i = 0; i < (int)(blockDim.x >> 5); i++) mx = fmaxf(mx, red[i]);
-    float s = __fdiv_rn(mx, 127.f);
+    float s = __fdiv_rn(block_max(mx, sh), 127.f);
     int8_t* q = xq + (size_t)blockIdx.x * K;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        float v = s == 0.f ? 0.f : fminf(fmaxf(rintf(__fdiv_rn(xr[i], s)), -127.f), 127.f);
-        q[i] = (int8_t)v;
-    }
+    for (int i = threadIdx.x; i < K; i += blockDim.x) q[i] = quant_token(xr[i], s);
     if (threadIdx.x == 0) tok[blockIdx.x] = s;
 }
 
@@ -2612,11 +2698,12 @@ __device__ __forceinline__ float w8a8_out(int acc, int m, int n, const int* __re
 }
 // w8a8_tile is the epilogue of a W8A8 GEMM tile (units as out_tile's, two
 // integer sums each): split K, the sums stored to part; else w8a8_out put
-// into y by out.
-template <int NU, typename At, typename Raw>
+// into y by out (STAGED: through out_tile_staged and st).
+template <int NU, bool STAGED = false, typename At, typename Raw>
 __device__ __forceinline__ void w8a8_tile(float* y, int* part, int M, int N, int out, At at, Raw raw,
                                           const int* __restrict__ qbias, const float* __restrict__ deq,
-                                          const float* __restrict__ bias, const float* __restrict__ tok) {
+                                          const float* __restrict__ bias, const float* __restrict__ tok,
+                                          TileStage<int> st = TileStage<int>{}) {
     if (part) {
 #pragma unroll
         for (int u = 0; u < NU; u++) {
@@ -2628,8 +2715,11 @@ __device__ __forceinline__ void w8a8_tile(float* y, int* part, int M, int N, int
         }
         return;
     }
-    out_tile<NU, 2, int>(y, M, N, out, at, raw,
-                         [&](int m, int n, int acc) { return w8a8_out(acc, m, n, qbias, deq, bias, tok); });
+    auto fin = [&](int m, int n, int acc) { return w8a8_out(acc, m, n, qbias, deq, bias, tok); };
+    if constexpr (STAGED)
+        out_tile_staged<NU, 2, int>(y, M, N, out, at, raw, fin, st);
+    else
+        out_tile<NU, 2, int>(y, M, N, out, at, raw, fin);
 }
 
 // grid (ceil(N/8), M), block 256: one warp per output, put into y by
@@ -2790,9 +2880,12 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     int nk = (K + 127) / 128, per = (nk + gridDim.z - 1) / gridDim.z;
     int kt0 = min(nk, (int)blockIdx.z * per);
     int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;
-    gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, M, N, 128, 0, kt0, min(nk, kt0 + per), OUT_STORE, [&](auto at, auto raw) {
-        w8a8_tile<32>(y, part, M, N, out, at, raw, qbias, deq, bias, tok);
-    });
+    gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, M, N, 128, 0, kt0, min(nk, kt0 + per), OUT_STORE,
+                        [&](auto at, auto raw, float* stage) {
+                            w8a8_tile<32, true>(y, part, M, N, out, at, raw, qbias, deq, bias, tok,
+                                          TileStage<int>{reinterpret_cast<int*>(stage), (int)blockIdx.x * 128,
+                                                         (int)blockIdx.y * 128, 1, 256, (int)threadIdx.x - 128});
+                        });
 }
 #endif
 

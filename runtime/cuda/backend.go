@@ -693,7 +693,8 @@ func (b *Backend) RMSNorm(dst, x runtime.Buf, w, bias runtime.Vector, eps float3
 		panic(fmt.Sprintf("cuda backend: RMSNorm shapes [%d %d] <- [%d %d], weight %d", d.rows, d.cols, s.rows, s.cols, vec(w).n))
 	}
 	defer b.enter()()
-	b.launch("rmsnorm", g1(s.rows), b.rowBlock(s.rows, s.cols), d.p, s.p, vec(w).p, vecPtr(bias), s.cols, eps, driver.DevicePtr(0))
+	b.launch("rmsnorm", g1(s.rows), b.rowBlock(s.rows, s.cols), d.p, s.p, vec(w).p, vecPtr(bias), s.cols, eps, driver.DevicePtr(0),
+		driver.DevicePtr(0), driver.DevicePtr(0), float32(0), float32(0))
 }
 
 // rowBlock is the block size of a one-block-per-row kernel: wide blocks
@@ -882,6 +883,15 @@ func (b *Backend) RoPEStoreKV(c runtime.KVCache, layer, pos0 int, q, k, v runtim
 	b.storeKV(c, layer, pos0, k, v, qb, headDim, theta, layout)
 }
 
+// ropeHeads is how many heads of q and k share one RoPE angle in store_kv*
+// from ropeGroupRows rows on (prefill: a quarter of the launch's work is
+// the angles otherwise); fewer rows take one head an item, so that a decode
+// step's few items each wait on one head's loads only.
+const (
+	ropeHeads     = 8
+	ropeGroupRows = 32
+)
+
 // storeKV launches store_kv*: with q set, RoPE of q and k first.
 func (b *Backend) storeKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf, q *Buf, headDim int, theta float64, layout model.RopeLayout) {
 	kc, kb, vb := cache(c), buf(k), buf(v)
@@ -900,12 +910,16 @@ func (b *Backend) storeKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf, 
 	}
 	items := kb.n()
 	var qp driver.DevicePtr
-	qcols := 0
+	qcols, hg := 0, 1
 	if q != nil {
+		if kb.rows >= ropeGroupRows {
+			hg = ropeHeads
+		}
 		qp, qcols = q.p, q.cols
-		items = (q.n() + kb.n()) / 2
+		heads := (q.cols + kb.cols) / headDim
+		items = kb.rows * headDim / 2 * ((heads + hg - 1) / hg)
 	}
-	args = append(args, qp, qcols, headDim, theta, int(layout))
+	args = append(args, qp, qcols, headDim, theta, int(layout), hg)
 	b.launch(kc.kernel("store_kv"), b.gridFor(items), block256, args...)
 }
 

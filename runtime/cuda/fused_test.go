@@ -166,6 +166,89 @@ func TestFusedLinearSteps(t *testing.T) {
 	}
 }
 
+// TestNormQuantized checks the norm that writes W8A8 products' input
+// quantized (static: one scale and offset for all weights; per token)
+// against RMSNorm in fp32 followed by the products, which quantize it
+// themselves: equal bit for bit, at decode and prefill sizes. Weights with
+// different static quantizers take the fp32 norm.
+func TestNormQuantized(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(27, 28))
+	const K, eps = 512, 1e-5
+	w8a8 := func(n int, dynamic bool, inScale float32) runtime.Linear {
+		q := &model.Quantized{Bits: 8, Rows: n, Cols: K, Q: make([]int8, n*K), Scale: make([]float32, n)}
+		for i := range q.Q {
+			q.Q[i] = int8(r.IntN(255) - 127)
+		}
+		w := &model.W8A8{Weight: q, Dynamic: dynamic, Bias: make([]float32, n)}
+		if !dynamic {
+			w.InputScale, w.InputOffset = inScale, 2
+			w.DeqScale, w.QuantBias = make([]float32, n), make([]int32, n)
+		}
+		for i := 0; i < n; i++ {
+			q.Scale[i] = float32(0.001 + 0.01*r.Float64())
+			w.Bias[i] = float32(r.Float64() - 0.5)
+			if !dynamic {
+				w.DeqScale[i] = inScale * q.Scale[i]
+				w.QuantBias[i] = int32(r.IntN(2000) - 1000)
+			}
+		}
+		lw, err := b.UploadLinear("w8a8", w)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return lw
+	}
+	nw, _ := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
+	nb, _ := b.UploadVector("norm_bias", model.FromFloat32([]int{K}, randVec(r, K, 0.1)))
+	for _, tc := range []struct {
+		name    string
+		dynamic bool
+		scales  [4]float32 // NormMatMulN: 0-2; NormSwiGLU: gate 2, up 3
+	}{
+		{"static", false, [4]float32{0.02, 0.02, 0.02, 0.02}},
+		{"dynamic", true, [4]float32{}},
+		{"static-mixed", false, [4]float32{0.02, 0.03, 0.02, 0.02}},
+	} {
+		outs := []int{200, 72, 40, 40}
+		ws := make([]runtime.Linear, 4)
+		for i := range ws {
+			ws[i] = w8a8(outs[i], tc.dynamic, tc.scales[i])
+		}
+		for _, M := range []int{1, 5, 130} {
+			t.Run(fmt.Sprintf("%s/M=%d", tc.name, M), func(t *testing.T) {
+				x := upload(b, M, K, randVec(r, M*K, 1))
+				h := poisoned(b, M, K)
+				b.RMSNorm(h, x, nw, nb, eps)
+				free := []*Buf{x, h}
+				defer func() {
+					for _, f := range free {
+						b.Free(f)
+					}
+				}()
+				dst := make([]runtime.Buf, 3)
+				for i := range dst {
+					d, want := poisoned(b, M, outs[i]), poisoned(b, M, outs[i])
+					dst[i] = d
+					free = append(free, d, want)
+					b.MatMul(want, h, ws[i])
+					defer func(i int, want *Buf) {
+						compare(t, fmt.Sprintf("NormMatMulN weight %d", i), download(b, dst[i]), download(b, want), 0)
+					}(i, want)
+				}
+				b.NormMatMulN(dst, x, nw, nb, eps, ws[:3])
+				g, u, sw := poisoned(b, M, 40), poisoned(b, M, 40), poisoned(b, M, 40)
+				free = append(free, g, u, sw)
+				b.MatMul(g, h, ws[2])
+				b.MatMul(u, h, ws[3])
+				b.SiLUMul(g, g, u)
+				b.NormSwiGLU(sw, x, nw, nb, eps, ws[2], ws[3])
+				compare(t, "NormSwiGLU", download(b, sw), download(b, g), 0)
+			})
+		}
+	}
+}
+
 // TestRowSums checks the row sums of a decode step (rowsums.go) on the
 // steps of a layer: o's residual add → norm, gate/up and SwiGLU → down's
 // residual add → norm and q. Each normed GEMV must find the sums its
@@ -293,7 +376,8 @@ func compare(t *testing.T, what string, got, want []float32, tol float64) {
 
 // TestRoPEStoreKV checks the fused RoPE and cache store against RoPE of q
 // and k followed by StoreKV, for every cache type and both RoPE layouts, at
-// a decode step and a prefill chunk: q, k and the cache equal bit for bit.
+// a decode step and prefill chunks (T = 40: heads share their angles): q, k
+// and the cache equal bit for bit.
 func TestRoPEStoreKV(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(23, 24))

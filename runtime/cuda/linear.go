@@ -507,9 +507,9 @@ const (
 // gemmIn is the input of one or more products (the weights of one
 // MatMulN): x, and the forms the GEMMs take it in, made by the first GEMM
 // that needs them and kept for the next: rounded to fp16 in the column
-// order perm (a16; a norm may write it directly, and x is then a shape
-// only, p == 0), or quantized to int8 for W8A8 (xq, per-token scales tok)
-// as key says.
+// order perm (a16), or quantized to int8 for W8A8 (xq, per-token scales
+// tok) as xqKey says. A norm may write either directly; x is then a shape
+// only (p == 0).
 type gemmIn struct {
 	x         *Buf
 	a16, perm driver.DevicePtr
@@ -522,6 +522,14 @@ type gemmIn struct {
 type actQuant struct {
 	dynamic       bool
 	scale, offset float32
+}
+
+// actQuant is how W8A8 layer l quantizes its input.
+func (l *Linear) actQuant() actQuant {
+	if l.dynamic {
+		return actQuant{dynamic: true}
+	}
+	return actQuant{scale: l.inScale, offset: l.inOffset}
 }
 
 // half returns in's activations in fp16 in l's column order, made once
@@ -539,10 +547,7 @@ func (b *Backend) half(in *gemmIn, l *Linear) driver.DevicePtr {
 // quantized returns in's activations quantized for W8A8 layer l (and the
 // per-token scales of a dynamic one), made once for each actQuant.
 func (b *Backend) quantized(in *gemmIn, l *Linear) (xq, tok driver.DevicePtr) {
-	key := actQuant{l.dynamic, l.inScale, l.inOffset}
-	if l.dynamic {
-		key.scale, key.offset = 0, 0
-	}
+	key := l.actQuant()
 	if in.xq != 0 && in.xqKey == key {
 		return in.xq, in.tok
 	}
@@ -966,19 +971,29 @@ func (b *Backend) normStreamed(op string, s *Buf, segs []gemvSeg, w, bias runtim
 
 // normed writes RMSNorm(x) into a scratch buffer shaped like x, the input
 // of the products segs: in fp16 alone where every one of them is a
-// halfGEMM with the columns in order, in fp32 otherwise.
+// halfGEMM with the columns in order; quantized alone where every one is
+// W8A8 with one quantizer; in fp32 otherwise.
 func (b *Backend) normed(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps float32) *gemmIn {
-	half := true
+	half, quant := true, true
+	key := segs[0].l.actQuant()
 	for _, g := range segs {
 		half = half && b.halfGEMM(g.l, s.rows, false) && g.l.perm == 0
+		quant = quant && g.l.kind == kindW8A8 && g.l.actQuant() == key
 	}
 	in := &gemmIn{x: &Buf{rows: s.rows, cols: s.cols}}
-	if half {
+	switch {
+	case half:
 		in.a16 = b.scratchBuf("gemm_a16", 2*s.n())
-	} else {
+	case quant:
+		in.xq, in.xqKey = b.scratchBuf("xq", s.n()), key
+		if key.dynamic {
+			in.tok = b.scratchBuf("xq_tok", 4*s.rows)
+		}
+	default:
 		in.x.p = b.scratchBuf("norm_h", 4*s.n())
 	}
-	b.launch("rmsnorm", g1(s.rows), b.rowBlock(s.rows, s.cols), in.x.p, s.p, vec(w).p, vecPtr(bias), s.cols, eps, in.a16)
+	b.launch("rmsnorm", g1(s.rows), b.rowBlock(s.rows, s.cols), in.x.p, s.p, vec(w).p, vecPtr(bias), s.cols, eps,
+		in.a16, in.xq, in.tok, key.scale, key.offset)
 	return in
 }
 
