@@ -2584,21 +2584,34 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             for (int kk = 0; kk < GW_BK / 16; kk++) wgmma_m64n128k16_ra(d, &fi[4 * kk], da + 2 * kk);
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         };
-        auto done = [&](int i) {  // step i's wgmma is complete: its fragments and stage are free
-            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        auto release = [&](int i) {  // step i's wgmma is complete: its stage is free
             if (lane == 0) mbar_arrive(empty(i % GW_STAGES));
         };
-        if (nk > 0) frags(0, f[0]);
-        for (int i = 0; i < nk; i += 2) {
-            step(i, f[0]);
-            if (i + 1 < nk) frags(i + 1, f[1]);
-            done(i);
-            if (i + 1 < nk) {
-                step(i + 1, f[1]);
-                if (i + 2 < nk) frags(i + 2, f[0]);
-                done(i + 1);
-            }
+        // step i is queued behind step i − 1, then step i − 1 waited for
+        // (its register set is step i + 1's)
+        if (nk > 0) {
+            frags(0, f[0]);
+            step(0, f[0]);
         }
+        int i = 1;
+        for (; i + 1 < nk; i += 2) {
+            frags(i, f[1]);
+            step(i, f[1]);
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            release(i - 1);
+            frags(i + 1, f[0]);
+            step(i + 1, f[0]);
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            release(i);
+        }
+        if (i < nk) {
+            frags(i, f[1]);
+            step(i, f[1]);
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            release(i - 1);
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        if (nk > 0) release(nk - 1);
         // accumulator e of n8 chunk j: weight row 16·warp + lane/4 (+8 for
         // e ≥ 2), activation row 8j + 2·(lane % 4) (+1 for odd e)
         // (unit u = 4j + e)
@@ -2664,11 +2677,18 @@ extern "C" __global__ void sum_splits(float* __restrict__ C, const float* __rest
 
 // ---------------------------------------------------------------------------
 // W8A8 (msmodelslim static): quantize activations, integer dot, dequantize.
+// quant_act quantizes x [n] to xq by quant_static, four values a load.
 extern "C" __global__ void quant_act(int8_t* __restrict__ xq, const float* __restrict__ x, long long n,
                                      float scale, float offset) {
     PDL_ENTRY();
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        xq[i] = quant_static(x[i], scale, offset);
+    long long it = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = it; i < n / 4; i += stride) {
+        float4 v = reinterpret_cast<const float4*>(x)[i];
+        reinterpret_cast<char4*>(xq)[i] =
+            make_char4(quant_static(v.x, scale, offset), quant_static(v.y, scale, offset),
+                       quant_static(v.z, scale, offset), quant_static(v.w, scale, offset));
+    }
+    for (long long i = n / 4 * 4 + it; i < n; i += stride) xq[i] = quant_static(x[i], scale, offset);
 }
 
 // Per-token dynamic W8A8 (msmodelslim W8A8_DYNAMIC): grid M, block 256.

@@ -558,7 +558,7 @@ func (b *Backend) quantized(in *gemmIn, l *Linear) (xq, tok driver.DevicePtr) {
 		in.tok = b.scratchBuf("xq_tok", 4*M)
 		b.launch("quant_act_token", g1(M), block256, in.xq, in.tok, s.p, K)
 	} else {
-		b.launch("quant_act", b.gridFor(M*K), block256, in.xq, s.p, int64(M*K), l.inScale, l.inOffset)
+		b.launch("quant_act", b.gridFor(M*K/4), block256, in.xq, s.p, int64(M*K), l.inScale, l.inOffset)
 	}
 	return in.xq, in.tok
 }
