@@ -119,35 +119,14 @@ func TestFusedLinearSteps(t *testing.T) {
 				tol = 1e-4
 			}
 			t.Run(fmt.Sprintf("%s/M=%d/streaming=%v", wc.name, M, streaming), func(t *testing.T) {
-				x := upload(b, M, K, randVec(r, M*K, 1))
-				h := poisoned(b, M, K)
-				b.RMSNorm(h, x, nw, nb, eps)
+				x, h := normedInput(b, r, M, K, nw, nb, eps)
 				free := []*Buf{x, h}
 				defer func() {
 					for _, f := range free {
 						b.Free(f)
 					}
 				}()
-				// NormMatMulN
-				dst := make([]runtime.Buf, 3)
-				for i := range dst {
-					dst[i] = poisoned(b, M, outs[i])
-					want := poisoned(b, M, outs[i])
-					free = append(free, dst[i].(*Buf), want)
-					b.MatMul(want, h, ws[i])
-					defer func(i int, want *Buf) {
-						compare(t, fmt.Sprintf("NormMatMulN weight %d", i), download(b, dst[i]), download(b, want), tol)
-					}(i, want)
-				}
-				b.NormMatMulN(dst, x, nw, nb, eps, ws[:3])
-				// NormSwiGLU
-				g, u, sw := poisoned(b, M, 72), poisoned(b, M, 72), poisoned(b, M, 72)
-				free = append(free, g, u, sw)
-				b.MatMul(g, h, ws[1])
-				b.MatMul(u, h, ws[3])
-				b.SiLUMul(g, g, u)
-				b.NormSwiGLU(sw, x, nw, nb, eps, ws[1], ws[3])
-				compare(t, "NormSwiGLU", download(b, sw), download(b, g), tol)
+				checkNormProducts(t, b, x, h, nw, nb, eps, ws[:3], ws[1], ws[3], tol)
 				// MatMulAdd: exact
 				res := randVec(r, M*outs[0], 1)
 				acc, ref, tmp := upload(b, M, outs[0], res), upload(b, M, outs[0], res), poisoned(b, M, outs[0])
@@ -164,6 +143,49 @@ func TestFusedLinearSteps(t *testing.T) {
 			t.Errorf("no case runs %s with the fused norm and SwiGLU", k)
 		}
 	}
+}
+
+// normedInput uploads a random x [M, K] and returns it with h =
+// RMSNorm(x); the caller frees both.
+func normedInput(b *Backend, r *rand.Rand, M, K int, nw, nb runtime.Vector, eps float32) (x, h *Buf) {
+	x, h = upload(b, M, K, randVec(r, M*K, 1)), poisoned(b, M, K)
+	b.RMSNorm(h, x, nw, nb, eps)
+	return x, h
+}
+
+// checkNormProducts checks NormMatMulN of x by mm and NormSwiGLU of x by
+// gate and up against the products of h = RMSNorm(x) (MatMul, then
+// SiLUMul) within tol; each fused output is compared once both ran, so
+// neither may write over the other's.
+func checkNormProducts(t *testing.T, b *Backend, x, h *Buf, nw, nb runtime.Vector, eps float32, mm []runtime.Linear,
+	gate, up runtime.Linear, tol float64) {
+	t.Helper()
+	M := x.rows
+	var free []*Buf
+	defer func() {
+		for _, f := range free {
+			b.Free(f)
+		}
+	}()
+	dst, want := make([]runtime.Buf, len(mm)), make([]*Buf, len(mm))
+	for i, w := range mm {
+		d, r := poisoned(b, M, lin(w).out), poisoned(b, M, lin(w).out)
+		dst[i], want[i] = d, r
+		free = append(free, d, r)
+		b.MatMul(r, h, w)
+	}
+	b.NormMatMulN(dst, x, nw, nb, eps, mm)
+	n := lin(gate).out
+	g, u, sw := poisoned(b, M, n), poisoned(b, M, n), poisoned(b, M, n)
+	free = append(free, g, u, sw)
+	b.MatMul(g, h, gate)
+	b.MatMul(u, h, up)
+	b.SiLUMul(g, g, u)
+	b.NormSwiGLU(sw, x, nw, nb, eps, gate, up)
+	for i := range mm {
+		compare(t, fmt.Sprintf("NormMatMulN weight %d", i), download(b, dst[i]), download(b, want[i]), tol)
+	}
+	compare(t, "NormSwiGLU", download(b, sw), download(b, g), tol)
 }
 
 // TestNormQuantized checks the norm that writes W8A8 products' input
@@ -217,33 +239,10 @@ func TestNormQuantized(t *testing.T) {
 		}
 		for _, M := range []int{1, 5, 130} {
 			t.Run(fmt.Sprintf("%s/M=%d", tc.name, M), func(t *testing.T) {
-				x := upload(b, M, K, randVec(r, M*K, 1))
-				h := poisoned(b, M, K)
-				b.RMSNorm(h, x, nw, nb, eps)
-				free := []*Buf{x, h}
-				defer func() {
-					for _, f := range free {
-						b.Free(f)
-					}
-				}()
-				dst := make([]runtime.Buf, 3)
-				for i := range dst {
-					d, want := poisoned(b, M, outs[i]), poisoned(b, M, outs[i])
-					dst[i] = d
-					free = append(free, d, want)
-					b.MatMul(want, h, ws[i])
-					defer func(i int, want *Buf) {
-						compare(t, fmt.Sprintf("NormMatMulN weight %d", i), download(b, dst[i]), download(b, want), 0)
-					}(i, want)
-				}
-				b.NormMatMulN(dst, x, nw, nb, eps, ws[:3])
-				g, u, sw := poisoned(b, M, 40), poisoned(b, M, 40), poisoned(b, M, 40)
-				free = append(free, g, u, sw)
-				b.MatMul(g, h, ws[2])
-				b.MatMul(u, h, ws[3])
-				b.SiLUMul(g, g, u)
-				b.NormSwiGLU(sw, x, nw, nb, eps, ws[2], ws[3])
-				compare(t, "NormSwiGLU", download(b, sw), download(b, g), 0)
+				x, h := normedInput(b, r, M, K, nw, nb, eps)
+				defer b.Free(x)
+				defer b.Free(h)
+				checkNormProducts(t, b, x, h, nw, nb, eps, ws[:3], ws[2], ws[3], 0)
 			})
 		}
 	}
