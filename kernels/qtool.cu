@@ -2304,9 +2304,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q8(float* C, const _
 // kernels do.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define GW_BK 64       // K step: 64 halfs, one 128-byte swizzle row
-#ifndef GW_STAGES
-#define GW_STAGES 5  // ring depth; a stage is gw_stage_bytes
-#endif
+#define GW_STAGES 5    // ring depth; a stage is gw_stage_bytes (runtime/cuda's gemmWGStages)
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 // TmaMap holds a CUtensorMap (cuTensorMapEncodeTiled) passed by value.
 struct __align__(64) TmaMap {
@@ -2475,7 +2473,7 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
     }
 }
 // GH_S8: A and W int8 tiles of 128 rows of 128 codes a K step, the
-// integer sums handed to epi(at, raw) as out_tile takes them.
+// integer sums handed to epi(at, raw, stage) as out_tile_staged takes them.
 template <int WK, typename Epi>
 __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap* mapA, const TmaMap* mapW,
                                              const float2* __restrict__ sz, int M, int N, int gs, int G, int kt0,
@@ -2529,8 +2527,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     // the stages hold the whole result tile for the epilogue once the
     // products are done (consumers meet at barrier 1)
     static_assert(TS_ROWS * TS_LD * 4 <= GW_STAGES * SB, "the result tile fits in the stages");
-    float* stage = reinterpret_cast<float*>(at(base));
-    TileStage<float> st{stage, m0, n0, 1, 256, tid - 128};
+    TileStage<float> st{reinterpret_cast<float*>(at(base)), m0, n0, 1, 256, tid - 128};
     if constexpr (WK == GH_F16 || WK == GH_S8) {
         // D = A · Wᵀ: 64 activation rows of warpgroup c by the 128 weight
         // rows, both operands from shared memory
@@ -2559,7 +2556,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         };
         auto raw = [&](int u, int e) { return d[4 * (u >> 1) + 2 * (u & 1) + e]; };
         if constexpr (WK == GH_S8)
-            epi(at, raw, stage);
+            epi(at, raw, TileStage<int>{reinterpret_cast<int*>(st.s), st.m0, st.n0, st.bar, st.nthr, st.tid});
         else
             out_tile_staged<32, 2, float>(C, M, N, out, at, raw, AsIs{}, st);
     } else {
@@ -2901,10 +2898,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     int kt0 = min(nk, (int)blockIdx.z * per);
     int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;
     gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, M, N, 128, 0, kt0, min(nk, kt0 + per), OUT_STORE,
-                        [&](auto at, auto raw, float* stage) {
-                            w8a8_tile<32, true>(y, part, M, N, out, at, raw, qbias, deq, bias, tok,
-                                          TileStage<int>{reinterpret_cast<int*>(stage), (int)blockIdx.x * 128,
-                                                         (int)blockIdx.y * 128, 1, 256, (int)threadIdx.x - 128});
+                        [&](auto at, auto raw, TileStage<int> st) {
+                            w8a8_tile<32, true>(y, part, M, N, out, at, raw, qbias, deq, bias, tok, st);
                         });
 }
 #endif
