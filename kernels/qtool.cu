@@ -431,38 +431,36 @@ __device__ __forceinline__ float2 rope_rotate(const RopePair& p, float x0, float
     return make_float2(fmaf(x0, p.c, -__fmul_rn(x1, p.s)), fmaf(x0, p.s, __fmul_rn(x1, p.c)));
 }
 
-// rope_find locates pair p of x [rows, cols] (cols = heads*hd), pair
-// p % (hd/2) of head (p / (hd/2)) % heads of row p / (cols/2): the offset of
-// its head in x, the row's position and the pair.
-__device__ __forceinline__ RopePair rope_find(long long p, int cols, int hd, int pos0, const int* __restrict__ dpos,
-                                              double theta, int layout, size_t& off, int& pos) {
-    int half = hd / 2;
-    long long rh = p / half;
-    int h = (int)(rh % (cols / hd));
-    int r = (int)(rh / (cols / hd));
-    off = (size_t)r * cols + (size_t)h * hd;
-    pos = row_pos(pos0, dpos, r);
-    return rope_pair((int)(p % half), hd, pos, theta, layout);
+// RopeItem is item j of a RoPE launch over rows × hd/2 pairs × groups of
+// hg heads (of heads a row): row r, pair i, heads h0..h1 − 1, which share
+// the angle. Consecutive items are consecutive pairs of one head
+// (coalesced).
+struct RopeItem {
+    int r, i, h0, h1;
+};
+__device__ __forceinline__ RopeItem rope_item(int j, int half, int heads, int hg) {
+    int groups = (heads + hg - 1) / hg, rg = j / half, g = rg % groups;
+    return RopeItem{rg / groups, j % half, g * hg, min(heads, (g + 1) * hg)};
+}
+// rope_apply rotates pair p of the head at x in place and returns it.
+__device__ __forceinline__ float2 rope_apply(float* __restrict__ x, const RopePair& p) {
+    float2 o = rope_rotate(p, x[p.a], x[p.b]);
+    x[p.a] = o.x;
+    x[p.b] = o.y;
+    return o;
 }
 
-// rope_at rotates pair p of x in place.
-__device__ __forceinline__ void rope_at(float* __restrict__ x, long long p, int cols, int hd, int pos0,
-                                        const int* __restrict__ dpos, double theta, int layout) {
-    size_t off;
-    int pos;
-    RopePair rp = rope_find(p, cols, hd, pos0, dpos, theta, layout, off, pos);
-    float2 o = rope_rotate(rp, x[off + rp.a], x[off + rp.b]);
-    x[off + rp.a] = o.x;
-    x[off + rp.b] = o.y;
-}
-
-// RoPE in place: x [rows, cols], cols = heads*hd.
+// RoPE in place: x [rows, cols], cols = heads*hd, hg heads an item.
 extern "C" __global__ void rope(float* __restrict__ x, int rows, int cols, int hd, int pos0,
-                                const int* __restrict__ dpos, double theta, int layout) {
+                                const int* __restrict__ dpos, double theta, int layout, int hg) {
     PDL_ENTRY();
-    long long pairs = (long long)rows * (cols / 2);
-    for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < pairs; p += (long long)gridDim.x * blockDim.x)
-        rope_at(x, p, cols, hd, pos0, dpos, theta, layout);
+    int half = hd / 2, heads = cols / hd, items = rows * half * ((heads + hg - 1) / hg);
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < items; j += gridDim.x * blockDim.x) {
+        RopeItem it = rope_item(j, half, heads, hg);
+        RopePair rp = rope_pair(it.i, hd, row_pos(pos0, dpos, it.r), theta, layout);
+#pragma unroll 4
+        for (int h = it.h0; h < it.h1; h++) rope_apply(x + (size_t)it.r * cols + (size_t)h * hd, rp);
+    }
 }
 
 // KV cache of one layer: kc, vc [maxSeq, kvDim], fp32, fp16 or int8 (KV).
@@ -548,31 +546,24 @@ __device__ __forceinline__ void store_kv_body(KV* __restrict__ kc, KV* __restric
         }
         return;
     }
-    // Items: (row, pair of a head, group of hg heads), the heads of q
-    // first, then those of k. An item takes its angle once and rotates
-    // that pair in each head of its group; for a head of k it also stores
-    // the two keys and the two values at the same places. Consecutive items
-    // are consecutive pairs of one head (coalesced).
-    int half = hd / 2, qh = qcols / hd, heads = qh + kvDim / hd, groups = (heads + hg - 1) / hg;
-    int items = rows * half * groups;
+    // Items as rope's over the heads of q, then those of k; an item that
+    // rotates a pair of keys also stores them and the two values at the
+    // same places.
+    int half = hd / 2, qh = qcols / hd, heads = qh + kvDim / hd;
+    int items = rows * half * ((heads + hg - 1) / hg);
     for (int j = (int)it; j < items; j += (int)stride) {
-        int i = j % half, rg = j / half, g = rg % groups, r = rg / groups;
-        int pos = row_pos(pos0, dpos, r);
-        RopePair rp = rope_pair(i, hd, pos, theta, layout);
+        RopeItem ri = rope_item(j, half, heads, hg);
+        int r = ri.r, pos = row_pos(pos0, dpos, r);
+        RopePair rp = rope_pair(ri.i, hd, pos, theta, layout);
 #pragma unroll 4
-        for (int h = g * hg; h < min(heads, (g + 1) * hg); h++) {
+        for (int h = ri.h0; h < ri.h1; h++) {
             if (h < qh) {
-                float* x = q + (size_t)r * qcols + (size_t)h * hd;
-                float2 o = rope_rotate(rp, x[rp.a], x[rp.b]);
-                x[rp.a] = o.x;
-                x[rp.b] = o.y;
+                rope_apply(q + (size_t)r * qcols + (size_t)h * hd, rp);
                 continue;
             }
             int c0 = (h - qh) * hd;
             size_t off = (size_t)r * kvDim + c0;
-            float2 o = rope_rotate(rp, k[off + rp.a], k[off + rp.b]);
-            k[off + rp.a] = o.x;
-            k[off + rp.b] = o.y;
+            float2 o = rope_apply(k + off, rp);
             if (pos >= maxSeq) continue;
             int ca = c0 + rp.a, cb = c0 + rp.b;
             size_t row = (size_t)pos * kvDim;

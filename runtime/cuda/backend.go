@@ -98,8 +98,8 @@ type Backend struct {
 	slots [32]uint64
 	ptrs  [32]unsafe.Pointer
 	// wgmma: the Hopper GEMMs (hopperKernels) are loaded and the driver
-	// encodes tensor maps; tmaps are their operands' maps, encoded anew
-	// for each launch.
+	// encodes tensor maps; tmaps are the maps encoded anew for each launch
+	// (the activations; a widened weight; a Linear keeps its own).
 	wgmma bool
 	tmaps []*driver.TensorMap
 	// maxSplits, where positive, caps the K splits of a GEMM (tests: rings
@@ -763,7 +763,8 @@ func (b *Backend) RoPE(x runtime.Buf, headDim, pos0 int, theta float64, layout m
 	}
 	defer b.enter()()
 	p, dp := b.posArgs(pos0)
-	b.launch("rope", b.gridFor(s.n()/2), block256, s.p, s.rows, s.cols, headDim, p, dp, theta, int(layout))
+	hg, items := ropeItems(s.rows, s.cols/headDim, headDim)
+	b.launch("rope", b.gridFor(items), block256, s.p, s.rows, s.cols, headDim, p, dp, theta, int(layout), hg)
 }
 
 // KVCache is a device cache of keys and values, [layers][maxSeq][kvDim], in
@@ -883,7 +884,7 @@ func (b *Backend) RoPEStoreKV(c runtime.KVCache, layer, pos0 int, q, k, v runtim
 	b.storeKV(c, layer, pos0, k, v, qb, headDim, theta, layout)
 }
 
-// ropeHeads is how many heads of q and k share one RoPE angle in store_kv*
+// ropeHeads is how many heads share one RoPE angle in rope and store_kv*
 // from ropeGroupRows rows on (prefill: a quarter of the launch's work is
 // the angles otherwise); fewer rows take one head an item, so that a decode
 // step's few items each wait on one head's loads only.
@@ -891,6 +892,20 @@ const (
 	ropeHeads     = 8
 	ropeGroupRows = 32
 )
+
+// ropeItems is the heads an item takes (hg) and the items of a RoPE launch
+// over rows of heads heads of hd values (qtool.cu's rope_item).
+func ropeItems(rows, heads, hd int) (hg, items int) {
+	hg = 1
+	if rows >= ropeGroupRows {
+		hg = ropeHeads
+	}
+	items = rows * hd / 2 * ((heads + hg - 1) / hg)
+	if items > math.MaxInt32 {
+		panic(fmt.Sprintf("cuda backend: RoPE of %d rows of %d heads exceeds a launch's 2³¹ items", rows, heads))
+	}
+	return hg, items
+}
 
 // storeKV launches store_kv*: with q set, RoPE of q and k first.
 func (b *Backend) storeKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf, q *Buf, headDim int, theta float64, layout model.RopeLayout) {
@@ -912,12 +927,8 @@ func (b *Backend) storeKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf, 
 	var qp driver.DevicePtr
 	qcols, hg := 0, 1
 	if q != nil {
-		if kb.rows >= ropeGroupRows {
-			hg = ropeHeads
-		}
 		qp, qcols = q.p, q.cols
-		heads := (q.cols + kb.cols) / headDim
-		items = kb.rows * headDim / 2 * ((heads + hg - 1) / hg)
+		hg, items = ropeItems(kb.rows, (q.cols+kb.cols)/headDim, headDim)
 	}
 	args = append(args, qp, qcols, headDim, theta, int(layout), hg)
 	b.launch(kc.kernel("store_kv"), b.gridFor(items), block256, args...)

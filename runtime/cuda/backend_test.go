@@ -547,33 +547,39 @@ func TestElementwise(t *testing.T) {
 func TestRoPE(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(11, 12))
-	const rows, hd, heads, pos0 = 4, 64, 3, 1000
+	const hd, heads, pos0 = 64, 10, 1000
 	cols := hd * heads
-	for _, layout := range []model.RopeLayout{model.RopeHalf, model.RopeInterleaved} {
-		for _, theta := range []float64{10000, 1e6} {
-			t.Run(fmt.Sprintf("%v/theta=%g", layout, theta), func(t *testing.T) {
-				x := randVec(r, rows*cols, 1)
-				want := f64(x)
-				for row := 0; row < rows; row++ {
-					for h := 0; h < heads; h++ {
-						base := row*cols + h*hd
-						for i := 0; i < hd/2; i++ {
-							a, c := base+i, base+i+hd/2
-							if layout == model.RopeInterleaved {
-								a, c = base+2*i, base+2*i+1
-							}
-							ang := float64(pos0+row) * math.Pow(theta, -2*float64(i)/hd)
-							x0, x1 := float64(x[a]), float64(x[c])
-							want[a] = x0*math.Cos(ang) - x1*math.Sin(ang)
-							want[c] = x0*math.Sin(ang) + x1*math.Cos(ang)
+	for _, tc := range []struct {
+		layout model.RopeLayout
+		theta  float64
+		rows   int
+	}{
+		{model.RopeHalf, 10000, 4}, {model.RopeHalf, 1e6, 4}, {model.RopeInterleaved, 10000, 4}, {model.RopeInterleaved, 1e6, 4},
+		{model.RopeHalf, 1e6, 40}, {model.RopeInterleaved, 10000, 40}, // ≥ ropeGroupRows: heads share their angles
+	} {
+		layout, theta, rows := tc.layout, tc.theta, tc.rows
+		t.Run(fmt.Sprintf("%v/theta=%g/rows=%d", layout, theta, rows), func(t *testing.T) {
+			x := randVec(r, rows*cols, 1)
+			want := f64(x)
+			for row := 0; row < rows; row++ {
+				for h := 0; h < heads; h++ {
+					base := row*cols + h*hd
+					for i := 0; i < hd/2; i++ {
+						a, c := base+i, base+i+hd/2
+						if layout == model.RopeInterleaved {
+							a, c = base+2*i, base+2*i+1
 						}
+						ang := float64(pos0+row) * math.Pow(theta, -2*float64(i)/hd)
+						x0, x1 := float64(x[a]), float64(x[c])
+						want[a] = x0*math.Cos(ang) - x1*math.Sin(ang)
+						want[c] = x0*math.Sin(ang) + x1*math.Cos(ang)
 					}
 				}
-				xb := upload(b, rows, cols, x)
-				b.RoPE(xb, hd, pos0, theta, layout)
-				checkClose(t, "rope", download(b, xb), want, 1e-6)
-			})
-		}
+			}
+			xb := upload(b, rows, cols, x)
+			b.RoPE(xb, hd, pos0, theta, layout)
+			checkClose(t, "rope", download(b, xb), want, 1e-6)
+		})
 	}
 }
 

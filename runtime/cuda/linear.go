@@ -78,6 +78,9 @@ type Linear struct {
 	// borrowed: w belongs to an activation buffer (FloatLinear), which
 	// FreeLinear leaves alone.
 	borrowed bool
+	// wmap is w's tensor map for its Hopper GEMM, encoded at the first
+	// launch (prepareWG).
+	wmap *driver.TensorMap
 }
 
 // Out implements runtime.Linear.
@@ -592,8 +595,8 @@ func (b *Backend) matmul(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int)
 			b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok, out)
 		}
 		if wg := b.wgmmaKernel("w8a8_mma", M); wg != "" { // K steps of 128 int8
-			grid, shm := b.prepareWG(wg, xq, l.w, l, M)
-			b.launchSplit(wg, grid, block384, shm, b.sms, (K+127)/128, d, out, []any{b.tmaps[0], b.tmaps[1], l.qbias, l.deq, l.bias, tok, M, N, K}, sum)
+			grid, shm, wmap := b.prepareWG(wg, xq, l.w, l, M)
+			b.launchSplit(wg, grid, block384, shm, b.sms, (K+127)/128, d, out, []any{b.tmaps[0], wmap, l.qbias, l.deq, l.bias, tok, M, N, K}, sum)
 			return
 		}
 		if M > b.opt.GEMVMaxRows || forceGEMM { // 128 × 128 tiles
@@ -748,20 +751,47 @@ const gemmWGStages = 5
 // put into d by out. 128 × 128 tiles of 3 warpgroups, one block a
 // multiprocessor, K split as for the other GEMMs.
 func (b *Backend) launchWG(name string, d *Buf, a16, w driver.DevicePtr, l *Linear, M, out int) {
-	grid, shm := b.prepareWG(name, a16, w, l, M)
+	grid, shm, wmap := b.prepareWG(name, a16, w, l, M)
 	gs, G := max(l.gs, gemmHBK), l.groups
-	b.launchGEMM(name, grid, block384, shm, b.sms, (l.in+gemmHBK-1)/gemmHBK, d, out, b.tmaps[0], b.tmaps[1], l.sz, M, l.out, l.in, gs, G)
+	b.launchGEMM(name, grid, block384, shm, b.sms, (l.in+gemmHBK-1)/gemmHBK, d, out, b.tmaps[0], wmap, l.sz, M, l.out, l.in, gs, G)
 }
 
-// prepareWG encodes the tensor maps of Hopper GEMM name (b.tmaps[0] over
-// the activations a [M, K]: fp16, int8 for gemm_wg_s8; b.tmaps[1] over the
-// weight w [N, K] of l as the kernel reads it), raises its shared memory
-// limit, and returns its grid (activation tiles first: the blocks running
-// at once share weight tiles) and shared memory.
-func (b *Backend) prepareWG(name string, a, w driver.DevicePtr, l *Linear, M int) (grid [3]uint32, shm int) {
+// prepareWG encodes the tensor map of Hopper GEMM name's activations
+// (b.tmaps[0], over a [M, K]: fp16, int8 for gemm_wg_s8), raises its shared
+// memory limit, and returns its grid (activation tiles first: the blocks
+// running at once share weight tiles), shared memory and the weight's
+// tensor map (over w [N, K] of l as the kernel reads it): l's own, encoded
+// once, where w is l's weight; b.tmaps[1], encoded anew, for a widened
+// copy.
+func (b *Backend) prepareWG(name string, a, w driver.DevicePtr, l *Linear, M int) (grid [3]uint32, shm int, wmap *driver.TensorMap) {
 	N, K := l.out, l.in
-	m := b.tmaps[1]
+	switch {
+	case w != l.w:
+		wmap = b.tmaps[1]
+		b.encodeWeightMap(wmap, name, w, N, K)
+	case l.wmap == nil:
+		l.wmap = driver.NewTensorMaps(1)[0]
+		b.encodeWeightMap(l.wmap, name, w, N, K)
+		fallthrough
+	default:
+		wmap = l.wmap
+	}
 	at, aw := uint32(driver.TensorMapFloat16), uint64(2) // activations' type and width
+	if name == "gemm_wg_s8" {
+		at, aw = driver.TensorMapUint8, 1
+	}
+	// a K step is 128 bytes of activations whatever their type
+	b.must(b.drv.EncodeTensorMap2D(b.tmaps[0], at, a, uint64(M), uint64(K), aw*uint64(K), 128, uint32(128/aw), driver.TensorMapSwizzle128))
+	shm = gemmWGSmem(name)
+	b.raiseSmem(name, shm)
+	return [3]uint32{uint32((M + 127) / 128), uint32((N + 127) / 128), 1}, shm, wmap
+}
+
+// encodeWeightMap encodes into m the tensor map of weight w [N, K] as
+// Hopper GEMM name reads it: fp16/bf16 rows of 64 values a K step
+// (128-byte swizzle), 4-bit words (8 a step), int8 codes (64 a step; 128
+// for gemm_wg_s8, swizzled).
+func (b *Backend) encodeWeightMap(m *driver.TensorMap, name string, w driver.DevicePtr, N, K int) {
 	switch name {
 	case "gemm_wg_f16", "gemm_wg_bf16":
 		wt := uint32(driver.TensorMapFloat16)
@@ -774,14 +804,8 @@ func (b *Backend) prepareWG(name string, a, w driver.DevicePtr, l *Linear, M int
 	case "gemm_wg_q8":
 		b.must(b.drv.EncodeTensorMap2D(m, driver.TensorMapUint8, w, uint64(N), uint64(K), uint64(K), 128, 64, driver.TensorMapNoSwizzle))
 	case "gemm_wg_s8":
-		at, aw = driver.TensorMapUint8, 1
 		b.must(b.drv.EncodeTensorMap2D(m, driver.TensorMapUint8, w, uint64(N), uint64(K), uint64(K), 128, 128, driver.TensorMapSwizzle128))
 	}
-	// a K step is 128 bytes of activations whatever their type
-	b.must(b.drv.EncodeTensorMap2D(b.tmaps[0], at, a, uint64(M), uint64(K), aw*uint64(K), 128, uint32(128/aw), driver.TensorMapSwizzle128))
-	shm = gemmWGSmem(name)
-	b.raiseSmem(name, shm)
-	return [3]uint32{uint32((M + 127) / 128), uint32((N + 127) / 128), 1}, shm
 }
 
 var block384 = [3]uint32{384, 1, 1}
