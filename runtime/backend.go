@@ -118,6 +118,24 @@ type Fused interface {
 	RoPEStoreKV(c KVCache, layer, pos0 int, q, k, v Buf, headDim int, theta float64, layout model.RopeLayout)
 }
 
+// RawAllocator is implemented by backends that can hand out an activation
+// buffer without zeroing it first (on a GPU, a memset as long as the buffer
+// ahead of every operation that writes one). The forward pass takes its
+// activations from it (allocRaw): each is written whole by the operation it
+// is made for before anything reads it.
+type RawAllocator interface {
+	// AllocRaw is Alloc without the zeroing: the contents are undefined.
+	AllocRaw(rows, cols int) Buf
+}
+
+// allocRaw is be's AllocRaw where it has one, else Alloc.
+func allocRaw(be Backend, rows, cols int) Buf {
+	if r, ok := be.(RawAllocator); ok {
+		return r.AllocRaw(rows, cols)
+	}
+	return be.Alloc(rows, cols)
+}
+
 // Unfused runs each Fused operation as the sequence its comment names, with
 // the Backend's plain operations: the forward pass's path on a backend that
 // does not fuse, and the fallback of one that fuses only some cases.
@@ -134,7 +152,7 @@ func (u Unfused) MatMulN(dst []Buf, x Buf, ws []Linear) {
 
 // NormMatMulN implements Fused.
 func (u Unfused) NormMatMulN(dst []Buf, x Buf, w, bias Vector, eps float32, ws []Linear) {
-	h := u.Alloc(x.Rows(), x.Cols())
+	h := allocRaw(u.Backend, x.Rows(), x.Cols())
 	u.RMSNorm(h, x, w, bias, eps)
 	u.MatMulN(dst, h, ws)
 	u.Free(h)
@@ -142,9 +160,9 @@ func (u Unfused) NormMatMulN(dst []Buf, x Buf, w, bias Vector, eps float32, ws [
 
 // NormSwiGLU implements Fused, with dst as the gate's temporary.
 func (u Unfused) NormSwiGLU(dst, x Buf, w, bias Vector, eps float32, gate, up Linear) {
-	h := u.Alloc(x.Rows(), x.Cols())
+	h := allocRaw(u.Backend, x.Rows(), x.Cols())
 	u.RMSNorm(h, x, w, bias, eps)
-	t := u.Alloc(dst.Rows(), dst.Cols())
+	t := allocRaw(u.Backend, dst.Rows(), dst.Cols())
 	u.MatMul(dst, h, gate)
 	u.MatMul(t, h, up)
 	u.SiLUMul(dst, dst, t)
@@ -154,7 +172,7 @@ func (u Unfused) NormSwiGLU(dst, x Buf, w, bias Vector, eps float32, gate, up Li
 
 // MatMulAdd implements Fused.
 func (u Unfused) MatMulAdd(dst, x Buf, w Linear) {
-	t := u.Alloc(dst.Rows(), dst.Cols())
+	t := allocRaw(u.Backend, dst.Rows(), dst.Cols())
 	u.MatMul(t, x, w)
 	u.Add(dst, t)
 	u.Free(t)

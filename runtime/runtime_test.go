@@ -210,6 +210,60 @@ func TestGreedyWithoutCapture(t *testing.T) {
 	}
 }
 
+// poisonedRaw is a backend whose AllocRaw hands out buffers full of NaN, so
+// that an activation read before it is written shows in every logit.
+type poisonedRaw struct{ runtime.Backend }
+
+func (p poisonedRaw) AllocRaw(rows, cols int) runtime.Buf {
+	x := p.Alloc(rows, cols)
+	nan := make([]float32, rows*cols)
+	for i := range nan {
+		nan[i] = float32(math.NaN())
+	}
+	p.Upload(x, nan)
+	return x
+}
+
+// TestRawActivations checks that the forward pass writes every activation
+// it takes from runtime.RawAllocator before reading it: with buffers full of
+// NaN the prompt's logits equal those of zeroed buffers bit for bit, and the
+// greedy ids the reference's.
+func TestRawActivations(t *testing.T) {
+	for _, name := range models {
+		t.Run(name, func(t *testing.T) {
+			ref := loadReference(t, name)
+			mm, err := hf.Open(filepath.Join(testdata, name))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer mm.Close()
+			logits := func(be runtime.Backend) []float32 {
+				m, err := runtime.Load(mm, be)
+				if err != nil {
+					t.Fatal(err)
+				}
+				lg := m.Forward(ref.GreedyPromptIDs, 0, nil)
+				out := make([]float32, lg.Rows()*lg.Cols())
+				be.Download(out, lg)
+				if be, ok := be.(poisonedRaw); ok {
+					want := ref.GreedyIDs[len(ref.GreedyPromptIDs):]
+					got, err := runtime.Generate(m, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: len(want), EOS: []int{}})
+					if err != nil || !equalInts(got, want) {
+						t.Errorf("%s: greedy ids %v (%v), want %v", be.Name(), got, err, want)
+					}
+				}
+				return out
+			}
+			want, got := logits(noCapture{cpu.New(0)}), logits(poisonedRaw{noCapture{cpu.New(0)}})
+			for i := range want {
+				if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+					t.Fatalf("logit %d: %g with NaN-filled raw buffers, %g with zeroed ones", i, got[i], want[i])
+				}
+			}
+		})
+	}
+}
+
 func equalInts(a, b []int) bool {
 	if len(a) != len(b) {
 		return false

@@ -153,6 +153,14 @@ func (b *Backend) Alloc(rows, cols int) runtime.Buf {
 	return &Mat{rows: rows, cols: cols, Data: d}
 }
 
+// AllocRaw implements runtime.RawAllocator: Alloc without the clearing.
+func (b *Backend) AllocRaw(rows, cols int) runtime.Buf {
+	if rows < 0 || cols < 0 {
+		panic(fmt.Sprintf("cpu.AllocRaw: negative shape [%d %d]", rows, cols))
+	}
+	return &Mat{rows: rows, cols: cols, Data: b.get(rows * cols)}
+}
+
 // Free implements runtime.Backend: the memory is kept for later Allocs.
 func (b *Backend) Free(buf runtime.Buf) {
 	if m, ok := buf.(*Mat); ok && m.Data != nil {

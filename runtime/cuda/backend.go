@@ -450,12 +450,22 @@ func (b *Backend) Alloc(rows, cols int) runtime.Buf {
 	defer b.enter()()
 	x := &Buf{p: b.alloc(4 * rows * cols), rows: rows, cols: cols}
 	// Buffers allocated inside a graph capture are not zeroed: the forward
-	// pass writes every activation before reading it, and a memset node per
-	// buffer would cost a graph node each.
+	// pass takes its activations from AllocRaw, and what else a capture
+	// allocates is written before it is read; a memset node per buffer
+	// would cost a graph node each.
 	if rows*cols > 0 && !b.capturing {
 		b.must(b.drv.MemsetD32Async(x.p, 0, uint64(rows*cols), b.stream))
 	}
 	return x
+}
+
+// AllocRaw implements runtime.RawAllocator: Alloc without the memset.
+func (b *Backend) AllocRaw(rows, cols int) runtime.Buf {
+	if rows < 0 || cols < 0 {
+		panic(fmt.Sprintf("cuda backend: AllocRaw(%d, %d)", rows, cols))
+	}
+	defer b.enter()()
+	return &Buf{p: b.alloc(4 * rows * cols), rows: rows, cols: cols}
 }
 
 // Free implements runtime.Backend.
