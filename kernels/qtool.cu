@@ -2241,11 +2241,19 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
 // partial product to C + z·M·N (sum_splits adds them up and applies out;
 // see GEMM_ENTRY); an unsplit launch applies out itself.
 #define SPLIT_OUT (gridDim.z > 1 ? OUT_STORE : out)
+// KSplit is split blockIdx.z's share [kt0, kt1) of a GEMM's nk K steps:
+// gridDim.z equal shares, the last ones short or empty.
+struct KSplit {
+    int kt0, kt1;
+};
+__device__ __forceinline__ KSplit k_split(int nk) {
+    int per = (nk + gridDim.z - 1) / gridDim.z, kt0 = min(nk, (int)blockIdx.z * per);
+    return KSplit{kt0, min(nk, kt0 + per)};
+}
 #define GEMM_H_SPLIT(WK, W, sz, gs, G)                                                                           \
     PDL_ENTRY();                                                                                                 \
-    int nk = (K + GH_BK - 1) / GH_BK, per = (nk + gridDim.z - 1) / gridDim.z;                                    \
-    int kt0 = min(nk, (int)blockIdx.z * per);                                                                    \
-    gemm_h_body<WK>(C + (size_t)blockIdx.z * M * N, A, W, sz, M, N, K, gs, G, kt0, min(nk, kt0 + per), SPLIT_OUT);
+    KSplit ks = k_split((K + GH_BK - 1) / GH_BK);                                                                \
+    gemm_h_body<WK>(C + (size_t)blockIdx.z * M * N, A, W, sz, M, N, K, gs, G, ks.kt0, ks.kt1, SPLIT_OUT);
 #define GEMM_H_ENTRY(name, WK)                                                                                   \
     extern "C" __global__ void __launch_bounds__(256, 2) name(float* C, const __half* A, const uint16_t* W, int M, \
                                                               int N, int K, int out) {                           \
@@ -2356,10 +2364,6 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, ui
         : WG_ACC("+f")
         : "l"(da), "l"(db), "r"(1));
 }
-// gw_w_bytes is the W tile of a ring stage as the copy engine lands it: 128
-// rows of 64 fp16/bf16 values (128-byte swizzle), 4-bit words (32 bytes a
-// row) or int8 codes (64 bytes a row); the quantized kinds add the rows'
-// {scale, zero}.
 // D[64 × 128] += A[64 × 32] · B[128 × 32]ᵀ in int8, int32 accumulators.
 __device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], uint64_t da, uint64_t db) {
     asm volatile(
@@ -2377,6 +2381,10 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], uint64_t da, u
 // in shared memory, by the accumulators' type.
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k16(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k32_s8(d, da, db); }
+// gw_w_bytes is the W tile of a ring stage as the copy engine lands it: 128
+// rows of 64 fp16/bf16 values (128-byte swizzle), 4-bit words (32 bytes a
+// row) or int8 codes (64 bytes a row); gw_stage_bytes adds the A tile and,
+// for the quantized kinds, the rows' {scale, zero}.
 template <int WK>
 __host__ __device__ constexpr int gw_w_bytes() {
     return WK == GH_Q4 ? 128 * 32 : WK == GH_Q8 ? 128 * 64 : 128 * GW_BK * 2;
@@ -2622,9 +2630,8 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \
              int M, int N, int K, int gs, int G, int out) {                                                      \
         PDL_ENTRY();                                                                                             \
-        int nk = (K + GW_BK - 1) / GW_BK, per = (nk + gridDim.z - 1) / gridDim.z;                                \
-        int kt0 = min(nk, (int)blockIdx.z * per);                                                                \
-        gemm_wg_body<WK>(C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, M, N, gs, G, kt0, min(nk, kt0 + per), \
+        KSplit ks = k_split((K + GW_BK - 1) / GW_BK);                                                            \
+        gemm_wg_body<WK>(C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, M, N, gs, G, ks.kt0, ks.kt1,          \
                          SPLIT_OUT, 0);                                                                          \
     }
 GEMM_WG_ENTRY(gemm_wg_f16, GH_F16)
@@ -2643,9 +2650,8 @@ GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
                                                            int K, int gs, int G, int out) {                      \
         PDL_ENTRY();                                                                                             \
         WArgs wa{W, sz, gidx, gs, G};                                                                            \
-        int nk = K / BK, per = (nk + gridDim.z - 1) / gridDim.z;                                                 \
-        int kt0 = min(nk, (int)blockIdx.z * per);                                                                \
-        gemm_body<WT>(C + (size_t)blockIdx.z * M * N, A, wa, M, N, K, kt0, min(nk, kt0 + per), SPLIT_OUT);      \
+        KSplit ks = k_split(K / BK);                                                                             \
+        gemm_body<WT>(C + (size_t)blockIdx.z * M * N, A, wa, M, N, K, ks.kt0, ks.kt1, SPLIT_OUT);               \
     }
 GEMM_ENTRY(gemm_f32, WF32)
 GEMM_ENTRY(gemm_q8, WQ8)
@@ -2790,8 +2796,8 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
     int gid = lane >> 2, tq = lane & 3;
     int wm = warp & 3, wn = warp >> 2;  // warp tile: rows wm*32.., cols wn*64..
     int bm = blockIdx.y * W8_BM, bn = blockIdx.x * W8_BN;
-    int nkt = (K + W8_BK - 1) / W8_BK, per = (nkt + gridDim.z - 1) / gridDim.z;
-    int kt0 = min(nkt, (int)blockIdx.z * per), nk = min(nkt, kt0 + per) - kt0;  // this split's K steps
+    KSplit ks = k_split((K + W8_BK - 1) / W8_BK);
+    int kt0 = ks.kt0, nk = ks.kt1 - ks.kt0;  // this split's K steps
     // Each thread copies 2 chunks of 16 bytes of A and of B per K step (kt
     // counts from kt0).
     auto load = [&](int kt, int buf) {
@@ -2885,10 +2891,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
                const float* __restrict__ tok, int M, int N, int K, int out) {
     PDL_ENTRY();
-    int nk = (K + 127) / 128, per = (nk + gridDim.z - 1) / gridDim.z;
-    int kt0 = min(nk, (int)blockIdx.z * per);
+    KSplit ks = k_split((K + 127) / 128);
     int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;
-    gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, M, N, 128, 0, kt0, min(nk, kt0 + per), OUT_STORE,
+    gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, M, N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,
                         [&](auto at, auto raw, TileStage<int> st) {
                             w8a8_tile<32, true>(y, part, M, N, out, at, raw, qbias, deq, bias, tok, st);
                         });

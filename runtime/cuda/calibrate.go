@@ -96,7 +96,7 @@ func (b *Backend) FloatLinear(w runtime.Buf) runtime.Linear {
 // Dequantize implements runtime.Calibrator for dense weights.
 func (b *Backend) Dequantize(w runtime.Linear) runtime.Buf {
 	l := lin(w)
-	out := b.Alloc(l.out, l.in)
+	out := b.AllocRaw(l.out, l.in) // written whole below
 	d := buf(out)
 	defer b.enter()()
 	switch l.kind {

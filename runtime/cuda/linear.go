@@ -671,7 +671,7 @@ func (b *Backend) matmul(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int)
 	case out == outAdd && ok: // the GEMV kernels add their sums to d
 		b.gemv(in.x, segs, gemvEpi{mode: gemvAdd})
 	default: // the split-K GEMV, or the SwiGLU: through a temporary
-		t := b.Alloc(d.rows, d.cols).(*Buf)
+		t := b.AllocRaw(d.rows, d.cols).(*Buf)
 		b.gemv(in.x, []gemvSeg{{t, l}}, gemvEpi{})
 		b.putOut(d, t, out)
 		b.Free(t)
@@ -1034,7 +1034,7 @@ func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps flo
 	}
 	in := b.normed(s, segs, w, bias, eps)
 	if _, _, ok := b.gemvPlan(segs, s.rows); ok {
-		u := b.Alloc(d.rows, d.cols).(*Buf)
+		u := b.AllocRaw(d.rows, d.cols).(*Buf)
 		segs[1].d = u
 		b.gemv(in.x, segs, gemvEpi{})
 		b.putOut(d, u, outSwiGLU)
