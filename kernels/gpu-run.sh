@@ -5,7 +5,7 @@
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build tests 7b tp kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests 7b tp tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -23,6 +23,7 @@ t0=$(date +%s)
 left() { echo $(( ${BUDGET:-570} - ($(date +%s) - t0) )); }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+has topo && nvidia-smi topo -m
 mkdir -p bin
 for f in .devbin/*.gz .devbin/*.xz; do
   [ -f "$f" ] || continue
@@ -69,8 +70,13 @@ if has tp; then
     run "$m-1gpu" $V --device cuda /tmp/$m
     run "$m-1gpu-nograph" $V --device cuda --no-graph /tmp/$m
     run "$m-tp2" $V --device cuda --tp 2 /tmp/$m
+    QTOOL_TP_ALLREDUCE=nccl run "$m-tp2-nccl" $V --device cuda --tp 2 /tmp/$m
     run "$m-tp2-procs" $V --device cuda --tp 2 --tp-processes /tmp/$m
   done
+fi
+if has tpspeed; then # the synthetic 8-layer W4A16 7B at TP=2: NCCL vs peer memory, collectives alone
+  lim=$(left); [ "$lim" -gt 60 ] && (cd runtime/tp/gputest && QTOOL_TP_SPEED=1 timeout "$lim" "$OLDPWD/bin/gputest.test" -test.v -test.run TestTPSpeed > "$OUT/tpspeed.log" 2>&1)
+  grep -E "GPU|TP=2" "$OUT/tpspeed.log" | cut -c1-400
 fi
 if has kld; then
   run kld-base bin/qtool verify --json --device cuda --ppl .devdata/sotu-test.raw --max-chunks 16 /tmp/l7b

@@ -3007,6 +3007,111 @@ extern "C" __global__ void __launch_bounds__(1024) sample(int* __restrict__ out,
 }
 
 // ---------------------------------------------------------------------------
+// Tensor parallelism: the all-reduce over peer memory (runtime/cuda/peer.go).
+//
+// Every rank of a group owns an exchange area in its GPU's memory that every
+// rank can address (peer access within a process, CUDA IPC across
+// processes):
+//   u64   areas[AR_MAX_RANKS]                the group's areas, as this rank addresses them
+//   u32   flags[AR_MAX_RANKS][AR_MAX_BLOCKS] flags[s][b]: the last call block b of rank s reached
+//   u32   calls[AR_MAX_BLOCKS]               the calls block b of this rank has made
+//   float stage[2][cap]                      (at AR_HEADER) this rank's values, by the call's parity
+// In a call every rank runs the same grid on the same n. Block b numbers the
+// call e, copies its slice of x (float4 j with j mod gridDim == b) to
+// stage[e & 1], tells every peer's block b that it reached e, waits until
+// every peer's block b has, then sums the slice over the ranks in rank order
+// (every rank gets the same bits) into x. Two stages suffice: block b writes
+// stage[e & 1] again in call e + 2, after every peer's block b reached
+// e + 1, which each started after its whole call e, the reads included. A
+// peer that does not arrive within timeout_ns traps (the launch fails)
+// instead of hanging.
+#define AR_MAX_RANKS 8
+#define AR_MAX_BLOCKS 128
+#define AR_HEADER 8192
+static_assert(8 * AR_MAX_RANKS + 4 * (AR_MAX_RANKS + 1) * AR_MAX_BLOCKS <= AR_HEADER, "AR_HEADER");
+
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restrict__ x, long long n, int rank, int world,
+                                                                 char* __restrict__ area, long long cap,
+                                                                 unsigned long long timeout_ns) {
+    PDL_ENTRY();
+    __shared__ unsigned s_call;
+    const int b = blockIdx.x, t = threadIdx.x;
+    const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
+    unsigned* flags = reinterpret_cast<unsigned*>(area + 8 * AR_MAX_RANKS);
+    unsigned* calls = flags + AR_MAX_RANKS * AR_MAX_BLOCKS;
+    if (t == 0) {
+        unsigned e = calls[b] + 1;
+        calls[b] = e;
+        s_call = e;
+    }
+    __syncthreads();
+    const unsigned e = s_call;
+    const long long half = (e & 1) ? cap : 0;
+    const long long n4 = n >> 2, step = (long long)gridDim.x * blockDim.x, i0 = (long long)b * blockDim.x + t;
+    float* stage = reinterpret_cast<float*>(area + AR_HEADER) + half;
+    float4* x4 = reinterpret_cast<float4*>(x);
+    for (long long i = i0; i < n4; i += step) reinterpret_cast<float4*>(stage)[i] = x4[i];
+    for (long long i = 4 * n4 + i0; i < n; i += step) stage[i] = x[i];
+    __syncthreads();
+    if (t < world && t != rank) {
+        __threadfence_system();
+        char* peer = reinterpret_cast<char*>(areas[t]);
+        st_release_sys(reinterpret_cast<unsigned*>(peer + 8 * AR_MAX_RANKS) + rank * AR_MAX_BLOCKS + b, e);
+        const unsigned* f = flags + t * AR_MAX_BLOCKS + b;
+        unsigned long long t0 = 0;
+        while ((int)(ld_acquire_sys(f) - e) < 0) {
+            unsigned long long now = global_ns();
+            if (t0 == 0) t0 = now;
+            else if (now - t0 > timeout_ns) __trap();
+        }
+    }
+    __syncthreads();
+    // rank r's values: x for this rank, the stage of the call's parity for the others
+    auto src = [&](int r) -> const float* {
+        return r == rank ? x : reinterpret_cast<const float*>(reinterpret_cast<const char*>(areas[r]) + AR_HEADER) + half;
+    };
+    for (long long i = i0; i < n4; i += 4 * step) {
+        float4 s[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (i + u * step < n4) s[u] = __ldcg(reinterpret_cast<const float4*>(src(0)) + i + u * step);
+#pragma unroll
+        for (int r = 1; r < AR_MAX_RANKS; r++) {
+            if (r >= world) break;
+            const float4* p = reinterpret_cast<const float4*>(src(r));
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                if (i + u * step < n4) {
+                    float4 v = __ldcg(p + i + u * step);
+                    s[u].x += v.x, s[u].y += v.y, s[u].z += v.z, s[u].w += v.w;
+                }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (i + u * step < n4) x4[i + u * step] = s[u];
+    }
+    for (long long i = 4 * n4 + i0; i < n; i += step) {
+        float s = __ldcg(src(0) + i);
+        for (int r = 1; r < world; r++) s += __ldcg(src(r) + i);
+        x[i] = s;
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Synthetic weights for benchmarks, generated in place from a hash.
 __device__ __forceinline__ uint32_t hash32(uint64_t x) {
     x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;

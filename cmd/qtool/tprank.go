@@ -62,7 +62,18 @@ func newRankBackend(job tp.Job, device string, threads int, mm *model.Model) (ru
 	if err != nil {
 		return nil, fmt.Errorf("verify: rank %d of %d: %w", job.Rank, job.World, err)
 	}
+	if job.Rank == 0 {
+		notePeerMemory(be)
+	}
 	return be, nil
+}
+
+// notePeerMemory tells, on stderr, why the all-reduces of GPU ranks go
+// through NCCL rather than peer memory (nothing for CPU ranks).
+func notePeerMemory(be *tp.Backend) {
+	if err := be.PeerMemoryErr(); err != nil && be.DeviceCollectives() {
+		fmt.Fprintf(os.Stderr, "qtool: the tensor-parallel all-reduces go through NCCL, not peer memory: %v\n", err)
+	}
 }
 
 // launchRanks runs this command as n rank processes on this machine (the

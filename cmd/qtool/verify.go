@@ -408,6 +408,7 @@ func newBackend(device string, threads, tpN int, mm *model.Model) (runtime.Backe
 		be, err := tp.NewGPU(mm, tpN, cuda.NewRank)
 		switch {
 		case err == nil:
+			notePeerMemory(be)
 			return be, nil
 		case device != "cuda" && errors.Is(err, cuda.ErrNoDriver):
 			fmt.Fprintf(os.Stderr, "qtool: %v; running the %d ranks on the CPU\n", err, max(tpN, tp.ShardedSize(mm)))

@@ -135,6 +135,10 @@ type Backend struct {
 	dstate    driver.DevicePtr // int32 [4]: pos, next id, ...
 	hist      driver.DevicePtr
 	histLen   int
+
+	// peer is this backend's side of an all-reduce over peer memory
+	// (peer.go), nil outside a group.
+	peer *peerReduce
 }
 
 type scratch struct {
@@ -267,6 +271,7 @@ func kernelNames() []string {
 		"attn_tc", "attn_tc_f16", "attn_tc_i8",
 		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8", "dequant_h_q4", "dequant_h_q8",
 		"gather_cols", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "decode_advance", "sample", "fill_random",
+		"allreduce_peer",
 	}
 	names = append(names, gemvKernels...)
 	return names
@@ -309,6 +314,7 @@ func (b *Backend) Close() error {
 			g.destroy()
 		}
 		b.graphs = nil
+		errs = append(errs, b.closePeer())
 		for p := range b.owned {
 			errs = append(errs, b.drv.MemFree(p))
 		}

@@ -53,6 +53,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -91,6 +92,11 @@ type Backend struct {
 	rcomm   RankDeviceCommunicator
 	// fused: every local rank's backend implements runtime.Fused (fused.go).
 	fused bool
+	// peer, when set (UsePeerMemory), runs the all-reduces of up to
+	// peerLimit values over peer memory; peerCap is the most it can.
+	peer               []PeerRank
+	peerCap, peerLimit int
+	peerErr            error // why not, after NewGPU or OpenRank
 }
 
 var _ runtime.Backend = (*Backend)(nil)
@@ -272,14 +278,22 @@ func (b *Backend) Ranks() int { return len(b.ranks) }
 
 // Name implements runtime.Backend: "tp<N>", the rank when this process runs
 // one, the communicator when it has a name, and the first local rank's
-// name, e.g. "tp2(nccl 22803):cuda:NVIDIA H200" or "tp2 rank 1(tcp):cpu".
+// name, e.g. "tp2(nccl 22803, peer memory):cuda:NVIDIA H200" or "tp2 rank
+// 1(tcp):cpu".
 func (b *Backend) Name() string {
 	c := ""
 	if !b.allLocal() && len(b.local) == 1 {
 		c = fmt.Sprintf(" rank %d", b.local[0])
 	}
+	var how []string
 	if nc, ok := b.comm.(interface{ Name() string }); ok {
-		c += "(" + nc.Name() + ")"
+		how = append(how, nc.Name())
+	}
+	if b.peer != nil {
+		how = append(how, "peer memory")
+	}
+	if len(how) > 0 {
+		c += "(" + strings.Join(how, ", ") + ")"
 	}
 	return fmt.Sprintf("tp%d%s:%s", len(b.ranks), c, b.first().Name())
 }
@@ -991,6 +1005,10 @@ func evenSplit(cols int, split [][2]int) bool {
 func (b *Backend) allReduceDevice(t *Buf) {
 	count := t.rows * t.cols
 	if count == 0 || b.skipComm {
+		return
+	}
+	if b.PeerMemory(count) {
+		b.each(func(r int) { b.peer[r].AllReducePeer(t.parts[r]) })
 		return
 	}
 	if !b.grouped {

@@ -109,6 +109,7 @@ func OpenRank(job Job, m *model.Model, opt RankOptions) (*Backend, error) {
 		keepSock = false
 		return nil, err
 	}
+	b.usePeerMemoryByDefault(job.timeout())
 	return b, nil
 }
 

@@ -121,7 +121,14 @@ type Driver struct {
 	cuGraphExecDestroy          func(e GraphExec) Result
 	cuGraphDestroy              func(g Graph) Result
 	cuGetErrorName              func(r Result, s **byte) Result
-	cuGetErrorString            func(r Result, s **byte) Result
+	// Peer memory (the tensor-parallel all-reduce); nil where the driver
+	// lacks them.
+	cuDeviceCanAccessPeer func(ok *int32, d, peer Device) Result
+	cuCtxEnablePeerAccess func(peer Context, flags uint32) Result
+	cuIpcGetMemHandle     func(h *IPCMemHandle, p DevicePtr) Result
+	cuIpcOpenMemHandle    func(p *DevicePtr, h IPCMemHandle, flags uint32) Result
+	cuIpcCloseMemHandle   func(p DevicePtr) Result
+	cuGetErrorString      func(r Result, s **byte) Result
 }
 
 // libPaths are tried in order.
@@ -207,6 +214,20 @@ func Open() (*Driver, error) {
 	}
 	if sym, err := purego.Dlsym(lib, "cuTensorMapEncodeTiled"); err == nil {
 		purego.RegisterFunc(&d.cuTensorMapEncodeTiled, sym)
+	}
+	for _, s := range []struct {
+		fn   any
+		name string
+	}{
+		{&d.cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer"},
+		{&d.cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess"},
+		{&d.cuIpcGetMemHandle, "cuIpcGetMemHandle"},
+		{&d.cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2"},
+		{&d.cuIpcCloseMemHandle, "cuIpcCloseMemHandle"},
+	} {
+		if sym, err := purego.Dlsym(lib, s.name); err == nil {
+			purego.RegisterFunc(s.fn, sym)
+		}
 	}
 	if err := d.check("cuInit", d.cuInit(0)); err != nil {
 		// A driver library without a usable GPU (a container without the
@@ -523,6 +544,67 @@ func (d *Driver) MemcpyDtoDAsync(dst, src DevicePtr, n uint64, s Stream) error {
 // MemsetD32Async sets n 32-bit words to v.
 func (d *Driver) MemsetD32Async(dst DevicePtr, v uint32, n uint64, s Stream) error {
 	return d.check("cuMemsetD32Async", d.cuMemsetD32Async(dst, v, n, s))
+}
+
+// CanAccessPeer reports whether device d can address peer's memory
+// (cuDeviceCanAccessPeer; false where the driver lacks it).
+func (d *Driver) CanAccessPeer(dev, peer Device) (bool, error) {
+	if d.cuDeviceCanAccessPeer == nil {
+		return false, nil
+	}
+	var ok int32
+	err := d.check("cuDeviceCanAccessPeer", d.cuDeviceCanAccessPeer(&ok, dev, peer))
+	return ok != 0, err
+}
+
+// errPeerAccessAlreadyEnabled is CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED.
+const errPeerAccessAlreadyEnabled Result = 704
+
+// EnablePeerAccess lets the current context address the memory of the
+// context peer (another device's, in this process); enabling it twice is
+// not an error.
+func (d *Driver) EnablePeerAccess(peer Context) error {
+	if d.cuCtxEnablePeerAccess == nil {
+		return fmt.Errorf("cuda: the driver has no cuCtxEnablePeerAccess")
+	}
+	r := d.cuCtxEnablePeerAccess(peer, 0)
+	if r == errPeerAccessAlreadyEnabled {
+		return nil
+	}
+	return d.check("cuCtxEnablePeerAccess", r)
+}
+
+// IPCMemHandle is a CUipcMemHandle: names a device allocation to other
+// processes.
+type IPCMemHandle struct {
+	Reserved [64]byte
+}
+
+// IPCGetMemHandle returns the handle of the allocation that begins at p.
+func (d *Driver) IPCGetMemHandle(p DevicePtr) (IPCMemHandle, error) {
+	var h IPCMemHandle
+	if d.cuIpcGetMemHandle == nil {
+		return h, fmt.Errorf("cuda: the driver has no cuIpcGetMemHandle")
+	}
+	return h, d.check("cuIpcGetMemHandle", d.cuIpcGetMemHandle(&h, p))
+}
+
+// ipcLazyEnablePeerAccess is CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.
+const ipcLazyEnablePeerAccess = 1
+
+// IPCOpenMemHandle maps another process's allocation into the current
+// context and returns its address here (close it with IPCCloseMemHandle).
+func (d *Driver) IPCOpenMemHandle(h IPCMemHandle) (DevicePtr, error) {
+	if d.cuIpcOpenMemHandle == nil {
+		return 0, fmt.Errorf("cuda: the driver has no cuIpcOpenMemHandle")
+	}
+	var p DevicePtr
+	return p, d.check("cuIpcOpenMemHandle", d.cuIpcOpenMemHandle(&p, h, ipcLazyEnablePeerAccess))
+}
+
+// IPCCloseMemHandle unmaps what IPCOpenMemHandle mapped.
+func (d *Driver) IPCCloseMemHandle(p DevicePtr) error {
+	return d.check("cuIpcCloseMemHandle", d.cuIpcCloseMemHandle(p))
 }
 
 // memcpy2D is CUDA_MEMCPY2D (64-bit layout).

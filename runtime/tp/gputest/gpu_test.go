@@ -116,6 +116,18 @@ func TestCUDATP2(t *testing.T) {
 			}
 			want := forward(t, rm1, ref.LogitsInputIDs)
 			got := forward(t, rm2, ref.LogitsInputIDs)
+			if err := be.PeerMemoryErr(); err != nil {
+				t.Logf("all-reduces through NCCL only: %v", err)
+			} else { // the same sums through NCCL: a + b either way for two ranks
+				be.SetPeerLimit(0)
+				viaNCCL := forward(t, rm2, ref.LogitsInputIDs)
+				be.SetPeerLimit(tp.DefaultPeerBytes)
+				d := maxRel(viaNCCL, widen(got))
+				t.Logf("logits with the all-reduces over peer memory vs through NCCL: max rel %.3g", d)
+				if d != 0 {
+					t.Errorf("the all-reduce over peer memory changes the logits by %.3g", d)
+				}
+			}
 			V := m.Config.Vocab
 			rel := maxRel(got, widen(want))
 			relRef := maxRel(got[len(got)-V:], ref.LogitsLast)

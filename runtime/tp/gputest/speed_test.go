@@ -208,6 +208,14 @@ func TestTPSpeed(t *testing.T) {
 		pG, pG/p1, dG, dG/d1, H, us(be.TimeAllReduce(1, H, 200)))
 	be.SetGroupedCollectives(false)
 	p2, d2 := speed(t, rm2, prompt, steps)
+	if err := be.UsePeerMemory(tp.DefaultPeerBytes, time.Minute); err != nil {
+		t.Logf("TP=2 all-reduce over peer memory: %v", err)
+	} else {
+		pP, dP := speed(t, rm2, prompt, steps)
+		t.Logf("TP=2 all-reduces of up to %d MiB over peer memory: prefill %.0f tok/s (%.2fx), decode %.1f tok/s (%.2fx); all-reduce [1 %d] %.1f µs, [%d %d] %.1f µs",
+			tp.DefaultPeerBytes>>20, pP, pP/p1, dP, dP/d1, H, us(be.TimeAllReduce(1, H, 200)), prompt, H, us(be.TimeAllReduce(prompt, H, 20)))
+		be.SetPeerLimit(0)
+	}
 	be.SkipCollectives(true)
 	p3, d3 := speed(t, rm2, prompt, steps)
 	be.SkipCollectives(false)

@@ -1,0 +1,280 @@
+package cuda
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"os"
+	"time"
+	"unsafe"
+
+	"qtool/runtime"
+	"qtool/runtime/cuda/driver"
+)
+
+// The all-reduce over peer memory: the ranks of a tensor-parallel group,
+// one GPU each, sum their buffers in one kernel (allreduce_peer, whose
+// comment in kernels/qtool.cu gives the protocol) that reads the other
+// ranks' exchange areas directly, over NVLink or PCIe, instead of through
+// NCCL. For the small messages of a decode step that is one launch and one
+// flag round trip a call. A rank's backend joins one group:
+// OpenPeerReduce allocates its area and describes it (an end), the ends of
+// all ranks are exchanged (package runtime/tp does that through its
+// communicator), ConnectPeerReduce maps the other ranks' areas, and
+// AllReducePeer queues a sum on the stream, in CUDA graphs too.
+
+// Sizes the kernel assumes (AR_MAX_RANKS, AR_MAX_BLOCKS, AR_HEADER).
+const (
+	peerMaxRanks  = 8
+	peerMaxBlocks = 128
+	peerHeader    = 8192
+	// peerBlocks is the grid of every call (at most the SMs of the
+	// smallest GPU of the group, so that all blocks are resident).
+	peerBlocks = 64
+)
+
+// PeerEndBytes is the size of the end OpenPeerReduce returns.
+const PeerEndBytes = 96
+
+// peerEndMagic begins an end ("qtP2").
+const peerEndMagic = 0x3250_7471
+
+// peerEnd is a rank's exchange area as the other ranks find it: the machine
+// and process it lives in, its device and address there, its IPC handle
+// (for other processes), and the device's SM count.
+type peerEnd struct {
+	host   uint64 // hash of the host name and boot id
+	pid    uint32
+	device int32
+	sms    int32
+	area   uint64
+	handle driver.IPCMemHandle
+	ipc    bool // the handle is valid
+}
+
+func (e *peerEnd) encode() []byte {
+	b := make([]byte, PeerEndBytes)
+	le := binary.LittleEndian
+	le.PutUint32(b[0:], peerEndMagic)
+	le.PutUint32(b[4:], e.pid)
+	le.PutUint32(b[8:], uint32(e.device))
+	le.PutUint32(b[12:], uint32(e.sms))
+	le.PutUint64(b[16:], e.area)
+	le.PutUint64(b[24:], e.host)
+	if e.ipc {
+		copy(b[32:], e.handle.Reserved[:])
+	}
+	return b
+}
+
+func decodePeerEnd(b []byte) (peerEnd, error) {
+	le := binary.LittleEndian
+	if len(b) != PeerEndBytes || le.Uint32(b) != peerEndMagic {
+		return peerEnd{}, fmt.Errorf("not a peer-memory end (%d bytes)", len(b))
+	}
+	e := peerEnd{pid: le.Uint32(b[4:]), device: int32(le.Uint32(b[8:])), sms: int32(le.Uint32(b[12:])),
+		area: le.Uint64(b[16:]), host: le.Uint64(b[24:])}
+	copy(e.handle.Reserved[:], b[32:])
+	for _, c := range e.handle.Reserved {
+		e.ipc = e.ipc || c != 0
+	}
+	if e.area == 0 {
+		return peerEnd{}, fmt.Errorf("peer-memory end without an area")
+	}
+	return e, nil
+}
+
+// hostID tells machines apart: the host name and, on Linux, the boot id.
+func hostID() uint64 {
+	h := fnv.New64a()
+	name, _ := os.Hostname()
+	h.Write([]byte(name))
+	if id, err := os.ReadFile("/proc/sys/kernel/random/boot_id"); err == nil {
+		h.Write(id)
+	}
+	return h.Sum64()
+}
+
+// peerReduce is a backend's side of its group.
+type peerReduce struct {
+	rank, world int
+	capFloats   int
+	stride      int // values from one stage to the next
+	timeout     time.Duration
+	area        driver.DevicePtr
+	blocks      int
+	opened      []driver.DevicePtr // other processes' areas, mapped here
+	retained    []driver.Device    // devices whose contexts this one has peer access to
+	connected   bool
+}
+
+// OpenPeerReduce makes this backend rank of a world-rank group that sums
+// up to capFloats values a call over peer memory, and returns the rank's
+// end (PeerEndBytes) for the other ranks' ConnectPeerReduce. A peer that
+// does not arrive within timeout makes the call's launch fail. A backend
+// joins one group; Close leaves it.
+func (b *Backend) OpenPeerReduce(rank, world, capFloats int, timeout time.Duration) ([]byte, error) {
+	if b.peer != nil {
+		return nil, fmt.Errorf("cuda: the backend is rank %d of a peer-memory group already", b.peer.rank)
+	}
+	if world < 2 || world > peerMaxRanks || rank < 0 || rank >= world {
+		return nil, fmt.Errorf("cuda: peer-memory all-reduce of rank %d of %d ranks (2..%d ranks)", rank, world, peerMaxRanks)
+	}
+	if capFloats <= 0 || timeout <= 0 {
+		return nil, fmt.Errorf("cuda: peer-memory all-reduce of %d values, timeout %v", capFloats, timeout)
+	}
+	if b.capturing {
+		return nil, fmt.Errorf("cuda: OpenPeerReduce during a graph capture")
+	}
+	defer b.enter()()
+	stride := (capFloats + 63) &^ 63 // each stage 256-byte aligned
+	n := uint64(peerHeader) + 2*4*uint64(stride)
+	area, err := b.drv.MemAlloc(n)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: peer-memory area: %w", err)
+	}
+	p := &peerReduce{rank: rank, world: world, capFloats: capFloats, stride: stride, timeout: timeout, area: area}
+	if err := b.drv.MemsetD32Async(area, 0, n/4, b.stream); err == nil {
+		err = b.drv.StreamSynchronize(b.stream)
+	}
+	if err != nil {
+		b.drv.MemFree(area)
+		return nil, fmt.Errorf("cuda: peer-memory area: %w", err)
+	}
+	b.peer = p
+	e := peerEnd{host: hostID(), pid: uint32(os.Getpid()), device: int32(b.dev), sms: int32(b.sms), area: uint64(area)}
+	if h, err := b.drv.IPCGetMemHandle(area); err == nil {
+		e.handle, e.ipc = h, true
+	}
+	return e.encode(), nil
+}
+
+// ConnectPeerReduce maps the areas of the group's ranks, ends[r] being
+// rank r's end from OpenPeerReduce (this rank's own included): an area of
+// this process through peer access between the devices, one of another
+// process on this machine through CUDA IPC. Ranks on other machines, or
+// GPUs without peer access, are an error; the backend then stays out of
+// the group (AllReducePeer panics).
+func (b *Backend) ConnectPeerReduce(ends [][]byte) (err error) {
+	p := b.peer
+	if p == nil || p.connected {
+		return fmt.Errorf("cuda: ConnectPeerReduce without OpenPeerReduce")
+	}
+	if len(ends) != p.world {
+		return fmt.Errorf("cuda: %d peer-memory ends for %d ranks", len(ends), p.world)
+	}
+	defer b.enter()()
+	defer func() {
+		if err != nil {
+			err = fmt.Errorf("cuda: peer-memory all-reduce, rank %d: %w", p.rank, err)
+			b.closePeer()
+		}
+	}()
+	self := peerEnd{host: hostID(), pid: uint32(os.Getpid())}
+	areas := make([]uint64, peerMaxRanks)
+	blocks := min(peerBlocks, b.sms)
+	for r, raw := range ends {
+		e, err := decodePeerEnd(raw)
+		if err != nil {
+			return fmt.Errorf("rank %d: %w", r, err)
+		}
+		blocks = min(blocks, int(e.sms))
+		switch {
+		case r == p.rank:
+			if e.area != uint64(p.area) {
+				return fmt.Errorf("end %d is not this rank's", r)
+			}
+			areas[r] = e.area
+		case e.host != self.host:
+			return fmt.Errorf("rank %d runs on another machine", r)
+		case e.pid == self.pid:
+			peer := driver.Device(e.device)
+			if peer != b.dev {
+				ok, err := b.drv.CanAccessPeer(b.dev, peer)
+				if err != nil {
+					return err
+				}
+				if !ok {
+					return fmt.Errorf("GPU %d cannot access the memory of GPU %d (rank %d)", b.dev, peer, r)
+				}
+				ctx, err := b.drv.PrimaryCtxRetain(peer)
+				if err != nil {
+					return err
+				}
+				p.retained = append(p.retained, peer)
+				if err := b.drv.EnablePeerAccess(ctx); err != nil {
+					return fmt.Errorf("peer access to GPU %d (rank %d): %w", peer, r, err)
+				}
+			}
+			areas[r] = e.area
+		default:
+			if !e.ipc {
+				return fmt.Errorf("rank %d (process %d) cannot export its area (no CUDA IPC)", r, e.pid)
+			}
+			a, err := b.drv.IPCOpenMemHandle(e.handle)
+			if err != nil {
+				return fmt.Errorf("rank %d (process %d): %w", r, e.pid, err)
+			}
+			p.opened = append(p.opened, a)
+			areas[r] = uint64(a)
+		}
+	}
+	if err := b.drv.MemcpyHtoD(p.area, unsafe.Pointer(&areas[0]), uint64(8*len(areas))); err != nil {
+		return err
+	}
+	p.blocks, p.connected = max(1, blocks), true
+	return nil
+}
+
+// PeerReduceCap is how many values AllReducePeer sums a call (0 without a
+// connected group).
+func (b *Backend) PeerReduceCap() int {
+	if b.peer == nil || !b.peer.connected {
+		return 0
+	}
+	return b.peer.capFloats
+}
+
+// AllReducePeer queues the in-place sum of x over the group's ranks, in
+// rank order, so that every rank ends with the same bits. Every rank must
+// make the same calls, with buffers of the same size, in the same order.
+func (b *Backend) AllReducePeer(x runtime.Buf) {
+	p, d := b.peer, buf(x)
+	if p == nil || !p.connected {
+		panic("cuda backend: AllReducePeer without a connected peer-memory group")
+	}
+	if d.n() > p.capFloats {
+		panic(fmt.Sprintf("cuda backend: AllReducePeer of %d values, the group's areas hold %d", d.n(), p.capFloats))
+	}
+	defer b.enter()()
+	b.launch("allreduce_peer", g1(p.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
+		int64(p.stride), uint64(p.timeout.Nanoseconds()))
+}
+
+// ClosePeerReduce leaves the peer-memory group (nothing outside one).
+func (b *Backend) ClosePeerReduce() error {
+	defer b.enter()()
+	return b.closePeer()
+}
+
+// closePeer leaves the group (context current).
+func (b *Backend) closePeer() error {
+	p := b.peer
+	if p == nil {
+		return nil
+	}
+	b.peer = nil
+	var errs []error
+	if b.stream != 0 {
+		errs = append(errs, b.drv.StreamSynchronize(b.stream))
+	}
+	for _, a := range p.opened {
+		errs = append(errs, b.drv.IPCCloseMemHandle(a))
+	}
+	for _, d := range p.retained {
+		errs = append(errs, b.drv.PrimaryCtxRelease(d))
+	}
+	errs = append(errs, b.drv.MemFree(p.area))
+	return errors.Join(errs...)
+}

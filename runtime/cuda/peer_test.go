@@ -1,0 +1,147 @@
+package cuda
+
+import (
+	"context"
+	"math"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+// peerGroup makes world backends of the first GPU (one stream each) a
+// peer-memory group, as ranks 0..world−1 of one process on one device are.
+func peerGroup(t *testing.T, world, capFloats int, timeout time.Duration) []*Backend {
+	t.Helper()
+	ranks := make([]*Backend, world)
+	ends := make([][]byte, world)
+	for r := range ranks {
+		ranks[r] = newTestBackend(t)
+		var err error
+		if ends[r], err = ranks[r].OpenPeerReduce(r, world, capFloats, timeout); err != nil {
+			t.Fatal(err)
+		}
+		if len(ends[r]) != PeerEndBytes {
+			t.Fatalf("end of %d bytes, want %d", len(ends[r]), PeerEndBytes)
+		}
+	}
+	for r := range ranks {
+		if err := ranks[r].ConnectPeerReduce(ends); err != nil {
+			t.Fatal(err)
+		}
+		if got := ranks[r].PeerReduceCap(); got != capFloats {
+			t.Fatalf("PeerReduceCap = %d, want %d", got, capFloats)
+		}
+	}
+	return ranks
+}
+
+// TestAllReducePeer sums random vectors over 2 and 3 ranks and wants, on
+// every rank, the float32 sum in rank order bit for bit: sizes below one
+// float4, with a scalar tail, and up to the capacity (every block's loop
+// running several rounds), each twice so that both stages serve.
+func TestAllReducePeer(t *testing.T) {
+	const capFloats = 3*peerBlocks*256*4*4 + 6
+	for _, world := range []int{2, 3} {
+		ranks := peerGroup(t, world, capFloats, time.Minute)
+		rng := rand.New(rand.NewPCG(uint64(world), 7))
+		for _, n := range []int{1, 1, 3, 4096, 4096, 4097, 65543, 65543, capFloats, capFloats} {
+			xs := make([][]float32, world)
+			bufs := make([]*Buf, world)
+			for r := range ranks {
+				xs[r] = randVec(rng, n, 1)
+				bufs[r] = upload(ranks[r], 1, n, xs[r])
+			}
+			for r := range ranks { // all queued before any download waits
+				ranks[r].AllReducePeer(bufs[r])
+			}
+			for r := range ranks {
+				got := download(ranks[r], bufs[r])
+				for i := range got {
+					want := xs[0][i]
+					for q := 1; q < world; q++ {
+						want += xs[q][i]
+					}
+					if math.Float32bits(got[i]) != math.Float32bits(want) {
+						t.Fatalf("world %d, n %d: rank %d value %d = %v, want %v", world, n, r, i, got[i], want)
+					}
+				}
+				ranks[r].Free(bufs[r])
+			}
+		}
+		for _, b := range ranks {
+			if err := b.ClosePeerReduce(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+func TestPeerReduceErrors(t *testing.T) {
+	b := newTestBackend(t)
+	for _, c := range []struct{ rank, world, cap int }{{0, 1, 16}, {2, 2, 16}, {0, 9, 16}, {0, 2, 0}} {
+		if _, err := b.OpenPeerReduce(c.rank, c.world, c.cap, time.Second); err == nil {
+			t.Errorf("OpenPeerReduce(%d, %d, %d): no error", c.rank, c.world, c.cap)
+		}
+	}
+	end, err := b.OpenPeerReduce(0, 2, 16, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.OpenPeerReduce(0, 2, 16, time.Second); err == nil {
+		t.Error("a second OpenPeerReduce: no error")
+	}
+	bad := append([]byte(nil), end...)
+	bad[0] ^= 1
+	for _, ends := range [][][]byte{{end}, {end, bad}, {end, end[:40]}} {
+		if err := b.ConnectPeerReduce(ends); err == nil {
+			t.Errorf("ConnectPeerReduce with %d ends: no error", len(ends))
+		}
+		if b.PeerReduceCap() != 0 {
+			t.Error("a failed connect left the backend in the group")
+		}
+		b.ClosePeerReduce()
+		if end, err = b.OpenPeerReduce(0, 2, 16, time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestAllReducePeerTimeout: a rank whose peer never takes part fails (its
+// kernel traps after the timeout) instead of hanging. The failure spoils the
+// device context, so it runs in a child process.
+func TestAllReducePeerTimeout(t *testing.T) {
+	if os.Getenv("QTOOL_PEER_TIMEOUT_CHILD") == "1" {
+		ranks := peerGroup(t, 2, 64, 200*time.Millisecond)
+		x := upload(ranks[0], 1, 64, make([]float32, 64))
+		ranks[0].AllReducePeer(x) // rank 1 never calls
+		download(ranks[0], x)     // panics with the failed launch
+		t.Fatal("the all-reduce without its peer returned")
+	}
+	newTestBackend(t) // skips without a GPU
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestAllReducePeerTimeout$", "-test.v")
+	cmd.Env = append(os.Environ(), "QTOOL_PEER_TIMEOUT_CHILD=1")
+	t0 := time.Now()
+	out, err := cmd.CombinedOutput()
+	if ctx.Err() != nil {
+		t.Fatalf("the child hung for %v", time.Since(t0))
+	}
+	if err == nil || !strings.Contains(string(out), "CUDA_ERROR") {
+		t.Fatalf("the child did not fail with a CUDA error (%v):\n%s", err, out)
+	}
+	t.Logf("failed after %v: %s", time.Since(t0).Round(time.Millisecond), firstLine(string(out), "CUDA_ERROR"))
+}
+
+// firstLine returns the first line of s that contains sub.
+func firstLine(s, sub string) string {
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			return strings.TrimSpace(l)
+		}
+	}
+	return ""
+}

@@ -1,0 +1,175 @@
+package tp
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"time"
+
+	"qtool/runtime"
+)
+
+// PeerRank is a DeviceRank that can sum its buffers with the other ranks'
+// through peer memory, in one kernel that reads their exchange areas over
+// NVLink or PCIe (the CUDA backend: runtime/cuda/peer.go). For the small
+// all-reduces of a decode step that costs one launch and one flag round
+// trip, where NCCL's costs several.
+type PeerRank interface {
+	DeviceRank
+	// OpenPeerReduce makes the backend rank of a world-rank group summing
+	// up to capFloats values a call, and returns its end for the others.
+	OpenPeerReduce(rank, world, capFloats int, timeout time.Duration) ([]byte, error)
+	// ConnectPeerReduce maps every rank's area, given all ranks' ends.
+	ConnectPeerReduce(ends [][]byte) error
+	// ClosePeerReduce leaves the group.
+	ClosePeerReduce() error
+	// AllReducePeer queues the in-place sum of x over the group, in rank
+	// order (every rank gets the same bits).
+	AllReducePeer(x runtime.Buf)
+}
+
+// DefaultPeerBytes is the largest all-reduce NewGPU and OpenRank run over
+// peer memory; larger ones (long prefills) go through NCCL.
+const DefaultPeerBytes = 8 << 20
+
+// UsePeerMemory makes the all-reduces of up to limitBytes run over peer
+// memory (PeerRank) instead of through the device communicator, where every
+// local rank is a PeerRank and the GPUs can address each other's memory (in
+// one process, or in processes of one machine through CUDA IPC). A peer
+// that does not take part within timeout fails the kernel instead of
+// hanging it. On an error the backend keeps its device communicator for
+// everything; with ranks in several processes every process must call it,
+// and all of them end with the same choice.
+func (b *Backend) UsePeerMemory(limitBytes int, timeout time.Duration) error {
+	if b.dcomm == nil {
+		return fmt.Errorf("tp: the all-reduce over peer memory needs device collectives")
+	}
+	if b.peer != nil {
+		return fmt.Errorf("tp: the all-reduce over peer memory is on already")
+	}
+	n, capFloats := len(b.ranks), limitBytes/4
+	if capFloats <= 0 {
+		return fmt.Errorf("tp: all-reduce over peer memory of %d bytes", limitBytes)
+	}
+	peer := make([]PeerRank, n)
+	ends := make([][]byte, n)
+	errs := make([]error, n)
+	for _, r := range b.local {
+		p, ok := b.ranks[r].(PeerRank)
+		if !ok {
+			errs[r] = fmt.Errorf("rank %d (%s) has no peer-memory all-reduce", r, b.ranks[r].Name())
+			continue
+		}
+		peer[r] = p
+		ends[r], errs[r] = p.OpenPeerReduce(r, n, capFloats, timeout)
+	}
+	if !b.allLocal() {
+		// Every process takes part in the exchange, a failed one with an
+		// empty end, which fails every rank's connect below.
+		b.each(func(r int) {
+			got, err := b.exchangeEnds(r, ends[r])
+			if err != nil {
+				errs[r] = errors.Join(errs[r], err)
+				return
+			}
+			for q := range got {
+				if q != r {
+					ends[q] = got[q]
+				}
+			}
+		})
+	}
+	if errors.Join(errs...) == nil {
+		b.each(func(r int) { errs[r] = peer[r].ConnectPeerReduce(ends) })
+	}
+	err := errors.Join(errs...)
+	if !b.allLocal() {
+		err = b.agree(err)
+	}
+	if err != nil {
+		for _, r := range b.local {
+			if peer[r] != nil {
+				peer[r].ClosePeerReduce()
+			}
+		}
+		return fmt.Errorf("tp: all-reduce over peer memory: %w", err)
+	}
+	b.peer, b.peerCap, b.peerLimit = peer, capFloats, capFloats
+	return nil
+}
+
+// usePeerMemoryByDefault turns UsePeerMemory on for DefaultPeerBytes where
+// the ranks run device collectives, unless $QTOOL_TP_ALLREDUCE is "nccl";
+// PeerMemoryErr keeps why it is off.
+func (b *Backend) usePeerMemoryByDefault(timeout time.Duration) {
+	switch {
+	case b.dcomm == nil:
+		b.peerErr = fmt.Errorf("tp: no device collectives")
+	case os.Getenv("QTOOL_TP_ALLREDUCE") == "nccl":
+		b.peerErr = fmt.Errorf("tp: QTOOL_TP_ALLREDUCE=nccl")
+	default:
+		b.peerErr = b.UsePeerMemory(DefaultPeerBytes, timeout)
+	}
+}
+
+// PeerMemoryErr says why the all-reduces do not run over peer memory
+// after NewGPU or OpenRank (nil when they do).
+func (b *Backend) PeerMemoryErr() error { return b.peerErr }
+
+// SetPeerLimit, for comparisons, makes the all-reduces of up to limitBytes
+// (at most UsePeerMemory's) run over peer memory and larger ones through
+// the device communicator; 0 sends all through the communicator.
+func (b *Backend) SetPeerLimit(limitBytes int) {
+	b.peerLimit = max(0, min(limitBytes/4, b.peerCap))
+}
+
+// PeerMemory reports whether all-reduces of count values run over peer
+// memory.
+func (b *Backend) PeerMemory(count int) bool { return b.peer != nil && count <= b.peerLimit }
+
+// exchangeEnds all-gathers the ranks' ends (PeerEndBytes each, carried bit
+// for bit as float32 words through the communicator) for local rank r.
+func (b *Backend) exchangeEnds(r int, end []byte) ([][]byte, error) {
+	const words = (peerEndBytes + 3) / 4
+	n := len(b.ranks)
+	send, recv := make([]float32, words), make([]float32, n*words)
+	if len(end) == peerEndBytes {
+		for i := range words {
+			send[i] = math.Float32frombits(binary.LittleEndian.Uint32(end[4*i:]))
+		}
+	}
+	if err := b.comm.AllGather(r, send, recv); err != nil {
+		return nil, err
+	}
+	out := make([][]byte, n)
+	for q := range out {
+		out[q] = make([]byte, peerEndBytes)
+		for i := range words {
+			binary.LittleEndian.PutUint32(out[q][4*i:], math.Float32bits(recv[q*words+i]))
+		}
+	}
+	return out, nil
+}
+
+// agree makes every process of the job end with an error when any has
+// one: the count of failed processes is all-reduced through the
+// communicator.
+func (b *Backend) agree(err error) error {
+	r := b.local[0]
+	failed := []float32{0}
+	if err != nil {
+		failed[0] = 1
+	}
+	if e := b.comm.AllReduceSum(r, failed); e != nil {
+		return errors.Join(err, e)
+	}
+	if err == nil && failed[0] > 0 {
+		return fmt.Errorf("another rank could not join (%v of them)", failed[0])
+	}
+	return err
+}
+
+// peerEndBytes is the size of a PeerRank's end (cuda.PeerEndBytes).
+const peerEndBytes = 96

@@ -1,0 +1,224 @@
+package tp
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"qtool/runtime"
+	"qtool/runtime/cpu"
+)
+
+// fakePeer is a fake device rank with an all-reduce over "peer memory": the
+// group's sums go through an in-process communicator (rank order, as the
+// kernel sums), counted.
+type fakePeer struct {
+	fakeDevice
+	group       *InProcess
+	rank, world int
+	calls       *atomic.Int64
+	failOpen    bool // OpenPeerReduce fails
+	failConnect bool // ConnectPeerReduce fails
+	open        bool
+}
+
+func (f *fakePeer) OpenPeerReduce(rank, world, capFloats int, timeout time.Duration) ([]byte, error) {
+	if f.failOpen {
+		return nil, errors.New("no peer memory here")
+	}
+	f.rank, f.world, f.open = rank, world, true
+	end := make([]byte, peerEndBytes)
+	end[0], end[1] = 'p', byte(rank)
+	return end, nil
+}
+
+func (f *fakePeer) ConnectPeerReduce(ends [][]byte) error {
+	if len(ends) != f.world {
+		return fmt.Errorf("%d ends for %d ranks", len(ends), f.world)
+	}
+	for r, e := range ends {
+		if len(e) != peerEndBytes || e[0] != 'p' || int(e[1]) != r {
+			return fmt.Errorf("end %d is not rank %d's: % x", r, r, e[:2])
+		}
+	}
+	if f.failConnect {
+		return errors.New("cannot map the peers")
+	}
+	return nil
+}
+
+func (f *fakePeer) ClosePeerReduce() error { f.open = false; return nil }
+
+func (f *fakePeer) AllReducePeer(x runtime.Buf) {
+	if !f.open {
+		panic("AllReducePeer outside the group")
+	}
+	f.calls.Add(1)
+	if err := f.group.AllReduceSum(f.rank, x.(*cpu.Mat).Data); err != nil {
+		panic(err)
+	}
+}
+
+// peerBackend is fakeBackend with fakePeer ranks.
+func peerBackend(t testing.TB, rm *runtime.Model, n int, calls *atomic.Int64) (*Backend, []*fakePeer) {
+	t.Helper()
+	mem := newMemory()
+	group, _ := NewInProcess(n)
+	ranks := make([]runtime.Backend, n)
+	peers := make([]*fakePeer, n)
+	for r := range ranks {
+		peers[r] = &fakePeer{fakeDevice: fakeDevice{cpu.New(1), mem}, group: group, calls: calls}
+		ranks[r] = peers[r]
+	}
+	ip, _ := NewInProcess(n)
+	be, err := New(rm.Config(), ranks, fakeComm{ip, mem})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { be.Close() })
+	return be, peers
+}
+
+// TestPeerMemory: with the all-reduces over peer memory the logits equal
+// the in-process TP=2 run's bit for bit; the small ones (a decode step,
+// the embedding of a few ids) take the peer path and the larger ones the
+// device communicator, by the limit.
+func TestPeerMemory(t *testing.T) {
+	m := openHF(t, "llama-mini")
+	ref := loadRef(t, "llama-mini")
+	host := load(t, m, tpBackend(t, m, 2))
+	ids := ref.LogitsInputIDs
+	want := logits(host, ids)
+	H := m.Config.Hidden
+	for _, tc := range []struct {
+		name      string
+		limit     int // bytes
+		peerCalls bool
+	}{
+		{"all", len(ids) * H * 4, true},
+		{"below-the-prompt", len(ids)*H*4 - 4, false},
+		{"off", 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var calls atomic.Int64
+			be, _ := peerBackend(t, host, 2, &calls)
+			if err := be.UsePeerMemory(len(ids)*H*4, time.Minute); err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(be.Name(), "peer memory") {
+				t.Errorf("Name %q does not say peer memory", be.Name())
+			}
+			be.SetPeerLimit(tc.limit)
+			dev := load(t, m, be)
+			calls.Store(0)
+			if got := logits(dev, ids); !slices.Equal(got, want) {
+				t.Errorf("logits differ from the in-process TP=2 run by %.3g", maxRel(got, want))
+			}
+			// 2 all-reduces a layer and the embedding's, on each rank
+			if n, all := calls.Load(), int64(2*(2*m.Config.Layers+1)); (n == all) != tc.peerCalls || (n != 0 && n != all) {
+				t.Errorf("%d all-reduces over peer memory, want %v of %d", n, tc.peerCalls, all)
+			}
+			calls.Store(0)
+			gen, err := runtime.Generate(dev, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: 4, EOS: []int{}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if w := ref.GreedyIDs[len(ref.GreedyPromptIDs):][:4]; !slices.Equal(gen, w) {
+				t.Errorf("greedy %v, reference %v", gen, w)
+			}
+			if tc.limit > 0 && calls.Load() == 0 {
+				t.Error("no decode step's all-reduce over peer memory")
+			}
+		})
+	}
+}
+
+// TestPeerMemoryErrors: a rank that cannot join leaves every rank on the
+// device communicator, in one process and with a process per rank (the
+// ends exchanged and the failure agreed through the communicator).
+func TestPeerMemoryErrors(t *testing.T) {
+	m := openHF(t, "llama-mini")
+	host := load(t, m, tpBackend(t, m, 2))
+	for _, fail := range []string{"open", "connect"} {
+		t.Run("one-process/"+fail, func(t *testing.T) {
+			var calls atomic.Int64
+			be, peers := peerBackend(t, host, 2, &calls)
+			peers[1].failOpen, peers[1].failConnect = fail == "open", fail == "connect"
+			if err := be.UsePeerMemory(1<<20, time.Minute); err == nil {
+				t.Fatal("no error")
+			}
+			if be.PeerMemory(1) || peers[0].open {
+				t.Error("a rank stayed in the group")
+			}
+		})
+		t.Run("processes/"+fail, func(t *testing.T) {
+			ip, _ := NewInProcess(2)
+			group, _ := NewInProcess(2)
+			mem := newMemory()
+			var calls atomic.Int64
+			errs := make([]error, 2)
+			bes := make([]*Backend, 2)
+			peers := make([]*fakePeer, 2)
+			var wg sync.WaitGroup
+			for r := range 2 {
+				peers[r] = &fakePeer{fakeDevice: fakeDevice{cpu.New(1), mem}, group: group, calls: &calls,
+					failOpen: r == 1 && fail == "open", failConnect: r == 1 && fail == "connect"}
+				be, err := NewRank(host.Config(), 2, r, peers[r], fakeComm{ip, mem})
+				if err != nil {
+					t.Fatal(err)
+				}
+				bes[r] = be
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					errs[r] = be.UsePeerMemory(1<<20, time.Minute)
+				}()
+			}
+			wg.Wait()
+			for r, err := range errs {
+				if err == nil || bes[r].PeerMemory(1) || peers[r].open {
+					t.Errorf("rank %d: error %v, still in the group %v", r, err, peers[r].open)
+				}
+			}
+		})
+	}
+	t.Run("processes/ok", func(t *testing.T) {
+		ip, _ := NewInProcess(2)
+		group, _ := NewInProcess(2)
+		mem := newMemory()
+		var calls atomic.Int64
+		errs := make([]error, 2)
+		bes := make([]*Backend, 2)
+		var wg sync.WaitGroup
+		for r := range 2 {
+			p := &fakePeer{fakeDevice: fakeDevice{cpu.New(1), mem}, group: group, calls: &calls}
+			be, err := NewRank(host.Config(), 2, r, p, fakeComm{ip, mem})
+			if err != nil {
+				t.Fatal(err)
+			}
+			bes[r] = be
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[r] = be.UsePeerMemory(1<<20, time.Minute)
+			}()
+		}
+		wg.Wait()
+		for r, err := range errs {
+			if err != nil || !bes[r].PeerMemory(1) {
+				t.Errorf("rank %d: %v", r, err)
+			}
+		}
+	})
+	t.Run("no-device-collectives", func(t *testing.T) {
+		be := fakeBackend(t, host, 2, false)
+		if err := be.UsePeerMemory(1<<20, time.Minute); err == nil {
+			t.Error("no error without device collectives")
+		}
+	})
+}
