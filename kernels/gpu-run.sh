@@ -75,7 +75,7 @@ if has tp; then
   done
 fi
 if has tpspeed; then # the synthetic 8-layer W4A16 7B at TP=2: NCCL vs peer memory, collectives alone
-  lim=$(left); [ "$lim" -gt 60 ] && (cd runtime/tp/gputest && QTOOL_TP_SPEED=1 timeout "$lim" "$OLDPWD/bin/gputest.test" -test.v -test.run TestTPSpeed > "$OUT/tpspeed.log" 2>&1)
+  lim=$(left); [ "$lim" -gt 60 ] && (cd runtime/tp/gputest && QTOOL_TP_SPEED=1 QTOOL_TP_PROF="$FINAL/prof" timeout "$lim" "$OLDPWD/bin/gputest.test" -test.v -test.run TestTPSpeed > "$OUT/tpspeed.log" 2>&1)
   grep -E "GPU|TP=2" "$OUT/tpspeed.log" | cut -c1-400
 fi
 if has kld; then

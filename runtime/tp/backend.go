@@ -370,6 +370,9 @@ type Buf struct {
 	rows, cols int
 	parts      []runtime.Buf // by rank; nil until an operation writes it (zeros)
 	split      [][2]int      // nil: replicated; else each rank's column range
+	// raw: made by AllocRaw, its first writer writes it whole, so its
+	// rank buffers need no zeroing
+	raw bool
 }
 
 // Rows implements runtime.Buf.
@@ -552,6 +555,33 @@ func (b *Backend) Alloc(rows, cols int) runtime.Buf {
 	return &Buf{rows: rows, cols: cols}
 }
 
+var _ runtime.RawAllocator = (*Backend)(nil)
+
+// AllocRaw implements runtime.RawAllocator: Alloc whose rank buffers are
+// not zeroed (where the rank backends can skip it).
+func (b *Backend) AllocRaw(rows, cols int) runtime.Buf {
+	t := b.Alloc(rows, cols).(*Buf)
+	t.raw = true
+	return t
+}
+
+// allocRaw is be's AllocRaw where it has one, else Alloc: for a rank
+// buffer written whole before it is read.
+func allocRaw(be runtime.Backend, rows, cols int) runtime.Buf {
+	if r, ok := be.(runtime.RawAllocator); ok {
+		return r.AllocRaw(rows, cols)
+	}
+	return be.Alloc(rows, cols)
+}
+
+// rankAlloc allocates rank r's buffer of t: not zeroed when t is raw.
+func (b *Backend) rankAlloc(t *Buf, r, cols int) runtime.Buf {
+	if t.raw {
+		return allocRaw(b.ranks[r], t.rows, cols)
+	}
+	return b.ranks[r].Alloc(t.rows, cols)
+}
+
 // Free implements runtime.Backend.
 func (b *Backend) Free(x runtime.Buf) {
 	t := bufOf(x)
@@ -579,8 +609,8 @@ func width(cols int, split [][2]int, r int) int {
 }
 
 // layout makes t hold rank buffers of layout split, allocating fresh
-// (zeroed) ones when it has none or a different layout; the old contents
-// are discarded.
+// ones (zeroed unless t is raw) when it has none or a different layout;
+// the old contents are discarded.
 func (b *Backend) layout(t *Buf, split [][2]int) {
 	if t.parts != nil && slices.Equal(t.split, split) {
 		return
@@ -588,10 +618,10 @@ func (b *Backend) layout(t *Buf, split [][2]int) {
 	b.release(t)
 	parts := make([]runtime.Buf, len(b.ranks))
 	if b.workers != nil {
-		b.each(func(r int) { parts[r] = b.ranks[r].Alloc(t.rows, width(t.cols, split, r)) })
+		b.each(func(r int) { parts[r] = b.rankAlloc(t, r, width(t.cols, split, r)) })
 	} else {
 		for _, r := range b.local {
-			parts[r] = b.ranks[r].Alloc(t.rows, width(t.cols, split, r))
+			parts[r] = b.rankAlloc(t, r, width(t.cols, split, r))
 		}
 	}
 	t.parts, t.split = parts, split
@@ -609,7 +639,7 @@ func (b *Backend) run(d *Buf, split [][2]int, fn func(r int)) {
 	b.release(d)
 	d.parts, d.split = make([]runtime.Buf, len(b.ranks)), split
 	b.each(func(r int) {
-		d.parts[r] = b.ranks[r].Alloc(d.rows, width(d.cols, split, r))
+		d.parts[r] = b.rankAlloc(d, r, width(d.cols, split, r))
 		fn(r)
 	})
 }
@@ -654,7 +684,7 @@ func (b *Backend) replicate(t *Buf) {
 			}
 		}
 		be.Free(old[r])
-		full[r] = be.Alloc(rows, t.cols)
+		full[r] = allocRaw(be, rows, t.cols)
 		be.Upload(full[r], out)
 	})
 	t.parts, t.split = full, nil
@@ -677,7 +707,7 @@ func (b *Backend) toSplit(t *Buf, split [][2]int) {
 	if b.dcomm != nil {
 		b.each(func(r int) {
 			c0, w := split[r][0], split[r][1]-split[r][0]
-			parts[r] = b.ranks[r].Alloc(t.rows, w)
+			parts[r] = allocRaw(b.ranks[r], t.rows, w)
 			b.dev[r].Copy2D(parts[r], 0, 0, old[r], 0, c0, t.rows, w)
 			b.ranks[r].Free(old[r])
 		})
@@ -694,7 +724,7 @@ func (b *Backend) toSplit(t *Buf, split [][2]int) {
 			copy(mine[i*w:(i+1)*w], all[i*t.cols+c0:i*t.cols+c0+w])
 		}
 		be.Free(old[r])
-		parts[r] = be.Alloc(t.rows, w)
+		parts[r] = allocRaw(be, t.rows, w)
 		be.Upload(parts[r], mine)
 	})
 	t.parts, t.split = parts, split
@@ -1044,10 +1074,10 @@ func (b *Backend) replicateDevice(t *Buf) {
 	full := make([]runtime.Buf, n)
 	recv := make([]runtime.Buf, n)
 	b.each(func(r int) {
-		full[r] = b.ranks[r].Alloc(rows, cols)
+		full[r] = allocRaw(b.ranks[r], rows, cols) // the pieces cover it
 		recv[r] = full[r]
 		if rows > 1 {
-			recv[r] = b.ranks[r].Alloc(n*rows, w)
+			recv[r] = allocRaw(b.ranks[r], n*rows, w)
 		}
 	})
 	if rows*w > 0 && !b.skipComm {

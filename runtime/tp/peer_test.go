@@ -3,6 +3,7 @@ package tp
 import (
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -221,4 +222,92 @@ func TestPeerMemoryErrors(t *testing.T) {
 			t.Error("no error without device collectives")
 		}
 	})
+}
+
+// nanFusing is a fusing CPU rank (fusingCPU) and nanDevice a fake device
+// rank whose AllocRaw hands out buffers full of NaN: a rank buffer read
+// before it is written shows in every logit.
+type (
+	nanFusing struct{ fusingCPU }
+	nanDevice struct{ fakeDevice }
+)
+
+func nanAlloc(be runtime.Backend, rows, cols int) runtime.Buf {
+	x := be.Alloc(rows, cols)
+	nan := make([]float32, rows*cols)
+	for i := range nan {
+		nan[i] = float32(math.NaN())
+	}
+	be.Upload(x, nan)
+	return x
+}
+
+func (p nanFusing) AllocRaw(rows, cols int) runtime.Buf { return nanAlloc(p.Backend, rows, cols) }
+func (p nanDevice) AllocRaw(rows, cols int) runtime.Buf { return nanAlloc(p.Backend, rows, cols) }
+
+// TestRawRankBuffers: the rank buffers of AllocRaw activations (and those
+// of the layout changes, written whole) are not zeroed; with NaN in them
+// the logits (and their rows' argmax, all-gathered) equal those of zeroed
+// ones bit for bit, on fusing ranks with
+// host collectives and on device ranks with device collectives, and the
+// greedy ids are the reference's.
+func TestRawRankBuffers(t *testing.T) {
+	for _, name := range models {
+		for _, device := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/device=%v", name, device), func(t *testing.T) {
+				ref := loadRef(t, name)
+				m := openHF(t, name)
+				run := func(nan bool) ([]float32, *runtime.Model) {
+					mem := newMemory()
+					var calls atomic.Int64
+					ranks := make([]runtime.Backend, 2)
+					for r := range ranks {
+						switch f, d := (fusingCPU{cpu.New(1), &calls}), (fakeDevice{cpu.New(1), mem}); {
+						case device && nan:
+							ranks[r] = nanDevice{d}
+						case device:
+							ranks[r] = d
+						case nan:
+							ranks[r] = nanFusing{f}
+						default:
+							ranks[r] = f
+						}
+					}
+					ip, _ := NewInProcess(2)
+					var comm Communicator = ip
+					if device {
+						comm = fakeComm{ip, mem}
+					}
+					be, err := New(m.Config, ranks, comm)
+					if err != nil {
+						t.Fatal(err)
+					}
+					t.Cleanup(func() { be.Close() })
+					if be.fused == device || be.DeviceCollectives() != device {
+						t.Fatalf("fused %v, device collectives %v", be.fused, be.DeviceCollectives())
+					}
+					rm := load(t, m, be)
+					lg := logits(rm, ref.LogitsInputIDs)
+					out := rm.Forward(ref.LogitsInputIDs, 0, nil) // the all-gather of every row
+					defer be.Free(out)
+					for _, id := range be.Argmax(out) {
+						lg = append(lg, float32(id))
+					}
+					return lg, rm
+				}
+				want, _ := run(false)
+				got, rm := run(true)
+				for i := range want {
+					if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+						t.Fatalf("logit %d: %g with NaN in the raw rank buffers, %g with zeros", i, got[i], want[i])
+					}
+				}
+				w := ref.GreedyIDs[len(ref.GreedyPromptIDs):][:8]
+				gen, err := runtime.Generate(rm, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: len(w), EOS: []int{}})
+				if err != nil || !slices.Equal(gen, w) {
+					t.Errorf("greedy %v (%v), reference %v", gen, err, w)
+				}
+			})
+		}
+	}
 }

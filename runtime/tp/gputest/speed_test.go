@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"runtime/pprof"
 	"sync"
 	"testing"
 	"time"
@@ -164,6 +165,8 @@ func TestTPSpeed(t *testing.T) {
 		t.Fatal(err)
 	}
 	p1, d1 := speed(t, rm1, prompt, steps)
+	q1, w1 := prefillHost(t, rm1, prompt, 20, "one")
+	t.Logf("1 GPU prefill: the host queues it in %.2f ms of %.2f ms", ms(q1), ms(w1))
 	one.Close()
 
 	newTP := func(wrap bool) (*tp.Backend, *runtime.Model, *timedComm) {
@@ -212,6 +215,8 @@ func TestTPSpeed(t *testing.T) {
 		t.Logf("TP=2 all-reduce over peer memory: %v", err)
 	} else {
 		pP, dP := speed(t, rm2, prompt, steps)
+		q2, w2 := prefillHost(t, rm2, prompt, 20, "tp2")
+		t.Logf("TP=2 prefill: the host queues it in %.2f ms of %.2f ms", ms(q2), ms(w2))
 		t.Logf("TP=2 all-reduces of up to %d MiB over peer memory: prefill %.0f tok/s (%.2fx), decode %.1f tok/s (%.2fx); all-reduce [1 %d] %.1f µs, [%d %d] %.1f µs",
 			tp.DefaultPeerBytes>>20, pP, pP/p1, dP, dP/d1, H, us(be.TimeAllReduce(1, H, 200)), prompt, H, us(be.TimeAllReduce(prompt, H, 20)))
 		be.SetPeerLimit(0)
@@ -265,6 +270,42 @@ func TestTPSpeed(t *testing.T) {
 	t.Logf("TP=2 host collectives on rank 0: prefill %d calls %.1f ms (%.0f%% of %.1f ms); decode %d calls %.1f ms (%.0f%% of %.1f ms, %.0f µs/token)",
 		nPre, ms(commPre), 100*commPre.Seconds()/tPreH.Seconds(), ms(tPreH),
 		nDec, ms(commDec), 100*commDec.Seconds()/tDecH.Seconds(), ms(tDecH), 1e6*commDec.Seconds()/steps)
+}
+
+// prefillHost times reps prefills of prompt tokens, each from the call to
+// the device finishing it, and how long the host takes to queue it (until
+// Forward returns). With $QTOOL_TP_PROF set, the host's CPU profile of the
+// prefills goes to $QTOOL_TP_PROF-name.
+func prefillHost(t *testing.T, rm *runtime.Model, prompt, reps int, name string) (queue, whole time.Duration) {
+	be := rm.Backend()
+	sync, ok := be.(interface{ Sync() })
+	if !ok {
+		t.Fatalf("%s cannot be synchronized", be.Name())
+	}
+	ids := make([]int, prompt)
+	for i := range ids {
+		ids[i] = 3 + i%1000
+	}
+	if p := os.Getenv("QTOOL_TP_PROF"); p != "" {
+		f, err := os.Create(p + "-" + name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			t.Fatal(err)
+		}
+		defer pprof.StopCPUProfile()
+	}
+	for range reps {
+		t0 := time.Now()
+		lg := rm.Forward(ids, 0, nil)
+		queue += time.Since(t0)
+		sync.Sync()
+		whole += time.Since(t0)
+		be.Free(lg)
+	}
+	return queue / time.Duration(reps), whole / time.Duration(reps)
 }
 
 func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1000 }
