@@ -3015,16 +3015,18 @@ extern "C" __global__ void __launch_bounds__(1024) sample(int* __restrict__ out,
 //   u64   areas[AR_MAX_RANKS]                the group's areas, as this rank addresses them
 //   u32   flags[AR_MAX_RANKS][AR_MAX_BLOCKS] flags[s][b]: the last call block b of rank s reached
 //   u32   calls[AR_MAX_BLOCKS]               the calls block b of this rank has made
-//   float stage[2][cap]                      (at AR_HEADER) this rank's values, by the call's parity
+//   float stage[2][world][cap]               (at AR_HEADER) stage[p][s]: rank s's values, by the call's parity p
 // In a call every rank runs the same grid on the same n. Block b numbers the
-// call e, copies its slice of x (float4 j with j mod gridDim == b) to
-// stage[e & 1], tells every peer's block b that it reached e, waits until
-// every peer's block b has, then sums the slice over the ranks in rank order
-// (every rank gets the same bits) into x. Two stages suffice: block b writes
-// stage[e & 1] again in call e + 2, after every peer's block b reached
-// e + 1, which each started after its whole call e, the reads included. A
-// peer that does not arrive within timeout_ns traps (the launch fails)
-// instead of hanging.
+// call e, writes its slice of x (float4 j with j mod gridDim == b) into
+// stage[e & 1][rank] of every peer (remote writes are posted, so the values
+// cross the link once without a round trip), tells every peer's block b that
+// it reached e, waits until every peer's block b has, then sums the slice
+// over the ranks in rank order (every rank gets the same bits) from x and
+// its own stage, local reads only, into x. Two stages suffice: block b
+// writes a peer's stage[e & 1] again in call e + 2, after that peer's block
+// b reached e + 1, which it started after its whole call e, the reads
+// included. A peer that does not arrive within timeout_ns traps (the
+// launch fails) instead of hanging.
 #define AR_MAX_RANKS 8
 #define AR_MAX_BLOCKS 128
 #define AR_HEADER 8192
@@ -3060,12 +3062,30 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
     }
     __syncthreads();
     const unsigned e = s_call;
-    const long long half = (e & 1) ? cap : 0;
+    const long long stage0 = (long long)(e & 1) * world * cap;  // stage[e & 1] in floats
     const long long n4 = n >> 2, step = (long long)gridDim.x * blockDim.x, i0 = (long long)b * blockDim.x + t;
-    float* stage = reinterpret_cast<float*>(area + AR_HEADER) + half;
-    float4* x4 = reinterpret_cast<float4*>(x);
-    for (long long i = i0; i < n4; i += step) reinterpret_cast<float4*>(stage)[i] = x4[i];
-    for (long long i = 4 * n4 + i0; i < n; i += step) stage[i] = x[i];
+    auto stage_of = [&](int peer, int sender) {  // stage[e & 1][sender] in peer's area
+        return reinterpret_cast<float*>(reinterpret_cast<char*>(areas[peer]) + AR_HEADER) + stage0 + sender * cap;
+    };
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    for (long long i = i0; i < n4; i += 4 * step) {
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (i + u * step < n4) v[u] = x4[i + u * step];
+#pragma unroll
+        for (int p = 0; p < AR_MAX_RANKS; p++) {
+            if (p >= world) break;
+            if (p == rank) continue;
+            float4* d = reinterpret_cast<float4*>(stage_of(p, rank));
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                if (i + u * step < n4) d[i + u * step] = v[u];
+        }
+    }
+    for (long long i = 4 * n4 + i0; i < n; i += step)
+        for (int p = 0; p < world; p++)
+            if (p != rank) stage_of(p, rank)[i] = x[i];
     __syncthreads();
     if (t < world && t != rank) {
         __threadfence_system();
@@ -3080,10 +3100,9 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
         }
     }
     __syncthreads();
-    // rank r's values: x for this rank, the stage of the call's parity for the others
-    auto src = [&](int r) -> const float* {
-        return r == rank ? x : reinterpret_cast<const float*>(reinterpret_cast<const char*>(areas[r]) + AR_HEADER) + half;
-    };
+    // rank r's values: x for this rank, this rank's stage[e & 1][r] for the others
+    auto src = [&](int r) -> const float* { return r == rank ? x : stage_of(rank, r); };
+    float4* y4 = reinterpret_cast<float4*>(x);
     for (long long i = i0; i < n4; i += 4 * step) {
         float4 s[4];
 #pragma unroll
@@ -3102,7 +3121,7 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
         }
 #pragma unroll
         for (int u = 0; u < 4; u++)
-            if (i + u * step < n4) x4[i + u * step] = s[u];
+            if (i + u * step < n4) y4[i + u * step] = s[u];
     }
     for (long long i = 4 * n4 + i0; i < n; i += step) {
         float s = __ldcg(src(0) + i);

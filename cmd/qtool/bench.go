@@ -32,7 +32,7 @@ func benchCommand() *cli.Command {
 			"CUDA-graph replay) against the bandwidth roofline. MODEL is any model qtool reads; with\n" +
 			"--synthetic llama2-7b a random-weight model of that shape is generated on the GPU in each --format.",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "synthetic", Usage: "random-weight model of this shape: llama2-7b, llama3-8b, tiny (none: kernels only)"},
+			&cli.StringFlag{Name: "synthetic", Usage: "random-weight model of this shape: llama2-7b, llama2-7b-tp2 (one rank's share at --tp 2), llama3-8b, tiny (none: kernels only)"},
 			&cli.StringFlag{Name: "format", Value: "w4a16,w8a16,fp16", Usage: "formats of the synthetic model (comma-separated: w4a16, w4a16-act (GPTQ act-order), w8a16, w8a16-pc (per-channel), w8a8 (static int8 activations), fp16, bf16)"},
 			&cli.IntFlag{Name: "prompt", Value: 512, Usage: "prefill length"},
 			&cli.IntFlag{Name: "decode", Value: 128, Usage: "decode steps"},
@@ -58,6 +58,10 @@ var syntheticConfigs = map[string]model.Config{
 		Vocab: 32000, MaxSeq: 4096, RopeTheta: 10000, NormEps: 1e-5, BOS: 1, EOS: []int{2}},
 	"llama3-8b": {Arch: model.Llama, Hidden: 4096, Intermediate: 14336, Layers: 32, Heads: 32, KVHeads: 8, HeadDim: 128,
 		Vocab: 128256, MaxSeq: 8192, RopeTheta: 500000, NormEps: 1e-5, BOS: 128000, EOS: []int{128001}},
+	// one rank's share of llama2-7b at --tp 2 (half the heads, half the
+	// MLP, half the vocabulary; the collectives not included)
+	"llama2-7b-tp2": {Arch: model.Llama, Hidden: 4096, Intermediate: 5504, Layers: 32, Heads: 16, KVHeads: 16, HeadDim: 128,
+		Vocab: 16000, MaxSeq: 4096, RopeTheta: 10000, NormEps: 1e-5, BOS: 1, EOS: []int{2}},
 	"tiny": {Arch: model.Llama, Hidden: 256, Intermediate: 768, Layers: 4, Heads: 4, KVHeads: 2, HeadDim: 64,
 		Vocab: 4096, MaxSeq: 2048, RopeTheta: 10000, NormEps: 1e-5, BOS: 1, EOS: []int{2}},
 }
@@ -146,7 +150,7 @@ func runBench(c *cli.Context) error {
 	if syn != "" {
 		cfg, ok := syntheticConfigs[syn]
 		if !ok {
-			return fmt.Errorf("bench: unknown --synthetic %q (llama2-7b, llama3-8b, tiny)", syn)
+			return fmt.Errorf("bench: unknown --synthetic %q (llama2-7b, llama2-7b-tp2, llama3-8b, tiny)", syn)
 		}
 		for _, f := range strings.Split(c.String("format"), ",") {
 			m := syntheticModel(cfg, strings.TrimSpace(f))

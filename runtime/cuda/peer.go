@@ -15,14 +15,15 @@ import (
 
 // The all-reduce over peer memory: the ranks of a tensor-parallel group,
 // one GPU each, sum their buffers in one kernel (allreduce_peer, whose
-// comment in kernels/qtool.cu gives the protocol) that reads the other
-// ranks' exchange areas directly, over NVLink or PCIe, instead of through
-// NCCL. For the small messages of a decode step that is one launch and one
-// flag round trip a call. A rank's backend joins one group:
-// OpenPeerReduce allocates its area and describes it (an end), the ends of
-// all ranks are exchanged (package runtime/tp does that through its
-// communicator), ConnectPeerReduce maps the other ranks' areas, and
-// AllReducePeer queues a sum on the stream, in CUDA graphs too.
+// comment in kernels/qtool.cu gives the protocol) instead of through NCCL:
+// each rank writes its values straight into the other ranks' exchange
+// areas, over NVLink or PCIe, and sums what they wrote into its own. For
+// the small messages of a decode step that is one launch and one flag
+// exchange a call. A rank's backend joins one group: OpenPeerReduce
+// allocates its area and describes it (an end), the ends of all ranks are
+// exchanged (package runtime/tp does that through its communicator),
+// ConnectPeerReduce maps the other ranks' areas, and AllReducePeer queues a
+// sum on the stream, in CUDA graphs too.
 
 // Sizes the kernel assumes (AR_MAX_RANKS, AR_MAX_BLOCKS, AR_HEADER).
 const (
@@ -30,8 +31,10 @@ const (
 	peerMaxBlocks = 128
 	peerHeader    = 8192
 	// peerBlocks is the grid of every call (at most the SMs of the
-	// smallest GPU of the group, so that all blocks are resident).
-	peerBlocks = 64
+	// smallest GPU of the group, so that all blocks are resident): the
+	// whole device for the large sums of a prefill, whose remote reads
+	// want many bytes in flight.
+	peerBlocks = peerMaxBlocks
 )
 
 // PeerEndBytes is the size of the end OpenPeerReduce returns.
@@ -128,8 +131,8 @@ func (b *Backend) OpenPeerReduce(rank, world, capFloats int, timeout time.Durati
 		return nil, fmt.Errorf("cuda: OpenPeerReduce during a graph capture")
 	}
 	defer b.enter()()
-	stride := (capFloats + 63) &^ 63 // each stage 256-byte aligned
-	n := uint64(peerHeader) + 2*4*uint64(stride)
+	stride := (capFloats + 63) &^ 63                   // each stage 256-byte aligned
+	n := uint64(peerHeader) + 2*4*uint64(world*stride) // a stage a parity and sender
 	area, err := b.drv.MemAlloc(n)
 	if err != nil {
 		return nil, fmt.Errorf("cuda: peer-memory area: %w", err)

@@ -12,10 +12,10 @@ import (
 )
 
 // PeerRank is a DeviceRank that can sum its buffers with the other ranks'
-// through peer memory, in one kernel that reads their exchange areas over
-// NVLink or PCIe (the CUDA backend: runtime/cuda/peer.go). For the small
-// all-reduces of a decode step that costs one launch and one flag round
-// trip, where NCCL's costs several.
+// through peer memory, in one kernel that writes into their exchange areas
+// over NVLink or PCIe (the CUDA backend: runtime/cuda/peer.go). For the
+// small all-reduces of a decode step that costs one launch and one flag
+// exchange, where NCCL's costs several.
 type PeerRank interface {
 	DeviceRank
 	// OpenPeerReduce makes the backend rank of a world-rank group summing
