@@ -3011,12 +3011,16 @@ extern "C" __global__ void __launch_bounds__(1024) sample(int* __restrict__ out,
 //
 // Every rank of a group owns an exchange area in its GPU's memory that every
 // rank can address (peer access within a process, CUDA IPC across
-// processes):
+// processes), with AR_LANES lanes that each keep their own grid, flags and
+// stages (a small grid for the latency of small sums, the whole device for
+// large ones):
 //   u64   areas[AR_MAX_RANKS]                the group's areas, as this rank addresses them
+//   then per lane:
 //   u32   flags[AR_MAX_RANKS][AR_MAX_BLOCKS] flags[s][b]: the last call block b of rank s reached
 //   u32   calls[AR_MAX_BLOCKS]               the calls block b of this rank has made
-//   float stage[2][world][cap]               (at AR_HEADER) stage[p][s]: rank s's values, by the call's parity p
-// In a call every rank runs the same grid on the same n. Block b numbers the
+//   and from AR_HEADER + stage_off floats, per lane:
+//   float stage[2][world][cap]               stage[p][s]: rank s's values, by the call's parity p
+// In a call every rank runs the lane's grid on the same n. Block b numbers the
 // call e, writes its slice of x (float4 j with j mod gridDim == b) into
 // stage[e & 1][rank] of every peer (remote writes are posted, so the values
 // cross the link once without a round trip), tells every peer's block b that
@@ -3029,8 +3033,10 @@ extern "C" __global__ void __launch_bounds__(1024) sample(int* __restrict__ out,
 // launch fails) instead of hanging.
 #define AR_MAX_RANKS 8
 #define AR_MAX_BLOCKS 128
-#define AR_HEADER 8192
-static_assert(8 * AR_MAX_RANKS + 4 * (AR_MAX_RANKS + 1) * AR_MAX_BLOCKS <= AR_HEADER, "AR_HEADER");
+#define AR_LANES 2
+#define AR_LANE_SYNC (4 * (AR_MAX_RANKS + 1) * AR_MAX_BLOCKS)  // bytes of a lane's flags and calls
+#define AR_HEADER 16384
+static_assert(8 * AR_MAX_RANKS + AR_LANES * AR_LANE_SYNC <= AR_HEADER, "AR_HEADER");
 
 __device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
     unsigned v;
@@ -3047,13 +3053,14 @@ __device__ __forceinline__ unsigned long long global_ns() {
 }
 
 extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restrict__ x, long long n, int rank, int world,
-                                                                 char* __restrict__ area, long long cap,
-                                                                 unsigned long long timeout_ns) {
+                                                                 char* __restrict__ area, int lane, long long stage_off,
+                                                                 long long cap, unsigned long long timeout_ns) {
     PDL_ENTRY();
     __shared__ unsigned s_call;
     const int b = blockIdx.x, t = threadIdx.x;
     const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
-    unsigned* flags = reinterpret_cast<unsigned*>(area + 8 * AR_MAX_RANKS);
+    const long long sync_off = 8 * AR_MAX_RANKS + (long long)lane * AR_LANE_SYNC;  // the lane's flags, in bytes
+    unsigned* flags = reinterpret_cast<unsigned*>(area + sync_off);
     unsigned* calls = flags + AR_MAX_RANKS * AR_MAX_BLOCKS;
     if (t == 0) {
         unsigned e = calls[b] + 1;
@@ -3062,7 +3069,7 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
     }
     __syncthreads();
     const unsigned e = s_call;
-    const long long stage0 = (long long)(e & 1) * world * cap;  // stage[e & 1] in floats
+    const long long stage0 = stage_off + (long long)(e & 1) * world * cap;  // stage[e & 1] in floats
     const long long n4 = n >> 2, step = (long long)gridDim.x * blockDim.x, i0 = (long long)b * blockDim.x + t;
     auto stage_of = [&](int peer, int sender) {  // stage[e & 1][sender] in peer's area
         return reinterpret_cast<float*>(reinterpret_cast<char*>(areas[peer]) + AR_HEADER) + stage0 + sender * cap;
@@ -3090,7 +3097,7 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
     if (t < world && t != rank) {
         __threadfence_system();
         char* peer = reinterpret_cast<char*>(areas[t]);
-        st_release_sys(reinterpret_cast<unsigned*>(peer + 8 * AR_MAX_RANKS) + rank * AR_MAX_BLOCKS + b, e);
+        st_release_sys(reinterpret_cast<unsigned*>(peer + sync_off) + rank * AR_MAX_BLOCKS + b, e);
         const unsigned* f = flags + t * AR_MAX_BLOCKS + b;
         unsigned long long t0 = 0;
         while ((int)(ld_acquire_sys(f) - e) < 0) {

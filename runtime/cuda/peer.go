@@ -29,13 +29,25 @@ import (
 const (
 	peerMaxRanks  = 8
 	peerMaxBlocks = 128
-	peerHeader    = 8192
-	// peerBlocks is the grid of every call (at most the SMs of the
-	// smallest GPU of the group, so that all blocks are resident): the
-	// whole device for the large sums of a prefill, whose remote reads
-	// want many bytes in flight.
-	peerBlocks = peerMaxBlocks
+	peerHeader    = 16384
 )
+
+// The kernel's lanes (AR_LANES), each with a grid of its own that every
+// call in it uses (at most the SMs of the smallest GPU of the group, so
+// that all blocks are resident): sums of up to peerSmallFloats values (a
+// decode step's) in a few blocks, whose flag exchange sets their time;
+// larger ones (a prefill's) on the whole device, for bandwidth.
+const (
+	peerSmallFloats = 1 << 16
+	peerSmallBlocks = 16
+	peerLargeBlocks = peerMaxBlocks
+)
+
+// peerLane is one lane of a group: its grid, how many values a call holds
+// and where its stages begin in the area (in values after the header).
+type peerLane struct {
+	blocks, capFloats, stride, stageOff int
+}
 
 // PeerEndBytes is the size of the end OpenPeerReduce returns.
 const PeerEndBytes = 96
@@ -103,7 +115,7 @@ func hostID() uint64 {
 type peerReduce struct {
 	rank, world int
 	capFloats   int
-	stride      int // values from one stage to the next
+	lanes       [2]peerLane
 	timeout     time.Duration
 	area        driver.DevicePtr
 	blocks      int
@@ -131,13 +143,19 @@ func (b *Backend) OpenPeerReduce(rank, world, capFloats int, timeout time.Durati
 		return nil, fmt.Errorf("cuda: OpenPeerReduce during a graph capture")
 	}
 	defer b.enter()()
-	stride := (capFloats + 63) &^ 63                   // each stage 256-byte aligned
-	n := uint64(peerHeader) + 2*4*uint64(world*stride) // a stage a parity and sender
+	p := &peerReduce{rank: rank, world: world, capFloats: capFloats, timeout: timeout}
+	off := 0
+	for i, c := range []int{min(capFloats, peerSmallFloats), capFloats} {
+		l := &p.lanes[i]
+		l.capFloats, l.stride, l.stageOff = c, (c+63)&^63, off // each stage 256-byte aligned
+		off += 2 * world * l.stride                            // a stage a parity and sender
+	}
+	n := uint64(peerHeader) + 4*uint64(off)
 	area, err := b.drv.MemAlloc(n)
 	if err != nil {
 		return nil, fmt.Errorf("cuda: peer-memory area: %w", err)
 	}
-	p := &peerReduce{rank: rank, world: world, capFloats: capFloats, stride: stride, timeout: timeout, area: area}
+	p.area = area
 	if err := b.drv.MemsetD32Async(area, 0, n/4, b.stream); err == nil {
 		err = b.drv.StreamSynchronize(b.stream)
 	}
@@ -176,13 +194,13 @@ func (b *Backend) ConnectPeerReduce(ends [][]byte) (err error) {
 	}()
 	self := peerEnd{host: hostID(), pid: uint32(os.Getpid())}
 	areas := make([]uint64, peerMaxRanks)
-	blocks := min(peerBlocks, b.sms)
+	smallest := b.sms
 	for r, raw := range ends {
 		e, err := decodePeerEnd(raw)
 		if err != nil {
 			return fmt.Errorf("rank %d: %w", r, err)
 		}
-		blocks = min(blocks, int(e.sms))
+		smallest = min(smallest, int(e.sms))
 		switch {
 		case r == p.rank:
 			if e.area != uint64(p.area) {
@@ -226,7 +244,9 @@ func (b *Backend) ConnectPeerReduce(ends [][]byte) (err error) {
 	if err := b.drv.MemcpyHtoD(p.area, unsafe.Pointer(&areas[0]), uint64(8*len(areas))); err != nil {
 		return err
 	}
-	p.blocks, p.connected = max(1, blocks), true
+	p.lanes[0].blocks = max(1, min(peerSmallBlocks, smallest))
+	p.lanes[1].blocks = max(1, min(peerLargeBlocks, smallest))
+	p.connected = true
 	return nil
 }
 
@@ -251,8 +271,13 @@ func (b *Backend) AllReducePeer(x runtime.Buf) {
 		panic(fmt.Sprintf("cuda backend: AllReducePeer of %d values, the group's areas hold %d", d.n(), p.capFloats))
 	}
 	defer b.enter()()
-	b.launch("allreduce_peer", g1(p.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
-		int64(p.stride), uint64(p.timeout.Nanoseconds()))
+	lane := 0
+	if d.n() > p.lanes[0].capFloats {
+		lane = 1
+	}
+	l := p.lanes[lane]
+	b.launch("allreduce_peer", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
+		lane, int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()))
 }
 
 // ClosePeerReduce leaves the peer-memory group (nothing outside one).

@@ -40,14 +40,16 @@ func peerGroup(t *testing.T, world, capFloats int, timeout time.Duration) []*Bac
 
 // TestAllReducePeer sums random vectors over 2 and 3 ranks and wants, on
 // every rank, the float32 sum in rank order bit for bit: sizes below one
-// float4, with a scalar tail, and up to the capacity (every block's loop
-// running several rounds), each twice so that both stages serve.
+// float4, with a scalar tail, up to the small lane's capacity and beyond,
+// up to the whole capacity (every block's loop running several rounds),
+// the lanes interleaved and each size twice so that both stages serve.
 func TestAllReducePeer(t *testing.T) {
-	const capFloats = 3*peerBlocks*256*4*4 + 6
+	const capFloats = 3*peerLargeBlocks*256*4*4 + 6
 	for _, world := range []int{2, 3} {
 		ranks := peerGroup(t, world, capFloats, time.Minute)
 		rng := rand.New(rand.NewPCG(uint64(world), 7))
-		for _, n := range []int{1, 1, 3, 4096, 4096, 4097, 65543, 65543, capFloats, capFloats} {
+		for _, n := range []int{1, 1, 3, 4096, 65543, 4096, peerSmallFloats, capFloats, 4097, 65543,
+			peerSmallFloats, capFloats, 1, peerSmallFloats + 1} {
 			xs := make([][]float32, world)
 			bufs := make([]*Buf, world)
 			for r := range ranks {
