@@ -95,6 +95,14 @@ func loadOn(c *cli.Context, mm *model.Model) (*runtime.Model, runtime.Backend, e
 		be.Close()
 		return nil, nil, fmt.Errorf("verify: %s: %w", mm.Source, err)
 	}
+	// a rank process waits for the others to have loaded too, so that what
+	// it times next does not include their loading
+	if tb, ok := be.(*tp.Backend); ok {
+		if err := tb.Barrier(); err != nil {
+			be.Close()
+			return nil, nil, fmt.Errorf("verify: %w", err)
+		}
+	}
 	return m, be, nil
 }
 

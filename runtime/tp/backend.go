@@ -264,6 +264,21 @@ func (b *Backend) TimeAllGather(rows, cols, reps int) time.Duration {
 	return time.Since(t0) / time.Duration(reps)
 }
 
+// Barrier returns once every rank of the job has reached it: with ranks in
+// several processes (one a process, as NewRank makes them), each waits for
+// the others (still loading, say) through the communicator; the ranks of
+// one process are in step already.
+func (b *Backend) Barrier() error {
+	if b.allLocal() {
+		return nil
+	}
+	b.Sync()
+	if err := b.comm.AllReduceSum(b.local[0], []float32{1}); err != nil {
+		return fmt.Errorf("tp: barrier: %w", err)
+	}
+	return nil
+}
+
 // Size is the number of ranks.
 func (b *Backend) Size() int { return len(b.ranks) }
 
