@@ -158,29 +158,7 @@ func TestPeerMemoryErrors(t *testing.T) {
 			}
 		})
 		t.Run("processes/"+fail, func(t *testing.T) {
-			ip, _ := NewInProcess(2)
-			group, _ := NewInProcess(2)
-			mem := newMemory()
-			var calls atomic.Int64
-			errs := make([]error, 2)
-			bes := make([]*Backend, 2)
-			peers := make([]*fakePeer, 2)
-			var wg sync.WaitGroup
-			for r := range 2 {
-				peers[r] = &fakePeer{fakeDevice: fakeDevice{cpu.New(1), mem}, group: group, calls: &calls,
-					failOpen: r == 1 && fail == "open", failConnect: r == 1 && fail == "connect"}
-				be, err := NewRank(host.Config(), 2, r, peers[r], fakeComm{ip, mem})
-				if err != nil {
-					t.Fatal(err)
-				}
-				bes[r] = be
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					errs[r] = be.UsePeerMemory(1<<20, time.Minute)
-				}()
-			}
-			wg.Wait()
+			errs, bes, peers := peerProcesses(t, host, fail == "open", fail == "connect")
 			for r, err := range errs {
 				if err == nil || bes[r].PeerMemory(1) || peers[r].open {
 					t.Errorf("rank %d: error %v, still in the group %v", r, err, peers[r].open)
@@ -189,27 +167,7 @@ func TestPeerMemoryErrors(t *testing.T) {
 		})
 	}
 	t.Run("processes/ok", func(t *testing.T) {
-		ip, _ := NewInProcess(2)
-		group, _ := NewInProcess(2)
-		mem := newMemory()
-		var calls atomic.Int64
-		errs := make([]error, 2)
-		bes := make([]*Backend, 2)
-		var wg sync.WaitGroup
-		for r := range 2 {
-			p := &fakePeer{fakeDevice: fakeDevice{cpu.New(1), mem}, group: group, calls: &calls}
-			be, err := NewRank(host.Config(), 2, r, p, fakeComm{ip, mem})
-			if err != nil {
-				t.Fatal(err)
-			}
-			bes[r] = be
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				errs[r] = be.UsePeerMemory(1<<20, time.Minute)
-			}()
-		}
-		wg.Wait()
+		errs, bes, _ := peerProcesses(t, host, false, false)
 		for r, err := range errs {
 			if err != nil || !bes[r].PeerMemory(1) {
 				t.Errorf("rank %d: %v", r, err)
@@ -222,6 +180,38 @@ func TestPeerMemoryErrors(t *testing.T) {
 			t.Error("no error without device collectives")
 		}
 	})
+}
+
+// peerProcesses runs UsePeerMemory on two backends of one rank each, as
+// processes of a job make them (NewRank, one communicator between them),
+// rank 1 failing to open or to connect as asked, and returns each rank's
+// error.
+func peerProcesses(t *testing.T, host *runtime.Model, failOpen, failConnect bool) ([]error, []*Backend, []*fakePeer) {
+	ip, _ := NewInProcess(2)
+	group, _ := NewInProcess(2)
+	mem := newMemory()
+	var calls atomic.Int64
+	errs := make([]error, 2)
+	bes := make([]*Backend, 2)
+	peers := make([]*fakePeer, 2)
+	var wg sync.WaitGroup
+	for r := range 2 {
+		peers[r] = &fakePeer{fakeDevice: fakeDevice{cpu.New(1), mem}, group: group, calls: &calls,
+			failOpen: r == 1 && failOpen, failConnect: r == 1 && failConnect}
+		be, err := NewRank(host.Config(), 2, r, peers[r], fakeComm{ip, mem})
+		if err != nil {
+			t.Fatal(err)
+		}
+		bes[r] = be
+		t.Cleanup(func() { be.Close() })
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[r] = be.UsePeerMemory(1<<20, time.Minute)
+		}()
+	}
+	wg.Wait()
+	return errs, bes, peers
 }
 
 // nanFusing is a fusing CPU rank (fusingCPU) and nanDevice a fake device
