@@ -118,7 +118,6 @@ type peerReduce struct {
 	lanes       [2]peerLane
 	timeout     time.Duration
 	area        driver.DevicePtr
-	blocks      int
 	opened      []driver.DevicePtr // other processes' areas, mapped here
 	retained    []driver.Device    // devices whose contexts this one has peer access to
 	connected   bool

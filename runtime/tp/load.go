@@ -117,9 +117,9 @@ func Load(m *model.Model, n, threads int) (*runtime.Model, error) {
 // NewGPU returns a tensor-parallel backend of n ranks for the model m, rank
 // r on GPU r as made by newRank(r) (for instance a CUDA backend for that
 // device), with the collectives through NCCL over GPUs 0..n−1 and the
-// all-reduces of up to DefaultPeerBytes over peer memory where the GPUs
-// can address each other's (UsePeerMemory; PeerMemoryErr says why not). When NCCL
-// cannot be loaded it falls back to the in-process communicator (the
+// all-reduces of up to DefaultPeerBytes over peer memory where the GPUs can
+// address each other's (UsePeerMemory; PeerMemoryErr says why not). When
+// NCCL cannot be loaded it falls back to the in-process communicator (the
 // backend's Name says which). n <= 0 is resolved as in NewCPU.
 func NewGPU(m *model.Model, n int, newRank func(device int) (runtime.Backend, error)) (*Backend, error) {
 	if m == nil || newRank == nil {

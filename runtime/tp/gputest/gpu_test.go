@@ -21,6 +21,10 @@ import (
 
 const testdata = "../../../testdata"
 
+// The CUDA backend is what package tp drives as a device rank with the
+// all-reduce over peer memory.
+var _ tp.PeerRank = (*cuda.Backend)(nil)
+
 type reference struct {
 	LogitsInputIDs  []int     `json:"logits_input_ids"`
 	LogitsLast      []float64 `json:"logits_last"`
