@@ -49,8 +49,8 @@ type peerLane struct {
 	blocks, capFloats, stride, stageOff int
 }
 
-// PeerEndBytes is the size of the end OpenPeerReduce returns.
-const PeerEndBytes = 96
+// peerEndBytes is the size of the end OpenPeerReduce returns.
+const peerEndBytes = 96
 
 // peerEndMagic begins an end ("qtP2").
 const peerEndMagic = 0x3250_7471
@@ -69,7 +69,7 @@ type peerEnd struct {
 }
 
 func (e *peerEnd) encode() []byte {
-	b := make([]byte, PeerEndBytes)
+	b := make([]byte, peerEndBytes)
 	le := binary.LittleEndian
 	le.PutUint32(b[0:], peerEndMagic)
 	le.PutUint32(b[4:], e.pid)
@@ -85,7 +85,7 @@ func (e *peerEnd) encode() []byte {
 
 func decodePeerEnd(b []byte) (peerEnd, error) {
 	le := binary.LittleEndian
-	if len(b) != PeerEndBytes || le.Uint32(b) != peerEndMagic {
+	if len(b) != peerEndBytes || le.Uint32(b) != peerEndMagic {
 		return peerEnd{}, fmt.Errorf("not a peer-memory end (%d bytes)", len(b))
 	}
 	e := peerEnd{pid: le.Uint32(b[4:]), device: int32(le.Uint32(b[8:])), sms: int32(le.Uint32(b[12:])),
@@ -125,7 +125,7 @@ type peerReduce struct {
 
 // OpenPeerReduce makes this backend rank of a world-rank group that sums
 // up to capFloats values a call over peer memory, and returns the rank's
-// end (PeerEndBytes) for the other ranks' ConnectPeerReduce. A peer that
+// end (peerEndBytes) for the other ranks' ConnectPeerReduce. A peer that
 // does not arrive within timeout makes the call's launch fail. A backend
 // joins one group; Close leaves it.
 func (b *Backend) OpenPeerReduce(rank, world, capFloats int, timeout time.Duration) ([]byte, error) {
@@ -249,9 +249,9 @@ func (b *Backend) ConnectPeerReduce(ends [][]byte) (err error) {
 	return nil
 }
 
-// PeerReduceCap is how many values AllReducePeer sums a call (0 without a
+// peerReduceCap is how many values AllReducePeer sums a call (0 without a
 // connected group).
-func (b *Backend) PeerReduceCap() int {
+func (b *Backend) peerReduceCap() int {
 	if b.peer == nil || !b.peer.connected {
 		return 0
 	}

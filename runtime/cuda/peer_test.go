@@ -23,16 +23,16 @@ func peerGroup(t *testing.T, world, capFloats int, timeout time.Duration) []*Bac
 		if ends[r], err = ranks[r].OpenPeerReduce(r, world, capFloats, timeout); err != nil {
 			t.Fatal(err)
 		}
-		if len(ends[r]) != PeerEndBytes {
-			t.Fatalf("end of %d bytes, want %d", len(ends[r]), PeerEndBytes)
+		if len(ends[r]) != peerEndBytes {
+			t.Fatalf("end of %d bytes, want %d", len(ends[r]), peerEndBytes)
 		}
 	}
 	for r := range ranks {
 		if err := ranks[r].ConnectPeerReduce(ends); err != nil {
 			t.Fatal(err)
 		}
-		if got := ranks[r].PeerReduceCap(); got != capFloats {
-			t.Fatalf("PeerReduceCap = %d, want %d", got, capFloats)
+		if got := ranks[r].peerReduceCap(); got != capFloats {
+			t.Fatalf("peerReduceCap = %d, want %d", got, capFloats)
 		}
 	}
 	return ranks
@@ -101,7 +101,7 @@ func TestPeerReduceErrors(t *testing.T) {
 		if err := b.ConnectPeerReduce(ends); err == nil {
 			t.Errorf("ConnectPeerReduce with %d ends: no error", len(ends))
 		}
-		if b.PeerReduceCap() != 0 {
+		if b.peerReduceCap() != 0 {
 			t.Error("a failed connect left the backend in the group")
 		}
 		b.ClosePeerReduce()

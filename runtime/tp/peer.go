@@ -129,26 +129,32 @@ func (b *Backend) SetPeerLimit(limitBytes int) {
 // memory.
 func (b *Backend) PeerMemory(count int) bool { return b.peer != nil && count <= b.peerLimit }
 
-// exchangeEnds all-gathers the ranks' ends (PeerEndBytes each, carried bit
-// for bit as float32 words through the communicator) for local rank r.
+// exchangeEnds all-gathers the ranks' ends for local rank r through the
+// communicator: each as a length and its bytes, carried bit for bit in
+// float32 words (at most maxEndBytes; a rank without one sends length 0).
 func (b *Backend) exchangeEnds(r int, end []byte) ([][]byte, error) {
-	const words = (peerEndBytes + 3) / 4
+	if len(end) > maxEndBytes {
+		return nil, fmt.Errorf("tp: a peer-memory end of %d bytes (at most %d)", len(end), maxEndBytes)
+	}
+	const words = 1 + maxEndBytes/4
 	n := len(b.ranks)
+	msg := make([]byte, 4*words)
+	binary.LittleEndian.PutUint32(msg, uint32(len(end)))
+	copy(msg[4:], end)
 	send, recv := make([]float32, words), make([]float32, n*words)
-	if len(end) == peerEndBytes {
-		for i := range words {
-			send[i] = math.Float32frombits(binary.LittleEndian.Uint32(end[4*i:]))
-		}
+	for i := range send {
+		send[i] = math.Float32frombits(binary.LittleEndian.Uint32(msg[4*i:]))
 	}
 	if err := b.comm.AllGather(r, send, recv); err != nil {
 		return nil, err
 	}
 	out := make([][]byte, n)
 	for q := range out {
-		out[q] = make([]byte, peerEndBytes)
 		for i := range words {
-			binary.LittleEndian.PutUint32(out[q][4*i:], math.Float32bits(recv[q*words+i]))
+			binary.LittleEndian.PutUint32(msg[4*i:], math.Float32bits(recv[q*words+i]))
 		}
+		size := min(int(binary.LittleEndian.Uint32(msg)), maxEndBytes)
+		out[q] = append([]byte(nil), msg[4:4+size]...)
 	}
 	return out, nil
 }
@@ -171,5 +177,6 @@ func (b *Backend) agree(err error) error {
 	return err
 }
 
-// peerEndBytes is the size of a PeerRank's end (cuda.PeerEndBytes).
-const peerEndBytes = 96
+// maxEndBytes bounds the end a PeerRank hands out (the CUDA backend's
+// has 96 bytes).
+const maxEndBytes = 252

@@ -33,8 +33,7 @@ func (f *fakePeer) OpenPeerReduce(rank, world, capFloats int, timeout time.Durat
 		return nil, errors.New("no peer memory here")
 	}
 	f.rank, f.world, f.open = rank, world, true
-	end := make([]byte, peerEndBytes)
-	end[0], end[1] = 'p', byte(rank)
+	end := []byte{'p', byte(rank), 7, 7, 7}
 	return end, nil
 }
 
@@ -43,8 +42,8 @@ func (f *fakePeer) ConnectPeerReduce(ends [][]byte) error {
 		return fmt.Errorf("%d ends for %d ranks", len(ends), f.world)
 	}
 	for r, e := range ends {
-		if len(e) != peerEndBytes || e[0] != 'p' || int(e[1]) != r {
-			return fmt.Errorf("end %d is not rank %d's: % x", r, r, e[:2])
+		if len(e) != 5 || e[0] != 'p' || int(e[1]) != r {
+			return fmt.Errorf("end %d is not rank %d's: %q", r, r, e)
 		}
 	}
 	if f.failConnect {

@@ -121,6 +121,8 @@ type Driver struct {
 	cuGraphExecDestroy          func(e GraphExec) Result
 	cuGraphDestroy              func(g Graph) Result
 	cuGetErrorName              func(r Result, s **byte) Result
+	cuGetErrorString            func(r Result, s **byte) Result
+
 	// Peer memory (the tensor-parallel all-reduce); nil where the driver
 	// lacks them.
 	cuDeviceCanAccessPeer func(ok *int32, d, peer Device) Result
@@ -128,7 +130,6 @@ type Driver struct {
 	cuIpcGetMemHandle     func(h *IPCMemHandle, p DevicePtr) Result
 	cuIpcOpenMemHandle    func(p *DevicePtr, h IPCMemHandle, flags uint32) Result
 	cuIpcCloseMemHandle   func(p DevicePtr) Result
-	cuGetErrorString      func(r Result, s **byte) Result
 }
 
 // libPaths are tried in order.
@@ -152,73 +153,77 @@ func Open() (*Driver, error) {
 		return nil, fmt.Errorf("%w (dlopen libcuda.so.1: %v)", ErrNoDriver, firstErr)
 	}
 	d := &Driver{lib: lib}
-	syms := []struct {
-		fn       any
-		name     string
-		optional bool // newer or rarer entry points: nil where missing
-	}{
-		{&d.cuInit, "cuInit", false},
-		{&d.cuDriverGetVersion, "cuDriverGetVersion", false},
-		{&d.cuDeviceGetCount, "cuDeviceGetCount", false},
-		{&d.cuDeviceGet, "cuDeviceGet", false},
-		{&d.cuDeviceGetName, "cuDeviceGetName", false},
-		{&d.cuDeviceGetAttribute, "cuDeviceGetAttribute", false},
-		{&d.cuDeviceTotalMem, "cuDeviceTotalMem_v2", false},
-		{&d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", false},
-		{&d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", false},
-		{&d.cuCtxSetCurrent, "cuCtxSetCurrent", false},
-		{&d.cuCtxSynchronize, "cuCtxSynchronize", false},
-		{&d.cuModuleLoadDataEx, "cuModuleLoadDataEx", false},
-		{&d.cuModuleUnload, "cuModuleUnload", false},
-		{&d.cuModuleGetFunction, "cuModuleGetFunction", false},
-		{&d.cuFuncSetAttribute, "cuFuncSetAttribute", false},
-		{&d.cuOccupancyMaxBlocks, "cuOccupancyMaxActiveBlocksPerMultiprocessor", false},
-		{&d.cuLaunchKernel, "cuLaunchKernel", false},
-		{&d.cuMemAlloc, "cuMemAlloc_v2", false},
-		{&d.cuMemFree, "cuMemFree_v2", false},
-		{&d.cuMemAllocHost, "cuMemAllocHost_v2", false},
-		{&d.cuMemFreeHost, "cuMemFreeHost", false},
-		{&d.cuMemcpyHtoD, "cuMemcpyHtoD_v2", false},
-		{&d.cuMemcpyDtoH, "cuMemcpyDtoH_v2", false},
-		{&d.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", false},
-		{&d.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", false},
-		{&d.cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", false},
-		{&d.cuMemsetD32Async, "cuMemsetD32Async", false},
-		{&d.cuMemcpy2DAsync, "cuMemcpy2DAsync_v2", false},
-		{&d.cuMemGetInfo, "cuMemGetInfo_v2", false},
-		{&d.cuStreamCreate, "cuStreamCreate", false},
-		{&d.cuStreamDestroy, "cuStreamDestroy_v2", false},
-		{&d.cuStreamSynchronize, "cuStreamSynchronize", false},
-		{&d.cuEventCreate, "cuEventCreate", false},
-		{&d.cuEventDestroy, "cuEventDestroy_v2", false},
-		{&d.cuEventRecord, "cuEventRecord", false},
-		{&d.cuEventSynchronize, "cuEventSynchronize", false},
-		{&d.cuEventElapsedTime, "cuEventElapsedTime", false},
-		{&d.cuStreamBeginCapture, "cuStreamBeginCapture_v2", false},
-		{&d.cuStreamEndCapture, "cuStreamEndCapture", false},
-		{&d.cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags", false},
-		{&d.cuGraphLaunch, "cuGraphLaunch", false},
-		{&d.cuGraphExecDestroy, "cuGraphExecDestroy", false},
-		{&d.cuGraphDestroy, "cuGraphDestroy", false},
-		{&d.cuGetErrorName, "cuGetErrorName", false},
-		{&d.cuGetErrorString, "cuGetErrorString", false},
-		{&d.cuLaunchKernelEx, "cuLaunchKernelEx", true},
-		{&d.cuTensorMapEncodeTiled, "cuTensorMapEncodeTiled", true},
-		{&d.cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", true},
-		{&d.cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", true},
-		{&d.cuIpcGetMemHandle, "cuIpcGetMemHandle", true},
-		{&d.cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", true},
-		{&d.cuIpcCloseMemHandle, "cuIpcCloseMemHandle", true},
+	type entry struct {
+		fn   any
+		name string
+	}
+	syms := []entry{
+		{&d.cuInit, "cuInit"},
+		{&d.cuDriverGetVersion, "cuDriverGetVersion"},
+		{&d.cuDeviceGetCount, "cuDeviceGetCount"},
+		{&d.cuDeviceGet, "cuDeviceGet"},
+		{&d.cuDeviceGetName, "cuDeviceGetName"},
+		{&d.cuDeviceGetAttribute, "cuDeviceGetAttribute"},
+		{&d.cuDeviceTotalMem, "cuDeviceTotalMem_v2"},
+		{&d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"},
+		{&d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2"},
+		{&d.cuCtxSetCurrent, "cuCtxSetCurrent"},
+		{&d.cuCtxSynchronize, "cuCtxSynchronize"},
+		{&d.cuModuleLoadDataEx, "cuModuleLoadDataEx"},
+		{&d.cuModuleUnload, "cuModuleUnload"},
+		{&d.cuModuleGetFunction, "cuModuleGetFunction"},
+		{&d.cuFuncSetAttribute, "cuFuncSetAttribute"},
+		{&d.cuOccupancyMaxBlocks, "cuOccupancyMaxActiveBlocksPerMultiprocessor"},
+		{&d.cuLaunchKernel, "cuLaunchKernel"},
+		{&d.cuMemAlloc, "cuMemAlloc_v2"},
+		{&d.cuMemFree, "cuMemFree_v2"},
+		{&d.cuMemAllocHost, "cuMemAllocHost_v2"},
+		{&d.cuMemFreeHost, "cuMemFreeHost"},
+		{&d.cuMemcpyHtoD, "cuMemcpyHtoD_v2"},
+		{&d.cuMemcpyDtoH, "cuMemcpyDtoH_v2"},
+		{&d.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"},
+		{&d.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2"},
+		{&d.cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2"},
+		{&d.cuMemsetD32Async, "cuMemsetD32Async"},
+		{&d.cuMemcpy2DAsync, "cuMemcpy2DAsync_v2"},
+		{&d.cuMemGetInfo, "cuMemGetInfo_v2"},
+		{&d.cuStreamCreate, "cuStreamCreate"},
+		{&d.cuStreamDestroy, "cuStreamDestroy_v2"},
+		{&d.cuStreamSynchronize, "cuStreamSynchronize"},
+		{&d.cuEventCreate, "cuEventCreate"},
+		{&d.cuEventDestroy, "cuEventDestroy_v2"},
+		{&d.cuEventRecord, "cuEventRecord"},
+		{&d.cuEventSynchronize, "cuEventSynchronize"},
+		{&d.cuEventElapsedTime, "cuEventElapsedTime"},
+		{&d.cuStreamBeginCapture, "cuStreamBeginCapture_v2"},
+		{&d.cuStreamEndCapture, "cuStreamEndCapture"},
+		{&d.cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags"},
+		{&d.cuGraphLaunch, "cuGraphLaunch"},
+		{&d.cuGraphExecDestroy, "cuGraphExecDestroy"},
+		{&d.cuGraphDestroy, "cuGraphDestroy"},
+		{&d.cuGetErrorName, "cuGetErrorName"},
+		{&d.cuGetErrorString, "cuGetErrorString"},
 	}
 	for _, s := range syms {
 		sym, err := purego.Dlsym(lib, s.name)
 		if err != nil {
-			if s.optional {
-				continue
-			}
 			return nil, fmt.Errorf("%w (libcuda.so.1 lacks %s, driver too old: %v)", ErrNoDriver, s.name, err)
 		}
 		purego.RegisterFunc(s.fn, sym)
+	}
+	// newer or rarer entry points: nil where the driver lacks them
+	for _, s := range []entry{
+		{&d.cuLaunchKernelEx, "cuLaunchKernelEx"},
+		{&d.cuTensorMapEncodeTiled, "cuTensorMapEncodeTiled"},
+		{&d.cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer"},
+		{&d.cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess"},
+		{&d.cuIpcGetMemHandle, "cuIpcGetMemHandle"},
+		{&d.cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2"},
+		{&d.cuIpcCloseMemHandle, "cuIpcCloseMemHandle"},
+	} {
+		if sym, err := purego.Dlsym(lib, s.name); err == nil {
+			purego.RegisterFunc(s.fn, sym)
+		}
 	}
 	if err := d.check("cuInit", d.cuInit(0)); err != nil {
 		// A driver library without a usable GPU (a container without the
