@@ -5,7 +5,7 @@
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build topo tests 7b tp tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests attnbench 7b tp tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -44,6 +44,10 @@ if has tests; then
     # a broken peer-memory all-reduce would hang the TP runs until their timeout
     grep -q -- "--- FAIL: TestAllReducePeer" "$OUT/test-$t.log" && { echo "peer all-reduce broken: stopping"; exit 1; }
   done
+fi
+if has attnbench; then # the prefill attention's key splits (BenchmarkPrefillAttention)
+  (cd runtime/cuda && timeout 120 "$OLDPWD/bin/cuda.test" -test.run '^$' -test.bench PrefillAttention -test.benchtime 3x > "$OUT/attnbench.log" 2>&1)
+  grep -E "us/launch|FAIL|panic" "$OUT/attnbench.log" | awk '{print $1, $(NF-1), $NF}'
 fi
 if has 7b || has 7b-sq || has 7b-gptq || has 7b-awq || has 7b-c8; then
   ts=$(date +%s)

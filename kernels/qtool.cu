@@ -758,9 +758,9 @@ extern "C" __global__ void __launch_bounds__(128) attention_i8(
 }
 
 // Prefill attention on the tensor cores (FlashAttention-2 style) for T ≥
-// a few dozen rows at positions pos0 + t: grid (heads, ceil(T/64)), block
-// 128 (4 warps × 16 query rows); the query tiles in reverse, so the blocks
-// with the most keys start first. q·scale·log2 e and each tile of 64 keys
+// a few dozen rows at positions pos0 + t: grid (heads, units), block 128
+// (4 warps × 16 query rows), a block a query tile of 64 rows or a part of
+// its keys (AtUnit below), the tiles with the most keys first. q·scale·log2 e and each tile of 64 keys
 // (an int8 cache dequantized as (q − o)·s first) go to shared memory as
 // fp16 pairs x ≈ hi + lo, and S = Q·Kᵀ is Qhi·Khi + Qlo·Khi + Qhi·Klo on
 // mma.sync m16n8k16 with fp32 accumulators, and O = P·V likewise as
@@ -849,8 +849,9 @@ struct AtState {
         mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 2));
-        // key 0 is in the first tile and visible to every row: mx is finite
-        float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+        // mx stays -inf while a row has seen no key: a split of the keys
+        // (at_unit) may start after a row of its query tile
+        float c0 = mx0 == -INFINITY ? 0.f : exp2f(m0 - mx0), c1 = mx1 == -INFINITY ? 0.f : exp2f(m1 - mx1);
         m0 = mx0;
         m1 = mx1;
         l0 *= c0;
@@ -864,11 +865,12 @@ struct AtState {
     // probs makes P's 16 keys of step kk (16kk..16kk + 15 of the tile) A
     // fragments, hi in pa and lo in pl, and adds them to l.
     __device__ __forceinline__ void probs(const float (&sc)[8][4], int kk, uint32_t (&pa)[4], uint32_t (&pl)[4]) {
+        float b0 = m0 == -INFINITY ? 0.f : m0, b1 = m1 == -INFINITY ? 0.f : m1;  // no key seen: every p is 0
 #pragma unroll
         for (int u = 0; u < 2; u++) {
             int nt = 2 * kk + u;
-            float p0 = exp2f(sc[nt][0] - m0), p1 = exp2f(sc[nt][1] - m0);
-            float p2 = exp2f(sc[nt][2] - m1), p3 = exp2f(sc[nt][3] - m1);
+            float p0 = exp2f(sc[nt][0] - b0), p1 = exp2f(sc[nt][1] - b0);
+            float p2 = exp2f(sc[nt][2] - b1), p3 = exp2f(sc[nt][3] - b1);
             l0 += p0 + p1;
             l1 += p2 + p3;
             uint2 lo;
@@ -897,13 +899,17 @@ struct AtState {
             pv(kk, pa, pl, o);
         }
     }
-    // store writes o/l for the rows tlo and tlo + 8 below T of head h.
-    __device__ __forceinline__ void store(float* __restrict__ dst, int tlo, int T, int heads, int hd, int h) {
-        int tq = threadIdx.x & 3, thi = tlo + 8;
+    // sum_l adds the sums l of the four threads that share this thread's rows.
+    __device__ __forceinline__ void sum_l() {
         l0 += __shfl_xor_sync(FULL, l0, 1);
         l0 += __shfl_xor_sync(FULL, l0, 2);
         l1 += __shfl_xor_sync(FULL, l1, 1);
         l1 += __shfl_xor_sync(FULL, l1, 2);
+    }
+    // store writes o/l for the rows tlo and tlo + 8 below T of head h.
+    __device__ __forceinline__ void store(float* __restrict__ dst, int tlo, int T, int heads, int hd, int h) {
+        int tq = threadIdx.x & 3, thi = tlo + 8;
+        sum_l();
 #pragma unroll
         for (int nt = 0; nt < 16; nt++) {
             if (nt < (hd >> 3)) {
@@ -914,16 +920,128 @@ struct AtState {
         }
     }
 };
+// The prefill attention splits the keys of its long query tiles: causal
+// query tile qt (64 rows) sees tiles(qt) = ⌊last key / 64⌋ + 1 key tiles,
+// and without splits the block of the last query tile runs tiles(qt) steps
+// while the first runs one, so a launch lasts as long as its longest block
+// however many multiprocessors idle. A unit is at most ct consecutive key
+// tiles of one query tile (ns = ⌈tiles/ct⌉ units a tile); grid (heads,
+// units of all tiles), the units of the query tiles with most keys first.
+// A tile of one unit stores its rows as before; the units of a split tile
+// each write their unnormalised rows o and their softmax state (m, l) to
+// part_o and part_ml at slot h·units + y, and the last of them to finish
+// (a counter a (head, query tile) in cnt, back at 0 after it) combines the
+// ns states in unit order: the same sums whichever unit comes last.
+struct AtUnit {
+    int qt, s, ns, y0;  // query tile, its unit s of ns, the tile's first unit in y
+};
+// AtSplit is a launch's split: ct key tiles a unit, units a head, and the
+// scratch of split tiles (part_o: 64 × hd floats a slot, part_ml: 64 × 2,
+// cnt: an int a (head, query tile), zero between launches).
+struct AtSplit {
+    int ct, units;
+    float *part_o, *part_ml;
+    int* cnt;
+};
+__device__ __forceinline__ AtUnit at_unit(int y, int T, int pos0, int ct) {
+    int y0 = 0;
+    for (int qt = (T + AT_Q - 1) / AT_Q - 1;; qt--) {
+        int last = pos0 + min(T, (qt + 1) * AT_Q) - 1;
+        int ns = (last / AT_K + ct) / ct;
+        if (y < y0 + ns || qt == 0) return AtUnit{qt, y - y0, ns, y0};
+        y0 += ns;
+    }
+}
+// at_finish ends unit u of head h: rows tlo and tlo + 8 of the warp's
+// state st (query rows from t0 = 64·u.qt; r = tlo − t0 in the tile).
+__device__ __forceinline__ void at_finish(AtState& st, const AtUnit& u, const AtSplit& sp, float* __restrict__ dst,
+                                          int tlo, int T, int heads, int hd, int h) {
+    if (u.ns == 1) {
+        st.store(dst, tlo, T, heads, hd, h);
+        return;
+    }
+    __shared__ int at_last;
+    int tq = threadIdx.x & 3, r = tlo - u.qt * AT_Q, nnt = hd >> 3;
+    size_t slot0 = (size_t)h * sp.units + u.y0;
+    float *part_o = sp.part_o, *part_ml = sp.part_ml;
+    st.sum_l();
+    float* po = part_o + (slot0 + u.s) * AT_Q * hd;
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++) {
+        if (nt < nnt) {
+            int d = nt * 8 + 2 * tq;
+            *reinterpret_cast<float2*>(po + (size_t)r * hd + d) = make_float2(st.o[nt][0], st.o[nt][1]);
+            *reinterpret_cast<float2*>(po + (size_t)(r + 8) * hd + d) = make_float2(st.o[nt][2], st.o[nt][3]);
+        }
+    }
+    if (tq == 0) {
+        float* pm = part_ml + (slot0 + u.s) * AT_Q * 2;
+        *reinterpret_cast<float2*>(pm + 2 * r) = make_float2(st.m0, st.l0);
+        *reinterpret_cast<float2*>(pm + 2 * (r + 8)) = make_float2(st.m1, st.l1);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* c = sp.cnt + h * ((T + AT_Q - 1) / AT_Q) + u.qt;
+        at_last = atomicAdd(c, 1) == u.ns - 1;
+        if (at_last) *c = 0;  // every unit of the tile has counted
+    }
+    __syncthreads();
+    if (!at_last) return;
+    __threadfence();
+    // unit 0 holds key 0, which every row sees: M is finite
+    float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.f, L1 = 0.f;
+    for (int s = 0; s < u.ns; s++) {
+        const float* pm = part_ml + (slot0 + s) * AT_Q * 2;
+        M0 = fmaxf(M0, __ldcg(pm + 2 * r));
+        M1 = fmaxf(M1, __ldcg(pm + 2 * (r + 8)));
+    }
+    float o[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[nt][e] = 0.f;
+    for (int s = 0; s < u.ns; s++) {
+        const float* pm = part_ml + (slot0 + s) * AT_Q * 2;
+        const float* ps = part_o + (slot0 + s) * AT_Q * hd;
+        float2 a = __ldcg(reinterpret_cast<const float2*>(pm + 2 * r));
+        float2 b = __ldcg(reinterpret_cast<const float2*>(pm + 2 * (r + 8)));
+        float w0 = a.x == -INFINITY ? 0.f : exp2f(a.x - M0), w1 = b.x == -INFINITY ? 0.f : exp2f(b.x - M1);
+        L0 += a.y * w0;
+        L1 += b.y * w1;
+#pragma unroll
+        for (int nt = 0; nt < 16; nt++) {
+            if (nt < nnt) {
+                int d = nt * 8 + 2 * tq;
+                float2 v0 = __ldcg(reinterpret_cast<const float2*>(ps + (size_t)r * hd + d));
+                float2 v1 = __ldcg(reinterpret_cast<const float2*>(ps + (size_t)(r + 8) * hd + d));
+                o[nt][0] += v0.x * w0; o[nt][1] += v0.y * w0;
+                o[nt][2] += v1.x * w1; o[nt][3] += v1.y * w1;
+            }
+        }
+    }
+    int thi = tlo + 8;
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++) {
+        if (nt < nnt) {
+            int d = nt * 8 + 2 * tq;
+            if (tlo < T) *reinterpret_cast<float2*>(dst + (size_t)tlo * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][0] / L0, o[nt][1] / L0);
+            if (thi < T) *reinterpret_cast<float2*>(dst + (size_t)thi * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][2] / L1, o[nt][3] / L1);
+        }
+    }
+}
 template <typename KV>
 __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const float* __restrict__ q,
                                              const KV* __restrict__ kc, const KV* __restrict__ vc, int T,
-                                             int heads, int kvHeads, int hd, int pos0, float scale, KVQuant kq) {
+                                             int heads, int kvHeads, int hd, int pos0, float scale,
+                                             AtSplit sp, KVQuant kq) {
     extern __shared__ __align__(16) unsigned char at_smem[];
     AtRow* Ks = reinterpret_cast<AtRow*>(at_smem);
     AtRow* Kl = reinterpret_cast<AtRow*>(at_smem + AT_K * AT_LD * 2);
     __half (*Vt)[AT_VLD] = reinterpret_cast<__half (*)[AT_VLD]>(at_smem + 2 * AT_K * AT_LD * 2);
     __half (*Vl)[AT_VLD] = reinterpret_cast<__half (*)[AT_VLD]>(at_smem + (2 * AT_K * AT_LD + 128 * AT_VLD) * 2);
-    int h = blockIdx.x, t0 = (gridDim.y - 1 - blockIdx.y) * AT_Q;
+    AtUnit u = at_unit(blockIdx.y, T, pos0, sp.ct);
+    int h = blockIdx.x, t0 = u.qt * AT_Q;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tq = lane & 3;
     int kvDim = kvHeads * hd, kvh = h / (heads / kvHeads);
     int nks = hd >> 4, nnt = hd >> 3, c4 = hd >> 2;
@@ -934,8 +1052,9 @@ __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const floa
     int plo = pos0 + t0 + qr + gid, phi = plo + 8;  // this thread's two rows
     int wlast = pos0 + t0 + qr + 15;                // the warp's last row
     int last = pos0 + min(T, t0 + AT_Q) - 1;        // the block's last key
-    for (int j0 = 0; j0 <= last; j0 += AT_K) {
-        if (j0 > 0) __syncthreads();  // the previous tile consumed
+    int jfirst = u.s * sp.ct * AT_K, jend = min(last + 1, jfirst + sp.ct * AT_K);
+    for (int j0 = jfirst; j0 < jend; j0 += AT_K) {
+        if (j0 > jfirst) __syncthreads();  // the previous tile consumed
         for (int i = tid; i < AT_K * c4; i += 128) {
             int r = i % AT_K, c = (i / AT_K) * 4, j = j0 + r;
             float kx[8], vx[8];
@@ -1001,7 +1120,7 @@ __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const floa
                 }
             });
     }
-    st.store(dst, t0 + qr + gid, T, heads, hd, h);
+    at_finish(st, u, sp, dst, t0 + qr + gid, T, heads, hd, h);
 }
 // attn_tc_h_body is attn_tc_body for an fp16 cache: K and V tiles of 64
 // keys, two buffers each (rows of AT_LD halfs, the values untransposed: the
@@ -1010,18 +1129,21 @@ __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const floa
 // not stale values); Q staged in the second buffers before the first tile.
 __device__ __forceinline__ void attn_tc_h_body(float* __restrict__ dst, const float* __restrict__ q,
                                                const __half* __restrict__ kc, const __half* __restrict__ vc, int T,
-                                               int heads, int kvHeads, int hd, int pos0, float scale) {
+                                               int heads, int kvHeads, int hd, int pos0, float scale, AtSplit sp) {
     extern __shared__ __align__(16) unsigned char at_smem[];
     AtRow* Ks = reinterpret_cast<AtRow*>(at_smem);  // [2][AT_K], then V likewise
     AtRow* Vs = Ks + 2 * AT_K;
-    int h = blockIdx.x, t0 = (gridDim.y - 1 - blockIdx.y) * AT_Q;
+    AtUnit u = at_unit(blockIdx.y, T, pos0, sp.ct);
+    int h = blockIdx.x, t0 = u.qt * AT_Q;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2;
     int kvDim = kvHeads * hd, kvh = h / (heads / kvHeads);
     int nks = hd >> 4, nnt = hd >> 3, c8 = hd >> 3;
     int last = pos0 + min(T, t0 + AT_Q) - 1;  // the block's last key
-    int tiles = last / AT_K + 1;
+    int jt0 = u.s * sp.ct, tiles = min(last / AT_K + 1, jt0 + sp.ct);  // this unit's key tiles jt0..tiles − 1
+    // tile jt in buffers (jt − jt0) & 1: the first in buffers 0, as Q is
+    // staged in buffers 1
     auto load = [&](int jt) {
-        AtRow *K = Ks + (jt & 1) * AT_K, *V = Vs + (jt & 1) * AT_K;
+        AtRow *K = Ks + ((jt - jt0) & 1) * AT_K, *V = Vs + ((jt - jt0) & 1) * AT_K;
         for (int i = tid; i < AT_K * c8; i += 128) {
             int r = i / c8, c = (i % c8) * 8, j = jt * AT_K + r;
             bool v = j <= last;
@@ -1031,14 +1153,14 @@ __device__ __forceinline__ void attn_tc_h_body(float* __restrict__ dst, const fl
         }
         cp_async_commit();
     };
-    load(0);
+    load(jt0);
     int qr = warp * 16;
     uint32_t qa[8][4], ql[8][4];
     at_q_frags(qa, ql, Ks + AT_K, Vs + AT_K, q, t0, T, heads, hd, h, scale * 1.4426950408889634f, qr);
     AtState st;
     int plo = pos0 + t0 + qr + gid, phi = plo + 8;  // this thread's two rows
     int wlast = pos0 + t0 + qr + 15;                // the warp's last row
-    for (int jt = 0; jt < tiles; jt++) {
+    for (int jt = jt0; jt < tiles; jt++) {
         if (jt + 1 < tiles) {
             load(jt + 1);
             asm volatile("cp.async.wait_group 1;\n" ::: "memory");
@@ -1047,7 +1169,7 @@ __device__ __forceinline__ void attn_tc_h_body(float* __restrict__ dst, const fl
         }
         __syncthreads();  // tile jt landed for every thread's copies
         int j0 = jt * AT_K;
-        const AtRow *K = Ks + (jt & 1) * AT_K, *V = Vs + (jt & 1) * AT_K;
+        const AtRow *K = Ks + ((jt - jt0) & 1) * AT_K, *V = Vs + ((jt - jt0) & 1) * AT_K;
         if (j0 <= wlast)  // else every key of the tile is after this warp's rows
             st.tile(
                 j0, plo, phi,
@@ -1085,23 +1207,27 @@ __device__ __forceinline__ void attn_tc_h_body(float* __restrict__ dst, const fl
                 });
         __syncthreads();  // tile jt consumed before its buffers take tile jt + 2
     }
-    st.store(dst, t0 + qr + gid, T, heads, hd, h);
+    at_finish(st, u, sp, dst, t0 + qr + gid, T, heads, hd, h);
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const float* q, const float* kc, const float* vc,
-                                                          int T, int heads, int kvHeads, int hd, int pos0, float scale) {
+                                                          int T, int heads, int kvHeads, int hd, int pos0, float scale,
+                                                          int ct, int units, float* part_o, float* part_ml, int* cnt) {
     PDL_ENTRY();
-    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, KVQuant{});
+    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt}, KVQuant{});
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_f16(float* dst, const float* q, const __half* kc, const __half* vc,
-                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale) {
+                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale,
+                                                              int ct, int units, float* part_o, float* part_ml, int* cnt) {
     PDL_ENTRY();
-    attn_tc_h_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale);
+    attn_tc_h_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt});
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const float* q, const int8_t* kc, const int8_t* vc,
                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale,
+                                                             int ct, int units, float* part_o, float* part_ml, int* cnt,
                                                              const float* ks, const float* ko, const float* vs, const float* vo) {
     PDL_ENTRY();
-    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, KVQuant{ks, ko, vs, vo});
+    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt},
+                 KVQuant{ks, ko, vs, vo});
 }
 
 // grid (heads, T), block >= 32.

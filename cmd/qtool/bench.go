@@ -618,6 +618,17 @@ func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 in
 	// SwiGLU.
 	ops := []op{{"rope+store", 1, func() { b.RoPEStoreKV(cache, 0, pos0, q, k, v, cfg.HeadDim, cfg.RopeTheta, cfg.Rope) }},
 		{"attention", 1, func() { b.Attention(att, q, cache, 0, pos0, cfg.Heads, cfg.KVHeads, cfg.HeadDim) }}}
+	if T > 1 {
+		// beside it, not in the sum: every query tile in one block
+		// (cuda.Options.AttnSplit < 0), as before the key splits
+		ops = append(ops, op{"attn 1 blk", 0, func() {
+			o := b.Options()
+			split := o.AttnSplit
+			o.AttnSplit = -1
+			b.Attention(att, q, cache, 0, pos0, cfg.Heads, cfg.KVHeads, cfg.HeadDim)
+			o.AttnSplit = split
+		}})
+	}
 	if T > 1 || !streaming {
 		ops = append(ops, op{"rmsnorm", 2, func() { b.RMSNorm(h, h, nw, nil, eps) }})
 	}

@@ -70,6 +70,11 @@ type Options struct {
 	// w8a8_mma) where the Hopper ones (gemm_wg_*) would run (for
 	// comparisons, like NoDependentLaunch).
 	NoWGMMA bool
+	// AttnSplit is the number of 64-key tiles a block of the prefill
+	// attention takes at most: 0 lets the launch's shape choose (attnSplit),
+	// a negative value gives every query tile one block, as before the
+	// split (for comparisons, like NoDependentLaunch).
+	AttnSplit int
 }
 
 // Backend runs the forward pass on one CUDA device.
@@ -420,6 +425,17 @@ func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
 	b.must(err)
 	b.owned[p] = -1 // never pooled
 	b.scratch[name] = scratch{p, n}
+	return p
+}
+
+// zeroedScratch is scratchBuf whose area is zeroed when it is (re)allocated;
+// its users leave it zero.
+func (b *Backend) zeroedScratch(name string, bytes int) driver.DevicePtr {
+	old := b.scratch[name].p
+	p := b.scratchBuf(name, bytes)
+	if p != old {
+		b.must(b.drv.MemsetD32Async(p, 0, uint64(b.scratch[name].n/4), b.stream))
+	}
 	return p
 }
 
@@ -964,6 +980,34 @@ const attnTCMinRows = 32
 // attn_tc_f16 holds two key and two value tiles of 64 × 136 halfs in it).
 const attnTCSmem = (2*64*136 + 2*128*72) * 2
 
+// attnSplit chooses how the prefill attention splits the keys of its query
+// tiles (AtUnit in qtool.cu): at most ct key tiles of 64 a block, units
+// blocks a head. Causal query tile i of T rows from pos0 sees
+// ⌊(pos0 + min(T, 64(i+1)) − 1)/64⌋ + 1 key tiles; ct is the total of
+// them over the launch's heads divided by two blocks a multiprocessor
+// (two fit by registers), so that no block runs longer than a
+// multiprocessor's fair share of the work, and a short prefill or a long
+// one that fills the device with whole query tiles splits nothing.
+func (b *Backend) attnSplit(T, pos0, heads int) (ct, units int) {
+	nq := (T + 63) / 64
+	tiles := func(i int) int { return (pos0+min(T, 64*(i+1))-1)/64 + 1 }
+	ct = b.opt.AttnSplit
+	if ct == 0 {
+		total := 0
+		for i := range nq {
+			total += tiles(i)
+		}
+		ct = max(1, (total*heads+2*b.sms-1)/(2*b.sms))
+	}
+	if ct < 0 {
+		ct = tiles(nq - 1) // every tile in one block
+	}
+	for i := range nq {
+		units += (tiles(i) + ct - 1) / ct
+	}
+	return ct, units
+}
+
 // Attention implements runtime.Backend.
 func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int) {
 	d, qb, kc := buf(dst), buf(q), cache(c)
@@ -986,7 +1030,15 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 		}
 		name := kc.kernel("attn_tc")
 		b.raiseSmem(name, attnTCSmem)
-		b.launchShm(name, [3]uint32{uint32(heads), uint32((T + 63) / 64), 1}, [3]uint32{128, 1, 1}, attnTCSmem, args...)
+		ct, units := b.attnSplit(T, pos0, heads)
+		var po, pml, cnt driver.DevicePtr
+		if units > (T+63)/64 { // some query tile is split
+			po = b.scratchBuf("att_tc_o", 4*64*headDim*heads*units)
+			pml = b.scratchBuf("att_tc_ml", 4*64*2*heads*units)
+			cnt = b.zeroedScratch("att_tc_cnt", 4*heads*((T+63)/64))
+		}
+		args = append(args[:10], append([]any{ct, units, po, pml, cnt}, args[10:]...)...)
+		b.launchShm(name, [3]uint32{uint32(heads), uint32(units), 1}, [3]uint32{128, 1, 1}, attnTCSmem, args...)
 		return
 	}
 	var nsplit, chunk int

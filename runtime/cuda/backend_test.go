@@ -16,7 +16,7 @@ import (
 )
 
 // newTestBackend opens the GPU or skips the test.
-func newTestBackend(t *testing.T) *Backend {
+func newTestBackend(t testing.TB) *Backend {
 	t.Helper()
 	b, err := New()
 	if errors.Is(err, ErrNoDriver) {
@@ -587,7 +587,7 @@ func TestAttention(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(13, 14))
 	const heads, kvHeads, maxSeq, layers = 8, 2, 400, 2
-	defer func() { b.opt.KVHalf = false }()
+	defer func() { b.opt.KVHalf, b.opt.AttnSplit = false, 0 }()
 	for _, cfg := range []struct {
 		hd   int
 		half bool // an fp16 cache: attention_f16, attn_tc_f16
@@ -606,8 +606,11 @@ func TestAttention(t *testing.T) {
 			}
 		}
 		// T ≥ attnTCMinRows: the tensor-core kernel (one and several
-		// 64-query blocks, partial ones, after a filled prefix)
-		for _, tc := range []struct{ T, pos0 int }{{9, 0}, {1, 0}, {1, 299}, {3, 297}, {1, 349}, {31, 300}, {50, 300}, {64, 0}, {130, 0}, {200, 150}} {
+		// 64-query blocks, partial ones, after a filled prefix), its query
+		// tiles' keys split as the shape chooses (0), not at all (−1) and
+		// 1–3 key tiles a block (after a prefix of 150, a block's first
+		// keys may come after some of its rows)
+		for _, tc := range []struct{ T, pos0 int }{{9, 0}, {1, 0}, {1, 299}, {3, 297}, {1, 349}, {31, 300}, {50, 300}, {64, 0}, {130, 0}, {200, 150}, {350, 0}} {
 			t.Run(fmt.Sprintf("hd=%d/half=%v/T=%d/pos0=%d", hd, cfg.half, tc.T, tc.pos0), func(t *testing.T) {
 				q := randVec(r, tc.T*heads*hd, 1)
 				want := make([]float64, tc.T*heads*hd)
@@ -640,9 +643,18 @@ func TestAttention(t *testing.T) {
 						}
 					}
 				}
-				qb, d := upload(b, tc.T, heads*hd, q), poisoned(b, tc.T, heads*hd)
-				b.Attention(d, qb, c, 1, tc.pos0, heads, kvHeads, hd)
-				checkClose(t, "attention", download(b, d), want, 1e-5)
+				qb := upload(b, tc.T, heads*hd, q)
+				splits := []int{0}
+				if tc.T >= attnTCMinRows {
+					splits = []int{0, -1, 1, 2, 3}
+				}
+				for _, sp := range splits {
+					b.opt.AttnSplit = sp
+					d := poisoned(b, tc.T, heads*hd)
+					b.Attention(d, qb, c, 1, tc.pos0, heads, kvHeads, hd)
+					checkClose(t, fmt.Sprintf("attention, split %d", sp), download(b, d), want, 1e-5)
+					b.Free(d)
+				}
 			})
 		}
 	}
@@ -784,5 +796,43 @@ func TestWaitingKernels(t *testing.T) {
 	got := waitingKernels(ptx)
 	if want := map[string]bool{"a": true, "c": true}; !maps.Equal(got, want) {
 		t.Errorf("waitingKernels = %v, want %v", got, want)
+	}
+}
+
+// BenchmarkPrefillAttention times the prefill attention of 512 tokens on
+// an fp16 cache (Llama-2-7B heads, and the 16 of one rank at TP = 2) with
+// its query tiles' keys split as the shape chooses (split 0), not at all
+// (−1) and at most 1…6 key tiles a block: device time a launch from a
+// replayed graph, reported as µs/launch.
+func BenchmarkPrefillAttention(bm *testing.B) {
+	b := newTestBackend(bm)
+	defer func() { b.opt.KVHalf, b.opt.AttnSplit = false, 0 }()
+	b.opt.KVHalf = true
+	const T, hd = 512, 128
+	for _, heads := range []int{32, 16} {
+		c := b.NewKVCache(1, T, heads*hd)
+		q, k, v, d := b.Alloc(T, heads*hd), b.Alloc(T, heads*hd), b.Alloc(T, heads*hd), b.Alloc(T, heads*hd)
+		for i, x := range []runtime.Buf{q, k, v} {
+			b.FillRandom(x, uint64(70+i), 1)
+		}
+		b.StoreKV(c, 0, 0, k, v)
+		for _, sp := range []int{0, -1, 1, 2, 3, 4, 5, 6} {
+			bm.Run(fmt.Sprintf("heads=%d/split=%d", heads, sp), func(bm *testing.B) {
+				b.opt.AttnSplit = sp
+				var sec float64
+				for bm.Loop() {
+					s, err := b.TimeCaptured(20, func() { b.Attention(d, q, c, 0, 0, heads, heads, hd) })
+					if err != nil {
+						bm.Fatal(err)
+					}
+					sec = s
+				}
+				bm.ReportMetric(sec*1e6, "us/launch")
+			})
+		}
+		for _, x := range []runtime.Buf{q, k, v, d} {
+			b.Free(x)
+		}
+		b.FreeKVCache(c)
 	}
 }
