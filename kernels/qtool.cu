@@ -1089,34 +1089,52 @@ __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const floa
         st.tile(
             j0, plo, phi,
             [&](float (&sc)[8][4]) {
+                // one product on all eight accumulators a pass (as in
+                // attn_tc_h_body), each summing in the same order
 #pragma unroll
                 for (int ks = 0; ks < 8; ks++) {
                     if (ks < nks) {
+                        uint32_t b[8][2], c[8][2];
 #pragma unroll
                         for (int nt = 0; nt < 8; nt++) {
-                            uint32_t b0 = *reinterpret_cast<const uint32_t*>(&Ks[nt * 8 + gid][ks * 16 + 2 * tq]);
-                            uint32_t b1 = *reinterpret_cast<const uint32_t*>(&Ks[nt * 8 + gid][ks * 16 + 2 * tq + 8]);
-                            uint32_t c0 = *reinterpret_cast<const uint32_t*>(&Kl[nt * 8 + gid][ks * 16 + 2 * tq]);
-                            uint32_t c1 = *reinterpret_cast<const uint32_t*>(&Kl[nt * 8 + gid][ks * 16 + 2 * tq + 8]);
-                            mma16816(sc[nt], ql[ks], b0, b1);
-                            mma16816(sc[nt], qa[ks], c0, c1);
-                            mma16816(sc[nt], qa[ks], b0, b1);
+                            b[nt][0] = *reinterpret_cast<const uint32_t*>(&Ks[nt * 8 + gid][ks * 16 + 2 * tq]);
+                            b[nt][1] = *reinterpret_cast<const uint32_t*>(&Ks[nt * 8 + gid][ks * 16 + 2 * tq + 8]);
+                            c[nt][0] = *reinterpret_cast<const uint32_t*>(&Kl[nt * 8 + gid][ks * 16 + 2 * tq]);
+                            c[nt][1] = *reinterpret_cast<const uint32_t*>(&Kl[nt * 8 + gid][ks * 16 + 2 * tq + 8]);
                         }
+#pragma unroll
+                        for (int nt = 0; nt < 8; nt++) mma16816(sc[nt], ql[ks], b[nt][0], b[nt][1]);
+#pragma unroll
+                        for (int nt = 0; nt < 8; nt++) mma16816(sc[nt], qa[ks], c[nt][0], c[nt][1]);
+#pragma unroll
+                        for (int nt = 0; nt < 8; nt++) mma16816(sc[nt], qa[ks], b[nt][0], b[nt][1]);
                     }
                 }
             },
             [&](int kk, const uint32_t (&pa)[4], const uint32_t (&pl)[4], float (&o)[16][4]) {
+                // in two halves of eight accumulators (registers)
 #pragma unroll
-                for (int nt = 0; nt < 16; nt++) {
-                    if (nt < nnt) {
-                        uint32_t b0 = *reinterpret_cast<const uint32_t*>(&Vt[nt * 8 + gid][kk * 16 + 2 * tq]);
-                        uint32_t b1 = *reinterpret_cast<const uint32_t*>(&Vt[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
-                        uint32_t c0 = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq]);
-                        uint32_t c1 = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
-                        mma16816(o[nt], pl, b0, b1);
-                        mma16816(o[nt], pa, c0, c1);
-                        mma16816(o[nt], pa, b0, b1);
+                for (int n0 = 0; n0 < 16; n0 += 8) {
+                    uint32_t b[8][2], c[8][2];
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        int nt = n0 + i;
+                        if (nt < nnt) {
+                            b[i][0] = *reinterpret_cast<const uint32_t*>(&Vt[nt * 8 + gid][kk * 16 + 2 * tq]);
+                            b[i][1] = *reinterpret_cast<const uint32_t*>(&Vt[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
+                            c[i][0] = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq]);
+                            c[i][1] = *reinterpret_cast<const uint32_t*>(&Vl[nt * 8 + gid][kk * 16 + 2 * tq + 8]);
+                        }
                     }
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        if (n0 + i < nnt) mma16816(o[n0 + i], pl, b[i][0], b[i][1]);
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        if (n0 + i < nnt) mma16816(o[n0 + i], pa, c[i][0], c[i][1]);
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        if (n0 + i < nnt) mma16816(o[n0 + i], pa, b[i][0], b[i][1]);
                 }
             });
     }
@@ -1174,36 +1192,48 @@ __device__ __forceinline__ void attn_tc_h_body(float* __restrict__ dst, const fl
             st.tile(
                 j0, plo, phi,
                 [&](float (&sc)[8][4]) {
-                    // b: K rows 8nt..8nt + 7 at dims 16ks.. (b[0], b[1]) and
-                    // 16(ks + 1).. (b[2], b[3])
+                    // b[nt]: K rows 8nt..8nt + 7 at dims 16ks.. (b[nt][0],
+                    // b[nt][1]) and 16(ks + 1).. (b[nt][2], b[nt][3]). Each
+                    // pass runs one product on all eight accumulators, so
+                    // that consecutive mma never wait on each other (each
+                    // accumulator sums in the same order as one at a time)
 #pragma unroll
-                    for (int nt = 0; nt < 8; nt++)
+                    for (int ks = 0; ks < 8; ks += 2) {
+                        if (ks < nks) {
+                            uint32_t b[8][4];
 #pragma unroll
-                        for (int ks = 0; ks < 8; ks += 2) {
-                            if (ks < nks) {
-                                uint32_t b[4];
-                                ldmatrix_x4(b, &K[nt * 8 + (lane & 7)][(2 * ks + (lane >> 3)) * 8]);
-                                mma16816(sc[nt], ql[ks], b[0], b[1]);
-                                mma16816(sc[nt], qa[ks], b[0], b[1]);
-                                mma16816(sc[nt], ql[ks + 1], b[2], b[3]);
-                                mma16816(sc[nt], qa[ks + 1], b[2], b[3]);
-                            }
-                        }
-                },
-                [&](int kk, const uint32_t (&pa)[4], const uint32_t (&pl)[4], float (&o)[16][4]) {
-                    // b: keys 16kk..16kk + 15 of dims 8nt.. (b[0], b[1]) and
-                    // 8(nt + 1).. (b[2], b[3]), transposed
+                            for (int nt = 0; nt < 8; nt++) ldmatrix_x4(b[nt], &K[nt * 8 + (lane & 7)][(2 * ks + (lane >> 3)) * 8]);
 #pragma unroll
-                    for (int nt = 0; nt < 16; nt += 2) {
-                        if (nt < nnt) {
-                            uint32_t b[4];
-                            ldmatrix_x4_trans(b, &V[kk * 16 + (lane & 15)][(nt + (lane >> 4)) * 8]);
-                            mma16816(o[nt], pl, b[0], b[1]);
-                            mma16816(o[nt], pa, b[0], b[1]);
-                            mma16816(o[nt + 1], pl, b[2], b[3]);
-                            mma16816(o[nt + 1], pa, b[2], b[3]);
+                            for (int nt = 0; nt < 8; nt++) mma16816(sc[nt], ql[ks], b[nt][0], b[nt][1]);
+#pragma unroll
+                            for (int nt = 0; nt < 8; nt++) mma16816(sc[nt], qa[ks], b[nt][0], b[nt][1]);
+#pragma unroll
+                            for (int nt = 0; nt < 8; nt++) mma16816(sc[nt], ql[ks + 1], b[nt][2], b[nt][3]);
+#pragma unroll
+                            for (int nt = 0; nt < 8; nt++) mma16816(sc[nt], qa[ks + 1], b[nt][2], b[nt][3]);
                         }
                     }
+                },
+                [&](int kk, const uint32_t (&pa)[4], const uint32_t (&pl)[4], float (&o)[16][4]) {
+                    // b[i]: keys 16kk..16kk + 15 of dims 16i.. (b[i][0],
+                    // b[i][1]) and 16i + 8.. (b[i][2], b[i][3]), transposed;
+                    // the lo products on every accumulator, then the hi ones
+                    uint32_t b[8][4];
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        if (2 * i < nnt) ldmatrix_x4_trans(b[i], &V[kk * 16 + (lane & 15)][(2 * i + (lane >> 4)) * 8]);
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        if (2 * i < nnt) {
+                            mma16816(o[2 * i], pl, b[i][0], b[i][1]);
+                            mma16816(o[2 * i + 1], pl, b[i][2], b[i][3]);
+                        }
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        if (2 * i < nnt) {
+                            mma16816(o[2 * i], pa, b[i][0], b[i][1]);
+                            mma16816(o[2 * i + 1], pa, b[i][2], b[i][3]);
+                        }
                 });
         __syncthreads();  // tile jt consumed before its buffers take tile jt + 2
     }
