@@ -5,7 +5,7 @@
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build topo tests attnbench 7b tp tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests attnbench ncu ncuprefill 7b tp tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -48,6 +48,24 @@ fi
 if has attnbench; then # the prefill attention's key splits (BenchmarkPrefillAttention)
   (cd runtime/cuda && timeout 120 "$OLDPWD/bin/cuda.test" -test.run '^$' -test.bench PrefillAttention -test.benchtime 3x > "$OUT/attnbench.log" 2>&1)
   grep -E "us/launch|FAIL|panic" "$OUT/attnbench.log" | awk '{print $1, $(NF-1), $NF}'
+fi
+if has ncu; then # one launch of the prefill attention (512 tokens, 32 heads) under Nsight Compute
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  if [ -z "$NCU" ]; then echo "ncu: not found"; else
+    (cd runtime/cuda && timeout 200 "$NCU" --kernel-name regex:attn_tc --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+      --section SchedulerStats --section Occupancy --section ComputeWorkloadAnalysis --section LaunchStats ${NCU_ARGS:-} \
+      "$OLDPWD/bin/cuda.test" -test.run '^$' -test.bench "${NCU_BENCH:-PrefillAttention/heads=32/split=0}" -test.benchtime 1x > "$OUT/ncu.txt" 2>&1)
+    grep -vE "^==PROF==|^    -{5}" "$OUT/ncu.txt" | grep -E "[0-9]" | cut -c1-150 | head -90
+  fi
+fi
+if has ncuprefill; then # every kernel of a window of the synthetic 7B bench (a prefill of 512 tokens and more), durations as CSV
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  for f in ${NCU_FORMATS:-fp16 w8a8}; do
+    timeout "$(left)" "$NCU" --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
+      --launch-skip ${NCU_SKIP:-700} --launch-count ${NCU_COUNT:-800} \
+      bin/qtool bench --synthetic llama2-7b --format "$f" --kernels=false --decode 2 > "$FINAL/ncu-prefill-$f.csv" 2> "$OUT/ncu-prefill-$f.err"
+    echo "ncu prefill $f rc=$? $(grep -c gpu__time_duration "$FINAL/ncu-prefill-$f.csv") kernels"
+  done
 fi
 if has 7b || has 7b-sq || has 7b-gptq || has 7b-awq || has 7b-c8; then
   ts=$(date +%s)

@@ -1030,11 +1030,13 @@ __device__ __forceinline__ void at_finish(AtState& st, const AtUnit& u, const At
         }
     }
 }
-template <typename KV>
+// HD, when not 0, is the head size hd known at compile time.
+template <int HD, typename KV>
 __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const float* __restrict__ q,
                                              const KV* __restrict__ kc, const KV* __restrict__ vc, int T,
-                                             int heads, int kvHeads, int hd, int pos0, float scale,
+                                             int heads, int kvHeads, int hd_, int pos0, float scale,
                                              AtSplit sp, KVQuant kq) {
+    const int hd = HD ? HD : hd_;
     extern __shared__ __align__(16) unsigned char at_smem[];
     AtRow* Ks = reinterpret_cast<AtRow*>(at_smem);
     AtRow* Kl = reinterpret_cast<AtRow*>(at_smem + AT_K * AT_LD * 2);
@@ -1145,9 +1147,13 @@ __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const floa
 // B fragments of P·V come from ldmatrix .trans), copied with cp.async
 // (zeros past the block's last key, so masked probabilities meet zeros,
 // not stale values); Q staged in the second buffers before the first tile.
+// HD, when not 0, is the head size hd known at compile time (128: the
+// fragment loops without predicates and their addresses folded).
+template <int HD>
 __device__ __forceinline__ void attn_tc_h_body(float* __restrict__ dst, const float* __restrict__ q,
                                                const __half* __restrict__ kc, const __half* __restrict__ vc, int T,
-                                               int heads, int kvHeads, int hd, int pos0, float scale, AtSplit sp) {
+                                               int heads, int kvHeads, int hd_, int pos0, float scale, AtSplit sp) {
+    const int hd = HD ? HD : hd_;
     extern __shared__ __align__(16) unsigned char at_smem[];
     AtRow* Ks = reinterpret_cast<AtRow*>(at_smem);  // [2][AT_K], then V likewise
     AtRow* Vs = Ks + 2 * AT_K;
@@ -1243,21 +1249,33 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const floa
                                                           int T, int heads, int kvHeads, int hd, int pos0, float scale,
                                                           int ct, int units, float* part_o, float* part_ml, int* cnt) {
     PDL_ENTRY();
-    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt}, KVQuant{});
+    AtSplit sp{ct, units, part_o, part_ml, cnt};
+    if (hd == 128)
+        attn_tc_body<128>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp, KVQuant{});
+    else
+        attn_tc_body<0>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp, KVQuant{});
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_f16(float* dst, const float* q, const __half* kc, const __half* vc,
                                                               int T, int heads, int kvHeads, int hd, int pos0, float scale,
                                                               int ct, int units, float* part_o, float* part_ml, int* cnt) {
     PDL_ENTRY();
-    attn_tc_h_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt});
+    AtSplit sp{ct, units, part_o, part_ml, cnt};
+    if (hd == 128)
+        attn_tc_h_body<128>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
+    else
+        attn_tc_h_body<0>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const float* q, const int8_t* kc, const int8_t* vc,
                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale,
                                                              int ct, int units, float* part_o, float* part_ml, int* cnt,
                                                              const float* ks, const float* ko, const float* vs, const float* vo) {
     PDL_ENTRY();
-    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt},
-                 KVQuant{ks, ko, vs, vo});
+    AtSplit sp{ct, units, part_o, part_ml, cnt};
+    KVQuant kq{ks, ko, vs, vo};
+    if (hd == 128)
+        attn_tc_body<128>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp, kq);
+    else
+        attn_tc_body<0>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp, kq);
 }
 
 // grid (heads, T), block >= 32.

@@ -72,8 +72,8 @@ type Options struct {
 	NoWGMMA bool
 	// AttnSplit is the number of 64-key tiles a block of the prefill
 	// attention takes at most: 0 lets the launch's shape choose (attnSplit),
-	// a negative value gives every query tile one block, as before the
-	// split (for comparisons, like NoDependentLaunch).
+	// a negative value gives every query tile one block (for comparisons,
+	// like NoDependentLaunch).
 	AttnSplit int
 }
 
@@ -983,29 +983,34 @@ const attnTCSmem = (2*64*136 + 2*128*72) * 2
 // attnSplit chooses how the prefill attention splits the keys of its query
 // tiles (AtUnit in qtool.cu): at most ct key tiles of 64 a block, units
 // blocks a head. Causal query tile i of T rows from pos0 sees
-// ⌊(pos0 + min(T, 64(i+1)) − 1)/64⌋ + 1 key tiles; ct is the total of
-// them over the launch's heads divided by two blocks a multiprocessor
-// (two fit by registers), so that no block runs longer than a
-// multiprocessor's fair share of the work, and a short prefill or a long
-// one that fills the device with whole query tiles splits nothing.
+// ⌊(pos0 + min(T, 64(i+1)) − 1)/64⌋ + 1 key tiles, and a launch lasts as
+// long as its longest block where the blocks do not fill the device. The
+// splits pay only while every block still has a multiprocessor of its own
+// (a second block on one runs both at about half speed, and a split adds
+// the partials' writes and their merge): ct is the least number of tiles
+// for which heads · units blocks fit the multiprocessors, no split where
+// the unsplit launch already exceeds them (H100, 512 tokens: 8 heads split
+// in blocks of 3 tiles, 16 and 32 heads unsplit; BenchmarkPrefillAttention).
 func (b *Backend) attnSplit(T, pos0, heads int) (ct, units int) {
 	nq := (T + 63) / 64
 	tiles := func(i int) int { return (pos0+min(T, 64*(i+1))-1)/64 + 1 }
-	ct = b.opt.AttnSplit
-	if ct == 0 {
-		total := 0
+	count := func(ct int) (units int) {
 		for i := range nq {
-			total += tiles(i)
+			units += (tiles(i) + ct - 1) / ct
 		}
-		ct = max(1, (total*heads+2*b.sms-1)/(2*b.sms))
+		return units
 	}
-	if ct < 0 {
-		ct = tiles(nq - 1) // every tile in one block
+	longest := tiles(nq - 1)
+	switch ct = b.opt.AttnSplit; {
+	case ct < 0:
+		ct = longest // every tile in one block
+	case ct == 0:
+		ct = longest
+		for c := longest - 1; c >= 1 && heads*count(c) <= b.sms; c-- {
+			ct = c
+		}
 	}
-	for i := range nq {
-		units += (tiles(i) + ct - 1) / ct
-	}
-	return ct, units
+	return ct, count(ct)
 }
 
 // Attention implements runtime.Backend.

@@ -800,16 +800,16 @@ func TestWaitingKernels(t *testing.T) {
 }
 
 // BenchmarkPrefillAttention times the prefill attention of 512 tokens on
-// an fp16 cache (Llama-2-7B heads, and the 16 of one rank at TP = 2) with
-// its query tiles' keys split as the shape chooses (split 0), not at all
-// (−1) and at most 1…6 key tiles a block: device time a launch from a
-// replayed graph, reported as µs/launch.
+// an fp16 cache (Llama-2-7B heads, and the 16 and 8 of one rank at TP = 2
+// and 4) with its query tiles' keys split as the shape chooses (split 0),
+// not at all (−1) and at most 1…6 key tiles a block: device time a launch
+// from a replayed graph, reported as µs/launch.
 func BenchmarkPrefillAttention(bm *testing.B) {
 	b := newTestBackend(bm)
 	defer func() { b.opt.KVHalf, b.opt.AttnSplit = false, 0 }()
 	b.opt.KVHalf = true
 	const T, hd = 512, 128
-	for _, heads := range []int{32, 16} {
+	for _, heads := range []int{32, 16, 8} {
 		c := b.NewKVCache(1, T, heads*hd)
 		q, k, v, d := b.Alloc(T, heads*hd), b.Alloc(T, heads*hd), b.Alloc(T, heads*hd), b.Alloc(T, heads*hd)
 		for i, x := range []runtime.Buf{q, k, v} {
