@@ -207,31 +207,41 @@ __device__ __forceinline__ int8_t quant_token(float v, float s) {
 // rmsnorm writes row r of RMSNorm(x) in the form its products take: to
 // dst; or rounded to fp16 to dst16 (to_half's); or quantized for W8A8 to
 // dstq, per token where tok is set (the row's scale to tok[r]), else with
-// qs and qo: the GEMMs' input without an fp32 copy.
+// qs and qo: the GEMMs' input without an fp32 copy. A row of at most
+// RN_REG values a thread is loaded once, all its loads issued before the
+// sum of squares, and kept in registers (the same sums in the same order
+// as the loop over longer rows).
+#define RN_REG 16
 extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restrict__ x,
                                    const float* __restrict__ w, const float* __restrict__ bias,
                                    int cols, float eps, __half* __restrict__ dst16, int8_t* __restrict__ dstq,
                                    float* __restrict__ tok, float qs, float qo) {
     PDL_ENTRY();
     __shared__ float sh[32];
-    int r = blockIdx.x;
+    int r = blockIdx.x, nt = blockDim.x;
     const float* xr = x + (size_t)r * cols;
+    const bool inreg = cols <= RN_REG * nt;
+    float xv[RN_REG];
     float ss = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
+    if (inreg) {
+#pragma unroll
+        for (int i = 0; i < RN_REG; i++) {
+            int c = threadIdx.x + i * nt;
+            xv[i] = c < cols ? xr[c] : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < RN_REG; i++)
+            if (threadIdx.x + i * nt < cols) ss += xv[i] * xv[i];
+    } else {
+        for (int c = threadIdx.x; c < cols; c += nt) ss += xr[c] * xr[c];
+    }
     ss = block_sum(ss, sh);
     float inv = rsqrtf(ss / (float)cols + eps);
-    auto normed = [&](int c) {  // each product rounded: the same value in every pass
-        float v = __fmul_rn(__fmul_rn(xr[c], inv), w[c]);
+    auto normed = [&](float xc, int c) {  // each product rounded: the same value in every pass
+        float v = __fmul_rn(__fmul_rn(xc, inv), w[c]);
         return bias ? __fadd_rn(v, bias[c]) : v;
     };
-    if (tok) {
-        float mx = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) mx = fmaxf(mx, fabsf(normed(c)));
-        qs = __fdiv_rn(block_max(mx, sh), 127.f);
-        if (threadIdx.x == 0) tok[r] = qs;
-    }
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = normed(c);
+    auto put = [&](float v, int c) {
         size_t i = (size_t)r * cols + c;
         if (dstq)
             dstq[i] = tok ? quant_token(v, qs) : quant_static(v, qs, qo);
@@ -239,6 +249,29 @@ extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restr
             dst16[i] = __float2half_rn(v);
         else
             dst[i] = v;
+    };
+    if (tok) {
+        float mx = 0.f;
+        if (inreg) {
+#pragma unroll
+            for (int i = 0; i < RN_REG; i++) {
+                int c = threadIdx.x + i * nt;
+                if (c < cols) mx = fmaxf(mx, fabsf(normed(xv[i], c)));
+            }
+        } else {
+            for (int c = threadIdx.x; c < cols; c += nt) mx = fmaxf(mx, fabsf(normed(xr[c], c)));
+        }
+        qs = __fdiv_rn(block_max(mx, sh), 127.f);
+        if (threadIdx.x == 0) tok[r] = qs;
+    }
+    if (inreg) {
+#pragma unroll
+        for (int i = 0; i < RN_REG; i++) {
+            int c = threadIdx.x + i * nt;
+            if (c < cols) put(normed(xv[i], c), c);
+        }
+    } else {
+        for (int c = threadIdx.x; c < cols; c += nt) put(normed(xr[c], c), c);
     }
 }
 
@@ -358,8 +391,13 @@ struct AsIs {
 // out_tile_staged is out_tile for a block whose free shared memory holds
 // the whole tile (st): the tile's raw values go there and its threads
 // finish it four columns a thread, rows apart: every load and store of C a
-// coalesced float4, a thread's columns the same in every row, the SwiGLU's
-// expf and division in one rolled loop.
+// coalesced float4, a thread's columns the same in every row. The adds and
+// the SwiGLU load OTS_BATCH float4 of C a thread before they use any (one
+// round trip to memory a batch instead of one an item: the epilogue runs
+// after the products, with nothing else to hide it).
+#ifndef OTS_BATCH
+#define OTS_BATCH 4
+#endif
 template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
 __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out, At at, Raw raw, Fin fin,
                                                 TileStage<T> st) {
@@ -372,25 +410,36 @@ __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out,
         for (int i = 0; i < W; i++) st.s[(m - st.m0) * TS_LD + n + i - st.n0] = raw(u, i);
     }
     named_sync(st.bar, st.nthr);
-#pragma unroll 4
-    for (int e = st.tid; e < TS_ROWS * TS_COLS / 4; e += st.nthr) {
-        int r = e / (TS_COLS / 4), c = e % (TS_COLS / 4) * 4, m = st.m0 + r, n = st.n0 + c;
-        if (m >= M) break;
-        const T* kp = st.s + r * TS_LD + c;
-        float* cp = C + (size_t)m * N + n;
-        if ((N & 3) == 0 && n < N) {
-            float4 v = make_float4(fin(m, n, kp[0]), fin(m, n + 1, kp[1]), fin(m, n + 2, kp[2]), fin(m, n + 3, kp[3]));
-            if (out != OUT_STORE) {
-                float4 g = *reinterpret_cast<const float4*>(cp);
-                v = make_float4(out_val(&g.x, v.x, out), out_val(&g.y, v.y, out), out_val(&g.z, v.z, out),
-                                out_val(&g.w, v.w, out));
-            }
-            *reinterpret_cast<float4*>(cp) = v;
-            continue;
-        }
+    const int items = TS_ROWS * TS_COLS / 4, c = st.tid % (TS_COLS / 4) * 4, n = st.n0 + c;
+    const bool vec = (N & 3) == 0 && n < N;  // this thread's four columns as one float4 (the same in every row)
 #pragma unroll 1
-        for (int i = 0; i < 4; i++)
-            if (n + i < N) cp[i] = out_val(cp + i, fin(m, n + i, kp[i]), out);
+    for (int e0 = st.tid; e0 < items; e0 += OTS_BATCH * st.nthr) {
+        float4 g[OTS_BATCH];
+        if (vec && out != OUT_STORE) {
+#pragma unroll
+            for (int j = 0; j < OTS_BATCH; j++) {
+                int m = st.m0 + (e0 + j * st.nthr) / (TS_COLS / 4);
+                if (e0 + j * st.nthr < items && m < M) g[j] = *reinterpret_cast<const float4*>(C + (size_t)m * N + n);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < OTS_BATCH; j++) {
+            int e = e0 + j * st.nthr, r = e / (TS_COLS / 4), m = st.m0 + r;
+            if (e >= items || m >= M) break;
+            const T* kp = st.s + r * TS_LD + c;
+            float* cp = C + (size_t)m * N + n;
+            if (vec) {
+                float4 v = make_float4(fin(m, n, kp[0]), fin(m, n + 1, kp[1]), fin(m, n + 2, kp[2]), fin(m, n + 3, kp[3]));
+                if (out != OUT_STORE)
+                    v = make_float4(out_val(&g[j].x, v.x, out), out_val(&g[j].y, v.y, out), out_val(&g[j].z, v.z, out),
+                                    out_val(&g[j].w, v.w, out));
+                *reinterpret_cast<float4*>(cp) = v;
+                continue;
+            }
+#pragma unroll 1
+            for (int i = 0; i < 4; i++)
+                if (n + i < N) cp[i] = out_val(cp + i, fin(m, n + i, kp[i]), out);
+        }
     }
 }
 extern "C" __global__ void add_inplace(float* __restrict__ dst, const float* __restrict__ x, long long n) {
@@ -1030,13 +1079,11 @@ __device__ __forceinline__ void at_finish(AtState& st, const AtUnit& u, const At
         }
     }
 }
-// HD, when not 0, is the head size hd known at compile time.
-template <int HD, typename KV>
+template <typename KV>
 __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const float* __restrict__ q,
                                              const KV* __restrict__ kc, const KV* __restrict__ vc, int T,
-                                             int heads, int kvHeads, int hd_, int pos0, float scale,
+                                             int heads, int kvHeads, int hd, int pos0, float scale,
                                              AtSplit sp, KVQuant kq) {
-    const int hd = HD ? HD : hd_;
     extern __shared__ __align__(16) unsigned char at_smem[];
     AtRow* Ks = reinterpret_cast<AtRow*>(at_smem);
     AtRow* Kl = reinterpret_cast<AtRow*>(at_smem + AT_K * AT_LD * 2);
@@ -1249,11 +1296,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const floa
                                                           int T, int heads, int kvHeads, int hd, int pos0, float scale,
                                                           int ct, int units, float* part_o, float* part_ml, int* cnt) {
     PDL_ENTRY();
-    AtSplit sp{ct, units, part_o, part_ml, cnt};
-    if (hd == 128)
-        attn_tc_body<128>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp, KVQuant{});
-    else
-        attn_tc_body<0>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp, KVQuant{});
+    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt}, KVQuant{});
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_f16(float* dst, const float* q, const __half* kc, const __half* vc,
                                                               int T, int heads, int kvHeads, int hd, int pos0, float scale,
@@ -1270,12 +1313,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const f
                                                              int ct, int units, float* part_o, float* part_ml, int* cnt,
                                                              const float* ks, const float* ko, const float* vs, const float* vo) {
     PDL_ENTRY();
-    AtSplit sp{ct, units, part_o, part_ml, cnt};
-    KVQuant kq{ks, ko, vs, vo};
-    if (hd == 128)
-        attn_tc_body<128>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp, kq);
-    else
-        attn_tc_body<0>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp, kq);
+    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt},
+                 KVQuant{ks, ko, vs, vo});
 }
 
 // grid (heads, T), block >= 32.
