@@ -395,9 +395,7 @@ struct AsIs {
 // the SwiGLU load OTS_BATCH float4 of C a thread before they use any (one
 // round trip to memory a batch instead of one an item: the epilogue runs
 // after the products, with nothing else to hide it).
-#ifndef OTS_BATCH
 #define OTS_BATCH 4
-#endif
 template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
 __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out, At at, Raw raw, Fin fin,
                                                 TileStage<T> st) {
