@@ -95,15 +95,20 @@ func loadOn(c *cli.Context, mm *model.Model) (*runtime.Model, runtime.Backend, e
 		be.Close()
 		return nil, nil, fmt.Errorf("verify: %s: %w", mm.Source, err)
 	}
-	// a rank process waits for the others to have loaded too, so that what
-	// it times next does not include their loading
+	return m, be, nil
+}
+
+// startTimer returns the time a timed section starts: with ranks in
+// several processes, once every rank has reached it (tp.Backend.Barrier),
+// so that the section's time includes no other rank's loading or
+// tokenizing.
+func startTimer(be runtime.Backend) (time.Time, error) {
 	if tb, ok := be.(*tp.Backend); ok {
 		if err := tb.Barrier(); err != nil {
-			be.Close()
-			return nil, nil, fmt.Errorf("verify: %w", err)
+			return time.Time{}, err
 		}
 	}
-	return m, be, nil
+	return time.Now(), nil
 }
 
 // setKVCache applies --kv-cache to be: int8 (the model's C8 quantizers

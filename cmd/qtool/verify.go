@@ -208,7 +208,10 @@ func runVerify(c *cli.Context) error {
 		if opt.MaxChunks > 0 && opt.MaxChunks < total {
 			total = opt.MaxChunks
 		}
-		start := time.Now()
+		start, err := startTimer(be)
+		if err != nil {
+			return fmt.Errorf("verify: %w", err)
+		}
 		bar := chunkBar(c, stderr, total, "perplexity")
 		opt.Progress = func(done, total int, running float64) {
 			if bar == nil {
@@ -266,7 +269,10 @@ func runVerify(c *cli.Context) error {
 				}
 			}
 		}
-		start := time.Now()
+		start, err := startTimer(be)
+		if err != nil {
+			return fmt.Errorf("verify: %w", err)
+		}
 		out, err := runtime.Generate(m, ids, runtime.GenOptions{
 			MaxNew: maxNew, Temperature: c.Float64("temperature"), TopK: c.Int("top-k"), TopP: c.Float64("top-p"),
 			Seed: c.Uint64("seed"), EOS: eos, NoGraph: c.Bool("no-graph"),

@@ -167,7 +167,10 @@ func runVerifyKLD(c *cli.Context) error {
 	logf("base    %s (%s)\n", basePath, res.BaseKind)
 	logf("device  %s\n", be.Name())
 
-	start := time.Now()
+	start, err := startTimer(be)
+	if err != nil {
+		return fmt.Errorf("verify: %w", err)
+	}
 	bar := chunkBar(c, stderr, plan.Chunks, "kld")
 	r, err := kld.Compare(m, base, plan, func(done, total int, mean float64) {
 		if bar != nil {
