@@ -807,9 +807,9 @@ extern "C" __global__ void __launch_bounds__(128) attention_i8(
 // Prefill attention on the tensor cores (FlashAttention-2 style) for T ≥
 // a few dozen rows at positions pos0 + t: grid (heads, units), block 128
 // (4 warps × 16 query rows), a block a query tile of 64 rows or a part of
-// its keys (AtUnit below), the tiles with the most keys first. q·scale·log2 e and each tile of 64 keys
-// (an int8 cache dequantized as (q − o)·s first) go to shared memory as
-// fp16 pairs x ≈ hi + lo, and S = Q·Kᵀ is Qhi·Khi + Qlo·Khi + Qhi·Klo on
+// its keys (AtUnit below), the tiles with the most keys first. q·scale·log2 e
+// and each tile of 64 keys (an int8 cache dequantized as (q − o)·s first)
+// go to shared memory as fp16 pairs x ≈ hi + lo, and S = Q·Kᵀ is Qhi·Khi + Qlo·Khi + Qhi·Klo on
 // mma.sync m16n8k16 with fp32 accumulators, and O = P·V likewise as
 // Phi·Vhi + Plo·Vhi + Phi·Vlo: near-fp32 results (single fp16 operands give
 // relative errors of ~3e-4, which the int8 activations of a W8A8 model turn
@@ -974,7 +974,7 @@ struct AtState {
 // however many multiprocessors idle. A unit is at most ct consecutive key
 // tiles of one query tile (ns = ⌈tiles/ct⌉ units a tile); grid (heads,
 // units of all tiles), the units of the query tiles with most keys first.
-// A tile of one unit stores its rows as before; the units of a split tile
+// A tile of one unit stores its rows directly; the units of a split tile
 // each write their unnormalised rows o and their softmax state (m, l) to
 // part_o and part_ml at slot h·units + y, and the last of them to finish
 // (a counter a (head, query tile) in cnt, back at 0 after it) combines the

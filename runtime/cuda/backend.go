@@ -1028,21 +1028,22 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 	off := kc.layerOff(layer)
 	scale := float32(1 / math.Sqrt(float64(headDim)))
 	if T >= attnTCMinRows && headDim%16 == 0 && headDim <= 128 && !(b.capturing && b.capPos) {
-		// prefill: 64 queries a block on the tensor cores
-		args := []any{d.p, qb.p, kc.k + off, kc.v + off, T, heads, kvHeads, headDim, pos0, scale}
+		// prefill: 64 queries a block on the tensor cores, the keys of
+		// long query tiles split over several blocks where that fills the
+		// device (attnSplit)
+		ct, units := b.attnSplit(T, pos0, heads)
+		var po, pml, cnt driver.DevicePtr
+		if units > (T+63)/64 { // some query tile is split: its parts, and a counter a (head, tile)
+			po = b.scratchBuf("att_tc_o", 4*64*headDim*heads*units)
+			pml = b.scratchBuf("att_tc_ml", 4*64*2*heads*units)
+			cnt = b.zeroedScratch("att_tc_cnt", 4*heads*((T+63)/64))
+		}
+		args := []any{d.p, qb.p, kc.k + off, kc.v + off, T, heads, kvHeads, headDim, pos0, scale, ct, units, po, pml, cnt}
 		if kc.quant != 0 {
 			args = append(args, kc.quantArgs(layer)...)
 		}
 		name := kc.kernel("attn_tc")
 		b.raiseSmem(name, attnTCSmem)
-		ct, units := b.attnSplit(T, pos0, heads)
-		var po, pml, cnt driver.DevicePtr
-		if units > (T+63)/64 { // some query tile is split
-			po = b.scratchBuf("att_tc_o", 4*64*headDim*heads*units)
-			pml = b.scratchBuf("att_tc_ml", 4*64*2*heads*units)
-			cnt = b.zeroedScratch("att_tc_cnt", 4*heads*((T+63)/64))
-		}
-		args = append(args[:10], append([]any{ct, units, po, pml, cnt}, args[10:]...)...)
 		b.launchShm(name, [3]uint32{uint32(heads), uint32(units), 1}, [3]uint32{128, 1, 1}, attnTCSmem, args...)
 		return
 	}
