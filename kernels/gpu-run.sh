@@ -58,6 +58,30 @@ if has ncu; then # one launch of the prefill attention (512 tokens, 32 heads) un
     grep -vE "^==PROF==|^    -{5}" "$OUT/ncu.txt" | grep -E "[0-9]" | cut -c1-150 | head -90
   fi
 fi
+# ncu_prefill_sum CSV: the kernels of one forward pass in an ncu CSV (from one embed_* launch to
+# the next), device time by kernel and the first layer's sequence
+ncu_prefill_sum() {
+  python3 - "$1" <<'PY'
+import csv, collections, sys
+hdr, seq = None, []
+for r in csv.reader(open(sys.argv[1])):
+    if r and r[0] == 'ID':
+        hdr = r
+    elif hdr and len(r) == len(hdr):
+        d = dict(zip(hdr, r))
+        seq.append((d['Kernel Name'].split('(')[0], float(d['Metric Value'].replace(',', ''))))
+idx = [i for i, (n, _) in enumerate(seq) if n.startswith('embed')]
+if len(idx) < 2:
+    sys.exit('  fewer than two embed launches in the window: widen NCU_SKIP/NCU_COUNT')
+one = seq[idx[0]:idx[1]]
+by = collections.defaultdict(float)
+for n, t in one:
+    by[n] += t
+print('  %d kernels, %.2f ms:' % (len(one), sum(t for _, t in one) / 1e6),
+      ', '.join('%s %.0f us' % (n, t / 1e3) for n, t in sorted(by.items(), key=lambda kv: -kv[1])))
+print('  first layer:', ', '.join('%s %.1f' % (n, t / 1e3) for n, t in one[1:15]))
+PY
+}
 if has ncuprefill; then # every kernel of a window of the synthetic 7B bench (a prefill of 512 tokens and more), durations as CSV
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   for f in ${NCU_FORMATS:-fp16 w8a8}; do
@@ -65,6 +89,7 @@ if has ncuprefill; then # every kernel of a window of the synthetic 7B bench (a 
       --launch-skip ${NCU_SKIP:-700} --launch-count ${NCU_COUNT:-800} \
       bin/qtool bench --synthetic llama2-7b --format "$f" --kernels=false --decode 2 > "$FINAL/ncu-prefill-$f.csv" 2> "$OUT/ncu-prefill-$f.err"
     echo "ncu prefill $f rc=$? $(grep -c gpu__time_duration "$FINAL/ncu-prefill-$f.csv") kernels"
+    ncu_prefill_sum "$FINAL/ncu-prefill-$f.csv"
   done
 fi
 if has 7b || has 7b-sq || has 7b-gptq || has 7b-awq || has 7b-c8; then
