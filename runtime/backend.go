@@ -121,15 +121,16 @@ type Fused interface {
 // RawAllocator is implemented by backends that can hand out an activation
 // buffer without zeroing it first (on a GPU, a memset as long as the buffer
 // ahead of every operation that writes one). The forward pass takes its
-// activations from it (allocRaw): each is written whole by the operation it
+// activations from it (AllocRaw): each is written whole by the operation it
 // is made for before anything reads it.
 type RawAllocator interface {
 	// AllocRaw is Alloc without the zeroing: the contents are undefined.
 	AllocRaw(rows, cols int) Buf
 }
 
-// allocRaw is be's AllocRaw where it has one, else Alloc.
-func allocRaw(be Backend, rows, cols int) Buf {
+// AllocRaw is be's AllocRaw where it has one, else Alloc: for a buffer
+// that its first writer writes whole before anything reads it.
+func AllocRaw(be Backend, rows, cols int) Buf {
 	if r, ok := be.(RawAllocator); ok {
 		return r.AllocRaw(rows, cols)
 	}
@@ -152,7 +153,7 @@ func (u Unfused) MatMulN(dst []Buf, x Buf, ws []Linear) {
 
 // NormMatMulN implements Fused.
 func (u Unfused) NormMatMulN(dst []Buf, x Buf, w, bias Vector, eps float32, ws []Linear) {
-	h := allocRaw(u.Backend, x.Rows(), x.Cols())
+	h := AllocRaw(u.Backend, x.Rows(), x.Cols())
 	u.RMSNorm(h, x, w, bias, eps)
 	u.MatMulN(dst, h, ws)
 	u.Free(h)
@@ -160,9 +161,9 @@ func (u Unfused) NormMatMulN(dst []Buf, x Buf, w, bias Vector, eps float32, ws [
 
 // NormSwiGLU implements Fused, with dst as the gate's temporary.
 func (u Unfused) NormSwiGLU(dst, x Buf, w, bias Vector, eps float32, gate, up Linear) {
-	h := allocRaw(u.Backend, x.Rows(), x.Cols())
+	h := AllocRaw(u.Backend, x.Rows(), x.Cols())
 	u.RMSNorm(h, x, w, bias, eps)
-	t := allocRaw(u.Backend, dst.Rows(), dst.Cols())
+	t := AllocRaw(u.Backend, dst.Rows(), dst.Cols())
 	u.MatMul(dst, h, gate)
 	u.MatMul(t, h, up)
 	u.SiLUMul(dst, dst, t)
@@ -172,7 +173,7 @@ func (u Unfused) NormSwiGLU(dst, x Buf, w, bias Vector, eps float32, gate, up Li
 
 // MatMulAdd implements Fused.
 func (u Unfused) MatMulAdd(dst, x Buf, w Linear) {
-	t := allocRaw(u.Backend, dst.Rows(), dst.Cols())
+	t := AllocRaw(u.Backend, dst.Rows(), dst.Cols())
 	u.MatMul(t, x, w)
 	u.Add(dst, t)
 	u.Free(t)

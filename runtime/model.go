@@ -272,7 +272,7 @@ func (m *Model) Embed(ids []int) Buf {
 			panic(fmt.Sprintf("runtime: token id %d at %d outside the vocabulary 0..%d", id, i, m.cfg.Vocab-1))
 		}
 	}
-	x := allocRaw(m.be, len(ids), m.cfg.Hidden)
+	x := AllocRaw(m.be, len(ids), m.cfg.Hidden)
 	m.be.Embed(x, m.embed, ids)
 	return x
 }
@@ -320,7 +320,7 @@ func (m *Model) weights(l int) *layerWeights {
 // buffer [T, hidden] the caller frees.
 func (m *Model) AttnNorm(l int, x Buf) Buf {
 	w := m.weights(l)
-	h := allocRaw(m.be, x.Rows(), m.cfg.Hidden)
+	h := AllocRaw(m.be, x.Rows(), m.cfg.Hidden)
 	m.be.RMSNorm(h, x, w.attnNorm, w.attnNormBias, float32(m.cfg.NormEps))
 	return h
 }
@@ -329,7 +329,7 @@ func (m *Model) AttnNorm(l int, x Buf) Buf {
 // buffer [T, hidden] the caller frees.
 func (m *Model) MLPNorm(l int, x Buf) Buf {
 	w := m.weights(l)
-	h := allocRaw(m.be, x.Rows(), m.cfg.Hidden)
+	h := AllocRaw(m.be, x.Rows(), m.cfg.Hidden)
 	m.be.RMSNorm(h, x, w.mlpNorm, w.mlpNormBias, float32(m.cfg.NormEps))
 	return h
 }
@@ -345,7 +345,7 @@ func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) B
 	c := &m.cfg
 	w := m.weights(l)
 	T := h.Rows()
-	q, k, v := allocRaw(m.be, T, c.QDim()), allocRaw(m.be, T, c.KVDim()), allocRaw(m.be, T, c.KVDim())
+	q, k, v := AllocRaw(m.be, T, c.QDim()), AllocRaw(m.be, T, c.KVDim()), AllocRaw(m.be, T, c.KVDim())
 	m.ops.MatMulN([]Buf{q, k, v}, h, []Linear{w.linear(model.Q, ov), w.linear(model.K, ov), w.linear(model.V, ov)})
 	return m.attend(l, q, k, v, pos0, cache, ov)
 }
@@ -376,7 +376,7 @@ func (m *Model) attend(l int, q, k, v Buf, pos0 int, cache KVCache, ov Overrides
 	m.ops.RoPEStoreKV(cache, cl, pos0, q, k, v, c.HeadDim, c.RopeTheta, c.Rope)
 	be.Free(k)
 	be.Free(v)
-	att := allocRaw(be, T, c.QDim())
+	att := AllocRaw(be, T, c.QDim())
 	be.Attention(att, q, cache, cl, pos0, c.Heads, c.KVHeads, c.HeadDim)
 	be.Free(q)
 	return att
@@ -389,7 +389,7 @@ func (m *Model) attend(l int, q, k, v Buf, pos0 int, cache KVCache, ov Overrides
 func (m *Model) KV(l int, h Buf, pos0 int, ov Overrides) (k, v Buf) {
 	c := &m.cfg
 	w := m.weights(l)
-	k, v = allocRaw(m.be, h.Rows(), c.KVDim()), allocRaw(m.be, h.Rows(), c.KVDim())
+	k, v = AllocRaw(m.be, h.Rows(), c.KVDim()), AllocRaw(m.be, h.Rows(), c.KVDim())
 	m.ops.MatMulN([]Buf{k, v}, h, []Linear{w.linear(model.K, ov), w.linear(model.V, ov)})
 	m.finishProduct(l, model.K, k, ov)
 	m.finishProduct(l, model.V, v, ov)
@@ -429,8 +429,8 @@ func (m *Model) finishProduct(l int, r model.Role, x Buf, ov Overrides) {
 func (m *Model) MLPHidden(l int, h Buf, ov Overrides) Buf {
 	w := m.weights(l)
 	be := m.be
-	g := allocRaw(be, h.Rows(), m.cfg.Intermediate)
-	u := allocRaw(be, h.Rows(), m.cfg.Intermediate)
+	g := AllocRaw(be, h.Rows(), m.cfg.Intermediate)
+	u := AllocRaw(be, h.Rows(), m.cfg.Intermediate)
 	m.ops.MatMulN([]Buf{g, u}, h, []Linear{w.linear(model.Gate, ov), w.linear(model.Up, ov)})
 	be.SiLUMul(g, g, u)
 	be.Free(u)
@@ -459,7 +459,7 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 	f := m.ops
 
 	// a capture sees the normed inputs, so the norms run on their own
-	q, k, v := allocRaw(be, T, c.QDim()), allocRaw(be, T, c.KVDim()), allocRaw(be, T, c.KVDim())
+	q, k, v := AllocRaw(be, T, c.QDim()), AllocRaw(be, T, c.KVDim()), AllocRaw(be, T, c.KVDim())
 	qkv, wqkv := []Buf{q, k, v}, []Linear{w.q, w.k, w.v}
 	if capture == nil {
 		f.NormMatMulN(qkv, x, w.attnNorm, w.attnNormBias, eps, wqkv)
@@ -478,7 +478,7 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 
 	var g Buf
 	if capture == nil {
-		g = allocRaw(be, T, c.Intermediate)
+		g = AllocRaw(be, T, c.Intermediate)
 		f.NormSwiGLU(g, x, w.mlpNorm, w.mlpNormBias, eps, w.gate, w.up)
 	} else {
 		h := m.MLPNorm(l, x)
@@ -496,7 +496,7 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 // FinalNorm returns norm(x), the final RMSNorm: the classifier's input, a
 // new buffer [rows, hidden] the caller frees.
 func (m *Model) FinalNorm(x Buf) Buf {
-	h := allocRaw(m.be, x.Rows(), m.cfg.Hidden)
+	h := AllocRaw(m.be, x.Rows(), m.cfg.Hidden)
 	m.be.RMSNorm(h, x, m.norm, nil, float32(m.cfg.NormEps))
 	return h
 }
@@ -505,7 +505,7 @@ func (m *Model) FinalNorm(x Buf) Buf {
 // [rows, vocab]. x is left unchanged.
 func (m *Model) Logits(x Buf) Buf {
 	h := m.FinalNorm(x)
-	out := allocRaw(m.be, x.Rows(), m.cfg.Vocab)
+	out := AllocRaw(m.be, x.Rows(), m.cfg.Vocab)
 	m.be.MatMul(out, h, m.head)
 	m.be.Free(h)
 	return out

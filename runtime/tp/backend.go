@@ -580,19 +580,10 @@ func (b *Backend) AllocRaw(rows, cols int) runtime.Buf {
 	return t
 }
 
-// allocRaw is be's AllocRaw where it has one, else Alloc: for a rank
-// buffer written whole before it is read.
-func allocRaw(be runtime.Backend, rows, cols int) runtime.Buf {
-	if r, ok := be.(runtime.RawAllocator); ok {
-		return r.AllocRaw(rows, cols)
-	}
-	return be.Alloc(rows, cols)
-}
-
 // rankAlloc allocates rank r's buffer of t: not zeroed when t is raw.
 func (b *Backend) rankAlloc(t *Buf, r, cols int) runtime.Buf {
 	if t.raw {
-		return allocRaw(b.ranks[r], t.rows, cols)
+		return runtime.AllocRaw(b.ranks[r], t.rows, cols)
 	}
 	return b.ranks[r].Alloc(t.rows, cols)
 }
@@ -699,7 +690,7 @@ func (b *Backend) replicate(t *Buf) {
 			}
 		}
 		be.Free(old[r])
-		full[r] = allocRaw(be, rows, t.cols)
+		full[r] = runtime.AllocRaw(be, rows, t.cols)
 		be.Upload(full[r], out)
 	})
 	t.parts, t.split = full, nil
@@ -722,7 +713,7 @@ func (b *Backend) toSplit(t *Buf, split [][2]int) {
 	if b.dcomm != nil {
 		b.each(func(r int) {
 			c0, w := split[r][0], split[r][1]-split[r][0]
-			parts[r] = allocRaw(b.ranks[r], t.rows, w)
+			parts[r] = runtime.AllocRaw(b.ranks[r], t.rows, w)
 			b.dev[r].Copy2D(parts[r], 0, 0, old[r], 0, c0, t.rows, w)
 			b.ranks[r].Free(old[r])
 		})
@@ -739,7 +730,7 @@ func (b *Backend) toSplit(t *Buf, split [][2]int) {
 			copy(mine[i*w:(i+1)*w], all[i*t.cols+c0:i*t.cols+c0+w])
 		}
 		be.Free(old[r])
-		parts[r] = allocRaw(be, t.rows, w)
+		parts[r] = runtime.AllocRaw(be, t.rows, w)
 		be.Upload(parts[r], mine)
 	})
 	t.parts, t.split = parts, split
@@ -1089,10 +1080,10 @@ func (b *Backend) replicateDevice(t *Buf) {
 	full := make([]runtime.Buf, n)
 	recv := make([]runtime.Buf, n)
 	b.each(func(r int) {
-		full[r] = allocRaw(b.ranks[r], rows, cols) // the pieces cover it
+		full[r] = runtime.AllocRaw(b.ranks[r], rows, cols) // the pieces cover it
 		recv[r] = full[r]
 		if rows > 1 {
-			recv[r] = allocRaw(b.ranks[r], n*rows, w)
+			recv[r] = runtime.AllocRaw(b.ranks[r], n*rows, w)
 		}
 	})
 	if rows*w > 0 && !b.skipComm {
