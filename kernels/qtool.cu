@@ -203,6 +203,20 @@ __device__ __forceinline__ int8_t quant_static(float v, float scale, float offse
 __device__ __forceinline__ int8_t quant_token(float v, float s) {
     return (int8_t)(s == 0.f ? 0.f : fminf(fmaxf(rintf(__fdiv_rn(v, s)), -127.f), 127.f));
 }
+// QOut asks a GEMM for its results quantized by quant_static (scale s,
+// offset o) to p, int8 codes at the float output's indices, instead of
+// floats: the SwiGLU of a W8A8 up GEMM written as the input of down
+// (runtime.Fused's MLP), with no fp32 copy and no quant_act. p = nullptr:
+// floats as usual.
+struct QOut {
+    int8_t* p;
+    float s, o;
+    __device__ __forceinline__ void put1(size_t i, float v) const { p[i] = quant_static(v, s, o); }
+    __device__ __forceinline__ void put4(size_t i, float4 v) const {
+        *reinterpret_cast<char4*>(p + i) =
+            make_char4(quant_static(v.x, s, o), quant_static(v.y, s, o), quant_static(v.z, s, o), quant_static(v.w, s, o));
+    }
+};
 
 // rmsnorm writes row r of RMSNorm(x) in the form its products take: to
 // dst; or rounded to fp16 to dst16 (to_half's); or quantized for W8A8 to
@@ -333,13 +347,14 @@ __device__ __forceinline__ void named_sync(int bar, int nthr) {
 // out_tile puts a thread's NU result units of a GEMM tile into C [M, N] by
 // out: unit u is W (1 or 2) values at row m, columns n (and n + 1), from
 // at(u, m, n); raw(u, i) is its value i (of type T) before fin(m, n, raw)
-// (w8a8_out of an integer sum; the identity for the float GEMMs). Stores
-// and adds are unrolled, pairs as one float2 where they can; the SwiGLU,
-// whose expf and division the unrolling would repeat at every value of
-// every GEMM, loads all its gate values first (unrolled: one latency), then
-// finishes in one rolled loop over local arrays.
+// (W8A8Fin of an integer sum; AsIs for the float GEMMs). Stores and adds
+// are unrolled, pairs as one float2 where they can; the SwiGLU, whose expf
+// and division the unrolling would repeat at every value of every GEMM,
+// loads all its gate values first (unrolled: one latency), then finishes in
+// one rolled loop over local arrays, writing its results quantized to q.p
+// where that is set (C then only read).
 template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
-__device__ __forceinline__ void out_tile(float* C, int M, int N, int out, At at, Raw raw, Fin fin) {
+__device__ __forceinline__ void out_tile(float* C, int M, int N, int out, At at, Raw raw, Fin fin, QOut q = QOut{}) {
     if (out != OUT_SWIGLU) {
         bool add = out == OUT_ADD;
 #pragma unroll
@@ -381,20 +396,34 @@ __device__ __forceinline__ void out_tile(float* C, int M, int N, int out, At at,
         at(u, m, n);
 #pragma unroll
         for (int i = 0; i < W; i++)
-            if (m < M && n + i < N) C[(size_t)m * N + n + i] = silu_times(gate[u][i], fin(m, n + i, keep[u][i]));
+            if (m < M && n + i < N) {
+                float r = silu_times(gate[u][i], fin(m, n + i, keep[u][i]));
+                if (q.p)
+                    q.put1((size_t)m * N + n + i, r);
+                else
+                    C[(size_t)m * N + n + i] = r;
+            }
     }
 }
-// AsIs is out_tile's (and out_tile_staged's) fin for float results.
+// AsIs is the fin of the float GEMMs' out_tile and out_tile_staged: the
+// value as it is. out_tile_staged asks a fin for the state of a thread's
+// four columns n.. once (cols) and applies it to each of its rows (at:
+// column n + i of row m).
 struct AsIs {
+    struct Cols {};
     __device__ __forceinline__ float operator()(int, int, float v) const { return v; }
+    __device__ __forceinline__ Cols cols(int, int) const { return Cols{}; }
+    __device__ __forceinline__ float at(const Cols&, int, int, float v) const { return v; }
 };
 // out_tile_staged is out_tile for a block whose free shared memory holds
 // the whole tile (st): the tile's raw values go there and its threads
 // finish it four columns a thread, rows apart: every load and store of C a
-// coalesced float4, a thread's columns the same in every row. The adds and
-// the SwiGLU load OTS_BATCH float4 of C a thread before they use any (one
-// round trip to memory a batch instead of one an item: the epilogue runs
-// after the products, with nothing else to hide it).
+// coalesced float4, a thread's columns the same in every row, their part
+// of fin (fin.cols) taken once (the column tail past a multiple of 4 takes
+// fin whole). The adds and the SwiGLU load OTS_BATCH float4 of C a thread
+// before they use any (one round trip to memory a batch instead of one an
+// item: the epilogue runs after the products, with nothing else to hide
+// it).
 #define OTS_BATCH 4
 template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
 __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out, At at, Raw raw, Fin fin,
@@ -410,6 +439,7 @@ __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out,
     named_sync(st.bar, st.nthr);
     const int items = TS_ROWS * TS_COLS / 4, c = st.tid % (TS_COLS / 4) * 4, n = st.n0 + c;
     const bool vec = (N & 3) == 0 && n < N;  // this thread's four columns as one float4 (the same in every row)
+    const typename Fin::Cols fc = fin.cols(n, N);
 #pragma unroll 1
     for (int e0 = st.tid; e0 < items; e0 += OTS_BATCH * st.nthr) {
         float4 g[OTS_BATCH];
@@ -427,7 +457,8 @@ __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out,
             const T* kp = st.s + r * TS_LD + c;
             float* cp = C + (size_t)m * N + n;
             if (vec) {
-                float4 v = make_float4(fin(m, n, kp[0]), fin(m, n + 1, kp[1]), fin(m, n + 2, kp[2]), fin(m, n + 3, kp[3]));
+                float4 v = make_float4(fin.at(fc, m, 0, kp[0]), fin.at(fc, m, 1, kp[1]), fin.at(fc, m, 2, kp[2]),
+                                       fin.at(fc, m, 3, kp[3]));
                 if (out != OUT_STORE)
                     v = make_float4(out_val(&g[j].x, v.x, out), out_val(&g[j].y, v.y, out), out_val(&g[j].z, v.z, out),
                                     out_val(&g[j].w, v.w, out));
@@ -2547,6 +2578,13 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaMap* map, int
         ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
         : "memory");
 }
+// tma_load_3d is tma_load_2d of the box at (x, y, z).
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaMap* map, int x, int y, int z, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
+        : "memory");
+}
 // wg_desc is the wgmma descriptor of a K-major tile at shared address a:
 // rows of 128 bytes, 128-byte swizzle, 8-row groups 1024 bytes apart.
 __device__ __forceinline__ uint64_t wg_desc(uint32_t a) {
@@ -2684,7 +2722,10 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
 }
 // GH_S8: A and W int8 tiles of 128 rows of 128 codes a K step, the
 // integer sums handed to epi(at, raw, stage) as out_tile_staged takes them.
-template <int WK, typename Epi>
+// PAIR (GH_S8 only): mapW is a 3-D map over two weights of N rows as
+// planes, and a block's W tile is rows n0..n0 + 63 of each (n0 =
+// 64·blockIdx.y), one copy a K step: gemm_wg_s8_glu.
+template <int WK, bool PAIR = false, typename Epi>
 __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap* mapA, const TmaMap* mapW,
                                              const float2* __restrict__ sz, int M, int N, int gs, int G, int kt0,
                                              int kt1, int out, Epi epi) {
@@ -2702,7 +2743,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     auto at = [&](uint32_t a) { return gw_raw + (a - raw); };      // generic address of shared address a
     // blockIdx.x walks the activation tiles: the blocks running at once
     // share weight tiles, so each weight tile leaves device memory once
-    int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128, n0 = blockIdx.y * 128, nk = kt1 - kt0;
+    int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128, n0 = blockIdx.y * (PAIR ? 64 : 128), nk = kt1 - kt0;
     if (tid == 0) {
         for (int s = 0; s < GW_STAGES; s++) {
             mbar_init(full(s), QUANT ? 1 + 128 : 1);  // the copy engine's bytes; the scales' copies
@@ -2722,7 +2763,10 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             if (tid == 0) {
                 mbar_expect_tx(full(s), 128 * GW_BK * 2 + gw_w_bytes<WK>());
                 tma_load_2d(tileA(s), mapA, (kt0 + i) * BKE, m0, full(s));
-                tma_load_2d(tileW(s), mapW, (kt0 + i) * BKE / (WK == GH_Q4 ? 8 : 1), n0, full(s));
+                if constexpr (PAIR)
+                    tma_load_3d(tileW(s), mapW, (kt0 + i) * BKE, n0, 0, full(s));
+                else
+                    tma_load_2d(tileW(s), mapW, (kt0 + i) * BKE / (WK == GH_Q4 ? 8 : 1), n0, full(s));
             }
             if (QUANT) {
                 bool v = n0 + tid < N;
@@ -2913,22 +2957,103 @@ extern "C" __global__ void __launch_bounds__(256) quant_act_token(int8_t* __rest
 
 // w8a8_out is the epilogue of both W8A8 products: static, (acc + qbias)·deq;
 // dynamic (tok set), (acc·tok[m])·deq with deq the weight scales; then the
-// bias. No fused multiply-add, as on the CPU.
+// bias. No fused multiply-add, as on the CPU. w8a8_val is the same of the
+// values t = tok[m] (dynamic), qb = qbias[n] (static), d = deq[n] and
+// b = bias[n] (with a bias).
+__device__ __forceinline__ float w8a8_val(int acc, bool dynamic, float t, int qb, float d, bool biased, float b) {
+    float v = dynamic ? __fmul_rn(__fmul_rn((float)acc, t), d) : __fmul_rn((float)(acc + qb), d);
+    return biased ? __fadd_rn(v, b) : v;
+}
 __device__ __forceinline__ float w8a8_out(int acc, int m, int n, const int* __restrict__ qbias,
                                           const float* __restrict__ deq, const float* __restrict__ bias,
                                           const float* __restrict__ tok) {
-    float v = tok ? __fmul_rn(__fmul_rn((float)acc, tok[m]), deq[n]) : __fmul_rn((float)(acc + qbias[n]), deq[n]);
-    if (bias) v = __fadd_rn(v, bias[n]);
-    return v;
+    return w8a8_val(acc, tok, tok ? tok[m] : 0.f, tok ? 0 : qbias[n], deq[n], bias, bias ? bias[n] : 0.f);
+}
+// W8A8Fin is w8a8_out as the fin of out_tile and out_tile_staged (see
+// AsIs): a thread's four columns' qbias, deq and bias loaded once (cols;
+// zeros past N) for all its rows.
+struct W8A8Fin {
+    const int* __restrict__ qbias;
+    const float* __restrict__ deq;
+    const float* __restrict__ bias;
+    const float* __restrict__ tok;
+    struct Cols {
+        int qb[4];
+        float d[4], b[4];
+    };
+    __device__ __forceinline__ float operator()(int m, int n, int acc) const {
+        return w8a8_out(acc, m, n, qbias, deq, bias, tok);
+    }
+    __device__ __forceinline__ Cols cols(int n, int N) const {
+        Cols c;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            bool in = n + i < N;
+            c.qb[i] = in && !tok ? qbias[n + i] : 0;
+            c.d[i] = in ? deq[n + i] : 0.f;
+            c.b[i] = in && bias ? bias[n + i] : 0.f;
+        }
+        return c;
+    }
+    __device__ __forceinline__ float at(const Cols& c, int m, int i, int acc) const {
+        return w8a8_val(acc, tok, tok ? tok[m] : 0.f, c.qb[i], c.d[i], bias, c.b[i]);
+    }
+};
+// glu_tile is gemm_wg_s8_glu's epilogue: the 32 units (two integer sums
+// each, as out_tile's) of each consumer thread go to the tile stage st,
+// whose 128 columns are 64 of each weight's products (those of the up
+// weight first where upFirst); then each thread takes four outputs n.. of
+// rows 16 apart: silu(g(gate))·u(up) to C [M, N], or quantized to q.p.
+template <typename At, typename Raw>
+__device__ __forceinline__ void glu_tile(float* C, int M, int N, At at, Raw raw, W8A8Fin g, W8A8Fin u, bool upFirst,
+                                         TileStage<int> st, QOut q) {
+    named_sync(st.bar, st.nthr);  // every thread is done with the stages
+#pragma unroll
+    for (int v = 0; v < 32; v++) {
+        int m, n;
+        at(v, m, n);
+#pragma unroll
+        for (int i = 0; i < 2; i++) st.s[(m - st.m0) * TS_LD + n + i - st.n0] = raw(v, i);
+    }
+    named_sync(st.bar, st.nthr);
+    const int c = st.tid % 16 * 4, n = st.n0 + c, gc = upFirst ? 64 + c : c, uc = upFirst ? c : 64 + c;
+    const bool vec = (N & 3) == 0 && n < N;
+    const W8A8Fin::Cols gcols = g.cols(n, N), ucols = u.cols(n, N);
+#pragma unroll 2
+    for (int r = st.tid / 16; r < TS_ROWS; r += st.nthr / 16) {
+        int m = st.m0 + r;
+        if (m >= M) break;
+        const int* kp = st.s + r * TS_LD;
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] = silu_times(g.at(gcols, m, i, kp[gc + i]), u.at(ucols, m, i, kp[uc + i]));
+        size_t o = (size_t)m * N + n;
+        if (vec) {
+            if (q.p)
+                q.put4(o, make_float4(v[0], v[1], v[2], v[3]));
+            else
+                *reinterpret_cast<float4*>(C + o) = make_float4(v[0], v[1], v[2], v[3]);
+            continue;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (n + i < N) {
+                if (q.p)
+                    q.put1(o + i, v[i]);
+                else
+                    C[o + i] = v[i];
+            }
+    }
 }
 // w8a8_tile is the epilogue of a W8A8 GEMM tile (units as out_tile's, two
 // integer sums each): split K, the sums stored to part; else w8a8_out put
-// into y by out (STAGED: through out_tile_staged and st).
+// into y by out, the SwiGLU quantized to q where q.p is set (STAGED:
+// through out_tile_staged and st, q unset).
 template <int NU, bool STAGED = false, typename At, typename Raw>
 __device__ __forceinline__ void w8a8_tile(float* y, int* part, int M, int N, int out, At at, Raw raw,
                                           const int* __restrict__ qbias, const float* __restrict__ deq,
                                           const float* __restrict__ bias, const float* __restrict__ tok,
-                                          TileStage<int> st = TileStage<int>{}) {
+                                          QOut q = QOut{}, TileStage<int> st = TileStage<int>{}) {
     if (part) {
 #pragma unroll
         for (int u = 0; u < NU; u++) {
@@ -2940,11 +3065,11 @@ __device__ __forceinline__ void w8a8_tile(float* y, int* part, int M, int N, int
         }
         return;
     }
-    auto fin = [&](int m, int n, int acc) { return w8a8_out(acc, m, n, qbias, deq, bias, tok); };
+    W8A8Fin fin{qbias, deq, bias, tok};
     if constexpr (STAGED)
         out_tile_staged<NU, 2, int>(y, M, N, out, at, raw, fin, st);
     else
-        out_tile<NU, 2, int>(y, M, N, out, at, raw, fin);
+        out_tile<NU, 2, int>(y, M, N, out, at, raw, fin, q);
 }
 
 // grid (ceil(N/8), M), block 256: one warp per output, put into y by
@@ -2983,7 +3108,8 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
 // past K or rows past M/N are zero-filled). With gridDim.z > 1 split z takes
 // an equal share of the K steps and writes its integer sums, not y, to the
 // int32 array y + z·M·N; w8a8_sum_splits adds them and applies w8a8_out
-// and out.
+// and out. yq set: the results quantized there (QOut{yq, qs, qo}), y only
+// read (OUT_ADD, OUT_SWIGLU).
 #define W8_BM 128
 #define W8_BN 128
 #define W8_BK 64
@@ -2998,7 +3124,7 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, ui
 extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
     float* __restrict__ y, const int8_t* __restrict__ xq, const int8_t* __restrict__ W,
     const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
-    const float* __restrict__ tok, int M, int N, int K, int out) {
+    const float* __restrict__ tok, int M, int N, int K, int8_t* yq, float qs, float qo, int out) {
     PDL_ENTRY();
     extern __shared__ __align__(16) unsigned char w8_smem[];
     int8_t (*As)[W8_BM * W8_LD] = reinterpret_cast<int8_t (*)[W8_BM * W8_LD]>(w8_smem);
@@ -3073,21 +3199,28 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_mma(
             m = bm + wm * 32 + (u >> 4) * 16 + gid + (u & 1) * 8;
             n = bn + wn * 64 + ((u >> 1) & 7) * 8 + 2 * tq;
         },
-        [&](int u, int e) { return acc[u >> 4][(u >> 1) & 7][2 * (u & 1) + e]; }, qbias, deq, bias, tok);
+        [&](int u, int e) { return acc[u >> 4][(u >> 1) & 7][2 * (u & 1) + e]; }, qbias, deq, bias, tok,
+        QOut{yq, qs, qo});
 }
 
 // w8a8_out of the S splits' integer sums of w8a8_mma (part: S × M × N
-// int32) into y by out; integer addition, so the result is the unsplit
-// kernel's.
+// int32) into y by out, or quantized to yq (QOut); integer addition, so the
+// result is the unsplit kernel's.
 extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __restrict__ part, int S, int M, int N,
                                            const int* __restrict__ qbias, const float* __restrict__ deq,
-                                           const float* __restrict__ bias, const float* __restrict__ tok, int out) {
+                                           const float* __restrict__ bias, const float* __restrict__ tok,
+                                           int8_t* yq, float qs, float qo, int out) {
     PDL_ENTRY();
     long long n = (long long)M * N;
+    QOut q{yq, qs, qo};
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         int acc = 0;
         for (int s = 0; s < S; s++) acc += part[s * n + i];
-        y[i] = out_val(y + i, w8a8_out(acc, (int)(i / N), (int)(i % N), qbias, deq, bias, tok), out);
+        float v = out_val(y + i, w8a8_out(acc, (int)(i / N), (int)(i % N), qbias, deq, bias, tok), out);
+        if (yq)
+            q.put1(i, v);
+        else
+            y[i] = v;
     }
 }
 
@@ -3106,8 +3239,28 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;
     gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, M, N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,
                         [&](auto at, auto raw, TileStage<int> st) {
-                            w8a8_tile<32, true>(y, part, M, N, out, at, raw, qbias, deq, bias, tok, st);
+                            w8a8_tile<32, true>(y, part, M, N, out, at, raw, qbias, deq, bias, tok, QOut{}, st);
                         });
+}
+// gemm_wg_s8_glu(y, yq, qs, qo, mapA, mapGU, gate and up {qbias, deq, bias},
+// tok, M, N, K, upFirst): the W8A8 gate and up products of one int8 input
+// [M, K] (mapA) and their SwiGLU silu(gate)·up in one launch, with no gate
+// products in memory: a block's W tile is 64 rows of each weight
+// (gemm_wg_body's PAIR: mapGU covers both as the planes of one tensor,
+// plane 0 the one at the lower address, the up weight where upFirst), its
+// result tile 128 rows × 64 outputs (glu_tile). The SwiGLU goes to y [M, N]
+// as floats, or quantized to yq (QOut). No K split.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    gemm_wg_s8_glu(float* y, int8_t* yq, float qs, float qo, const __grid_constant__ TmaMap mapA,
+                   const __grid_constant__ TmaMap mapGU, const int* __restrict__ gqb, const float* __restrict__ gdeq,
+                   const float* __restrict__ gbias, const int* __restrict__ uqb, const float* __restrict__ udeq,
+                   const float* __restrict__ ubias, const float* __restrict__ tok, int M, int N, int K, int upFirst) {
+    PDL_ENTRY();
+    gemm_wg_body<GH_S8, true>(y, &mapA, &mapGU, nullptr, M, N, 128, 0, 0, (K + 127) / 128, OUT_STORE,
+                              [&](auto at, auto raw, TileStage<int> st) {
+                                  glu_tile(y, M, N, at, raw, W8A8Fin{gqb, gdeq, gbias, tok},
+                                           W8A8Fin{uqb, udeq, ubias, tok}, upFirst, st, QOut{yq, qs, qo});
+                              });
 }
 #endif
 

@@ -116,6 +116,10 @@ type Fused interface {
 	// RoPEStoreKV is RoPE(q, …), RoPE(k, …), then StoreKV(c, layer, pos0,
 	// k, v): q and k are left rotated.
 	RoPEStoreKV(c KVCache, layer, pos0 int, q, k, v Buf, headDim int, theta float64, layout model.RopeLayout)
+	// MLP is NormSwiGLU(g, x, w, bias, eps, gate, up) then
+	// MatMulAdd(x, g, down) with g a temporary: the MLP block on the
+	// residual x, the SwiGLU's result down's input alone.
+	MLP(x Buf, w, bias Vector, eps float32, gate, up, down Linear)
 }
 
 // RawAllocator is implemented by backends that can hand out an activation
@@ -184,4 +188,26 @@ func (u Unfused) RoPEStoreKV(c KVCache, layer, pos0 int, q, k, v Buf, headDim in
 	u.RoPE(q, headDim, pos0, theta, layout)
 	u.RoPE(k, headDim, pos0, theta, layout)
 	u.StoreKV(c, layer, pos0, k, v)
+}
+
+// MLP implements Fused.
+func (u Unfused) MLP(x Buf, w, bias Vector, eps float32, gate, up, down Linear) {
+	MLPSeq(u, x, w, bias, eps, gate, up, down)
+}
+
+// FusedBackend is a Backend with its Fused operations (Unfused, or a
+// backend that fuses).
+type FusedBackend interface {
+	Backend
+	Fused
+}
+
+// MLPSeq runs Fused.MLP as the sequence its comment names, on f's
+// NormSwiGLU and MatMulAdd: for a backend that fuses those but not the
+// whole block.
+func MLPSeq(f FusedBackend, x Buf, w, bias Vector, eps float32, gate, up, down Linear) {
+	g := AllocRaw(f, x.Rows(), gate.Out())
+	f.NormSwiGLU(g, x, w, bias, eps, gate, up)
+	f.MatMulAdd(x, g, down)
+	f.Free(g)
 }

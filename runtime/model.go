@@ -476,19 +476,15 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 	f.MatMulAdd(x, att, w.o)
 	be.Free(att)
 
-	var g Buf
 	if capture == nil {
-		g = AllocRaw(be, T, c.Intermediate)
-		f.NormSwiGLU(g, x, w.mlpNorm, w.mlpNormBias, eps, w.gate, w.up)
-	} else {
-		h := m.MLPNorm(l, x)
-		capture(l, CaptureGateUp, h)
-		g = m.MLPHidden(l, h, nil)
-		be.Free(h)
+		f.MLP(x, w.mlpNorm, w.mlpNormBias, eps, w.gate, w.up, w.down)
+		return
 	}
-	if capture != nil {
-		capture(l, CaptureDown, g)
-	}
+	h := m.MLPNorm(l, x)
+	capture(l, CaptureGateUp, h)
+	g := m.MLPHidden(l, h, nil)
+	be.Free(h)
+	capture(l, CaptureDown, g)
 	f.MatMulAdd(x, g, w.down)
 	be.Free(g)
 }

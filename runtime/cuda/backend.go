@@ -283,8 +283,9 @@ func kernelNames() []string {
 }
 
 // hopperKernels are the kernels only the sm_90a PTX holds (wgmma: the
-// values of hopperGEMM), looked up where it is loaded.
-var hopperKernels = slices.Sorted(maps.Values(hopperGEMM))
+// values of hopperGEMM and the W8A8 gate/up pair), looked up where it is
+// loaded.
+var hopperKernels = append(slices.Sorted(maps.Values(hopperGEMM)), "gemm_wg_s8_glu")
 
 // enter binds the context to the calling thread; call the result when done.
 func (b *Backend) enter() func() {

@@ -192,34 +192,15 @@ func checkNormProducts(t *testing.T, b *Backend, x, h *Buf, nw, nb runtime.Vecto
 // quantized (static: one scale and offset for all weights; per token)
 // against RMSNorm in fp32 followed by the products, which quantize it
 // themselves: equal bit for bit, at decode and prefill sizes. Weights with
-// different static quantizers take the fp32 norm.
+// different static quantizers take the fp32 norm. From 128 rows on Hopper,
+// NormSwiGLU's gate and up run as one gemm_wg_s8_glu launch (gluPair),
+// here checked against the two products and SiLUMul.
 func TestNormQuantized(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(27, 28))
 	const K, eps = 512, 1e-5
 	w8a8 := func(n int, dynamic bool, inScale float32) runtime.Linear {
-		q := &model.Quantized{Bits: 8, Rows: n, Cols: K, Q: make([]int8, n*K), Scale: make([]float32, n)}
-		for i := range q.Q {
-			q.Q[i] = int8(r.IntN(255) - 127)
-		}
-		w := &model.W8A8{Weight: q, Dynamic: dynamic, Bias: make([]float32, n)}
-		if !dynamic {
-			w.InputScale, w.InputOffset = inScale, 2
-			w.DeqScale, w.QuantBias = make([]float32, n), make([]int32, n)
-		}
-		for i := 0; i < n; i++ {
-			q.Scale[i] = float32(0.001 + 0.01*r.Float64())
-			w.Bias[i] = float32(r.Float64() - 0.5)
-			if !dynamic {
-				w.DeqScale[i] = inScale * q.Scale[i]
-				w.QuantBias[i] = int32(r.IntN(2000) - 1000)
-			}
-		}
-		lw, err := b.UploadLinear("w8a8", w)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return lw
+		return uploadW8A8(t, b, r, n, K, dynamic, inScale)
 	}
 	nw, _ := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
 	nb, _ := b.UploadVector("norm_bias", model.FromFloat32([]int{K}, randVec(r, K, 0.1)))
@@ -232,7 +213,7 @@ func TestNormQuantized(t *testing.T) {
 		{"dynamic", true, [4]float32{}},
 		{"static-mixed", false, [4]float32{0.02, 0.03, 0.02, 0.02}},
 	} {
-		outs := []int{200, 72, 40, 40}
+		outs := []int{200, 72, 42, 42} // gate/up: N % 4 = 2, the SwiGLU epilogues' column tails
 		ws := make([]runtime.Linear, 4)
 		for i := range ws {
 			ws[i] = w8a8(outs[i], tc.dynamic, tc.scales[i])
@@ -243,6 +224,91 @@ func TestNormQuantized(t *testing.T) {
 				defer b.Free(x)
 				defer b.Free(h)
 				checkNormProducts(t, b, x, h, nw, nb, eps, ws[:3], ws[2], ws[3], 0)
+			})
+		}
+	}
+}
+
+// uploadW8A8 uploads a random W8A8 weight [n, k]: activations quantized
+// per token (dynamic) or with scale inScale and offset 2.
+func uploadW8A8(t *testing.T, b *Backend, r *rand.Rand, n, k int, dynamic bool, inScale float32) runtime.Linear {
+	t.Helper()
+	q := &model.Quantized{Bits: 8, Rows: n, Cols: k, Q: make([]int8, n*k), Scale: make([]float32, n)}
+	for i := range q.Q {
+		q.Q[i] = int8(r.IntN(255) - 127)
+	}
+	w := &model.W8A8{Weight: q, Dynamic: dynamic, Bias: make([]float32, n)}
+	if !dynamic {
+		w.InputScale, w.InputOffset = inScale, 2
+		w.DeqScale, w.QuantBias = make([]float32, n), make([]int32, n)
+	}
+	for i := 0; i < n; i++ {
+		q.Scale[i] = float32(0.001 + 0.01*r.Float64())
+		w.Bias[i] = float32(r.Float64() - 0.5)
+		if !dynamic {
+			w.DeqScale[i] = inScale * q.Scale[i]
+			w.QuantBias[i] = int32(r.IntN(2000) - 1000)
+		}
+	}
+	lw, err := b.UploadLinear("w8a8", w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return lw
+}
+
+// TestMLPQuantizedDown checks runtime.Fused's MLP where the SwiGLU is
+// written as down's W8A8 input, its int8 codes (gemm_wg_s8_glu on Hopper;
+// the mma.sync GEMM's epilogue, split or not) against the sequence it
+// stands for: the residual equal bit for bit, with one launch fewer (no
+// quant_act) where the SwiGLU is quantized (a static quantizer for down,
+// GEMM rows, one kernel for gate and up or the mma.sync GEMM) and the same
+// launches where it is not (decode rows, a per-token quantizer, gate and
+// up with different quantizers on Hopper).
+func TestMLPQuantizedDown(t *testing.T) {
+	b := newTestBackend(t)
+	defer func() { b.maxSplits, b.opt.NoWGMMA = 0, false }()
+	r := rand.New(rand.NewPCG(41, 42))
+	const K, inter, eps = 512, 640, 1e-5 // 8 K steps of w8a8_mma: two splits of up where the tiles are few
+	nw, _ := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
+	nb, _ := b.UploadVector("norm_bias", model.FromFloat32([]int{K}, randVec(r, K, 0.1)))
+	for _, tc := range []struct {
+		name      string
+		dynamic   bool
+		upScale   float32 // the gate's: 0.02
+		maxSplits int
+		noWGMMA   bool
+	}{
+		{"static", false, 0.02, 0, false},
+		{"static/unsplit", false, 0.02, 1, false},
+		{"static/mma.sync", false, 0.02, 0, true},
+		{"static/mma.sync/unsplit", false, 0.02, 1, true},
+		{"static/gate≠up", false, 0.03, 0, false},
+		{"dynamic", true, 0.02, 0, false},
+	} {
+		b.maxSplits, b.opt.NoWGMMA = tc.maxSplits, tc.noWGMMA
+		gate, up := uploadW8A8(t, b, r, inter, K, false, 0.02), uploadW8A8(t, b, r, inter, K, false, tc.upScale)
+		down := uploadW8A8(t, b, r, K, inter, tc.dynamic, 0.05)
+		for _, M := range []int{1, 5, 130, 300} {
+			t.Run(fmt.Sprintf("%s/M=%d", tc.name, M), func(t *testing.T) {
+				x := randVec(r, M*K, 1)
+				want, got := upload(b, M, K, x), upload(b, M, K, x)
+				defer b.Free(want)
+				defer b.Free(got)
+				n0 := b.launches
+				runtime.MLPSeq(b, want, nw, nb, eps, gate, up, down)
+				n1 := b.launches
+				b.MLP(got, nw, nb, eps, gate, up, down)
+				compare(t, "residual", download(b, got), download(b, want), 0)
+				nSeq, nFused := n1-n0, b.launches-n1
+				wantN := nSeq
+				mmaSync := b.wgmmaKernel("w8a8_mma", M) == ""
+				if quantizes := !tc.dynamic && M > b.opt.GEMVMaxRows && (mmaSync || tc.upScale == 0.02); quantizes {
+					wantN--
+				}
+				if nFused != wantN {
+					t.Errorf("%d launches, want %d (the sequence: %d)", nFused, wantN, nSeq)
+				}
 			})
 		}
 	}

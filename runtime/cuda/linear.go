@@ -81,6 +81,12 @@ type Linear struct {
 	// wmap is w's tensor map for its Hopper GEMM, encoded at the first
 	// launch (prepareWG).
 	wmap *driver.TensorMap
+	// glu is the 3-D tensor map of this gate weight and the up weight at
+	// gluWith as two planes for gemm_wg_s8_glu, the up weight first where
+	// gluUpFirst (gluPair).
+	glu        *driver.TensorMap
+	gluWith    driver.DevicePtr
+	gluUpFirst bool
 }
 
 // Out implements runtime.Linear.
@@ -586,39 +592,11 @@ func (b *Backend) halfGEMM(l *Linear, M int, forceGEMM bool) bool {
 // matmul dispatches d = in·lᵀ, the products put into d by out;
 // forceGEMM picks the tensor-core path whatever M is.
 func (b *Backend) matmul(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int) {
-	M, N, K := in.x.rows, l.out, l.in
 	if l.kind == kindW8A8 {
-		xq, tok := b.quantized(in, l)
-		// the int8 tensor cores split K into integer partial sums, which
-		// w8a8_sum_splits adds exactly
-		sum := func(part driver.DevicePtr, S int) {
-			b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok, out)
-		}
-		if wg := b.wgmmaKernel("w8a8_mma", M); wg != "" { // K steps of 128 int8
-			grid, shm, wmap := b.prepareWG(wg, xq, l.w, l, M)
-			b.launchSplit(wg, grid, block384, shm, b.sms, (K+127)/128, d, out, []any{b.tmaps[0], wmap, l.qbias, l.deq, l.bias, tok, M, N, K}, sum)
-			return
-		}
-		if M > b.opt.GEMVMaxRows || forceGEMM { // 128 × 128 tiles
-			b.raiseSmem("w8a8_mma", w8a8MMASmem)
-			grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
-			b.launchSplit("w8a8_mma", grid, block256, w8a8MMASmem, 2*b.sms, (K+w8a8BK-1)/w8a8BK, d, out,
-				[]any{xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K}, sum)
-			return
-		}
-		// dp4a, one warp per output and one block row per activation row:
-		// at most 65535 rows a launch
-		for r0 := 0; r0 < M; r0 += 65535 {
-			m := min(65535, M-r0)
-			t := tok
-			if t != 0 {
-				t += driver.DevicePtr(4 * r0)
-			}
-			b.launch("w8a8_gemm", [3]uint32{uint32((N + 7) / 8), uint32(m), 1}, block256, d.p+driver.DevicePtr(4*r0*N),
-				xq+driver.DevicePtr(r0*K), l.w, l.qbias, l.deq, l.bias, t, N, K, out)
-		}
+		b.w8a8(d, in, l, forceGEMM, out, quantOut{})
 		return
 	}
+	M, N, K := in.x.rows, l.out, l.in
 	grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
 	if b.halfGEMM(l, M, forceGEMM) {
 		// activations rounded to fp16 once, both operands streamed
@@ -676,6 +654,77 @@ func (b *Backend) matmul(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int)
 		b.putOut(d, t, out)
 		b.Free(t)
 	}
+}
+
+// quantOut asks a W8A8 GEMM for its SwiGLU as the int8 input of a W8A8
+// product with a static quantizer (qtool.cu's QOut): the codes of key at p
+// instead of floats (p = 0: floats as usual).
+type quantOut struct {
+	p   driver.DevicePtr
+	key actQuant
+}
+
+// args are q's kernel arguments (int8_t* p, float scale, float offset).
+func (q quantOut) args() []any { return []any{q.p, q.key.scale, q.key.offset} }
+
+// staticInput returns where the producer of the M-row input of a product
+// with l may write that input as l's int8 codes (quantOut: scratch
+// "xq_in"), or nowhere (p = 0) unless l is W8A8 with a static quantizer.
+func (b *Backend) staticInput(l *Linear, M int) quantOut {
+	if l.kind != kindW8A8 || l.dynamic {
+		return quantOut{}
+	}
+	return quantOut{p: b.scratchBuf("xq_in", M*l.in), key: l.actQuant()}
+}
+
+// input is the gemmIn of the product whose M × K input q holds (made by
+// its producer): no floats, the codes for q.key.
+func (q quantOut) input(M, K int) *gemmIn {
+	return &gemmIn{x: &Buf{rows: M, cols: K}, xq: q.p, xqKey: q.key}
+}
+
+// w8a8 is matmul for a W8A8 weight l. With q.p set and out the SwiGLU,
+// the results are quantized to q instead of being written to d (which
+// holds the gate's products) where the kernel can (the mma.sync GEMM and
+// the sums of its K splits; on Hopper gemm_wg_s8_glu does it for gate
+// and up together, gluPair); it reports whether they were.
+func (b *Backend) w8a8(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int, q quantOut) bool {
+	M, N, K := in.x.rows, l.out, l.in
+	if out != outSwiGLU {
+		q = quantOut{}
+	}
+	xq, tok := b.quantized(in, l)
+	// the int8 tensor cores split K into integer partial sums, which
+	// w8a8_sum_splits adds exactly
+	sum := func(q quantOut) func(part driver.DevicePtr, S int) {
+		return func(part driver.DevicePtr, S int) {
+			b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, append([]any{d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok}, append(q.args(), out)...)...)
+		}
+	}
+	if wg := b.wgmmaKernel("w8a8_mma", M); wg != "" { // K steps of 128 int8
+		grid, shm, wmap := b.prepareWG(wg, xq, l.w, l, M)
+		b.launchSplit(wg, grid, block384, shm, b.sms, (K+127)/128, d, out, []any{b.tmaps[0], wmap, l.qbias, l.deq, l.bias, tok, M, N, K}, sum(quantOut{}))
+		return false
+	}
+	if M > b.opt.GEMVMaxRows || forceGEMM { // 128 × 128 tiles
+		b.raiseSmem("w8a8_mma", w8a8MMASmem)
+		grid := [3]uint32{uint32((N + 127) / 128), uint32((M + 127) / 128), 1}
+		b.launchSplit("w8a8_mma", grid, block256, w8a8MMASmem, 2*b.sms, (K+w8a8BK-1)/w8a8BK, d, out,
+			append([]any{xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K}, q.args()...), sum(q))
+		return q.p != 0
+	}
+	// dp4a, one warp per output and one block row per activation row:
+	// at most 65535 rows a launch
+	for r0 := 0; r0 < M; r0 += 65535 {
+		m := min(65535, M-r0)
+		t := tok
+		if t != 0 {
+			t += driver.DevicePtr(4 * r0)
+		}
+		b.launch("w8a8_gemm", [3]uint32{uint32((N + 7) / 8), uint32(m), 1}, block256, d.p+driver.DevicePtr(4*r0*N),
+			xq+driver.DevicePtr(r0*K), l.w, l.qbias, l.deq, l.bias, t, N, K, out)
+	}
+	return false
 }
 
 // putOut puts the products p into d by out with an elementwise kernel.
@@ -776,15 +825,22 @@ func (b *Backend) prepareWG(name string, a, w driver.DevicePtr, l *Linear, M int
 	default:
 		wmap = l.wmap
 	}
+	shm = b.actMap(name, a, M, K)
+	b.raiseSmem(name, shm)
+	return [3]uint32{uint32((M + 127) / 128), uint32((N + 127) / 128), 1}, shm, wmap
+}
+
+// actMap encodes b.tmaps[0], the tensor map of Hopper GEMM name's
+// activations a [M, K] (fp16; int8 for gemm_wg_s8), and returns the
+// GEMM's dynamic shared memory.
+func (b *Backend) actMap(name string, a driver.DevicePtr, M, K int) (shm int) {
 	at, aw := uint32(driver.TensorMapFloat16), uint64(2) // activations' type and width
 	if name == "gemm_wg_s8" {
 		at, aw = driver.TensorMapUint8, 1
 	}
 	// a K step is 128 bytes of activations whatever their type
 	b.must(b.drv.EncodeTensorMap2D(b.tmaps[0], at, a, uint64(M), uint64(K), aw*uint64(K), 128, uint32(128/aw), driver.TensorMapSwizzle128))
-	shm = gemmWGSmem(name)
-	b.raiseSmem(name, shm)
-	return [3]uint32{uint32((M + 127) / 128), uint32((N + 127) / 128), 1}, shm, wmap
+	return gemmWGSmem(name)
 }
 
 // encodeWeightMap encodes into m the tensor map of weight w [N, K] as
@@ -1026,11 +1082,19 @@ func (b *Backend) normed(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps flo
 // of another GEMV, then silu_mul; otherwise RMSNorm, the gate's products
 // into dst, and the up products with the SwiGLU in their epilogue (OUT_SWIGLU).
 func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up runtime.Linear) {
-	d := buf(dst)
 	s, segs := b.segments("NormSwiGLU", []runtime.Buf{dst, dst}, x, []runtime.Linear{gate, up})
 	defer b.enter()()
+	b.normSwiGLU(s, segs, w, bias, eps, quantOut{})
+}
+
+// normSwiGLU is NormSwiGLU on checked operands (segs: gate and up into
+// the same output). With q set, a W8A8 up GEMM writes the SwiGLU quantized
+// to q instead of into the output (which then holds the gate's products);
+// it reports whether that happened.
+func (b *Backend) normSwiGLU(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps float32, q quantOut) bool {
+	d := segs[0].d
 	if b.normStreamed("NormSwiGLU", s, segs, w, bias, eps, gemvSwiGLU) {
-		return
+		return false
 	}
 	in := b.normed(s, segs, w, bias, eps)
 	if _, _, ok := b.gemvPlan(segs, s.rows); ok {
@@ -1039,10 +1103,78 @@ func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps flo
 		b.gemv(in.x, segs, gemvEpi{})
 		b.putOut(d, u, outSwiGLU)
 		b.Free(u)
-		return
+		return false
+	}
+	if b.gluPair(d, in, segs[0].l, segs[1].l, q) {
+		return q.p != 0
 	}
 	b.matmul(d, in, segs[0].l, false, outStore)
+	if up := segs[1].l; up.kind == kindW8A8 {
+		return b.w8a8(d, in, up, false, outSwiGLU, q)
+	}
 	b.matmul(d, in, segs[1].l, false, outSwiGLU)
+	return false
+}
+
+// gluPair runs the gate and up products of in and their SwiGLU as one
+// launch of gemm_wg_s8_glu, where both weights are W8A8 with one
+// quantizer and the Hopper GEMMs take in's rows: the SwiGLU into d, or
+// quantized to q where q.p is set (d then unwritten), and no gate products
+// in memory. It reports whether it ran.
+func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q quantOut) bool {
+	M, N, K := in.x.rows, gate.out, gate.in
+	const name = "gemm_wg_s8_glu"
+	if gate.kind != kindW8A8 || up.kind != kindW8A8 || up.out != N || up.in != K || gate.actQuant() != up.actQuant() ||
+		b.wgmmaKernel("w8a8_mma", M) == "" {
+		return false
+	}
+	if gate.glu == nil || gate.gluWith != up.w {
+		lo, hi, upFirst := gate.w, up.w, up.w < gate.w
+		if upFirst {
+			lo, hi = hi, lo
+		}
+		if gate.glu == nil {
+			gate.glu = driver.NewTensorMaps(1)[0]
+		}
+		// planes of 64-row boxes: a block's W tile is 64 rows of each
+		if err := b.drv.EncodeTensorMap3D(gate.glu, driver.TensorMapUint8, lo, 2, uint64(N), uint64(K), uint64(K), uint64(hi-lo), 2, 64, 128, driver.TensorMapSwizzle128); err != nil {
+			gate.glu = nil
+			return false
+		}
+		gate.gluWith, gate.gluUpFirst = up.w, upFirst
+	}
+	xq, tok := b.quantized(in, gate)
+	shm := b.actMap("gemm_wg_s8", xq, M, K)
+	b.raiseSmem(name, shm)
+	grid := [3]uint32{uint32((M + 127) / 128), uint32((N + 63) / 64), 1}
+	upFirst := 0
+	if gate.gluUpFirst {
+		upFirst = 1
+	}
+	b.launchShm(name, grid, block384, shm, append(append([]any{d.p}, q.args()...), b.tmaps[0], gate.glu, gate.qbias, gate.deq, gate.bias,
+		up.qbias, up.deq, up.bias, tok, M, N, K, upFirst)...)
+	return true
+}
+
+// MLP implements runtime.Fused: NormSwiGLU, then down's products added to
+// x. Where down is W8A8 with a static quantizer and the up products run
+// on a W8A8 GEMM, that GEMM's SwiGLU epilogue writes down's int8 input
+// (no fp32 SwiGLU, no quant_act).
+func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear) {
+	g := b.AllocRaw(x.Rows(), gate.Out())
+	defer b.Free(g)
+	s, segs := b.segments("MLP", []runtime.Buf{g, g}, x, []runtime.Linear{gate, up})
+	_, dseg := b.segments("MLP", []runtime.Buf{x}, g, []runtime.Linear{down})
+	if s.rows == 0 {
+		return
+	}
+	defer b.enter()()
+	q := b.staticInput(dseg[0].l, s.rows)
+	if b.normSwiGLU(s, segs, w, bias, eps, q) {
+		b.matmul(s, q.input(s.rows, down.In()), dseg[0].l, false, outAdd)
+		return
+	}
+	b.matmul(s, &gemmIn{x: buf(g)}, dseg[0].l, false, outAdd)
 }
 
 // MatMulAdd implements runtime.Fused: the GEMV kernels and the GEMMs add

@@ -185,3 +185,9 @@ func (b *Backend) replicatedVector(op string, w, bias runtime.Vector) (*vector, 
 	}
 	return wv, bv
 }
+
+// MLP implements runtime.Fused: NormSwiGLU, then MatMulAdd (each on the
+// ranks' pieces as above).
+func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear) {
+	runtime.MLPSeq(b, x, w, bias, eps, gate, up, down)
+}

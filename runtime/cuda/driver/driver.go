@@ -476,18 +476,30 @@ const (
 // read as zeros. pitch and a box row's bytes must be multiples of 16, p
 // 16-byte aligned, a box row at most the swizzle span.
 func (d *Driver) EncodeTensorMap2D(m *TensorMap, dtype uint32, p DevicePtr, rows, cols, pitch uint64, boxRows, boxCols uint32, swizzle uint32) error {
+	return d.encodeTiled(m, dtype, p, []uint64{cols, rows}, []uint64{pitch}, []uint32{boxCols, boxRows}, swizzle)
+}
+
+// EncodeTensorMap3D is EncodeTensorMap2D for planes such matrices, the
+// first at p, each planePitch bytes after the one before (a multiple of
+// 16; the planes may be separate allocations), copied in boxes of
+// boxPlanes × boxRows × boxCols.
+func (d *Driver) EncodeTensorMap3D(m *TensorMap, dtype uint32, p DevicePtr, planes, rows, cols, pitch, planePitch uint64, boxPlanes, boxRows, boxCols uint32, swizzle uint32) error {
+	return d.encodeTiled(m, dtype, p, []uint64{cols, rows, planes}, []uint64{pitch, planePitch}, []uint32{boxCols, boxRows, boxPlanes}, swizzle)
+}
+
+// encodeTiled encodes a tiled tensor map of len(dims) dimensions, the
+// innermost first (strides: the bytes between steps of every dimension
+// but the first; box: the copied box).
+func (d *Driver) encodeTiled(m *TensorMap, dtype uint32, p DevicePtr, dims, strides []uint64, box []uint32, swizzle uint32) error {
 	if d.cuTensorMapEncodeTiled == nil {
 		return fmt.Errorf("cuTensorMapEncodeTiled: the driver predates CUDA 12")
 	}
 	if uintptr(unsafe.Pointer(m))%64 != 0 {
 		return fmt.Errorf("cuTensorMapEncodeTiled: tensor map at %p is not 64-byte aligned", m)
 	}
-	dims := [2]uint64{cols, rows}
-	strides := [1]uint64{pitch}
-	box := [2]uint32{boxCols, boxRows}
-	elem := [2]uint32{1, 1}
+	elem := [5]uint32{1, 1, 1, 1, 1}
 	const l2Promote256 = 3
-	return d.check("cuTensorMapEncodeTiled", d.cuTensorMapEncodeTiled(m, dtype, 2, p, &dims[0], &strides[0], &box[0], &elem[0], 0, swizzle, l2Promote256, 0))
+	return d.check("cuTensorMapEncodeTiled", d.cuTensorMapEncodeTiled(m, dtype, uint32(len(dims)), p, &dims[0], &strides[0], &box[0], &elem[0], 0, swizzle, l2Promote256, 0))
 }
 
 // MemAlloc allocates n bytes of device memory.
