@@ -471,6 +471,61 @@ __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out,
         }
     }
 }
+// GluEpi is the epilogue of a gate/up pair GEMM (gemm_wg_*_glu): fin of
+// the gate's and the up products (W8A8Fin, or AsIs for the float kinds),
+// which of the two is the tile's plane 0 (its first 64 columns), and
+// where the SwiGLU goes quantized (q.p set: W8A8 only) instead of C.
+template <typename Fin>
+struct GluEpi {
+    Fin g, u;
+    bool upFirst;
+    QOut q;
+};
+// glu_tile puts the NU units of W values (as out_tile's) of each consumer
+// thread into the tile stage st, whose 128 columns are 64 of each
+// weight's products; then each thread takes four outputs n.. of rows 16
+// apart: silu(g(gate))·u(up) to C [M, N], or quantized to e.q.p.
+template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
+__device__ __forceinline__ void glu_tile(float* C, int M, int N, At at, Raw raw, const GluEpi<Fin>& e,
+                                         TileStage<T> st) {
+    named_sync(st.bar, st.nthr);  // every thread is done with the stages
+#pragma unroll
+    for (int v = 0; v < NU; v++) {
+        int m, n;
+        at(v, m, n);
+#pragma unroll
+        for (int i = 0; i < W; i++) st.s[(m - st.m0) * TS_LD + n + i - st.n0] = raw(v, i);
+    }
+    named_sync(st.bar, st.nthr);
+    const int c = st.tid % 16 * 4, n = st.n0 + c, gc = e.upFirst ? 64 + c : c, uc = e.upFirst ? c : 64 + c;
+    const bool vec = (N & 3) == 0 && n < N;
+    const typename Fin::Cols gcols = e.g.cols(n, N), ucols = e.u.cols(n, N);
+#pragma unroll 2
+    for (int r = st.tid / 16; r < TS_ROWS; r += st.nthr / 16) {
+        int m = st.m0 + r;
+        if (m >= M) break;
+        const T* kp = st.s + r * TS_LD;
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] = silu_times(e.g.at(gcols, m, i, kp[gc + i]), e.u.at(ucols, m, i, kp[uc + i]));
+        size_t o = (size_t)m * N + n;
+        if (vec) {
+            if (e.q.p)
+                e.q.put4(o, make_float4(v[0], v[1], v[2], v[3]));
+            else
+                *reinterpret_cast<float4*>(C + o) = make_float4(v[0], v[1], v[2], v[3]);
+            continue;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (n + i < N) {
+                if (e.q.p)
+                    e.q.put1(o + i, v[i]);
+                else
+                    C[o + i] = v[i];
+            }
+    }
+}
 extern "C" __global__ void add_inplace(float* __restrict__ dst, const float* __restrict__ x, long long n) {
     PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
@@ -2722,13 +2777,14 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
 }
 // GH_S8: A and W int8 tiles of 128 rows of 128 codes a K step, the
 // integer sums handed to epi(at, raw, stage) as out_tile_staged takes them.
-// PAIR (GH_S8 only): mapW is a 3-D map over two weights of N rows as
-// planes, and a block's W tile is rows n0..n0 + 63 of each (n0 =
-// 64·blockIdx.y), one copy a K step: gemm_wg_s8_glu.
+// PAIR: mapW is a 3-D map over two weights of N rows as planes, and a
+// block's W tile is rows n0..n0 + 63 of each (n0 = 64·blockIdx.y), one
+// copy a K step, with the {scale, zero} of plane 0 from sz and of plane 1
+// from sz2; epi is then the GluEpi of glu_tile (gemm_wg_*_glu).
 template <int WK, bool PAIR = false, typename Epi>
 __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap* mapA, const TmaMap* mapW,
-                                             const float2* __restrict__ sz, int M, int N, int gs, int G, int kt0,
-                                             int kt1, int out, Epi epi) {
+                                             const float2* __restrict__ sz, const float2* __restrict__ sz2, int M,
+                                             int N, int gs, int G, int kt0, int kt1, int out, Epi epi) {
     constexpr int SB = gw_stage_bytes<WK>();
     constexpr int BKE = WK == GH_S8 ? 128 : GW_BK;  // elements of a K step
     constexpr bool QUANT = WK == GH_Q4 || WK == GH_Q8;
@@ -2764,13 +2820,14 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
                 mbar_expect_tx(full(s), 128 * GW_BK * 2 + gw_w_bytes<WK>());
                 tma_load_2d(tileA(s), mapA, (kt0 + i) * BKE, m0, full(s));
                 if constexpr (PAIR)
-                    tma_load_3d(tileW(s), mapW, (kt0 + i) * BKE, n0, 0, full(s));
+                    tma_load_3d(tileW(s), mapW, (kt0 + i) * BKE / (WK == GH_Q4 ? 8 : 1), n0, 0, full(s));
                 else
                     tma_load_2d(tileW(s), mapW, (kt0 + i) * BKE / (WK == GH_Q4 ? 8 : 1), n0, full(s));
             }
             if (QUANT) {
-                bool v = n0 + tid < N;
-                const float2* src = sz + (size_t)(n0 + tid) * G + (kt0 + i) * GW_BK / gs;
+                int row = n0 + (PAIR ? tid & 63 : tid);  // this thread's weight row (of plane tid / 64)
+                bool v = row < N;
+                const float2* src = (PAIR && tid >= 64 ? sz2 : sz) + (size_t)row * G + (kt0 + i) * GW_BK / gs;
                 cp_async8_zfill(at(tileS(s)) + 8 * tid, v ? (const void*)src : (const void*)sz, v);
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full(s)) : "memory");
             }
@@ -2809,7 +2866,11 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             n = n0 + (u >> 1) * 8 + 2 * (lane & 3);
         };
         auto raw = [&](int u, int e) { return d[4 * (u >> 1) + 2 * (u & 1) + e]; };
-        if constexpr (WK == GH_S8)
+        if constexpr (PAIR && WK == GH_S8)
+            glu_tile<32, 2>(C, M, N, at, raw, epi, TileStage<int>{reinterpret_cast<int*>(st.s), st.m0, st.n0, st.bar, st.nthr, st.tid});
+        else if constexpr (PAIR)
+            glu_tile<32, 2>(C, M, N, at, raw, epi, st);
+        else if constexpr (WK == GH_S8)
             epi(at, raw, TileStage<int>{reinterpret_cast<int*>(st.s), st.m0, st.n0, st.bar, st.nthr, st.tid});
         else
             out_tile_staged<32, 2, float>(C, M, N, out, at, raw, AsIs{}, st);
@@ -2866,13 +2927,15 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         // accumulator e of n8 chunk j: weight row 16·warp + lane/4 (+8 for
         // e ≥ 2), activation row 8j + 2·(lane % 4) (+1 for odd e)
         // (unit u = 4j + e)
-        out_tile_staged<64, 1, float>(
-            C, M, N, out,
-            [&](int u, int& m, int& n) {
-                m = m0 + (u >> 2) * 8 + 2 * t + (u & 1);
-                n = n0 + rw + (lane >> 2) + 8 * ((u >> 1) & 1);
-            },
-            [&](int u, int) { return d[u]; }, AsIs{}, st);
+        auto unit = [&](int u, int& m, int& n) {
+            m = m0 + (u >> 2) * 8 + 2 * t + (u & 1);
+            n = n0 + rw + (lane >> 2) + 8 * ((u >> 1) & 1);
+        };
+        auto raw = [&](int u, int) { return d[u]; };
+        if constexpr (PAIR)
+            glu_tile<64, 1>(C, M, N, unit, raw, epi, st);
+        else
+            out_tile_staged<64, 1, float>(C, M, N, out, unit, raw, AsIs{}, st);
     }
 }
 // name(C, mapA, mapW, sz, M, N, K, gs, G, out): mapA over the fp16 activations
@@ -2886,13 +2949,33 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
              int M, int N, int K, int gs, int G, int out) {                                                      \
         PDL_ENTRY();                                                                                             \
         KSplit ks = k_split((K + GW_BK - 1) / GW_BK);                                                            \
-        gemm_wg_body<WK>(C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, M, N, gs, G, ks.kt0, ks.kt1,          \
+        gemm_wg_body<WK>(C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, nullptr, M, N, gs, G, ks.kt0, ks.kt1, \
                          SPLIT_OUT, 0);                                                                          \
     }
 GEMM_WG_ENTRY(gemm_wg_f16, GH_F16)
 GEMM_WG_ENTRY(gemm_wg_bf16, GH_BF16)
 GEMM_WG_ENTRY(gemm_wg_q4, GH_Q4)
 GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
+// name_glu(C, mapA, mapGU, sz, sz2, M, N, K, gs, G, upFirst): the gate and
+// up products of one fp16 input [M, K] (mapA) and their SwiGLU
+// silu(gate)·up into C [M, N] in one launch, with no gate products in
+// memory: name's GEMM with a block's W tile 64 rows of each weight
+// (gemm_wg_body's PAIR: mapGU covers both as the planes of one tensor,
+// plane 0 the one at the lower address, the up weight where upFirst; sz
+// and sz2 the planes' {scale, zero}), its result tile 128 rows × 64
+// outputs (glu_tile). No K split.
+#define GEMM_WG_GLU_ENTRY(name, WK)                                                                              \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
+        name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapGU, const float2* sz, \
+             const float2* sz2, int M, int N, int K, int gs, int G, int upFirst) {                               \
+        PDL_ENTRY();                                                                                             \
+        gemm_wg_body<WK, true>(C, &mapA, &mapGU, sz, sz2, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK, OUT_STORE,    \
+                               GluEpi<AsIs>{AsIs{}, AsIs{}, upFirst != 0, QOut{}});                              \
+    }
+GEMM_WG_GLU_ENTRY(gemm_wg_f16_glu, GH_F16)
+GEMM_WG_GLU_ENTRY(gemm_wg_bf16_glu, GH_BF16)
+GEMM_WG_GLU_ENTRY(gemm_wg_q4_glu, GH_Q4)
+GEMM_WG_GLU_ENTRY(gemm_wg_q8_glu, GH_Q8)
 #endif
 
 // The fused GEMMs split K over grid.z where the tiles alone would leave the
@@ -2999,52 +3082,6 @@ struct W8A8Fin {
         return w8a8_val(acc, tok, tok ? tok[m] : 0.f, c.qb[i], c.d[i], bias, c.b[i]);
     }
 };
-// glu_tile is gemm_wg_s8_glu's epilogue: the 32 units (two integer sums
-// each, as out_tile's) of each consumer thread go to the tile stage st,
-// whose 128 columns are 64 of each weight's products (those of the up
-// weight first where upFirst); then each thread takes four outputs n.. of
-// rows 16 apart: silu(g(gate))·u(up) to C [M, N], or quantized to q.p.
-template <typename At, typename Raw>
-__device__ __forceinline__ void glu_tile(float* C, int M, int N, At at, Raw raw, W8A8Fin g, W8A8Fin u, bool upFirst,
-                                         TileStage<int> st, QOut q) {
-    named_sync(st.bar, st.nthr);  // every thread is done with the stages
-#pragma unroll
-    for (int v = 0; v < 32; v++) {
-        int m, n;
-        at(v, m, n);
-#pragma unroll
-        for (int i = 0; i < 2; i++) st.s[(m - st.m0) * TS_LD + n + i - st.n0] = raw(v, i);
-    }
-    named_sync(st.bar, st.nthr);
-    const int c = st.tid % 16 * 4, n = st.n0 + c, gc = upFirst ? 64 + c : c, uc = upFirst ? c : 64 + c;
-    const bool vec = (N & 3) == 0 && n < N;
-    const W8A8Fin::Cols gcols = g.cols(n, N), ucols = u.cols(n, N);
-#pragma unroll 2
-    for (int r = st.tid / 16; r < TS_ROWS; r += st.nthr / 16) {
-        int m = st.m0 + r;
-        if (m >= M) break;
-        const int* kp = st.s + r * TS_LD;
-        float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) v[i] = silu_times(g.at(gcols, m, i, kp[gc + i]), u.at(ucols, m, i, kp[uc + i]));
-        size_t o = (size_t)m * N + n;
-        if (vec) {
-            if (q.p)
-                q.put4(o, make_float4(v[0], v[1], v[2], v[3]));
-            else
-                *reinterpret_cast<float4*>(C + o) = make_float4(v[0], v[1], v[2], v[3]);
-            continue;
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            if (n + i < N) {
-                if (q.p)
-                    q.put1(o + i, v[i]);
-                else
-                    C[o + i] = v[i];
-            }
-    }
-}
 // w8a8_tile is the epilogue of a W8A8 GEMM tile (units as out_tile's, two
 // integer sums each): split K, the sums stored to part; else w8a8_out put
 // into y by out, the SwiGLU quantized to q where q.p is set (STAGED:
@@ -3237,7 +3274,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     PDL_ENTRY();
     KSplit ks = k_split((K + 127) / 128);
     int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;
-    gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, M, N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,
+    gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, nullptr, M, N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,
                         [&](auto at, auto raw, TileStage<int> st) {
                             w8a8_tile<32, true>(y, part, M, N, out, at, raw, qbias, deq, bias, tok, QOut{}, st);
                         });
@@ -3256,11 +3293,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                    const float* __restrict__ gbias, const int* __restrict__ uqb, const float* __restrict__ udeq,
                    const float* __restrict__ ubias, const float* __restrict__ tok, int M, int N, int K, int upFirst) {
     PDL_ENTRY();
-    gemm_wg_body<GH_S8, true>(y, &mapA, &mapGU, nullptr, M, N, 128, 0, 0, (K + 127) / 128, OUT_STORE,
-                              [&](auto at, auto raw, TileStage<int> st) {
-                                  glu_tile(y, M, N, at, raw, W8A8Fin{gqb, gdeq, gbias, tok},
-                                           W8A8Fin{uqb, udeq, ubias, tok}, upFirst, st, QOut{yq, qs, qo});
-                              });
+    gemm_wg_body<GH_S8, true>(y, &mapA, &mapGU, nullptr, nullptr, M, N, 128, 0, 0, (K + 127) / 128, OUT_STORE,
+                              GluEpi<W8A8Fin>{W8A8Fin{gqb, gdeq, gbias, tok}, W8A8Fin{uqb, udeq, ubias, tok},
+                                              upFirst != 0, QOut{yq, qs, qo}});
 }
 #endif
 

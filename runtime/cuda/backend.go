@@ -283,9 +283,8 @@ func kernelNames() []string {
 }
 
 // hopperKernels are the kernels only the sm_90a PTX holds (wgmma: the
-// values of hopperGEMM and the W8A8 gate/up pair), looked up where it is
-// loaded.
-var hopperKernels = append(slices.Sorted(maps.Values(hopperGEMM)), "gemm_wg_s8_glu")
+// values of hopperGEMM and gluKernels), looked up where it is loaded.
+var hopperKernels = append(slices.Sorted(maps.Values(hopperGEMM)), slices.Sorted(maps.Values(gluKernels))...)
 
 // enter binds the context to the calling thread; call the result when done.
 func (b *Backend) enter() func() {

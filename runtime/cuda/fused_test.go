@@ -119,6 +119,12 @@ func TestFusedLinearSteps(t *testing.T) {
 				tol = 1e-4
 			}
 			t.Run(fmt.Sprintf("%s/M=%d/streaming=%v", wc.name, M, streaming), func(t *testing.T) {
+				if b.wgmma && M >= dequantGEMMMinRows {
+					// NormSwiGLU's gate/up pair (gluPair) sums K in one
+					// pass: the products it is compared with, unsplit too
+					b.maxSplits = 1
+					defer func() { b.maxSplits = 0 }()
+				}
 				x, h := normedInput(b, r, M, K, nw, nb, eps)
 				free := []*Buf{x, h}
 				defer func() {
@@ -225,6 +231,60 @@ func TestNormQuantized(t *testing.T) {
 				defer b.Free(h)
 				checkNormProducts(t, b, x, h, nw, nb, eps, ws[:3], ws[2], ws[3], 0)
 			})
+		}
+	}
+}
+
+// TestGLUPair checks NormSwiGLU where gate and up run as one Hopper GEMM
+// (gluPair: gemm_wg_*_glu) against RMSNorm, the two products and SiLUMul
+// (unsplit, as the pair): equal within 1e-6 of the largest value (the same
+// sums), for every weight kind of weightCases but the GEMV-only ones, at
+// 130 and 300 rows of 198 outputs (64-row planes with a tail, N % 4 = 2).
+// Kinds a Hopper GEMM takes only widened (int4 g32, g_idx) keep their two
+// products. The W8A8 pair is TestNormQuantized's and TestMLPQuantizedDown's.
+func TestGLUPair(t *testing.T) {
+	b := newTestBackend(t)
+	if !b.wgmma {
+		t.Skip("no Hopper GEMMs (sm_90a PTX) on this device: no gate/up pair kernels")
+	}
+	defer func() { b.maxSplits = 0 }()
+	b.maxSplits = 1
+	r := rand.New(rand.NewPCG(51, 52))
+	ran := map[string]bool{}
+	kernel := map[int]string{kindF16: "gemm_wg_f16_glu", kindBF16: "gemm_wg_bf16_glu", kindQ4: "gemm_wg_q4_glu", kindQ8: "gemm_wg_q8_glu"}
+	const N, eps = 198, 1e-5
+	for _, wc := range weightCases {
+		if wc.tall || wc.k > 4096 { // the GEMVs' shapes
+			continue
+		}
+		K := 256
+		if wc.k > 0 {
+			K = wc.k
+		}
+		ws := make([]runtime.Linear, 2)
+		for i := range ws {
+			w, _ := wc.make(r, N, K)
+			var err error
+			if ws[i], err = b.UploadLinear(wc.name, w); err != nil {
+				t.Fatalf("%s: upload: %v", wc.name, err)
+			}
+		}
+		nw, _ := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
+		for _, M := range []int{130, 300} {
+			t.Run(fmt.Sprintf("%s/M=%d", wc.name, M), func(t *testing.T) {
+				x, h := normedInput(b, r, M, K, nw, nil, eps)
+				defer b.Free(x)
+				defer b.Free(h)
+				checkNormProducts(t, b, x, h, nw, nil, eps, ws[:1], ws[0], ws[1], 1e-6)
+			})
+		}
+		if g := lin(ws[0]); g.glu != nil {
+			ran[kernel[g.kind]] = true
+		}
+	}
+	for _, k := range kernel {
+		if !ran[k] && !t.Failed() {
+			t.Errorf("no case runs %s", k)
 		}
 	}
 }

@@ -82,8 +82,8 @@ type Linear struct {
 	// launch (prepareWG).
 	wmap *driver.TensorMap
 	// glu is the 3-D tensor map of this gate weight and the up weight at
-	// gluWith as two planes for gemm_wg_s8_glu, the up weight first where
-	// gluUpFirst (gluPair).
+	// gluWith as two planes for a gemm_wg_*_glu kernel, the up weight
+	// first where gluUpFirst (gluPair, gluMap).
 	glu        *driver.TensorMap
 	gluWith    driver.DevicePtr
 	gluUpFirst bool
@@ -844,24 +844,38 @@ func (b *Backend) actMap(name string, a driver.DevicePtr, M, K int) (shm int) {
 }
 
 // encodeWeightMap encodes into m the tensor map of weight w [N, K] as
-// Hopper GEMM name reads it: fp16/bf16 rows of 64 values a K step
-// (128-byte swizzle), 4-bit words (8 a step), int8 codes (64 a step; 128
-// for gemm_wg_s8, swizzled).
+// Hopper GEMM name reads it (weightMapFormat), 128 rows a box.
 func (b *Backend) encodeWeightMap(m *driver.TensorMap, name string, w driver.DevicePtr, N, K int) {
+	f := weightMapFormat(name, K)
+	b.must(b.drv.EncodeTensorMap2D(m, f.dtype, w, uint64(N), f.cols, f.pitch, 128, f.box, f.swizzle))
+}
+
+// mapFormat is how a Hopper GEMM's tensor map reads a weight's rows:
+// their element type, elements and pitch in bytes, the elements of a K
+// step (a box's width) and the swizzle.
+type mapFormat struct {
+	dtype        uint32
+	cols, pitch  uint64
+	box, swizzle uint32
+}
+
+// weightMapFormat is the mapFormat of Hopper GEMM name for weights of K
+// input features: fp16/bf16 rows of 64 values a K step (128-byte
+// swizzle), 4-bit words (8 a step), int8 codes (64 a step; 128 for
+// gemm_wg_s8, swizzled).
+func weightMapFormat(name string, K int) mapFormat {
+	k := uint64(K)
 	switch name {
-	case "gemm_wg_f16", "gemm_wg_bf16":
-		wt := uint32(driver.TensorMapFloat16)
-		if name == "gemm_wg_bf16" {
-			wt = driver.TensorMapBFloat16
-		}
-		b.must(b.drv.EncodeTensorMap2D(m, wt, w, uint64(N), uint64(K), uint64(2*K), 128, 64, driver.TensorMapSwizzle128))
+	case "gemm_wg_bf16":
+		return mapFormat{driver.TensorMapBFloat16, k, 2 * k, 64, driver.TensorMapSwizzle128}
 	case "gemm_wg_q4":
-		b.must(b.drv.EncodeTensorMap2D(m, driver.TensorMapUint32, w, uint64(N), uint64(K/8), uint64(K/2), 128, 8, driver.TensorMapNoSwizzle))
+		return mapFormat{driver.TensorMapUint32, k / 8, k / 2, 8, driver.TensorMapNoSwizzle}
 	case "gemm_wg_q8":
-		b.must(b.drv.EncodeTensorMap2D(m, driver.TensorMapUint8, w, uint64(N), uint64(K), uint64(K), 128, 64, driver.TensorMapNoSwizzle))
+		return mapFormat{driver.TensorMapUint8, k, k, 64, driver.TensorMapNoSwizzle}
 	case "gemm_wg_s8":
-		b.must(b.drv.EncodeTensorMap2D(m, driver.TensorMapUint8, w, uint64(N), uint64(K), uint64(K), 128, 128, driver.TensorMapSwizzle128))
+		return mapFormat{driver.TensorMapUint8, k, k, 128, driver.TensorMapSwizzle128}
 	}
+	return mapFormat{driver.TensorMapFloat16, k, 2 * k, 64, driver.TensorMapSwizzle128}
 }
 
 var block384 = [3]uint32{384, 1, 1}
@@ -1079,8 +1093,10 @@ func (b *Backend) normed(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps flo
 
 // NormSwiGLU implements runtime.Fused: one launch of the streaming 4-bit
 // GEMV (norm, both products and the SwiGLU); both products in one launch
-// of another GEMV, then silu_mul; otherwise RMSNorm, the gate's products
-// into dst, and the up products with the SwiGLU in their epilogue (OUT_SWIGLU).
+// of another GEMV, then silu_mul; otherwise RMSNorm, then on Hopper both
+// products and the SwiGLU in one GEMM (gluPair), else the gate's products
+// into dst and the up products with the SwiGLU in their epilogue
+// (OUT_SWIGLU).
 func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up runtime.Linear) {
 	s, segs := b.segments("NormSwiGLU", []runtime.Buf{dst, dst}, x, []runtime.Linear{gate, up})
 	defer b.enter()()
@@ -1088,9 +1104,9 @@ func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps flo
 }
 
 // normSwiGLU is NormSwiGLU on checked operands (segs: gate and up into
-// the same output). With q set, a W8A8 up GEMM writes the SwiGLU quantized
-// to q instead of into the output (which then holds the gate's products);
-// it reports whether that happened.
+// the same output), gate and up as one GEMM where gluPair can. With q set,
+// W8A8 GEMMs write the SwiGLU quantized to q instead of into the output
+// (gluPair, w8a8); it reports whether that happened.
 func (b *Backend) normSwiGLU(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps float32, q quantOut) bool {
 	d := segs[0].d
 	if b.normStreamed("NormSwiGLU", s, segs, w, bias, eps, gemvSwiGLU) {
@@ -1105,8 +1121,8 @@ func (b *Backend) normSwiGLU(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps
 		b.Free(u)
 		return false
 	}
-	if b.gluPair(d, in, segs[0].l, segs[1].l, q) {
-		return q.p != 0
+	if ran, quantized := b.gluPair(d, in, segs[0].l, segs[1].l, q); ran {
+		return quantized
 	}
 	b.matmul(d, in, segs[0].l, false, outStore)
 	if up := segs[1].l; up.kind == kindW8A8 {
@@ -1116,43 +1132,81 @@ func (b *Backend) normSwiGLU(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps
 	return false
 }
 
+// gluKernels are the Hopper GEMMs' gate/up pair kernels (gluPair).
+var gluKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_glu", "gemm_wg_bf16": "gemm_wg_bf16_glu",
+	"gemm_wg_q4": "gemm_wg_q4_glu", "gemm_wg_q8": "gemm_wg_q8_glu", "gemm_wg_s8": "gemm_wg_s8_glu"}
+
 // gluPair runs the gate and up products of in and their SwiGLU as one
-// launch of gemm_wg_s8_glu, where both weights are W8A8 with one
-// quantizer and the Hopper GEMMs take in's rows: the SwiGLU into d, or
-// quantized to q where q.p is set (d then unwritten), and no gate products
-// in memory. It reports whether it ran.
-func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q quantOut) bool {
+// launch of a gemm_wg_*_glu kernel, where both weights are of one kind
+// that a Hopper GEMM takes for in's rows without widening (W8A8: with one
+// quantizer): the SwiGLU into d or, for W8A8, quantized to q where q.p is
+// set (quantized; d then unwritten), and no gate products in memory. ran
+// reports whether it did.
+func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q quantOut) (ran, quantized bool) {
 	M, N, K := in.x.rows, gate.out, gate.in
-	const name = "gemm_wg_s8_glu"
-	if gate.kind != kindW8A8 || up.kind != kindW8A8 || up.out != N || up.in != K || gate.actQuant() != up.actQuant() ||
-		b.wgmmaKernel("w8a8_mma", M) == "" {
-		return false
+	if up.kind != gate.kind || up.out != N || up.in != K || up.gs != gate.gs || up.groups != gate.groups ||
+		up.perm != gate.perm || gate.gidx != 0 || up.gidx != 0 {
+		return false, false
 	}
-	if gate.glu == nil || gate.gluWith != up.w {
-		lo, hi, upFirst := gate.w, up.w, up.w < gate.w
-		if upFirst {
-			lo, hi = hi, lo
+	var wg string
+	switch {
+	case gate.kind == kindW8A8:
+		if gate.actQuant() == up.actQuant() {
+			wg = b.wgmmaKernel("w8a8_mma", M)
 		}
-		if gate.glu == nil {
-			gate.glu = driver.NewTensorMaps(1)[0]
+	case b.halfGEMM(gate, M, false):
+		if gh, widen := gemmHKernel(gate); !widen {
+			wg = b.wgmmaKernel(gh, M)
 		}
-		// planes of 64-row boxes: a block's W tile is 64 rows of each
-		if err := b.drv.EncodeTensorMap3D(gate.glu, driver.TensorMapUint8, lo, 2, uint64(N), uint64(K), uint64(K), uint64(hi-lo), 2, 64, 128, driver.TensorMapSwizzle128); err != nil {
-			gate.glu = nil
-			return false
-		}
-		gate.gluWith, gate.gluUpFirst = up.w, upFirst
 	}
-	xq, tok := b.quantized(in, gate)
-	shm := b.actMap("gemm_wg_s8", xq, M, K)
-	b.raiseSmem(name, shm)
+	name := gluKernels[wg]
+	if name == "" || !b.gluMap(wg, gate, up) {
+		return false, false
+	}
 	grid := [3]uint32{uint32((M + 127) / 128), uint32((N + 63) / 64), 1}
 	upFirst := 0
 	if gate.gluUpFirst {
 		upFirst = 1
 	}
-	b.launchShm(name, grid, block384, shm, append(append([]any{d.p}, q.args()...), b.tmaps[0], gate.glu, gate.qbias, gate.deq, gate.bias,
-		up.qbias, up.deq, up.bias, tok, M, N, K, upFirst)...)
+	if gate.kind == kindW8A8 {
+		xq, tok := b.quantized(in, gate)
+		shm := b.actMap(wg, xq, M, K)
+		b.raiseSmem(name, shm)
+		b.launchShm(name, grid, block384, shm, append(append([]any{d.p}, q.args()...), b.tmaps[0], gate.glu, gate.qbias, gate.deq,
+			gate.bias, up.qbias, up.deq, up.bias, tok, M, N, K, upFirst)...)
+		return true, q.p != 0
+	}
+	shm := b.actMap(wg, b.half(in, gate), M, K)
+	b.raiseSmem(name, shm)
+	sz, sz2 := gate.sz, up.sz // in plane order
+	if gate.gluUpFirst {
+		sz, sz2 = sz2, sz
+	}
+	b.launchShm(name, grid, block384, shm, d.p, b.tmaps[0], gate.glu, sz, sz2, M, N, K, max(gate.gs, gemmHBK), gate.groups, upFirst)
+	return true, false
+}
+
+// gluMap makes sure gate.glu is the 3-D tensor map of gate's and up's
+// weights as two planes for Hopper GEMM wg's pair kernel (the one at the
+// lower address first: gluUpFirst), a block's W tile 64 rows of each,
+// encoded once; it reports false where the driver refuses it.
+func (b *Backend) gluMap(wg string, gate, up *Linear) bool {
+	if gate.glu != nil && gate.gluWith == up.w {
+		return true
+	}
+	lo, hi, upFirst := gate.w, up.w, up.w < gate.w
+	if upFirst {
+		lo, hi = hi, lo
+	}
+	if gate.glu == nil {
+		gate.glu = driver.NewTensorMaps(1)[0]
+	}
+	f := weightMapFormat(wg, gate.in)
+	if err := b.drv.EncodeTensorMap3D(gate.glu, f.dtype, lo, 2, uint64(gate.out), f.cols, f.pitch, uint64(hi-lo), 2, 64, f.box, f.swizzle); err != nil {
+		gate.glu = nil
+		return false
+	}
+	gate.gluWith, gate.gluUpFirst = up.w, upFirst
 	return true
 }
 
