@@ -474,17 +474,20 @@ __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out,
 // GluEpi is the epilogue of a gate/up pair GEMM (gemm_wg_*_glu): fin of
 // the gate's and the up products (W8A8Fin, or AsIs for the float kinds),
 // which of the two is the tile's plane 0 (its first 64 columns), and
-// where the SwiGLU goes quantized (q.p set: W8A8 only) instead of C.
+// where the SwiGLU goes instead of C as the input of down: quantized (q.p
+// set: W8A8 only), or rounded to fp16 (h set: the float kinds).
 template <typename Fin>
 struct GluEpi {
     Fin g, u;
     bool upFirst;
     QOut q;
+    __half* h;
 };
 // glu_tile puts the NU units of W values (as out_tile's) of each consumer
 // thread into the tile stage st, whose 128 columns are 64 of each
 // weight's products; then each thread takes four outputs n.. of rows 16
-// apart: silu(g(gate))·u(up) to C [M, N], or quantized to e.q.p.
+// apart: silu(g(gate))·u(up) to C [M, N], or quantized to e.q.p, or in
+// fp16 to e.h.
 template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
 __device__ __forceinline__ void glu_tile(float* C, int M, int N, At at, Raw raw, const GluEpi<Fin>& e,
                                          TileStage<T> st) {
@@ -510,10 +513,14 @@ __device__ __forceinline__ void glu_tile(float* C, int M, int N, At at, Raw raw,
         for (int i = 0; i < 4; i++) v[i] = silu_times(e.g.at(gcols, m, i, kp[gc + i]), e.u.at(ucols, m, i, kp[uc + i]));
         size_t o = (size_t)m * N + n;
         if (vec) {
-            if (e.q.p)
+            if (e.q.p) {
                 e.q.put4(o, make_float4(v[0], v[1], v[2], v[3]));
-            else
+            } else if (e.h) {
+                __half2 hv[2] = {__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3])};
+                *reinterpret_cast<uint2*>(e.h + o) = *reinterpret_cast<const uint2*>(hv);
+            } else {
                 *reinterpret_cast<float4*>(C + o) = make_float4(v[0], v[1], v[2], v[3]);
+            }
             continue;
         }
 #pragma unroll
@@ -521,6 +528,8 @@ __device__ __forceinline__ void glu_tile(float* C, int M, int N, At at, Raw raw,
             if (n + i < N) {
                 if (e.q.p)
                     e.q.put1(o + i, v[i]);
+                else if (e.h)
+                    e.h[o + i] = __float2half_rn(v[i]);
                 else
                     C[o + i] = v[i];
             }
@@ -2956,21 +2965,21 @@ GEMM_WG_ENTRY(gemm_wg_f16, GH_F16)
 GEMM_WG_ENTRY(gemm_wg_bf16, GH_BF16)
 GEMM_WG_ENTRY(gemm_wg_q4, GH_Q4)
 GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
-// name_glu(C, mapA, mapGU, sz, sz2, M, N, K, gs, G, upFirst): the gate and
-// up products of one fp16 input [M, K] (mapA) and their SwiGLU
-// silu(gate)·up into C [M, N] in one launch, with no gate products in
-// memory: name's GEMM with a block's W tile 64 rows of each weight
+// name_glu(C, Ch, mapA, mapGU, sz, sz2, M, N, K, gs, G, upFirst): the gate
+// and up products of one fp16 input [M, K] (mapA) and their SwiGLU
+// silu(gate)·up into C [M, N] (or rounded to fp16 into Ch [M, N] where Ch
+// is set) in one launch, with no gate products in memory: name's GEMM with a block's W tile 64 rows of each weight
 // (gemm_wg_body's PAIR: mapGU covers both as the planes of one tensor,
 // plane 0 the one at the lower address, the up weight where upFirst; sz
 // and sz2 the planes' {scale, zero}), its result tile 128 rows × 64
 // outputs (glu_tile). No K split.
 #define GEMM_WG_GLU_ENTRY(name, WK)                                                                              \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
-        name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapGU, const float2* sz, \
-             const float2* sz2, int M, int N, int K, int gs, int G, int upFirst) {                               \
+        name(float* C, __half* Ch, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapGU,   \
+             const float2* sz, const float2* sz2, int M, int N, int K, int gs, int G, int upFirst) {             \
         PDL_ENTRY();                                                                                             \
         gemm_wg_body<WK, true>(C, &mapA, &mapGU, sz, sz2, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK, OUT_STORE,    \
-                               GluEpi<AsIs>{AsIs{}, AsIs{}, upFirst != 0, QOut{}});                              \
+                               GluEpi<AsIs>{AsIs{}, AsIs{}, upFirst != 0, QOut{}, Ch});                          \
     }
 GEMM_WG_GLU_ENTRY(gemm_wg_f16_glu, GH_F16)
 GEMM_WG_GLU_ENTRY(gemm_wg_bf16_glu, GH_BF16)
@@ -3295,7 +3304,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     PDL_ENTRY();
     gemm_wg_body<GH_S8, true>(y, &mapA, &mapGU, nullptr, nullptr, M, N, 128, 0, 0, (K + 127) / 128, OUT_STORE,
                               GluEpi<W8A8Fin>{W8A8Fin{gqb, gdeq, gbias, tok}, W8A8Fin{uqb, udeq, ubias, tok},
-                                              upFirst != 0, QOut{yq, qs, qo}});
+                                              upFirst != 0, QOut{yq, qs, qo}, nullptr});
 }
 #endif
 

@@ -241,7 +241,7 @@ func TestNormQuantized(t *testing.T) {
 // sums), for every weight kind of weightCases but the GEMV-only ones, at
 // 130 and 300 rows of 198 outputs (64-row planes with a tail, N % 4 = 2).
 // Kinds a Hopper GEMM takes only widened (int4 g32, g_idx) keep their two
-// products. The W8A8 pair is TestNormQuantized's and TestMLPQuantizedDown's.
+// products. The W8A8 pair is TestNormQuantized's and TestMLPDownInput's.
 func TestGLUPair(t *testing.T) {
 	b := newTestBackend(t)
 	if !b.wgmma {
@@ -317,38 +317,74 @@ func uploadW8A8(t *testing.T, b *Backend, r *rand.Rand, n, k int, dynamic bool, 
 	return lw
 }
 
-// TestMLPQuantizedDown checks runtime.Fused's MLP where the SwiGLU is
-// written as down's W8A8 input, its int8 codes (gemm_wg_s8_glu on Hopper;
-// the mma.sync GEMM's epilogue, split or not) against the sequence it
-// stands for: the residual equal bit for bit, with one launch fewer (no
-// quant_act) where the SwiGLU is quantized (a static quantizer for down,
-// GEMM rows, one kernel for gate and up or the mma.sync GEMM) and the same
-// launches where it is not (decode rows, a per-token quantizer, gate and
-// up with different quantizers on Hopper).
-func TestMLPQuantizedDown(t *testing.T) {
+// TestMLPDownInput checks runtime.Fused's MLP where the SwiGLU is written
+// in the form down's GEMM takes (inputFor) against the sequence it stands
+// for: the residual equal bit for bit, with one launch fewer (no quant_act,
+// no to_half) where the SwiGLU is so formed and the same launches where it
+// is not. W8A8 (int8 codes of down's static quantizer): gemm_wg_s8_glu on
+// Hopper, the mma.sync GEMM's epilogue, split or not; not formed for decode
+// rows, a per-token quantizer, or gate and up with different quantizers on
+// Hopper. fp16, bf16, 4- and 8-bit weights (fp16): the Hopper pair
+// kernels from 128 rows.
+func TestMLPDownInput(t *testing.T) {
 	b := newTestBackend(t)
 	defer func() { b.maxSplits, b.opt.NoWGMMA = 0, false }()
 	r := rand.New(rand.NewPCG(41, 42))
 	const K, inter, eps = 512, 640, 1e-5 // 8 K steps of w8a8_mma: two splits of up where the tiles are few
 	nw, _ := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
 	nb, _ := b.UploadVector("norm_bias", model.FromFloat32([]int{K}, randVec(r, K, 0.1)))
-	for _, tc := range []struct {
+	uploadCase := func(wc string, n, k int) runtime.Linear {
+		for _, c := range weightCases {
+			if c.name == wc {
+				w, _ := c.make(r, n, k)
+				lw, err := b.UploadLinear(wc, w)
+				if err != nil {
+					t.Fatalf("%s: upload: %v", wc, err)
+				}
+				return lw
+			}
+		}
+		t.Fatalf("no weight case %s", wc)
+		return nil
+	}
+	type mlpCase struct {
 		name      string
-		dynamic   bool
-		upScale   float32 // the gate's: 0.02
+		weights   func() (gate, up, down runtime.Linear)
 		maxSplits int
 		noWGMMA   bool
-	}{
-		{"static", false, 0.02, 0, false},
-		{"static/unsplit", false, 0.02, 1, false},
-		{"static/mma.sync", false, 0.02, 0, true},
-		{"static/mma.sync/unsplit", false, 0.02, 1, true},
-		{"static/gate≠up", false, 0.03, 0, false},
-		{"dynamic", true, 0.02, 0, false},
-	} {
+		formed    func(M int) bool // the SwiGLU is written in down's form at M rows
+	}
+	w8a8 := func(upScale float32, dynamic bool) func() (gate, up, down runtime.Linear) {
+		return func() (gate, up, down runtime.Linear) {
+			return uploadW8A8(t, b, r, inter, K, false, 0.02), uploadW8A8(t, b, r, inter, K, false, upScale), uploadW8A8(t, b, r, K, inter, dynamic, 0.05)
+		}
+	}
+	int8Formed := func(sameQ bool) func(M int) bool {
+		return func(M int) bool {
+			return M > b.opt.GEMVMaxRows && (b.wgmmaKernel("w8a8_mma", M) == "" || sameQ)
+		}
+	}
+	float := func(wc string) func() (gate, up, down runtime.Linear) {
+		return func() (gate, up, down runtime.Linear) {
+			return uploadCase(wc, inter, K), uploadCase(wc, inter, K), uploadCase(wc, K, inter)
+		}
+	}
+	pairFormed := func(M int) bool { return b.wgmmaKernel("gemm_h_f16", M) != "" }
+	never := func(int) bool { return false }
+	cases := []mlpCase{
+		{"w8a8-static", w8a8(0.02, false), 0, false, int8Formed(true)},
+		{"w8a8-static/unsplit", w8a8(0.02, false), 1, false, int8Formed(true)},
+		{"w8a8-static/mma.sync", w8a8(0.02, false), 0, true, int8Formed(true)},
+		{"w8a8-static/mma.sync/unsplit", w8a8(0.02, false), 1, true, int8Formed(true)},
+		{"w8a8-static/gate≠up", w8a8(0.03, false), 0, false, int8Formed(false)},
+		{"w8a8-dynamic", w8a8(0.02, true), 0, false, never},
+	}
+	for _, wc := range []string{"f16", "bf16", "awq-int4-asym-g128", "w8-g128-offset"} {
+		cases = append(cases, mlpCase{wc, float(wc), 0, false, pairFormed})
+	}
+	for _, tc := range cases {
 		b.maxSplits, b.opt.NoWGMMA = tc.maxSplits, tc.noWGMMA
-		gate, up := uploadW8A8(t, b, r, inter, K, false, 0.02), uploadW8A8(t, b, r, inter, K, false, tc.upScale)
-		down := uploadW8A8(t, b, r, K, inter, tc.dynamic, 0.05)
+		gate, up, down := tc.weights()
 		for _, M := range []int{1, 5, 130, 300} {
 			t.Run(fmt.Sprintf("%s/M=%d", tc.name, M), func(t *testing.T) {
 				x := randVec(r, M*K, 1)
@@ -362,8 +398,7 @@ func TestMLPQuantizedDown(t *testing.T) {
 				compare(t, "residual", download(b, got), download(b, want), 0)
 				nSeq, nFused := n1-n0, b.launches-n1
 				wantN := nSeq
-				mmaSync := b.wgmmaKernel("w8a8_mma", M) == ""
-				if quantizes := !tc.dynamic && M > b.opt.GEMVMaxRows && (mmaSync || tc.upScale == 0.02); quantizes {
+				if tc.formed(M) {
 					wantN--
 				}
 				if nFused != wantN {

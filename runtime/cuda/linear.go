@@ -593,7 +593,7 @@ func (b *Backend) halfGEMM(l *Linear, M int, forceGEMM bool) bool {
 // forceGEMM picks the tensor-core path whatever M is.
 func (b *Backend) matmul(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int) {
 	if l.kind == kindW8A8 {
-		b.w8a8(d, in, l, forceGEMM, out, quantOut{})
+		b.w8a8(d, in, l, forceGEMM, out, inputForm{})
 		return
 	}
 	M, N, K := in.x.rows, l.out, l.in
@@ -656,54 +656,73 @@ func (b *Backend) matmul(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int)
 	}
 }
 
-// quantOut asks a W8A8 GEMM for its SwiGLU as the int8 input of a W8A8
-// product with a static quantizer (qtool.cu's QOut): the codes of key at p
-// instead of floats (p = 0: floats as usual).
-type quantOut struct {
-	p   driver.DevicePtr
-	key actQuant
+// inputForm asks the producer of a product's input for it in the form
+// the product's GEMM takes, at p instead of floats (p = 0: floats as
+// usual): the int8 codes of a W8A8 weight's static quantizer key (qtool.cu's
+// QOut), or fp16 (half) for a halfGEMM weight without a column order. The
+// SwiGLU of NormSwiGLU's GEMMs takes it (down's input, MLP).
+type inputForm struct {
+	p    driver.DevicePtr
+	key  actQuant
+	half bool
 }
 
-// args are q's kernel arguments (int8_t* p, float scale, float offset).
-func (q quantOut) args() []any { return []any{q.p, q.key.scale, q.key.offset} }
-
-// staticInput returns where the producer of the M-row input of a product
-// with l may write that input as l's int8 codes (quantOut: scratch
-// "xq_in"), or nowhere (p = 0) unless l is W8A8 with a static quantizer.
-func (b *Backend) staticInput(l *Linear, M int) quantOut {
-	if l.kind != kindW8A8 || l.dynamic {
-		return quantOut{}
+// args are the int8 form's kernel arguments (int8_t* p, float scale, float
+// offset; p = 0 for none or the fp16 form).
+func (f inputForm) args() []any {
+	if f.half {
+		return []any{driver.DevicePtr(0), float32(0), float32(0)}
 	}
-	return quantOut{p: b.scratchBuf("xq_in", M*l.in), key: l.actQuant()}
+	return []any{f.p, f.key.scale, f.key.offset}
 }
 
-// input is the gemmIn of the product whose M × K input q holds (made by
-// its producer): no floats, the codes for q.key.
-func (q quantOut) input(M, K int) *gemmIn {
-	return &gemmIn{x: &Buf{rows: M, cols: K}, xq: q.p, xqKey: q.key}
+// inputFor returns the form in which the producer of the M-row input of a
+// product with l may write it (scratch "down_in"), or none (p = 0): l's
+// int8 codes where l is W8A8 with a static quantizer, fp16 where its GEMM
+// takes fp16 in column order.
+func (b *Backend) inputFor(l *Linear, M int) inputForm {
+	switch {
+	case l.kind == kindW8A8 && !l.dynamic:
+		return inputForm{p: b.scratchBuf("down_in", M*l.in), key: l.actQuant()}
+	case l.kind != kindW8A8 && b.halfGEMM(l, M, false) && l.perm == 0:
+		return inputForm{p: b.scratchBuf("down_in", 2*M*l.in), half: true}
+	}
+	return inputForm{}
 }
 
-// w8a8 is matmul for a W8A8 weight l. With q.p set and out the SwiGLU,
-// the results are quantized to q instead of being written to d (which
-// holds the gate's products) where the kernel can (the mma.sync GEMM and
-// the sums of its K splits; on Hopper gemm_wg_s8_glu does it for gate
-// and up together, gluPair); it reports whether they were.
-func (b *Backend) w8a8(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int, q quantOut) bool {
+// input is the gemmIn of the product whose M × K input f holds (made by
+// its producer): no floats, only the form.
+func (f inputForm) input(M, K int) *gemmIn {
+	in := &gemmIn{x: &Buf{rows: M, cols: K}}
+	if f.half {
+		in.a16 = f.p
+	} else {
+		in.xq, in.xqKey = f.p, f.key
+	}
+	return in
+}
+
+// w8a8 is matmul for a W8A8 weight l. With q an int8 form and out the
+// SwiGLU, the results are quantized to q instead of being written to d
+// (which holds the gate's products) where the kernel can (the mma.sync
+// GEMM and the sums of its K splits; on Hopper gemm_wg_s8_glu does it for
+// gate and up together, gluPair); it reports whether they were.
+func (b *Backend) w8a8(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int, q inputForm) bool {
 	M, N, K := in.x.rows, l.out, l.in
-	if out != outSwiGLU {
-		q = quantOut{}
+	if out != outSwiGLU || q.half {
+		q = inputForm{}
 	}
 	xq, tok := b.quantized(in, l)
 	// the int8 tensor cores split K into integer partial sums, which
 	// w8a8_sum_splits adds exactly
-	sum := func(q quantOut) func(part driver.DevicePtr, S int) {
+	sum := func(q inputForm) func(part driver.DevicePtr, S int) {
 		return func(part driver.DevicePtr, S int) {
 			b.launch("w8a8_sum_splits", b.gridFor(M*N), block256, append([]any{d.p, part, S, M, N, l.qbias, l.deq, l.bias, tok}, append(q.args(), out)...)...)
 		}
 	}
 	if wg := b.wgmmaKernel("w8a8_mma", M); wg != "" { // K steps of 128 int8
 		grid, shm, wmap := b.prepareWG(wg, xq, l.w, l, M)
-		b.launchSplit(wg, grid, block384, shm, b.sms, (K+127)/128, d, out, []any{b.tmaps[0], wmap, l.qbias, l.deq, l.bias, tok, M, N, K}, sum(quantOut{}))
+		b.launchSplit(wg, grid, block384, shm, b.sms, (K+127)/128, d, out, []any{b.tmaps[0], wmap, l.qbias, l.deq, l.bias, tok, M, N, K}, sum(inputForm{}))
 		return false
 	}
 	if M > b.opt.GEMVMaxRows || forceGEMM { // 128 × 128 tiles
@@ -1100,14 +1119,14 @@ func (b *Backend) normed(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps flo
 func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up runtime.Linear) {
 	s, segs := b.segments("NormSwiGLU", []runtime.Buf{dst, dst}, x, []runtime.Linear{gate, up})
 	defer b.enter()()
-	b.normSwiGLU(s, segs, w, bias, eps, quantOut{})
+	b.normSwiGLU(s, segs, w, bias, eps, inputForm{})
 }
 
 // normSwiGLU is NormSwiGLU on checked operands (segs: gate and up into
 // the same output), gate and up as one GEMM where gluPair can. With q set,
-// W8A8 GEMMs write the SwiGLU quantized to q instead of into the output
-// (gluPair, w8a8); it reports whether that happened.
-func (b *Backend) normSwiGLU(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps float32, q quantOut) bool {
+// the GEMMs that can write the SwiGLU in q's form instead of into the
+// output (gluPair, w8a8); it reports whether they did.
+func (b *Backend) normSwiGLU(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps float32, q inputForm) bool {
 	d := segs[0].d
 	if b.normStreamed("NormSwiGLU", s, segs, w, bias, eps, gemvSwiGLU) {
 		return false
@@ -1139,10 +1158,10 @@ var gluKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_glu", "gemm_wg_bf
 // gluPair runs the gate and up products of in and their SwiGLU as one
 // launch of a gemm_wg_*_glu kernel, where both weights are of one kind
 // that a Hopper GEMM takes for in's rows without widening (W8A8: with one
-// quantizer): the SwiGLU into d or, for W8A8, quantized to q where q.p is
-// set (quantized; d then unwritten), and no gate products in memory. ran
-// reports whether it did.
-func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q quantOut) (ran, quantized bool) {
+// quantizer): the SwiGLU into d, or in q's form (W8A8: int8, the float
+// kinds: fp16) where q.p is set (formed; d then unwritten), and no gate
+// products in memory. ran reports whether it did.
+func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ran, formed bool) {
 	M, N, K := in.x.rows, gate.out, gate.in
 	if up.kind != gate.kind || up.out != N || up.in != K || up.gs != gate.gs || up.groups != gate.groups ||
 		up.perm != gate.perm || gate.gidx != 0 || up.gidx != 0 {
@@ -1169,6 +1188,9 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q quantOut) (ran
 		upFirst = 1
 	}
 	if gate.kind == kindW8A8 {
+		if q.half {
+			q = inputForm{}
+		}
 		xq, tok := b.quantized(in, gate)
 		shm := b.actMap(wg, xq, M, K)
 		b.raiseSmem(name, shm)
@@ -1176,14 +1198,18 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q quantOut) (ran
 			gate.bias, up.qbias, up.deq, up.bias, tok, M, N, K, upFirst)...)
 		return true, q.p != 0
 	}
+	var h driver.DevicePtr // the SwiGLU in fp16
+	if q.half {
+		h = q.p
+	}
 	shm := b.actMap(wg, b.half(in, gate), M, K)
 	b.raiseSmem(name, shm)
 	sz, sz2 := gate.sz, up.sz // in plane order
 	if gate.gluUpFirst {
 		sz, sz2 = sz2, sz
 	}
-	b.launchShm(name, grid, block384, shm, d.p, b.tmaps[0], gate.glu, sz, sz2, M, N, K, max(gate.gs, gemmHBK), gate.groups, upFirst)
-	return true, false
+	b.launchShm(name, grid, block384, shm, d.p, h, b.tmaps[0], gate.glu, sz, sz2, M, N, K, max(gate.gs, gemmHBK), gate.groups, upFirst)
+	return true, h != 0
 }
 
 // gluMap makes sure gate.glu is the 3-D tensor map of gate's and up's
@@ -1211,9 +1237,10 @@ func (b *Backend) gluMap(wg string, gate, up *Linear) bool {
 }
 
 // MLP implements runtime.Fused: NormSwiGLU, then down's products added to
-// x. Where down is W8A8 with a static quantizer and the up products run
-// on a W8A8 GEMM, that GEMM's SwiGLU epilogue writes down's int8 input
-// (no fp32 SwiGLU, no quant_act).
+// x. The GEMM that makes the SwiGLU writes it in the form down's GEMM
+// takes where it can (inputFor, normSwiGLU): int8 codes for a W8A8 down
+// with a static quantizer (no fp32 SwiGLU, no quant_act), fp16 for a down
+// on the fp16 GEMMs (no to_half).
 func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear) {
 	g := b.AllocRaw(x.Rows(), gate.Out())
 	defer b.Free(g)
@@ -1223,7 +1250,7 @@ func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, 
 		return
 	}
 	defer b.enter()()
-	q := b.staticInput(dseg[0].l, s.rows)
+	q := b.inputFor(dseg[0].l, s.rows)
 	if b.normSwiGLU(s, segs, w, bias, eps, q) {
 		b.matmul(s, q.input(s.rows, down.In()), dseg[0].l, false, outAdd)
 		return
