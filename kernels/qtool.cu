@@ -425,9 +425,11 @@ struct AsIs {
 // item: the epilogue runs after the products, with nothing else to hide
 // it).
 #define OTS_BATCH 4
-template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
-__device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out, At at, Raw raw, Fin fin,
-                                                TileStage<T> st) {
+// stage_tile puts a thread's NU units of W values (as out_tile's) into the
+// tile stage st once every thread of st is done with the stages, and
+// returns when all of st's threads have.
+template <int NU, int W, typename T, typename At, typename Raw>
+__device__ __forceinline__ void stage_tile(At at, Raw raw, const TileStage<T>& st) {
     named_sync(st.bar, st.nthr);  // every thread is done with the stages
 #pragma unroll
     for (int u = 0; u < NU; u++) {
@@ -437,6 +439,11 @@ __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out,
         for (int i = 0; i < W; i++) st.s[(m - st.m0) * TS_LD + n + i - st.n0] = raw(u, i);
     }
     named_sync(st.bar, st.nthr);
+}
+template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
+__device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out, At at, Raw raw, Fin fin,
+                                                TileStage<T> st) {
+    stage_tile<NU, W>(at, raw, st);
     const int items = TS_ROWS * TS_COLS / 4, c = st.tid % (TS_COLS / 4) * 4, n = st.n0 + c;
     const bool vec = (N & 3) == 0 && n < N;  // this thread's four columns as one float4 (the same in every row)
     const typename Fin::Cols fc = fin.cols(n, N);
@@ -491,15 +498,7 @@ struct GluEpi {
 template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
 __device__ __forceinline__ void glu_tile(float* C, int M, int N, At at, Raw raw, const GluEpi<Fin>& e,
                                          TileStage<T> st) {
-    named_sync(st.bar, st.nthr);  // every thread is done with the stages
-#pragma unroll
-    for (int v = 0; v < NU; v++) {
-        int m, n;
-        at(v, m, n);
-#pragma unroll
-        for (int i = 0; i < W; i++) st.s[(m - st.m0) * TS_LD + n + i - st.n0] = raw(v, i);
-    }
-    named_sync(st.bar, st.nthr);
+    stage_tile<NU, W>(at, raw, st);
     const int c = st.tid % 16 * 4, n = st.n0 + c, gc = e.upFirst ? 64 + c : c, uc = e.upFirst ? c : 64 + c;
     const bool vec = (N & 3) == 0 && n < N;
     const typename Fin::Cols gcols = e.g.cols(n, N), ucols = e.u.cols(n, N);
@@ -2968,11 +2967,11 @@ GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
 // name_glu(C, Ch, mapA, mapGU, sz, sz2, M, N, K, gs, G, upFirst): the gate
 // and up products of one fp16 input [M, K] (mapA) and their SwiGLU
 // silu(gate)·up into C [M, N] (or rounded to fp16 into Ch [M, N] where Ch
-// is set) in one launch, with no gate products in memory: name's GEMM with a block's W tile 64 rows of each weight
-// (gemm_wg_body's PAIR: mapGU covers both as the planes of one tensor,
-// plane 0 the one at the lower address, the up weight where upFirst; sz
-// and sz2 the planes' {scale, zero}), its result tile 128 rows × 64
-// outputs (glu_tile). No K split.
+// is set) in one launch, with no gate products in memory: WK's GEMM with
+// a block's W tile 64 rows of each weight (gemm_wg_body's PAIR: mapGU
+// covers both as the planes of one tensor, plane 0 the one at the lower
+// address, the up weight where upFirst; sz and sz2 the planes' {scale,
+// zero}), its result tile 128 rows × 64 outputs (glu_tile). No K split.
 #define GEMM_WG_GLU_ENTRY(name, WK)                                                                              \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, __half* Ch, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapGU,   \
@@ -3154,8 +3153,8 @@ extern "C" __global__ void __launch_bounds__(256) w8a8_gemm(
 // past K or rows past M/N are zero-filled). With gridDim.z > 1 split z takes
 // an equal share of the K steps and writes its integer sums, not y, to the
 // int32 array y + z·M·N; w8a8_sum_splits adds them and applies w8a8_out
-// and out. yq set: the results quantized there (QOut{yq, qs, qo}), y only
-// read (OUT_ADD, OUT_SWIGLU).
+// and out. yq set with OUT_SWIGLU: the SwiGLU quantized there (QOut{yq,
+// qs, qo}), y (the gate's products) only read.
 #define W8_BM 128
 #define W8_BN 128
 #define W8_BK 64

@@ -1140,8 +1140,8 @@ func (b *Backend) normSwiGLU(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps
 		b.Free(u)
 		return false
 	}
-	if ran, quantized := b.gluPair(d, in, segs[0].l, segs[1].l, q); ran {
-		return quantized
+	if ran, formed := b.gluPair(d, in, segs[0].l, segs[1].l, q); ran {
+		return formed
 	}
 	b.matmul(d, in, segs[0].l, false, outStore)
 	if up := segs[1].l; up.kind == kindW8A8 {
