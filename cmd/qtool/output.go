@@ -111,6 +111,33 @@ func startTimer(be runtime.Backend) (time.Time, error) {
 	return time.Now(), nil
 }
 
+// kernelLaunches returns the kernel launch counts of be's CUDA device (a
+// tensor-parallel backend's first local rank), nil for other backends.
+func kernelLaunches(be runtime.Backend) map[string]int {
+	if t, ok := be.(*tp.Backend); ok {
+		be = t.Rank(t.Local()[0])
+	}
+	if cb, ok := be.(*cuda.Backend); ok {
+		return cb.KernelLaunches()
+	}
+	return nil
+}
+
+// launchesSince is the launches of now not yet in before, by kernel (nil
+// where there are none).
+func launchesSince(now, before map[string]int) map[string]int {
+	var d map[string]int
+	for k, n := range now {
+		if n > before[k] {
+			if d == nil {
+				d = map[string]int{}
+			}
+			d[k] = n - before[k]
+		}
+	}
+	return d
+}
+
 // setKVCache applies --kv-cache to be: int8 (the model's C8 quantizers
 // decide) and fp32 keep the backends' fp32 default, fp16 asks the CUDA
 // backend (or every CUDA rank) for fp16 caches, and auto is fp16 on CUDA

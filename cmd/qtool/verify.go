@@ -88,17 +88,20 @@ func verifyCommand() *cli.Command {
 
 // verifyResult is what --json prints.
 type verifyResult struct {
-	Model      string      `json:"model"`
-	PPL        *float64    `json:"ppl,omitempty"`
-	Tokens     int         `json:"tokens,omitempty"`
-	Chunks     int         `json:"chunks,omitempty"`
-	Ctx        int         `json:"ctx,omitempty"`
-	Protocol   string      `json:"protocol,omitempty"`
-	Scored     int         `json:"scored,omitempty"`
-	Seconds    float64     `json:"seconds,omitempty"`
-	TokensPerS float64     `json:"tokens_per_s,omitempty"`
-	Device     string      `json:"device"`
-	Generation *generation `json:"generation,omitempty"`
+	Model      string   `json:"model"`
+	PPL        *float64 `json:"ppl,omitempty"`
+	Tokens     int      `json:"tokens,omitempty"`
+	Chunks     int      `json:"chunks,omitempty"`
+	Ctx        int      `json:"ctx,omitempty"`
+	Protocol   string   `json:"protocol,omitempty"`
+	Scored     int      `json:"scored,omitempty"`
+	Seconds    float64  `json:"seconds,omitempty"`
+	TokensPerS float64  `json:"tokens_per_s,omitempty"`
+	// Kernels are the kernel launches of the perplexity pass on the (first
+	// local rank's) CUDA device, by kernel.
+	Kernels    map[string]int `json:"kernels,omitempty"`
+	Device     string         `json:"device"`
+	Generation *generation    `json:"generation,omitempty"`
 }
 
 type generation struct {
@@ -221,7 +224,9 @@ func runVerify(c *cli.Context) error {
 			bar.Describe(fmt.Sprintf("ppl %.4f, %.0f tok/s", running, tps))
 			_ = bar.Set(done)
 		}
+		before := kernelLaunches(be)
 		r, err := runtime.Perplexity(m, ids, opt)
+		res.Kernels = launchesSince(kernelLaunches(be), before)
 		if bar != nil {
 			_ = bar.Finish()
 			fmt.Fprintln(stderr)

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"maps"
 	"math"
 	"os"
 	"path/filepath"
@@ -160,5 +161,19 @@ func TestVerifyErrors(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+func TestLaunchesSince(t *testing.T) {
+	for _, c := range []struct {
+		now, before, want map[string]int
+	}{
+		{nil, nil, nil},
+		{map[string]int{"a": 2}, map[string]int{"a": 2}, nil},
+		{map[string]int{"a": 5, "b": 1}, map[string]int{"a": 2}, map[string]int{"a": 3, "b": 1}},
+	} {
+		if got := launchesSince(c.now, c.before); !maps.Equal(got, c.want) || (got == nil) != (c.want == nil) {
+			t.Errorf("launchesSince(%v, %v) = %v, want %v", c.now, c.before, got, c.want)
+		}
 	}
 }

@@ -121,6 +121,8 @@ type Backend struct {
 	// sums the last one wrote (rowsums.go).
 	launches uint64
 	sums     rowSums
+	// launched counts the launches of each kernel (KernelLaunches).
+	launched map[string]int
 
 	uploaded map[string]int64 // device bytes of each uploaded linear, by name
 
@@ -199,7 +201,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 	if opt.Device < 0 || opt.Device >= n {
 		return nil, fmt.Errorf("cuda: device %d requested, %d present: %w", opt.Device, n, ErrNoDriver)
 	}
-	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, dynSmem: map[string]int{}, pool: map[int][]driver.DevicePtr{},
+	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, dynSmem: map[string]int{}, pool: map[int][]driver.DevicePtr{}, launched: map[string]int{},
 		owned: map[driver.DevicePtr]int{}, scratch: map[string]scratch{}, uploaded: map[string]int64{}, prof: map[string]float64{},
 		perms: map[string]driver.DevicePtr{}, permUsers: map[driver.DevicePtr]int{}}
 	for i := range b.slots {
@@ -574,6 +576,11 @@ func vecPtr(v runtime.Vector) driver.DevicePtr {
 // ---------------------------------------------------------------------------
 // Launching.
 
+// KernelLaunches returns how many times each kernel has been launched
+// (a copy; the kernels of a CUDA graph count once, when captured): what
+// a pass ran is the difference of two calls.
+func (b *Backend) KernelLaunches() map[string]int { return maps.Clone(b.launched) }
+
 func (b *Backend) launch(name string, grid, block [3]uint32, args ...any) {
 	b.launchShm(name, grid, block, 0, args...)
 }
@@ -585,6 +592,7 @@ func (b *Backend) launchShm(name string, grid, block [3]uint32, shm int, args ..
 		panic("cuda backend: unknown kernel " + name)
 	}
 	b.launches++
+	b.launched[name]++
 	if len(args) > len(b.slots) {
 		panic("cuda backend: too many kernel arguments")
 	}
