@@ -212,6 +212,9 @@ struct QOut {
     int8_t* p;
     float s, o;
     __device__ __forceinline__ void put1(size_t i, float v) const { p[i] = quant_static(v, s, o); }
+    __device__ __forceinline__ void put2(size_t i, float a, float b) const {
+        *reinterpret_cast<char2*>(p + i) = make_char2(quant_static(a, s, o), quant_static(b, s, o));
+    }
     __device__ __forceinline__ void put4(size_t i, float4 v) const {
         *reinterpret_cast<char4*>(p + i) =
             make_char4(quant_static(v.x, s, o), quant_static(v.y, s, o), quant_static(v.z, s, o), quant_static(v.w, s, o));
@@ -962,6 +965,14 @@ __device__ __forceinline__ void at_q_frags(uint32_t (&qa)[8][4], uint32_t (&ql)[
 // AtState is a warp's running softmax over the key tiles: this thread's
 // outputs o (n8 column chunk nt of rows lo = row gid and hi = gid + 8),
 // maxima m and sums l of its two rows.
+// AtF32 is the prefill attention's output as floats; attn_tc_f16_q writes
+// it as QOut's int8 codes instead (put2: values i and i + 1).
+struct AtF32 {
+    float* f;
+    __device__ __forceinline__ void put2(size_t i, float a, float b) const {
+        *reinterpret_cast<float2*>(f + i) = make_float2(a, b);
+    }
+};
 struct AtState {
     float o[16][4];
     float m0, m1, l0, l1;
@@ -1048,15 +1059,16 @@ struct AtState {
         l1 += __shfl_xor_sync(FULL, l1, 2);
     }
     // store writes o/l for the rows tlo and tlo + 8 below T of head h.
-    __device__ __forceinline__ void store(float* __restrict__ dst, int tlo, int T, int heads, int hd, int h) {
+    template <typename Out>
+    __device__ __forceinline__ void store(const Out& dst, int tlo, int T, int heads, int hd, int h) {
         int tq = threadIdx.x & 3, thi = tlo + 8;
         sum_l();
 #pragma unroll
         for (int nt = 0; nt < 16; nt++) {
             if (nt < (hd >> 3)) {
                 int d = nt * 8 + 2 * tq;
-                if (tlo < T) *reinterpret_cast<float2*>(dst + (size_t)tlo * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][0] / l0, o[nt][1] / l0);
-                if (thi < T) *reinterpret_cast<float2*>(dst + (size_t)thi * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][2] / l1, o[nt][3] / l1);
+                if (tlo < T) dst.put2((size_t)tlo * heads * hd + (size_t)h * hd + d, o[nt][0] / l0, o[nt][1] / l0);
+                if (thi < T) dst.put2((size_t)thi * heads * hd + (size_t)h * hd + d, o[nt][2] / l1, o[nt][3] / l1);
             }
         }
     }
@@ -1095,7 +1107,8 @@ __device__ __forceinline__ AtUnit at_unit(int y, int T, int pos0, int ct) {
 }
 // at_finish ends unit u of head h: rows tlo and tlo + 8 of the warp's
 // state st (query rows from t0 = 64·u.qt; r = tlo − t0 in the tile).
-__device__ __forceinline__ void at_finish(AtState& st, const AtUnit& u, const AtSplit& sp, float* __restrict__ dst,
+template <typename Out>
+__device__ __forceinline__ void at_finish(AtState& st, const AtUnit& u, const AtSplit& sp, const Out& dst,
                                           int tlo, int T, int heads, int hd, int h) {
     if (u.ns == 1) {
         st.store(dst, tlo, T, heads, hd, h);
@@ -1166,13 +1179,13 @@ __device__ __forceinline__ void at_finish(AtState& st, const AtUnit& u, const At
     for (int nt = 0; nt < 16; nt++) {
         if (nt < nnt) {
             int d = nt * 8 + 2 * tq;
-            if (tlo < T) *reinterpret_cast<float2*>(dst + (size_t)tlo * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][0] / L0, o[nt][1] / L0);
-            if (thi < T) *reinterpret_cast<float2*>(dst + (size_t)thi * heads * hd + (size_t)h * hd + d) = make_float2(o[nt][2] / L1, o[nt][3] / L1);
+            if (tlo < T) dst.put2((size_t)tlo * heads * hd + (size_t)h * hd + d, o[nt][0] / L0, o[nt][1] / L0);
+            if (thi < T) dst.put2((size_t)thi * heads * hd + (size_t)h * hd + d, o[nt][2] / L1, o[nt][3] / L1);
         }
     }
 }
 template <typename KV>
-__device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const float* __restrict__ q,
+__device__ __forceinline__ void attn_tc_body(AtF32 dst, const float* __restrict__ q,
                                              const KV* __restrict__ kc, const KV* __restrict__ vc, int T,
                                              int heads, int kvHeads, int hd, int pos0, float scale,
                                              AtSplit sp, KVQuant kq) {
@@ -1288,8 +1301,8 @@ __device__ __forceinline__ void attn_tc_body(float* __restrict__ dst, const floa
 // not stale values); Q staged in the second buffers before the first tile.
 // HD, when not 0, is the head size hd known at compile time (128: the
 // fragment loops without predicates and their addresses folded).
-template <int HD>
-__device__ __forceinline__ void attn_tc_h_body(float* __restrict__ dst, const float* __restrict__ q,
+template <int HD, typename Out>
+__device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict__ q,
                                                const __half* __restrict__ kc, const __half* __restrict__ vc, int T,
                                                int heads, int kvHeads, int hd_, int pos0, float scale, AtSplit sp) {
     const int hd = HD ? HD : hd_;
@@ -1388,7 +1401,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const floa
                                                           int T, int heads, int kvHeads, int hd, int pos0, float scale,
                                                           int ct, int units, float* part_o, float* part_ml, int* cnt) {
     PDL_ENTRY();
-    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt}, KVQuant{});
+    attn_tc_body(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt}, KVQuant{});
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_f16(float* dst, const float* q, const __half* kc, const __half* vc,
                                                               int T, int heads, int kvHeads, int hd, int pos0, float scale,
@@ -1396,16 +1409,27 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_f16(float* dst, const 
     PDL_ENTRY();
     AtSplit sp{ct, units, part_o, part_ml, cnt};
     if (hd == 128)
-        attn_tc_h_body<128>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
+        attn_tc_h_body<128>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
     else
-        attn_tc_h_body<0>(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
+        attn_tc_h_body<0>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
+}
+// attn_tc_f16_q is attn_tc_f16 for head size 128 with its output written as
+// the int8 input of a W8A8 o projection with a static quantizer (QOut{dq,
+// qs, qo}): no fp32 output, no quant_act (runtime.Fused's AttentionAdd).
+extern "C" __global__ void __launch_bounds__(128) attn_tc_f16_q(int8_t* dq, float qs, float qo, const float* q,
+                                                                const __half* kc, const __half* vc, int T, int heads,
+                                                                int kvHeads, int pos0, float scale, int ct, int units,
+                                                                float* part_o, float* part_ml, int* cnt) {
+    PDL_ENTRY();
+    attn_tc_h_body<128>(QOut{dq, qs, qo}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,
+                        AtSplit{ct, units, part_o, part_ml, cnt});
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const float* q, const int8_t* kc, const int8_t* vc,
                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale,
                                                              int ct, int units, float* part_o, float* part_ml, int* cnt,
                                                              const float* ks, const float* ko, const float* vs, const float* vo) {
     PDL_ENTRY();
-    attn_tc_body(dst, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt},
+    attn_tc_body(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt},
                  KVQuant{ks, ko, vs, vo});
 }
 

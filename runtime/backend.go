@@ -116,6 +116,10 @@ type Fused interface {
 	// RoPEStoreKV is RoPE(q, …), RoPE(k, …), then StoreKV(c, layer, pos0,
 	// k, v): q and k are left rotated.
 	RoPEStoreKV(c KVCache, layer, pos0 int, q, k, v Buf, headDim int, theta float64, layout model.RopeLayout)
+	// AttentionAdd is Attention(a, q, c, layer, pos0, heads, kvHeads,
+	// headDim) then MatMulAdd(x, a, o) with a a temporary: the attention
+	// output o's input alone.
+	AttentionAdd(x, q Buf, c KVCache, layer, pos0, heads, kvHeads, headDim int, o Linear)
 	// MLP is NormSwiGLU(g, x, w, bias, eps, gate, up) then
 	// MatMulAdd(x, g, down) with g a temporary: the MLP block on the
 	// residual x, the SwiGLU's result down's input alone.
@@ -190,6 +194,11 @@ func (u Unfused) RoPEStoreKV(c KVCache, layer, pos0 int, q, k, v Buf, headDim in
 	u.StoreKV(c, layer, pos0, k, v)
 }
 
+// AttentionAdd implements Fused.
+func (u Unfused) AttentionAdd(x, q Buf, c KVCache, layer, pos0, heads, kvHeads, headDim int, o Linear) {
+	AttentionAddSeq(u, x, q, c, layer, pos0, heads, kvHeads, headDim, o)
+}
+
 // MLP implements Fused.
 func (u Unfused) MLP(x Buf, w, bias Vector, eps float32, gate, up, down Linear) {
 	MLPSeq(u, x, w, bias, eps, gate, up, down)
@@ -200,6 +209,15 @@ func (u Unfused) MLP(x Buf, w, bias Vector, eps float32, gate, up, down Linear) 
 type FusedBackend interface {
 	Backend
 	Fused
+}
+
+// AttentionAddSeq runs Fused.AttentionAdd as the sequence its comment
+// names, on f's Attention and MatMulAdd.
+func AttentionAddSeq(f FusedBackend, x, q Buf, c KVCache, layer, pos0, heads, kvHeads, headDim int, o Linear) {
+	a := AllocRaw(f, q.Rows(), q.Cols())
+	f.Attention(a, q, c, layer, pos0, heads, kvHeads, headDim)
+	f.MatMulAdd(x, a, o)
+	f.Free(a)
 }
 
 // MLPSeq runs Fused.MLP as the sequence its comment names, on f's

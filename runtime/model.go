@@ -347,13 +347,18 @@ func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) B
 	T := h.Rows()
 	q, k, v := AllocRaw(m.be, T, c.QDim()), AllocRaw(m.be, T, c.KVDim()), AllocRaw(m.be, T, c.KVDim())
 	m.ops.MatMulN([]Buf{q, k, v}, h, []Linear{w.linear(model.Q, ov), w.linear(model.K, ov), w.linear(model.V, ov)})
-	return m.attend(l, q, k, v, pos0, cache, ov)
+	cache, cl := m.storeKV(l, q, k, v, pos0, cache, ov)
+	att := AllocRaw(m.be, T, c.QDim())
+	m.be.Attention(att, q, cache, cl, pos0, c.Heads, c.KVHeads, c.HeadDim)
+	m.be.Free(q)
+	return att
 }
 
-// attend finishes the q, k and v products of layer l (rows at positions
-// pos0..) as Attention describes, stores k and v, frees all three and
-// returns the attention output.
-func (m *Model) attend(l int, q, k, v Buf, pos0 int, cache KVCache, ov Overrides) Buf {
+// storeKV finishes the q, k and v products of layer l (rows at positions
+// pos0..) as Attention describes, stores k and v and frees both; it
+// returns the cache and layer that q's attention reads (cache, or the
+// scratch cache where cache is nil).
+func (m *Model) storeKV(l int, q, k, v Buf, pos0 int, cache KVCache, ov Overrides) (KVCache, int) {
 	c := &m.cfg
 	be := m.be
 	T := q.Rows()
@@ -376,10 +381,7 @@ func (m *Model) attend(l int, q, k, v Buf, pos0 int, cache KVCache, ov Overrides
 	m.ops.RoPEStoreKV(cache, cl, pos0, q, k, v, c.HeadDim, c.RopeTheta, c.Rope)
 	be.Free(k)
 	be.Free(v)
-	att := AllocRaw(be, T, c.QDim())
-	be.Attention(att, q, cache, cl, pos0, c.Heads, c.KVHeads, c.HeadDim)
-	be.Free(q)
-	return att
+	return cache, cl
 }
 
 // KV returns the keys and values layer l caches for its normed input h
@@ -469,17 +471,20 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 		f.MatMulN(qkv, h, wqkv)
 		be.Free(h)
 	}
-	att := m.attend(l, q, k, v, pos0, cache, nil)
-	if capture != nil {
-		capture(l, CaptureO, att)
-	}
-	f.MatMulAdd(x, att, w.o)
-	be.Free(att)
-
+	kc, cl := m.storeKV(l, q, k, v, pos0, cache, nil)
 	if capture == nil {
+		f.AttentionAdd(x, q, kc, cl, pos0, c.Heads, c.KVHeads, c.HeadDim, w.o)
+		be.Free(q)
 		f.MLP(x, w.mlpNorm, w.mlpNormBias, eps, w.gate, w.up, w.down)
 		return
 	}
+	att := AllocRaw(be, T, c.QDim())
+	be.Attention(att, q, kc, cl, pos0, c.Heads, c.KVHeads, c.HeadDim)
+	be.Free(q)
+	capture(l, CaptureO, att)
+	f.MatMulAdd(x, att, w.o)
+	be.Free(att)
+
 	h := m.MLPNorm(l, x)
 	capture(l, CaptureGateUp, h)
 	g := m.MLPHidden(l, h, nil)

@@ -275,7 +275,7 @@ func kernelNames() []string {
 	names := []string{
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_heads", "add_bias", "add_inplace",
 		"silu_mul", "rope", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8", "attn_combine",
-		"attn_tc", "attn_tc_f16", "attn_tc_i8",
+		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_i8",
 		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8", "dequant_h_q4", "dequant_h_q8",
 		"gather_cols", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "decode_advance", "sample", "fill_random",
 		"allreduce_peer",
@@ -1024,18 +1024,37 @@ func (b *Backend) attnSplit(T, pos0, heads int) (ct, units int) {
 // Attention implements runtime.Backend.
 func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int) {
 	d, qb, kc := buf(dst), buf(q), cache(c)
+	b.checkAttention(d.rows, d.cols, qb, kc, layer, pos0, heads, kvHeads, headDim)
+	defer b.enter()()
+	b.attention(d, inputForm{}, qb, kc, layer, pos0, heads, kvHeads, headDim)
+}
+
+// checkAttention panics unless Attention can write an output of rows ×
+// cols from q, c and the rest.
+func (b *Backend) checkAttention(rows, cols int, qb *Buf, kc *KVCache, layer, pos0, heads, kvHeads, headDim int) {
 	T := qb.rows
-	if qb.cols != heads*headDim || d.cols != qb.cols || d.rows != T || kvHeads <= 0 || heads%kvHeads != 0 ||
+	if qb.cols != heads*headDim || cols != qb.cols || rows != T || kvHeads <= 0 || heads%kvHeads != 0 ||
 		kvHeads*headDim != kc.kvDim || headDim%32 != 0 || headDim > 256 || layer < 0 || layer >= kc.layers {
 		panic(fmt.Sprintf("cuda backend: Attention shapes q [%d %d], heads %d/%d, head %d, cache width %d", qb.rows, qb.cols, heads, kvHeads, headDim, kc.kvDim))
 	}
 	if !b.capPos && pos0+T > kc.maxSeq {
 		panic("cuda backend: Attention beyond the cache")
 	}
-	defer b.enter()()
+}
+
+// attnTC reports whether attention runs T query rows of head size
+// headDim on the tensor cores (attn_tc*, the prefill).
+func (b *Backend) attnTC(T, headDim int) bool {
+	return T >= attnTCMinRows && headDim%16 == 0 && headDim <= 128 && !(b.capturing && b.capPos)
+}
+
+// attention is Attention on checked operands. With f an int8 form (where
+// attnQuantOut allows it) the output goes to f, not to d.
+func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, pos0, heads, kvHeads, headDim int) {
+	T := qb.rows
 	off := kc.layerOff(layer)
 	scale := float32(1 / math.Sqrt(float64(headDim)))
-	if T >= attnTCMinRows && headDim%16 == 0 && headDim <= 128 && !(b.capturing && b.capPos) {
+	if b.attnTC(T, headDim) {
 		// prefill: 64 queries a block on the tensor cores, the keys of
 		// long query tiles split over several blocks where that fills the
 		// device (attnSplit)
@@ -1046,14 +1065,26 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 			pml = b.scratchBuf("att_tc_ml", 4*64*2*heads*units)
 			cnt = b.zeroedScratch("att_tc_cnt", 4*heads*((T+63)/64))
 		}
-		args := []any{d.p, qb.p, kc.k + off, kc.v + off, T, heads, kvHeads, headDim, pos0, scale, ct, units, po, pml, cnt}
-		if kc.quant != 0 {
-			args = append(args, kc.quantArgs(layer)...)
-		}
 		name := kc.kernel("attn_tc")
+		var args []any
+		switch {
+		case f.p == 0:
+			args = []any{d.p, qb.p, kc.k + off, kc.v + off, T, heads, kvHeads, headDim, pos0, scale, ct, units, po, pml, cnt}
+			if kc.quant != 0 {
+				args = append(args, kc.quantArgs(layer)...)
+			}
+		case b.attnQuantOut(f, kc, T, headDim):
+			name = "attn_tc_f16_q"
+			args = append(f.args(), qb.p, kc.k+off, kc.v+off, T, heads, kvHeads, pos0, scale, ct, units, po, pml, cnt)
+		default:
+			panic("cuda backend: attention output in a form its kernel does not write")
+		}
 		b.raiseSmem(name, attnTCSmem)
 		b.launchShm(name, [3]uint32{uint32(heads), uint32(units), 1}, [3]uint32{128, 1, 1}, attnTCSmem, args...)
 		return
+	}
+	if f.p != 0 {
+		panic("cuda backend: attention output in a form the decode kernel does not write")
 	}
 	var nsplit, chunk int
 	if b.capturing && b.capPos {
@@ -1081,6 +1112,37 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 		b.launch("attn_combine", [3]uint32{uint32(heads), uint32(T), 1}, [3]uint32{uint32(min(headDim, 256)), 1, 1},
 			d.p, ml, acc, heads, headDim, p, dp, nsplit, chunk)
 	}
+}
+
+// attnQuantOut reports whether the prefill attention writes its output
+// as f's int8 codes (attn_tc_f16_q: an fp16 cache, head size 128).
+func (b *Backend) attnQuantOut(f inputForm, kc *KVCache, T, headDim int) bool {
+	return f.p != 0 && !f.half && kc.half && kc.quant == 0 && headDim == 128 && b.attnTC(T, headDim)
+}
+
+// AttentionAdd implements runtime.Fused: Attention, then o's products
+// added to x; where o is W8A8 with a static quantizer, the prefill
+// attention of an fp16 cache writes o's int8 input itself (attnQuantOut:
+// no fp32 output, no quant_act).
+func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear) {
+	d, qb, kc, l := buf(x), buf(q), cache(c), lin(o)
+	b.checkAttention(qb.rows, qb.cols, qb, kc, layer, pos0, heads, kvHeads, headDim)
+	if l.in != qb.cols || l.out != d.cols || d.rows != qb.rows || d.p == qb.p {
+		panic(fmt.Sprintf("cuda backend: AttentionAdd [%d %d] += attention [%d %d] x o [%d %d]ᵀ", d.rows, d.cols, qb.rows, qb.cols, l.out, l.in))
+	}
+	if qb.rows == 0 {
+		return
+	}
+	defer b.enter()()
+	if f := b.inputFor(l, qb.rows); b.attnQuantOut(f, kc, qb.rows, headDim) {
+		b.attention(nil, f, qb, kc, layer, pos0, heads, kvHeads, headDim)
+		b.matmul(d, f.input(qb.rows, qb.cols), l, false, outAdd)
+		return
+	}
+	a := b.AllocRaw(qb.rows, qb.cols).(*Buf)
+	b.attention(a, inputForm{}, qb, kc, layer, pos0, heads, kvHeads, headDim)
+	b.matmul(d, &gemmIn{x: a}, l, false, outAdd)
+	b.Free(a)
 }
 
 // NLL implements runtime.Backend.

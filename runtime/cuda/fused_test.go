@@ -409,6 +409,58 @@ func TestMLPDownInput(t *testing.T) {
 	}
 }
 
+// TestAttentionAdd checks runtime.Fused's AttentionAdd against the
+// sequence it stands for: the residual equal bit for bit, with one launch
+// fewer (no quant_act) where the prefill attention writes o's W8A8 input
+// itself (attn_tc_f16_q: a static quantizer, an fp16 cache, head size 128,
+// at least attnTCMinRows rows; its query tiles split or not, after a
+// prefix) and the same launches where it does not (a per-token quantizer,
+// an fp32 cache, head size 64, decode rows).
+func TestAttentionAdd(t *testing.T) {
+	b := newTestBackend(t)
+	defer func() { b.opt.KVHalf, b.opt.AttnSplit = false, 0 }()
+	r := rand.New(rand.NewPCG(61, 62))
+	const heads, kvHeads = 4, 2
+	for _, hd := range []int{128, 64} {
+		K := heads * hd
+		for _, half := range []bool{true, false} {
+			b.opt.KVHalf = half
+			c := b.NewKVCache(1, 400, kvHeads*hd)
+			for _, dynamic := range []bool{false, true} {
+				o := uploadW8A8(t, b, r, K, K, dynamic, 0.01)
+				for _, tc := range []struct{ T, pos0, split int }{{5, 0, 0}, {130, 0, 0}, {130, 0, 1}, {200, 150, 0}, {200, 150, 2}} {
+					name := fmt.Sprintf("hd=%d/half=%v/dynamic=%v/T=%d/pos0=%d/split=%d", hd, half, dynamic, tc.T, tc.pos0, tc.split)
+					t.Run(name, func(t *testing.T) {
+						b.opt.AttnSplit = tc.split
+						kv := upload(b, tc.T, kvHeads*hd, randVec(r, tc.T*kvHeads*hd, 1))
+						defer b.Free(kv)
+						b.StoreKV(c, 0, tc.pos0, kv, kv)
+						q := upload(b, tc.T, K, randVec(r, tc.T*K, 1))
+						defer b.Free(q)
+						x := randVec(r, tc.T*K, 1)
+						want, got := upload(b, tc.T, K, x), upload(b, tc.T, K, x)
+						defer b.Free(want)
+						defer b.Free(got)
+						n0 := b.launches
+						runtime.AttentionAddSeq(b, want, q, c, 0, tc.pos0, heads, kvHeads, hd, o)
+						n1 := b.launches
+						b.AttentionAdd(got, q, c, 0, tc.pos0, heads, kvHeads, hd, o)
+						compare(t, "residual", download(b, got), download(b, want), 0)
+						nSeq, nFused := n1-n0, b.launches-n1
+						wantN := nSeq
+						if !dynamic && half && hd == 128 && tc.T >= attnTCMinRows {
+							wantN--
+						}
+						if nFused != wantN {
+							t.Errorf("%d launches, want %d (the sequence: %d)", nFused, wantN, nSeq)
+						}
+					})
+				}
+			}
+		}
+	}
+}
+
 // TestRowSums checks the row sums of a decode step (rowsums.go) on the
 // steps of a layer: o's residual add → norm, gate/up and SwiGLU → down's
 // residual add → norm and q. Each normed GEMV must find the sums its

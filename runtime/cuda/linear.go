@@ -660,7 +660,8 @@ func (b *Backend) matmul(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int)
 // the product's GEMM takes, at p instead of floats (p = 0: floats as
 // usual): the int8 codes of a W8A8 weight's static quantizer key (qtool.cu's
 // QOut), or fp16 (half) for a halfGEMM weight without a column order. The
-// SwiGLU of NormSwiGLU's GEMMs takes it (down's input, MLP).
+// SwiGLU of NormSwiGLU's GEMMs takes it (down's input, MLP), and the int8
+// form the prefill attention (o's input, AttentionAdd).
 type inputForm struct {
 	p    driver.DevicePtr
 	key  actQuant
@@ -677,15 +678,15 @@ func (f inputForm) args() []any {
 }
 
 // inputFor returns the form in which the producer of the M-row input of a
-// product with l may write it (scratch "down_in"), or none (p = 0): l's
+// product with l may write it (scratch "formed_in"), or none (p = 0): l's
 // int8 codes where l is W8A8 with a static quantizer, fp16 where its GEMM
 // takes fp16 in column order.
 func (b *Backend) inputFor(l *Linear, M int) inputForm {
 	switch {
 	case l.kind == kindW8A8 && !l.dynamic:
-		return inputForm{p: b.scratchBuf("down_in", M*l.in), key: l.actQuant()}
+		return inputForm{p: b.scratchBuf("formed_in", M*l.in), key: l.actQuant()}
 	case l.kind != kindW8A8 && b.halfGEMM(l, M, false) && l.perm == 0:
-		return inputForm{p: b.scratchBuf("down_in", 2*M*l.in), half: true}
+		return inputForm{p: b.scratchBuf("formed_in", 2*M*l.in), half: true}
 	}
 	return inputForm{}
 }

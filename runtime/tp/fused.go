@@ -186,6 +186,12 @@ func (b *Backend) replicatedVector(op string, w, bias runtime.Vector) (*vector, 
 	return wv, bv
 }
 
+// AttentionAdd implements runtime.Fused: Attention, then MatMulAdd (each
+// on the ranks' pieces as above).
+func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear) {
+	runtime.AttentionAddSeq(b, x, q, c, layer, pos0, heads, kvHeads, headDim, o)
+}
+
 // MLP implements runtime.Fused: NormSwiGLU, then MatMulAdd (each on the
 // ranks' pieces as above).
 func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear) {

@@ -77,6 +77,10 @@ func fusingTP(t testing.TB, m *model.Model, calls *atomic.Int64) *Backend {
 	return be
 }
 
+func (f fusingCPU) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear) {
+	f.unfused().AttentionAdd(x, q, c, layer, pos0, heads, kvHeads, headDim, o)
+}
+
 func (f fusingCPU) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear) {
 	f.unfused().MLP(x, w, bias, eps, gate, up, down)
 }
