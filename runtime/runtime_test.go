@@ -16,6 +16,7 @@ import (
 	"qtool/formats/model"
 	"qtool/runtime"
 	"qtool/runtime/cpu"
+	"qtool/runtime/runtimetest"
 )
 
 const testdata = "../testdata"
@@ -215,13 +216,7 @@ func TestGreedyWithoutCapture(t *testing.T) {
 type poisonedRaw struct{ runtime.Backend }
 
 func (p poisonedRaw) AllocRaw(rows, cols int) runtime.Buf {
-	x := p.Alloc(rows, cols)
-	nan := make([]float32, rows*cols)
-	for i := range nan {
-		nan[i] = float32(math.NaN())
-	}
-	p.Upload(x, nan)
-	return x
+	return runtimetest.AllocNaN(p.Backend, rows, cols)
 }
 
 // TestRawActivations checks that the forward pass writes every activation

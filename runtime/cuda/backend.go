@@ -1049,7 +1049,7 @@ func (b *Backend) attnTC(T, headDim int) bool {
 }
 
 // attention is Attention on checked operands. With f an int8 form (where
-// attnQuantOut allows it) the output goes to f, not to d.
+// attnQuantOut allows it) the output goes to f, not to d (nil).
 func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, pos0, heads, kvHeads, headDim int) {
 	T := qb.rows
 	off := kc.layerOff(layer)
@@ -1073,11 +1073,11 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 			if kc.quant != 0 {
 				args = append(args, kc.quantArgs(layer)...)
 			}
-		case b.attnQuantOut(f, kc, T, headDim):
+		case f.half || !kc.half || kc.quant != 0 || headDim != 128:
+			panic("cuda backend: attention output in a form its kernel does not write")
+		default:
 			name = "attn_tc_f16_q"
 			args = append(f.args(), qb.p, kc.k+off, kc.v+off, T, heads, kvHeads, pos0, scale, ct, units, po, pml, cnt)
-		default:
-			panic("cuda backend: attention output in a form its kernel does not write")
 		}
 		b.raiseSmem(name, attnTCSmem)
 		b.launchShm(name, [3]uint32{uint32(heads), uint32(units), 1}, [3]uint32{128, 1, 1}, attnTCSmem, args...)
@@ -1114,10 +1114,11 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 	}
 }
 
-// attnQuantOut reports whether the prefill attention writes its output
-// as f's int8 codes (attn_tc_f16_q: an fp16 cache, head size 128).
-func (b *Backend) attnQuantOut(f inputForm, kc *KVCache, T, headDim int) bool {
-	return f.p != 0 && !f.half && kc.half && kc.quant == 0 && headDim == 128 && b.attnTC(T, headDim)
+// attnQuantOut reports whether the prefill attention of T rows writes its
+// output as the int8 input of o (attn_tc_f16_q: o W8A8 with a static
+// quantizer, an fp16 cache, head size 128).
+func (b *Backend) attnQuantOut(o *Linear, kc *KVCache, T, headDim int) bool {
+	return o.kind == kindW8A8 && !o.dynamic && kc.half && kc.quant == 0 && headDim == 128 && b.attnTC(T, headDim)
 }
 
 // AttentionAdd implements runtime.Fused: Attention, then o's products
@@ -1134,7 +1135,8 @@ func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0,
 		return
 	}
 	defer b.enter()()
-	if f := b.inputFor(l, qb.rows); b.attnQuantOut(f, kc, qb.rows, headDim) {
+	if b.attnQuantOut(l, kc, qb.rows, headDim) {
+		f := b.inputFor(l, qb.rows)
 		b.attention(nil, f, qb, kc, layer, pos0, heads, kvHeads, headDim)
 		b.matmul(d, f.input(qb.rows, qb.cols), l, false, outAdd)
 		return

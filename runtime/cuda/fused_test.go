@@ -317,6 +317,30 @@ func uploadW8A8(t *testing.T, b *Backend, r *rand.Rand, n, k int, dynamic bool, 
 	return lw
 }
 
+// checkFormed runs seq and fused on two copies of the residual x [M, K]:
+// the results must be equal bit for bit, and fused must take one launch
+// fewer than seq where a producer writes its consumer's input in the
+// consumer's form (formed: no quant_act or to_half), as many otherwise.
+func checkFormed(t *testing.T, b *Backend, x []float32, M, K int, formed bool, seq, fused func(x runtime.Buf)) {
+	t.Helper()
+	want, got := upload(b, M, K, x), upload(b, M, K, x)
+	defer b.Free(want)
+	defer b.Free(got)
+	n0 := b.launches
+	seq(want)
+	n1 := b.launches
+	fused(got)
+	compare(t, "residual", download(b, got), download(b, want), 0)
+	nSeq, nFused := n1-n0, b.launches-n1
+	wantN := nSeq
+	if formed {
+		wantN--
+	}
+	if nFused != wantN {
+		t.Errorf("%d launches, want %d (the sequence: %d)", nFused, wantN, nSeq)
+	}
+}
+
 // TestMLPDownInput checks runtime.Fused's MLP where the SwiGLU is written
 // in the form down's GEMM takes (inputFor) against the sequence it stands
 // for: the residual equal bit for bit, with one launch fewer (no quant_act,
@@ -387,23 +411,11 @@ func TestMLPDownInput(t *testing.T) {
 		gate, up, down := tc.weights()
 		for _, M := range []int{1, 5, 130, 300} {
 			t.Run(fmt.Sprintf("%s/M=%d", tc.name, M), func(t *testing.T) {
-				x := randVec(r, M*K, 1)
-				want, got := upload(b, M, K, x), upload(b, M, K, x)
-				defer b.Free(want)
-				defer b.Free(got)
-				n0 := b.launches
-				runtime.MLPSeq(b, want, nw, nb, eps, gate, up, down)
-				n1 := b.launches
-				b.MLP(got, nw, nb, eps, gate, up, down)
-				compare(t, "residual", download(b, got), download(b, want), 0)
-				nSeq, nFused := n1-n0, b.launches-n1
-				wantN := nSeq
-				if tc.formed(M) {
-					wantN--
-				}
-				if nFused != wantN {
-					t.Errorf("%d launches, want %d (the sequence: %d)", nFused, wantN, nSeq)
-				}
+				checkFormed(t, b, randVec(r, M*K, 1), M, K, tc.formed(M), func(x runtime.Buf) {
+					runtime.MLPSeq(b, x, nw, nb, eps, gate, up, down)
+				}, func(x runtime.Buf) {
+					b.MLP(x, nw, nb, eps, gate, up, down)
+				})
 			})
 		}
 	}
@@ -437,23 +449,12 @@ func TestAttentionAdd(t *testing.T) {
 						b.StoreKV(c, 0, tc.pos0, kv, kv)
 						q := upload(b, tc.T, K, randVec(r, tc.T*K, 1))
 						defer b.Free(q)
-						x := randVec(r, tc.T*K, 1)
-						want, got := upload(b, tc.T, K, x), upload(b, tc.T, K, x)
-						defer b.Free(want)
-						defer b.Free(got)
-						n0 := b.launches
-						runtime.AttentionAddSeq(b, want, q, c, 0, tc.pos0, heads, kvHeads, hd, o)
-						n1 := b.launches
-						b.AttentionAdd(got, q, c, 0, tc.pos0, heads, kvHeads, hd, o)
-						compare(t, "residual", download(b, got), download(b, want), 0)
-						nSeq, nFused := n1-n0, b.launches-n1
-						wantN := nSeq
-						if !dynamic && half && hd == 128 && tc.T >= attnTCMinRows {
-							wantN--
-						}
-						if nFused != wantN {
-							t.Errorf("%d launches, want %d (the sequence: %d)", nFused, wantN, nSeq)
-						}
+						formed := !dynamic && half && hd == 128 && tc.T >= attnTCMinRows
+						checkFormed(t, b, randVec(r, tc.T*K, 1), tc.T, K, formed, func(x runtime.Buf) {
+							runtime.AttentionAddSeq(b, x, q, c, 0, tc.pos0, heads, kvHeads, hd, o)
+						}, func(x runtime.Buf) {
+							b.AttentionAdd(x, q, c, 0, tc.pos0, heads, kvHeads, hd, o)
+						})
 					})
 				}
 			}

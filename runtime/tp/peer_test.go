@@ -13,6 +13,7 @@ import (
 
 	"qtool/runtime"
 	"qtool/runtime/cpu"
+	"qtool/runtime/runtimetest"
 )
 
 // fakePeer is a fake device rank with an all-reduce over "peer memory": the
@@ -221,18 +222,13 @@ type (
 	nanDevice struct{ fakeDevice }
 )
 
-func nanAlloc(be runtime.Backend, rows, cols int) runtime.Buf {
-	x := be.Alloc(rows, cols)
-	nan := make([]float32, rows*cols)
-	for i := range nan {
-		nan[i] = float32(math.NaN())
-	}
-	be.Upload(x, nan)
-	return x
+func (p nanFusing) AllocRaw(rows, cols int) runtime.Buf {
+	return runtimetest.AllocNaN(p.Backend, rows, cols)
 }
 
-func (p nanFusing) AllocRaw(rows, cols int) runtime.Buf { return nanAlloc(p.Backend, rows, cols) }
-func (p nanDevice) AllocRaw(rows, cols int) runtime.Buf { return nanAlloc(p.Backend, rows, cols) }
+func (p nanDevice) AllocRaw(rows, cols int) runtime.Buf {
+	return runtimetest.AllocNaN(p.Backend, rows, cols)
+}
 
 // TestRawRankBuffers: the rank buffers of AllocRaw activations (and those
 // of the layout changes, written whole) are not zeroed; with NaN in them
