@@ -2615,7 +2615,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q8(float* C, const _
 // Warpgroup 0 produces: one thread loads the A and W tiles of each K step
 // (64 values; 128 for int8) with the bulk tensor copy engine (TMA: a tensor
 // map per operand, 128-byte swizzle for 128-byte rows, the parts past M, N
-// or K zero-filled) into a ring of GW_STAGES stages, each completing on its
+// or K zero-filled) into a ring of gw_stages stages, each completing on its
 // mbarrier "full"; for the quantized kinds each producer thread also
 // copies one weight row's {scale, zero}. Warpgroups 1 and 2 consume and
 // release each stage to the producer once their wgmma has read it
@@ -2632,7 +2632,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q8(float* C, const _
 // kernels do.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define GW_BK 64       // K step: 64 halfs, one 128-byte swizzle row
-#define GW_STAGES 5    // ring depth; a stage is gw_stage_bytes (runtime/cuda's gemmWGStages)
+// gw_stages is the ring's depth (runtime/cuda's gemmWGStages): the 4-bit
+// kind's stages are small (21 KB), and 8 of them keep its copies further
+// ahead (4-bit GEMMs 2-6 % faster than with 5; 10 no faster)
+template <int WK>
+__host__ __device__ constexpr int gw_stages() {
+    return WK == GH_Q4 ? 8 : 5;
+}
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 // TmaMap holds a CUtensorMap (cuTensorMapEncodeTiled) passed by value.
 struct __align__(64) TmaMap {
@@ -2817,14 +2823,14 @@ template <int WK, bool PAIR = false, typename Epi>
 __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap* mapA, const TmaMap* mapW,
                                              const float2* __restrict__ sz, const float2* __restrict__ sz2, int M,
                                              int N, int gs, int G, int kt0, int kt1, int out, Epi epi) {
-    constexpr int SB = gw_stage_bytes<WK>();
+    constexpr int SB = gw_stage_bytes<WK>(), GWS = gw_stages<WK>();
     constexpr int BKE = WK == GH_S8 ? 128 : GW_BK;  // elements of a K step
     constexpr bool QUANT = WK == GH_Q4 || WK == GH_Q8;
     extern __shared__ __align__(1024) unsigned char gw_raw[];
     uint32_t raw = smem_u32(gw_raw), base = (raw + 1023) & ~1023u;  // the swizzle repeats every 1024 bytes
-    uint32_t bars = base + GW_STAGES * SB;
+    uint32_t bars = base + GWS * SB;
     auto full = [&](int s) { return bars + 8 * s; };
-    auto empty = [&](int s) { return bars + 8 * (GW_STAGES + s); };
+    auto empty = [&](int s) { return bars + 8 * (GWS + s); };
     auto tileA = [&](int s) { return base + s * SB; };
     auto tileW = [&](int s) { return base + s * SB + 128 * GW_BK * 2; };
     auto tileS = [&](int s) { return tileW(s) + gw_w_bytes<WK>(); };  // GH_Q4, GH_Q8: {scale, zero}
@@ -2833,7 +2839,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     // share weight tiles, so each weight tile leaves device memory once
     int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128, n0 = blockIdx.y * (PAIR ? 64 : 128), nk = kt1 - kt0;
     if (tid == 0) {
-        for (int s = 0; s < GW_STAGES; s++) {
+        for (int s = 0; s < GWS; s++) {
             mbar_init(full(s), QUANT ? 1 + 128 : 1);  // the copy engine's bytes; the scales' copies
             mbar_init(empty(s), 8);                   // the 8 consumer warps
         }
@@ -2846,8 +2852,8 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         // of the step, its arrival on "full" due when the copy lands
         if (!QUANT && tid != 0) return;
         for (int i = 0; i < nk; i++) {
-            int s = i % GW_STAGES;
-            if (i >= GW_STAGES) mbar_wait(empty(s), (i / GW_STAGES - 1) & 1);
+            int s = i % GWS;
+            if (i >= GWS) mbar_wait(empty(s), (i / GWS - 1) & 1);
             if (tid == 0) {
                 mbar_expect_tx(full(s), 128 * GW_BK * 2 + gw_w_bytes<WK>());
                 tma_load_2d(tileA(s), mapA, (kt0 + i) * BKE, m0, full(s));
@@ -2869,7 +2875,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     int c = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31;
     // the stages hold the whole result tile for the epilogue once the
     // products are done (consumers meet at barrier 1)
-    static_assert(TS_ROWS * TS_LD * 4 <= GW_STAGES * SB, "the result tile fits in the stages");
+    static_assert(TS_ROWS * TS_LD * 4 <= GWS * SB, "the result tile fits in the stages");
     TileStage<float> st{reinterpret_cast<float*>(at(base)), m0, n0, 1, 256, tid - 128};
     if constexpr (WK == GH_F16 || WK == GH_S8) {
         // D = A · Wᵀ: 64 activation rows of warpgroup c by the 128 weight
@@ -2878,15 +2884,15 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
 #pragma unroll
         for (int e = 0; e < 64; e++) d[e] = 0;
         for (int i = 0; i < nk; i++) {
-            int s = i % GW_STAGES;
-            mbar_wait(full(s), (i / GW_STAGES) & 1);
+            int s = i % GWS;
+            mbar_wait(full(s), (i / GWS) & 1);
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
             uint64_t da = wg_desc(tileA(s) + c * 64 * 128), dw = wg_desc(tileW(s));
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) wgmma_ss(d, da + 2 * kk, dw + 2 * kk);  // +32 bytes a k step
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // step i − 1 is done with its stage
-            if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % GW_STAGES));
+            if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % GWS));
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         // accumulator e of n8 chunk j: activation row 16·warp + lane/4 (+8
@@ -2917,19 +2923,19 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         for (int e = 0; e < 64; e++) d[e] = 0.f;
         uint32_t f[2][16];
         auto frags = [&](int i, uint32_t (&fi)[16]) {
-            int s = i % GW_STAGES;
-            mbar_wait(full(s), (i / GW_STAGES) & 1);
+            int s = i % GWS;
+            mbar_wait(full(s), (i / GWS) & 1);
             gw_frags<WK>(fi, at(tileW(s)), reinterpret_cast<const float2*>(at(tileS(s))), rw, lane);
         };
         auto step = [&](int i, const uint32_t (&fi)[16]) {
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-            uint64_t da = wg_desc(tileA(i % GW_STAGES));
+            uint64_t da = wg_desc(tileA(i % GWS));
 #pragma unroll
             for (int kk = 0; kk < GW_BK / 16; kk++) wgmma_m64n128k16_ra(d, &fi[4 * kk], da + 2 * kk);
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         };
         auto release = [&](int i) {  // step i's wgmma is complete: its stage is free
-            if (lane == 0) mbar_arrive(empty(i % GW_STAGES));
+            if (lane == 0) mbar_arrive(empty(i % GWS));
         };
         // step i is queued behind step i − 1, then step i − 1 waited for
         // (its register set is step i + 1's)
@@ -2974,7 +2980,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
 // [M, K], mapW over the weight (fp16 or bf16 [N, K]; GH_Q4: the words
 // [N, K/8]; GH_Q8: the codes [N, K]), sz and the group size gs (a multiple
 // of GW_BK) and count G of the quantized kinds; dynamic shared memory
-// gw_stage_bytes · GW_STAGES + the barriers + 1024.
+// gw_stage_bytes · gw_stages + the barriers + 1024.
 #define GEMM_WG_ENTRY(name, WK)                                                                                  \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \

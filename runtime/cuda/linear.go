@@ -794,9 +794,10 @@ func (b *Backend) wgmmaKernel(name string, M int) string {
 }
 
 // gemmWGSmem is the dynamic shared memory of Hopper GEMM name (qtool.cu's
-// gw_stage_bytes × GW_STAGES, 10 mbarriers, 1024 bytes to align the ring):
-// a stage holds the A tile (128 rows of 128 bytes) and the W tile as loaded
-// (128 rows of 128 bytes; 4-bit: 32; 8-bit: 64, and 128 {scale, zero}).
+// gw_stage_bytes × gw_stages, 2 mbarriers a stage, 1024 bytes to align the
+// ring): a stage holds the A tile (128 rows of 128 bytes) and the W tile as
+// loaded (128 rows of 128 bytes; 4-bit: 32; 8-bit: 64, and 128 {scale,
+// zero}).
 func gemmWGSmem(name string) int {
 	stage := 128 * 128
 	switch name {
@@ -807,11 +808,18 @@ func gemmWGSmem(name string) int {
 	default:
 		stage += 128 * 128
 	}
-	return gemmWGStages*stage + 2*gemmWGStages*8 + 1024
+	S := gemmWGStages(name)
+	return S*stage + 2*S*8 + 1024
 }
 
-// gemmWGStages is the depth of gemm_wg's ring (GW_STAGES).
-const gemmWGStages = 5
+// gemmWGStages is the depth of Hopper GEMM name's ring (qtool.cu's
+// gw_stages): 8 for the 4-bit weights, whose stages are small, else 5.
+func gemmWGStages(name string) int {
+	if name == "gemm_wg_q4" {
+		return 8
+	}
+	return 5
+}
 
 // launchWG launches Hopper GEMM name for l: d[M, N] = a16[M, K] · wᵀ, a16
 // the activations in fp16 and w l's weight (fp16 or bf16 [N, K], 4-bit
