@@ -114,23 +114,39 @@ func startTimer(be runtime.Backend) (time.Time, error) {
 // kernelLaunches returns the kernel launch counts of be's CUDA device (a
 // tensor-parallel backend's first local rank), nil for other backends.
 func kernelLaunches(be runtime.Backend) map[string]int {
-	if t, ok := be.(*tp.Backend); ok {
-		be = t.Rank(t.Local()[0])
-	}
-	if cb, ok := be.(*cuda.Backend); ok {
+	if cb := firstCUDA(be); cb != nil {
 		return cb.KernelLaunches()
 	}
 	return nil
 }
 
-// launchesSince is the launches of now not yet in before, by kernel (nil
-// where there are none).
-func launchesSince(now, before map[string]int) map[string]int {
-	var d map[string]int
+// kernelTimes returns the device seconds by kernel of be's CUDA device (as
+// kernelLaunches), nil unless $QTOOL_CUDA_KERNEL_TIMES=1 recorded them.
+func kernelTimes(be runtime.Backend) map[string]float64 {
+	if cb := firstCUDA(be); cb != nil {
+		return cb.KernelTimes()
+	}
+	return nil
+}
+
+// firstCUDA is be's CUDA device, or a tensor-parallel backend's first local
+// rank's; nil for other backends.
+func firstCUDA(be runtime.Backend) *cuda.Backend {
+	if t, ok := be.(*tp.Backend); ok {
+		be = t.Rank(t.Local()[0])
+	}
+	cb, _ := be.(*cuda.Backend)
+	return cb
+}
+
+// sinceBefore is what grew from before to now, by kernel (nil where
+// nothing did).
+func sinceBefore[V int | float64](now, before map[string]V) map[string]V {
+	var d map[string]V
 	for k, n := range now {
 		if n > before[k] {
 			if d == nil {
-				d = map[string]int{}
+				d = map[string]V{}
 			}
 			d[k] = n - before[k]
 		}

@@ -99,9 +99,13 @@ type verifyResult struct {
 	TokensPerS float64  `json:"tokens_per_s,omitempty"`
 	// Kernels are the kernel launches of the perplexity pass on the (first
 	// local rank's) CUDA device, by kernel.
-	Kernels    map[string]int `json:"kernels,omitempty"`
-	Device     string         `json:"device"`
-	Generation *generation    `json:"generation,omitempty"`
+	Kernels map[string]int `json:"kernels,omitempty"`
+	// KernelSeconds are their device seconds where
+	// $QTOOL_CUDA_KERNEL_TIMES=1 (each launch timed alone: see
+	// cuda.Options.KernelTimes).
+	KernelSeconds map[string]float64 `json:"kernel_seconds,omitempty"`
+	Device        string             `json:"device"`
+	Generation    *generation        `json:"generation,omitempty"`
 }
 
 type generation struct {
@@ -224,9 +228,9 @@ func runVerify(c *cli.Context) error {
 			bar.Describe(fmt.Sprintf("ppl %.4f, %.0f tok/s", running, tps))
 			_ = bar.Set(done)
 		}
-		before := kernelLaunches(be)
+		before, beforeT := kernelLaunches(be), kernelTimes(be)
 		r, err := runtime.Perplexity(m, ids, opt)
-		res.Kernels = launchesSince(kernelLaunches(be), before)
+		res.Kernels, res.KernelSeconds = sinceBefore(kernelLaunches(be), before), sinceBefore(kernelTimes(be), beforeT)
 		if bar != nil {
 			_ = bar.Finish()
 			fmt.Fprintln(stderr)

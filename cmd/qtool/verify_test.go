@@ -164,7 +164,7 @@ func TestVerifyErrors(t *testing.T) {
 	}
 }
 
-func TestLaunchesSince(t *testing.T) {
+func TestSinceBefore(t *testing.T) {
 	for _, c := range []struct {
 		now, before, want map[string]int
 	}{
@@ -172,8 +172,13 @@ func TestLaunchesSince(t *testing.T) {
 		{map[string]int{"a": 2}, map[string]int{"a": 2}, nil},
 		{map[string]int{"a": 5, "b": 1}, map[string]int{"a": 2}, map[string]int{"a": 3, "b": 1}},
 	} {
-		if got := launchesSince(c.now, c.before); !maps.Equal(got, c.want) || (got == nil) != (c.want == nil) {
-			t.Errorf("launchesSince(%v, %v) = %v, want %v", c.now, c.before, got, c.want)
+		if got := sinceBefore(c.now, c.before); !maps.Equal(got, c.want) || (got == nil) != (c.want == nil) {
+			t.Errorf("sinceBefore(%v, %v) = %v, want %v", c.now, c.before, got, c.want)
 		}
+	}
+	// device seconds: only what grew
+	got := sinceBefore(map[string]float64{"a": 1.5, "b": 0.25}, map[string]float64{"a": 0.5, "b": 0.25})
+	if want := map[string]float64{"a": 1}; !maps.Equal(got, want) {
+		t.Errorf("sinceBefore(seconds) = %v, want %v", got, want)
 	}
 }

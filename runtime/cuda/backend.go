@@ -75,6 +75,10 @@ type Options struct {
 	// a negative value gives every query tile one block (for comparisons,
 	// like NoDependentLaunch).
 	AttnSplit int
+	// KernelTimes records the device time of every kernel launched outside
+	// a graph capture (KernelTimes; kerneltimes.go). NewDevice sets it from
+	// $QTOOL_CUDA_KERNEL_TIMES=1.
+	KernelTimes bool
 }
 
 // Backend runs the forward pass on one CUDA device.
@@ -123,6 +127,8 @@ type Backend struct {
 	sums     rowSums
 	// launched counts the launches of each kernel (KernelLaunches).
 	launched map[string]int
+	// kt holds the kernel times (Options.KernelTimes).
+	kt kernelTimes
 
 	uploaded map[string]int64 // device bytes of each uploaded linear, by name
 
@@ -157,10 +163,12 @@ type scratch struct {
 // the error wraps ErrNoDriver ("no CUDA driver found").
 func New() (*Backend, error) { return NewDevice(0) }
 
-// NewDevice opens CUDA device d with default options ($QTOOL_CUDA_PTX and
-// $QTOOL_CALIB_PTX are honoured, for kernel work).
+// NewDevice opens CUDA device d with default options ($QTOOL_CUDA_PTX,
+// $QTOOL_CALIB_PTX and $QTOOL_CUDA_KERNEL_TIMES are honoured, for kernel
+// work).
 func NewDevice(d int) (*Backend, error) {
-	return NewWithOptions(Options{Device: d, PTXPath: os.Getenv("QTOOL_CUDA_PTX"), CalibPTXPath: os.Getenv("QTOOL_CALIB_PTX")})
+	return NewWithOptions(Options{Device: d, PTXPath: os.Getenv("QTOOL_CUDA_PTX"), CalibPTXPath: os.Getenv("QTOOL_CALIB_PTX"),
+		KernelTimes: os.Getenv("QTOOL_CUDA_KERNEL_TIMES") == "1"})
 }
 
 // DeviceCount returns the number of CUDA devices (an error wrapping
@@ -321,6 +329,7 @@ func (b *Backend) Close() error {
 			g.destroy()
 		}
 		b.graphs = nil
+		errs = append(errs, b.closeKernelTimes()...)
 		errs = append(errs, b.closePeer())
 		for p := range b.owned {
 			errs = append(errs, b.drv.MemFree(p))
@@ -622,11 +631,19 @@ func (b *Backend) launchShm(name string, grid, block [3]uint32, shm int, args ..
 			return // nothing to do
 		}
 	}
+	timed := b.opt.KernelTimes && !b.capturing
+	var start driver.Event
+	if timed {
+		start = b.markKernelStart()
+	}
 	if b.dependent[name] && !b.opt.NoDependentLaunch {
 		b.must(b.drv.LaunchDependent(f, grid, block, uint32(shm), b.stream, &b.ptrs[0]))
-		return
+	} else {
+		b.must(b.drv.Launch(f, grid, block, uint32(shm), b.stream, &b.ptrs[0]))
 	}
-	b.must(b.drv.Launch(f, grid, block, uint32(shm), b.stream, &b.ptrs[0]))
+	if timed {
+		b.markKernelEnd(name, start)
+	}
 }
 
 // waitingKernels returns the entries of a PTX module whose code waits for
