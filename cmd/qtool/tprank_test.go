@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"math"
+	"os"
 	"os/exec"
 	"strings"
 	"testing"
@@ -100,5 +101,29 @@ func TestVerifyTPProcessesErrors(t *testing.T) {
 				t.Fatalf("a panic:\n%s", out)
 			}
 		})
+	}
+}
+
+// --cpuprofile writes one pprof profile a process: the run's own, or one a
+// rank (FILE.rankN) where the ranks are processes, none for the launcher.
+func TestVerifyCPUProfile(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds qtool and starts processes")
+	}
+	dir := t.TempDir()
+	gen := []string{"--prompt", "The", "--max-new", "2", "../../testdata/llama-mini"}
+	verifyJSON(t, append([]string{"--cpuprofile", dir + "/one"}, gen...)...)
+	verifyJSON(t, append([]string{"--cpuprofile", dir + "/tp", "--tp", "2", "--tp-processes"}, gen...)...)
+	for _, name := range []string{"one", "tp.rank0", "tp.rank1"} {
+		b, err := os.ReadFile(dir + "/" + name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(b) < 2 || b[0] != 0x1f || b[1] != 0x8b { // pprof's profiles are gzipped protocol buffers
+			t.Errorf("%s: %d bytes, not a gzipped profile", name, len(b))
+		}
+	}
+	if _, err := os.Stat(dir + "/tp"); !os.IsNotExist(err) {
+		t.Errorf("the launcher wrote a profile of its own (stat: %v)", err)
 	}
 }

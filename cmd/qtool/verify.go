@@ -79,6 +79,7 @@ func verifyCommand() *cli.Command {
 			&cli.StringFlag{Name: "tokenizer", Usage: "tokenizer `PATH` (a directory, tokenizer.json or tokenizer.model); default: beside the model"},
 			&cli.StringFlag{Name: "kld", Usage: "KL divergence of MODEL from `BASE` (the float model, or a logits file from --kld-cache)"},
 			&cli.StringFlag{Name: "kld-cache", Usage: "with --kld BASE (a model): write BASE's logits to `FILE`, or read them when FILE exists", TakesFile: true},
+			&cli.StringFlag{Name: "cpuprofile", Usage: "write this run's CPU profile (pprof) to `FILE`; the ranks of --tp-processes or a launcher write FILE.rankN", TakesFile: true},
 			&cli.BoolFlag{Name: "json", Usage: "print the results as one JSON object"},
 			&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress bar"},
 		},
@@ -116,7 +117,7 @@ type generation struct {
 	TokensPerS float64 `json:"tokens_per_s"`
 }
 
-func runVerify(c *cli.Context) error {
+func runVerify(c *cli.Context) (err error) {
 	job, isRank, err := rankJob(c)
 	if err != nil {
 		return err
@@ -140,6 +141,17 @@ func runVerify(c *cli.Context) error {
 	}
 	if isRank && job.Rank != 0 {
 		c.App.Writer = io.Discard // only rank 0 reports
+	}
+	if p := c.String("cpuprofile"); p != "" {
+		stop, err := startCPUProfile(p, job, isRank)
+		if err != nil {
+			return fmt.Errorf("verify: %w", err)
+		}
+		defer func() {
+			if serr := stop(); serr != nil && err == nil {
+				err = fmt.Errorf("verify: %w", serr)
+			}
+		}()
 	}
 	if c.IsSet("kld") || c.IsSet("kld-cache") {
 		return runVerifyKLD(c)
