@@ -5,7 +5,7 @@
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build topo tests attnbench ncu ncuprefill 7b tp tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests attnbench ncu ncuprefill 7b tp tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -122,6 +122,12 @@ if has tp; then
     QTOOL_TP_ALLREDUCE=nccl run "$m-tp2-nccl" $V --device cuda --tp 2 /tmp/$m
     run "$m-tp2-procs" $V --device cuda --tp 2 --tp-processes /tmp/$m
   done
+fi
+if has tpprof; then # CPU profiles of rank 0 and 1, ranks in one process vs a process per rank (AutoAWQ; read with go tool pprof)
+  for v in "inproc:" "procs:--tp-processes"; do n=${v%%:*}
+    run "l7b-awq-tp2-$n-prof" $V --device cuda --tp 2 ${v#*:} --cpuprofile "$FINAL/tp2-$n.prof" /tmp/l7b-awq
+  done
+  ls -l "$FINAL"/*.prof* 2>/dev/null | awk '{print $5, $9}'
 fi
 if has tpspeed; then # the synthetic 8-layer W4A16 7B at TP=2: NCCL vs peer memory, collectives alone
   lim=$(left); [ "$lim" -gt 60 ] && (cd runtime/tp/gputest && QTOOL_TP_SPEED=1 QTOOL_TP_PROF="$FINAL/prof" timeout "$lim" "$OLDPWD/bin/gputest.test" -test.v -test.run TestTPSpeed > "$OUT/tpspeed.log" 2>&1)
