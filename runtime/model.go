@@ -348,7 +348,14 @@ func (m *Model) Attention(l int, h Buf, pos0 int, cache KVCache, ov Overrides) B
 	q, k, v := AllocRaw(m.be, T, c.QDim()), AllocRaw(m.be, T, c.KVDim()), AllocRaw(m.be, T, c.KVDim())
 	m.ops.MatMulN([]Buf{q, k, v}, h, []Linear{w.linear(model.Q, ov), w.linear(model.K, ov), w.linear(model.V, ov)})
 	cache, cl := m.storeKV(l, q, k, v, pos0, cache, ov)
-	att := AllocRaw(m.be, T, c.QDim())
+	return m.attend(q, cache, cl, pos0)
+}
+
+// attend returns the attention output of q (rows at positions pos0..) over
+// layer cl of cache, a new buffer, and frees q.
+func (m *Model) attend(q Buf, cache KVCache, cl, pos0 int) Buf {
+	c := &m.cfg
+	att := AllocRaw(m.be, q.Rows(), c.QDim())
 	m.be.Attention(att, q, cache, cl, pos0, c.Heads, c.KVHeads, c.HeadDim)
 	m.be.Free(q)
 	return att
@@ -478,9 +485,7 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 		f.MLP(x, w.mlpNorm, w.mlpNormBias, eps, w.gate, w.up, w.down)
 		return
 	}
-	att := AllocRaw(be, T, c.QDim())
-	be.Attention(att, q, kc, cl, pos0, c.Heads, c.KVHeads, c.HeadDim)
-	be.Free(q)
+	att := m.attend(q, kc, cl, pos0)
 	capture(l, CaptureO, att)
 	f.MatMulAdd(x, att, w.o)
 	be.Free(att)

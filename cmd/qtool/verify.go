@@ -143,11 +143,11 @@ func runVerify(c *cli.Context) (err error) {
 		c.App.Writer = io.Discard // only rank 0 reports
 	}
 	if p := c.String("cpuprofile"); p != "" {
-		stop, err := startCPUProfile(p, job, isRank)
-		if err != nil {
-			return fmt.Errorf("verify: %w", err)
+		stop, perr := startCPUProfile(p, job, isRank)
+		if perr != nil {
+			return fmt.Errorf("verify: %w", perr)
 		}
-		defer func() {
+		defer func() { // err: runVerify's result (a failed write of the profile fails the run)
 			if serr := stop(); serr != nil && err == nil {
 				err = fmt.Errorf("verify: %w", serr)
 			}

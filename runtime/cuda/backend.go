@@ -1042,6 +1042,9 @@ func (b *Backend) attnSplit(T, pos0, heads int) (ct, units int) {
 func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int) {
 	d, qb, kc := buf(dst), buf(q), cache(c)
 	b.checkAttention(d.rows, d.cols, qb, kc, layer, pos0, heads, kvHeads, headDim)
+	if qb.rows == 0 {
+		return
+	}
 	defer b.enter()()
 	b.attention(d, inputForm{}, qb, kc, layer, pos0, heads, kvHeads, headDim)
 }
@@ -1141,27 +1144,22 @@ func (b *Backend) attnQuantOut(o *Linear, kc *KVCache, T, headDim int) bool {
 // AttentionAdd implements runtime.Fused: Attention, then o's products
 // added to x; where o is W8A8 with a static quantizer, the prefill
 // attention of an fp16 cache writes o's int8 input itself (attnQuantOut:
-// no fp32 output, no quant_act).
+// no fp32 output, no quant_act); elsewhere the sequence
+// (runtime.AttentionAddSeq).
 func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear) {
 	d, qb, kc, l := buf(x), buf(q), cache(c), lin(o)
+	if !b.attnQuantOut(l, kc, qb.rows, headDim) {
+		runtime.AttentionAddSeq(b, x, q, c, layer, pos0, heads, kvHeads, headDim, o)
+		return
+	}
 	b.checkAttention(qb.rows, qb.cols, qb, kc, layer, pos0, heads, kvHeads, headDim)
 	if l.in != qb.cols || l.out != d.cols || d.rows != qb.rows || d.p == qb.p {
 		panic(fmt.Sprintf("cuda backend: AttentionAdd [%d %d] += attention [%d %d] x o [%d %d]ᵀ", d.rows, d.cols, qb.rows, qb.cols, l.out, l.in))
 	}
-	if qb.rows == 0 {
-		return
-	}
 	defer b.enter()()
-	if b.attnQuantOut(l, kc, qb.rows, headDim) {
-		f := b.inputFor(l, qb.rows)
-		b.attention(nil, f, qb, kc, layer, pos0, heads, kvHeads, headDim)
-		b.matmul(d, f.input(qb.rows, qb.cols), l, false, outAdd)
-		return
-	}
-	a := b.AllocRaw(qb.rows, qb.cols).(*Buf)
-	b.attention(a, inputForm{}, qb, kc, layer, pos0, heads, kvHeads, headDim)
-	b.matmul(d, &gemmIn{x: a}, l, false, outAdd)
-	b.Free(a)
+	f := b.inputFor(l, qb.rows)
+	b.attention(nil, f, qb, kc, layer, pos0, heads, kvHeads, headDim)
+	b.matmul(d, f.input(qb.rows, qb.cols), l, false, outAdd)
 }
 
 // NLL implements runtime.Backend.
