@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"math"
 	"os"
@@ -104,26 +105,40 @@ func TestVerifyTPProcessesErrors(t *testing.T) {
 	}
 }
 
-// --cpuprofile writes one pprof profile a process: the run's own, or one a
-// rank (FILE.rankN) where the ranks are processes, none for the launcher.
-func TestVerifyCPUProfile(t *testing.T) {
+// --cpuprofile and --trace write one file a process: the run's own, or one
+// a rank (FILE.rankN) where the ranks are processes, none for the launcher.
+func TestVerifyRecord(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds qtool and starts processes")
 	}
 	dir := t.TempDir()
 	gen := []string{"--prompt", "The", "--max-new", "2", "../../testdata/llama-mini"}
-	verifyJSON(t, append([]string{"--cpuprofile", dir + "/one"}, gen...)...)
-	verifyJSON(t, append([]string{"--cpuprofile", dir + "/tp", "--tp", "2", "--tp-processes"}, gen...)...)
-	for _, name := range []string{"one", "tp.rank0", "tp.rank1"} {
-		b, err := os.ReadFile(dir + "/" + name)
-		if err != nil {
-			t.Fatal(err)
+	verifyJSON(t, append([]string{"--cpuprofile", dir + "/one.prof", "--trace", dir + "/one.trace"}, gen...)...)
+	verifyJSON(t, append([]string{"--cpuprofile", dir + "/tp.prof", "--trace", dir + "/tp.trace", "--tp", "2", "--tp-processes"}, gen...)...)
+	for _, base := range []string{"one", "tp"} {
+		suffixes := []string{""}
+		if base == "tp" {
+			suffixes = []string{".rank0", ".rank1"}
 		}
-		if len(b) < 2 || b[0] != 0x1f || b[1] != 0x8b { // pprof's profiles are gzipped protocol buffers
-			t.Errorf("%s: %d bytes, not a gzipped profile", name, len(b))
+		for _, sfx := range suffixes {
+			prof, trc := dir+"/"+base+".prof"+sfx, dir+"/"+base+".trace"+sfx
+			if b, err := os.ReadFile(prof); err != nil {
+				t.Error(err)
+			} else if len(b) < 2 || b[0] != 0x1f || b[1] != 0x8b { // pprof's profiles are gzipped protocol buffers
+				t.Errorf("%s: %d bytes, not a gzipped profile", prof, len(b))
+			}
+			if b, err := os.ReadFile(trc); err != nil {
+				t.Error(err)
+			} else if !bytes.HasPrefix(b, []byte("go 1.")) || !bytes.Contains(b[:min(len(b), 16)], []byte(" trace")) {
+				t.Errorf("%s: %d bytes, not an execution trace (%q)", trc, len(b), b[:min(len(b), 16)])
+			}
 		}
-	}
-	if _, err := os.Stat(dir + "/tp"); !os.IsNotExist(err) {
-		t.Errorf("the launcher wrote a profile of its own (stat: %v)", err)
+		if base == "tp" {
+			for _, f := range []string{"tp.prof", "tp.trace"} {
+				if _, err := os.Stat(dir + "/" + f); !os.IsNotExist(err) {
+					t.Errorf("the launcher wrote %s of its own (stat: %v)", f, err)
+				}
+			}
+		}
 	}
 }

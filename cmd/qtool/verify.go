@@ -80,6 +80,7 @@ func verifyCommand() *cli.Command {
 			&cli.StringFlag{Name: "kld", Usage: "KL divergence of MODEL from `BASE` (the float model, or a logits file from --kld-cache)"},
 			&cli.StringFlag{Name: "kld-cache", Usage: "with --kld BASE (a model): write BASE's logits to `FILE`, or read them when FILE exists", TakesFile: true},
 			&cli.StringFlag{Name: "cpuprofile", Usage: "write this run's CPU profile (pprof) to `FILE`; the ranks of --tp-processes or a launcher write FILE.rankN", TakesFile: true},
+			&cli.StringFlag{Name: "trace", Usage: "write this run's Go execution trace (go tool trace) to `FILE`; ranks as --cpuprofile", TakesFile: true},
 			&cli.BoolFlag{Name: "json", Usage: "print the results as one JSON object"},
 			&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress bar"},
 		},
@@ -142,12 +143,16 @@ func runVerify(c *cli.Context) (err error) {
 	if isRank && job.Rank != 0 {
 		c.App.Writer = io.Discard // only rank 0 reports
 	}
-	if p := c.String("cpuprofile"); p != "" {
-		stop, perr := startCPUProfile(p, job, isRank)
+	for _, rec := range []recorder{cpuProfile, execTrace} {
+		p := c.String(rec.flag)
+		if p == "" {
+			continue
+		}
+		stop, perr := record(rec, p, job, isRank)
 		if perr != nil {
 			return fmt.Errorf("verify: %w", perr)
 		}
-		defer func() { // err: runVerify's result (a failed write of the profile fails the run)
+		defer func() { // err: runVerify's result (a failed write of the file fails the run)
 			if serr := stop(); serr != nil && err == nil {
 				err = fmt.Errorf("verify: %w", serr)
 			}
