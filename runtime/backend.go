@@ -136,6 +136,16 @@ type RawAllocator interface {
 	AllocRaw(rows, cols int) Buf
 }
 
+// RowCopier is implemented by backends that copy rows between their own
+// buffers (cpu, cuda, tp): taking some rows of an activation (the rows a
+// perplexity chunk scores, a prompt's last row) then stays on the device
+// instead of a round trip through host memory.
+type RowCopier interface {
+	// CopyRows copies n rows of src from srcRow into dst from dstRow
+	// (same number of columns).
+	CopyRows(dst Buf, dstRow int, src Buf, srcRow, n int)
+}
+
 // AllocRaw is be's AllocRaw where it has one, else Alloc: for a buffer
 // that its first writer writes whole before anything reads it.
 func AllocRaw(be Backend, rows, cols int) Buf {

@@ -19,9 +19,7 @@ type Releaser interface {
 type Calibrator interface {
 	Backend
 	Releaser
-	// CopyRows copies n rows of src from srcRow into dst from dstRow
-	// (same number of columns).
-	CopyRows(dst Buf, dstRow int, src Buf, srcRow, n int)
+	RowCopier
 	// GatherRows sets row i of dst to row rows[i] of src.
 	GatherRows(dst, src Buf, rows []int)
 	// FloatLinear returns the float32 buffer w [out, in] as a linear

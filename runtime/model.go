@@ -680,12 +680,31 @@ func (m *Model) SetVector(name string, t model.Tensor) error {
 
 // rowsOf copies rows [r0, r1) of x into a new buffer.
 func rowsOf(be Backend, x Buf, r0, r1 int) Buf {
-	cols := x.Cols()
-	all := make([]float32, x.Rows()*cols)
-	be.Download(all, x)
-	out := be.Alloc(r1-r0, cols)
-	be.Upload(out, all[r0*cols:r1*cols])
+	out := AllocRaw(be, r1-r0, x.Cols())
+	CopyRows(be, out, 0, x, r0, r1-r0)
 	return out
+}
+
+// CopyRows copies n rows of src from srcRow into dst from dstRow (same
+// number of columns) with be's CopyRows where it is a RowCopier, else
+// through host memory (Download, Upload).
+func CopyRows(be Backend, dst Buf, dstRow int, src Buf, srcRow, n int) {
+	if rc, ok := be.(RowCopier); ok {
+		rc.CopyRows(dst, dstRow, src, srcRow, n)
+		return
+	}
+	cols := src.Cols()
+	if dst.Cols() != cols || dstRow < 0 || srcRow < 0 || n < 0 || dstRow+n > dst.Rows() || srcRow+n > src.Rows() {
+		panic(fmt.Sprintf("runtime.CopyRows: %d rows from %d of [%d %d] to %d of [%d %d]", n, srcRow, src.Rows(), cols, dstRow, dst.Rows(), dst.Cols()))
+	}
+	s := make([]float32, src.Rows()*cols)
+	be.Download(s, src)
+	d := make([]float32, dst.Rows()*cols)
+	if n < dst.Rows() { // keep dst's other rows
+		be.Download(d, dst)
+	}
+	copy(d[dstRow*cols:], s[srcRow*cols:(srcRow+n)*cols])
+	be.Upload(dst, d)
 }
 
 // checkIDs reports the first id outside 0..vocab-1.

@@ -6,6 +6,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -1025,4 +1026,42 @@ func w8a8(w []float32, rows, cols int, bias []float32, inScale, inOffset float32
 		out.QuantBias[r] = int32(math.RoundToEven(float64(bias[r]/out.DeqScale[r]) - float64(inOffset)*sum))
 	}
 	return out
+}
+
+// hostOnly hides every method of its backend beyond runtime.Backend (such
+// as CopyRows), as a backend without them would have.
+type hostOnly struct{ runtime.Backend }
+
+// TestCopyRows copies rows on a backend that copies them itself and on one
+// that does not (through host memory): the same values, dst's other rows
+// kept.
+func TestCopyRows(t *testing.T) {
+	const rows, cols = 5, 7
+	src, old := make([]float32, rows*cols), make([]float32, rows*cols)
+	for i := range src {
+		src[i], old[i] = float32(i), float32(-i)
+	}
+	for _, tc := range []struct {
+		name                   string
+		be                     runtime.Backend
+		dstRows, dstRow, r0, n int
+	}{
+		{"rowcopier", cpu.New(1), rows, 1, 2, 3},
+		{"host", hostOnly{cpu.New(1)}, rows, 1, 2, 3},
+		{"host-whole", hostOnly{cpu.New(1)}, 2, 0, 3, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, d := tc.be.Alloc(rows, cols), tc.be.Alloc(tc.dstRows, cols)
+			tc.be.Upload(s, src)
+			tc.be.Upload(d, old[:tc.dstRows*cols])
+			runtime.CopyRows(tc.be, d, tc.dstRow, s, tc.r0, tc.n)
+			got := make([]float32, tc.dstRows*cols)
+			tc.be.Download(got, d)
+			want := slices.Clone(old[:tc.dstRows*cols])
+			copy(want[tc.dstRow*cols:], src[tc.r0*cols:(tc.r0+tc.n)*cols])
+			if !slices.Equal(got, want) {
+				t.Errorf("got %v, want %v", got, want)
+			}
+		})
+	}
 }

@@ -974,6 +974,26 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 	})
 }
 
+var _ runtime.RowCopier = (*Backend)(nil)
+
+// CopyRows implements runtime.RowCopier on every rank's piece: dst takes
+// src's layout (keeping its values where it has another one) and each
+// rank copies the rows of its piece (runtime.CopyRows: on the device
+// where the rank backend can).
+func (b *Backend) CopyRows(dst runtime.Buf, dstRow int, src runtime.Buf, srcRow, n int) {
+	d, s := bufOf(dst), bufOf(src)
+	if d.cols != s.cols || dstRow < 0 || srcRow < 0 || n < 0 || dstRow+n > d.rows || srcRow+n > s.rows {
+		panic(fmt.Sprintf("tp.CopyRows: %d rows from %d of [%d %d] to %d of [%d %d]", n, srcRow, s.rows, s.cols, dstRow, d.rows, d.cols))
+	}
+	if s.parts == nil {
+		b.replicate(s) // unwritten: zeros
+	}
+	if d.parts != nil {
+		b.conform(d, s)
+	}
+	b.run(d, s.split, func(r int) { runtime.CopyRows(b.ranks[r], d.parts[r], dstRow, s.parts[r], srcRow, n) })
+}
+
 // conform brings t to the layout of ref (replicated or the same split).
 func (b *Backend) conform(t, ref *Buf) {
 	if ref.split == nil {

@@ -408,6 +408,56 @@ func TestLayouts(t *testing.T) {
 	be.Free(z)
 }
 
+// TestCopyRows copies rows of a split and a replicated buffer into fresh
+// buffers and into a written one of the other layout: the copy keeps the
+// source's layout, and the destination's other rows keep their values.
+func TestCopyRows(t *testing.T) {
+	m := openHF(t, "qwen3-mini")
+	be := tpBackend(t, m, 2)
+	rng := rand.New(rand.NewPCG(5, 6))
+	const rows, cols = 6, 768
+	data := func() []float32 {
+		v := make([]float32, rows*cols)
+		for i := range v {
+			v[i] = rng.Float32()*4 - 2
+		}
+		return v
+	}
+	for _, split := range [][][2]int{nil, {{0, 300}, {300, 768}}} {
+		a, b := data(), data()
+		src := be.Alloc(rows, cols).(*Buf)
+		be.Upload(src, a)
+		if split != nil {
+			be.toSplit(src, split)
+		}
+		fresh := runtime.AllocRaw(be, 3, cols).(*Buf)
+		be.CopyRows(fresh, 0, src, 2, 3)
+		if !slices.Equal(fresh.split, split) {
+			t.Errorf("split %v: the copy's layout is %v", split, fresh.split)
+		}
+		got := make([]float32, 3*cols)
+		be.Download(got, fresh)
+		if !slices.Equal(got, a[2*cols:5*cols]) {
+			t.Errorf("split %v: rows 2..4 differ", split)
+		}
+		dst := be.Alloc(rows, cols).(*Buf)
+		be.Upload(dst, b) // replicated
+		if split == nil {
+			be.toSplit(dst, [][2]int{{0, 384}, {384, 768}})
+		}
+		be.CopyRows(dst, 4, src, 0, 2)
+		want := slices.Concat(b[:4*cols], a[:2*cols])
+		all := make([]float32, rows*cols)
+		be.Download(all, dst)
+		if !slices.Equal(all, want) {
+			t.Errorf("split %v: rows 0, 1 into rows 4, 5 of a written buffer of another layout: wrong values", split)
+		}
+		for _, x := range []runtime.Buf{src, fresh, dst} {
+			be.Free(x)
+		}
+	}
+}
+
 func BenchmarkForward(b *testing.B) {
 	for _, n := range []int{1, 2} {
 		b.Run(map[int]string{1: "tp1", 2: "tp2"}[n], func(b *testing.B) {
