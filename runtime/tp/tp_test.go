@@ -353,6 +353,15 @@ func errorsJoin(errs []error) error {
 	return nil
 }
 
+// uniform returns n values drawn uniformly from [-2, 2).
+func uniform(rng *rand.Rand, n int) []float32 {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = rng.Float32()*4 - 2
+	}
+	return v
+}
+
 // TestLayouts drives the buffer conversions directly: a column-split buffer
 // downloads whole, converts to replicated and back, and Add/SiLUMul on
 // mixed layouts give the same values as the plain CPU backend.
@@ -362,14 +371,7 @@ func TestLayouts(t *testing.T) {
 	ref := cpu.New(1)
 	rng := rand.New(rand.NewPCG(3, 4))
 	const rows, cols = 5, 768
-	data := func() []float32 {
-		v := make([]float32, rows*cols)
-		for i := range v {
-			v[i] = rng.Float32()*4 - 2
-		}
-		return v
-	}
-	a, b := data(), data()
+	a, b := uniform(rng, rows*cols), uniform(rng, rows*cols)
 	split := [][2]int{{0, 300}, {300, 768}}
 	x := be.Alloc(rows, cols).(*Buf)
 	be.Upload(x, a)
@@ -416,15 +418,8 @@ func TestCopyRows(t *testing.T) {
 	be := tpBackend(t, m, 2)
 	rng := rand.New(rand.NewPCG(5, 6))
 	const rows, cols = 6, 768
-	data := func() []float32 {
-		v := make([]float32, rows*cols)
-		for i := range v {
-			v[i] = rng.Float32()*4 - 2
-		}
-		return v
-	}
 	for _, split := range [][][2]int{nil, {{0, 300}, {300, 768}}} {
-		a, b := data(), data()
+		a, b := uniform(rng, rows*cols), uniform(rng, rows*cols)
 		src := be.Alloc(rows, cols).(*Buf)
 		be.Upload(src, a)
 		if split != nil {
