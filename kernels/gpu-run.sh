@@ -40,7 +40,7 @@ if has tests; then
     dir=runtime/$t; [ "$t" = gputest ] && dir=runtime/tp/gputest
     (cd "$dir" && timeout 240 "$OLDPWD/bin/$t.test" -test.v ${TESTRUN:+-test.run "$TESTRUN"} > "$OUT/test-$t.log" 2>&1)
     echo "test $t rc=$? $(grep -c -- '--- PASS' "$OUT/test-$t.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-$t.log") fail, $(grep -c -- '--- SKIP' "$OUT/test-$t.log") skip"
-    grep -E -- "--- FAIL|panic|greedy|ppl|KLD|rel " "$OUT/test-$t.log" | head -20
+    grep -E -- "--- FAIL|panic|greedy|ppl|KLD|rel |loaded kernels" "$OUT/test-$t.log" | head -20
     # a broken peer-memory all-reduce would hang the TP runs until their timeout
     grep -q -- "--- FAIL: TestAllReducePeer" "$OUT/test-$t.log" && { echo "peer all-reduce broken: stopping"; exit 1; }
   done

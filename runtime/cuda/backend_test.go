@@ -26,6 +26,7 @@ func newTestBackend(t testing.TB) *Backend {
 		t.Fatalf("cuda.New: %v", err)
 	}
 	t.Cleanup(func() {
+		noteTestKernels(b)
 		if err := b.Close(); err != nil {
 			t.Errorf("Close: %v", err)
 		}
