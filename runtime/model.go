@@ -693,10 +693,8 @@ func CopyRows(be Backend, dst Buf, dstRow int, src Buf, srcRow, n int) {
 		rc.CopyRows(dst, dstRow, src, srcRow, n)
 		return
 	}
+	CheckCopyRows("runtime.CopyRows", dst, dstRow, src, srcRow, n)
 	cols := src.Cols()
-	if dst.Cols() != cols || dstRow < 0 || srcRow < 0 || n < 0 || dstRow+n > dst.Rows() || srcRow+n > src.Rows() {
-		panic(fmt.Sprintf("runtime.CopyRows: %d rows from %d of [%d %d] to %d of [%d %d]", n, srcRow, src.Rows(), cols, dstRow, dst.Rows(), dst.Cols()))
-	}
 	s := make([]float32, src.Rows()*cols)
 	be.Download(s, src)
 	d := make([]float32, dst.Rows()*cols)
@@ -705,6 +703,15 @@ func CopyRows(be Backend, dst Buf, dstRow int, src Buf, srcRow, n int) {
 	}
 	copy(d[dstRow*cols:], s[srcRow*cols:(srcRow+n)*cols])
 	be.Upload(dst, d)
+}
+
+// CheckCopyRows panics, naming op, unless n rows of src from srcRow fit
+// into dst from dstRow and both have the same columns: the check of every
+// RowCopier's CopyRows.
+func CheckCopyRows(op string, dst Buf, dstRow int, src Buf, srcRow, n int) {
+	if dst.Cols() != src.Cols() || dstRow < 0 || srcRow < 0 || n < 0 || dstRow+n > dst.Rows() || srcRow+n > src.Rows() {
+		panic(fmt.Sprintf("%s: %d rows from %d of [%d %d] to %d of [%d %d]", op, n, srcRow, src.Rows(), src.Cols(), dstRow, dst.Rows(), dst.Cols()))
+	}
 }
 
 // checkIDs reports the first id outside 0..vocab-1.

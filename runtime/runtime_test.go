@@ -3,6 +3,7 @@ package runtime_test
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -1063,5 +1064,27 @@ func TestCopyRows(t *testing.T) {
 				t.Errorf("got %v, want %v", got, want)
 			}
 		})
+	}
+}
+
+// TestCheckCopyRows: out-of-range rows or other widths panic with the
+// shapes, on the host path and on a RowCopier alike.
+func TestCheckCopyRows(t *testing.T) {
+	for _, be := range []runtime.Backend{cpu.New(1), hostOnly{cpu.New(1)}} {
+		for _, c := range []struct{ dstRows, dstCols, dstRow, srcRow, n int }{
+			{4, 3, 0, 0, 5}, // more rows than src has
+			{4, 3, 2, 0, 3}, // past dst's end
+			{4, 2, 0, 0, 1}, // other widths
+			{4, 3, 0, -1, 1},
+		} {
+			func() {
+				defer func() {
+					if p := recover(); p == nil || !strings.Contains(fmt.Sprint(p), "rows from") {
+						t.Errorf("%s %+v: panic %v, want one naming the rows", be.Name(), c, p)
+					}
+				}()
+				runtime.CopyRows(be, be.Alloc(c.dstRows, c.dstCols), c.dstRow, be.Alloc(4, 3), c.srcRow, c.n)
+			}()
+		}
 	}
 }

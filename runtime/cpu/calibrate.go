@@ -22,9 +22,7 @@ func (b *Backend) FreeVector(runtime.Vector) {}
 // CopyRows implements runtime.Calibrator.
 func (b *Backend) CopyRows(dst runtime.Buf, dstRow int, src runtime.Buf, srcRow, n int) {
 	d, s := mat(dst), mat(src)
-	if d.cols != s.cols || dstRow < 0 || srcRow < 0 || n < 0 || dstRow+n > d.rows || srcRow+n > s.rows {
-		panic(fmt.Sprintf("cpu.CopyRows: %d rows from %d of [%d %d] to %d of [%d %d]", n, srcRow, s.rows, s.cols, dstRow, d.rows, d.cols))
-	}
+	runtime.CheckCopyRows("cpu.CopyRows", d, dstRow, s, srcRow, n)
 	copy(d.Data[dstRow*d.cols:(dstRow+n)*d.cols], s.Data[srcRow*s.cols:(srcRow+n)*s.cols])
 }
 

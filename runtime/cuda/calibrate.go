@@ -64,6 +64,7 @@ func (b *Backend) FreeVector(v runtime.Vector) {
 
 // CopyRows implements runtime.Calibrator.
 func (b *Backend) CopyRows(dst runtime.Buf, dstRow int, src runtime.Buf, srcRow, n int) {
+	runtime.CheckCopyRows("cuda backend: CopyRows", dst, dstRow, src, srcRow, n)
 	b.Copy2D(dst, dstRow, 0, src, srcRow, 0, n, buf(src).cols)
 }
 

@@ -982,9 +982,7 @@ var _ runtime.RowCopier = (*Backend)(nil)
 // where the rank backend can).
 func (b *Backend) CopyRows(dst runtime.Buf, dstRow int, src runtime.Buf, srcRow, n int) {
 	d, s := bufOf(dst), bufOf(src)
-	if d.cols != s.cols || dstRow < 0 || srcRow < 0 || n < 0 || dstRow+n > d.rows || srcRow+n > s.rows {
-		panic(fmt.Sprintf("tp.CopyRows: %d rows from %d of [%d %d] to %d of [%d %d]", n, srcRow, s.rows, s.cols, dstRow, d.rows, d.cols))
-	}
+	runtime.CheckCopyRows("tp.CopyRows", d, dstRow, s, srcRow, n)
 	if s.parts == nil {
 		b.replicate(s) // unwritten: zeros
 	}
