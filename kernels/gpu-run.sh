@@ -5,7 +5,7 @@
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build topo tests attnbench ncu ncuprefill 7b tp tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests attnbench ncu ncuprefill 7b one one-base tp tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -113,6 +113,10 @@ PY
 }
 if has one; then
   for m in l7b-awq l7b; do run "$m-1gpu" $V --device cuda /tmp/$m; done
+fi
+if has one-base; then # the same with the previous commit's binary and its embedded PTX
+  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
+  for m in l7b-awq l7b; do run "$m-1gpu-base" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base ${V#bin/qtool } --device cuda /tmp/$m; done
 fi
 if has tp; then
   for m in l7b-awq l7b; do

@@ -616,43 +616,32 @@ extern "C" __global__ void rope(float* __restrict__ x, int rows, int cols, int h
 __device__ __forceinline__ float kv_load(const float* p, size_t i) { return p[i]; }
 __device__ __forceinline__ float kv_load(const __half* p, size_t i) { return __half2float(p[i]); }
 __device__ __forceinline__ float kv_load(const int8_t* p, size_t i) { return (float)p[i]; }
-// kv_row reads a lane's V (≤ 8) consecutive cached values into r (zeros
+// kv_row reads a lane's V (≤ N) consecutive cached values into r (zeros
 // beyond V); for V = 4, the head size 128, with one vector load.
-template <typename KV>
-__device__ __forceinline__ void kv_row(float (&r)[8], const KV* p, int V) {
+template <int N, typename KV>
+__device__ __forceinline__ void kv_row(float (&r)[N], const KV* p, int V) {
+    if constexpr (N >= 4) {
+        if (V == 4) {
+            float4 c;
+            if constexpr (sizeof(KV) == 4) {
+                c = *reinterpret_cast<const float4*>(p);
+            } else if constexpr (sizeof(KV) == 2) {
+                uint2 u = *reinterpret_cast<const uint2*>(p);
+                float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+                float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+                c = make_float4(a.x, a.y, b.x, b.y);
+            } else {
+                char4 q = *reinterpret_cast<const char4*>(p);
+                c = make_float4(q.x, q.y, q.z, q.w);
+            }
+            r[0] = c.x, r[1] = c.y, r[2] = c.z, r[3] = c.w;
 #pragma unroll
-    for (int i = 0; i < 8; i++) r[i] = i < V ? kv_load(p, i) : 0.f;
-}
-template <>
-__device__ __forceinline__ void kv_row<float>(float (&r)[8], const float* p, int V) {
-    if (V != 4) {
-#pragma unroll
-        for (int i = 0; i < 8; i++) r[i] = i < V ? p[i] : 0.f;
-        return;
+            for (int i = 4; i < N; i++) r[i] = 0.f;
+            return;
+        }
     }
-    float4 c = *reinterpret_cast<const float4*>(p);
-    r[0] = c.x; r[1] = c.y; r[2] = c.z; r[3] = c.w; r[4] = r[5] = r[6] = r[7] = 0.f;
-}
-template <>
-__device__ __forceinline__ void kv_row<__half>(float (&r)[8], const __half* p, int V) {
-    if (V != 4) {
 #pragma unroll
-        for (int i = 0; i < 8; i++) r[i] = i < V ? __half2float(p[i]) : 0.f;
-        return;
-    }
-    uint2 u = *reinterpret_cast<const uint2*>(p);
-    float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x)), b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-    r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y; r[4] = r[5] = r[6] = r[7] = 0.f;
-}
-template <>
-__device__ __forceinline__ void kv_row<int8_t>(float (&r)[8], const int8_t* p, int V) {
-    if (V != 4) {
-#pragma unroll
-        for (int i = 0; i < 8; i++) r[i] = i < V ? (float)p[i] : 0.f;
-        return;
-    }
-    char4 c = *reinterpret_cast<const char4*>(p);
-    r[0] = c.x; r[1] = c.y; r[2] = c.z; r[3] = c.w; r[4] = r[5] = r[6] = r[7] = 0.f;
+    for (int i = 0; i < N; i++) r[i] = i < V ? kv_load(p, i) : 0.f;
 }
 __device__ __forceinline__ void kv_store(float* p, size_t i, float x, float, float) { p[i] = x; }
 __device__ __forceinline__ void kv_store(__half* p, size_t i, float x, float, float) { p[i] = __float2half_rn(x); }
@@ -749,31 +738,43 @@ extern "C" __global__ void store_kv_i8(int8_t* __restrict__ kc, int8_t* __restri
 }
 
 // ---------------------------------------------------------------------------
-// Attention: causal GQA over the fp32 or fp16 cache, flash-decoding style.
-// grid (heads, T, nsplit), block 128 (4 warps). Split s covers keys
-// [s*chunk, (s+1)*chunk) ∩ [0, pos_t]. With nsplit == 1 the kernel writes dst;
-// otherwise it writes partials (max, sum, acc[hd]) that attn_combine merges.
+// Attention: causal GQA over the fp32, fp16 or int8 cache, flash-decoding
+// style. grid (heads, T, nsplit), block 128 (4 warps). Split s covers keys
+// [s*chunk, (s+1)*chunk) ∩ [0, pos_t]; the splits past a row's last key
+// return at once. Where one split holds all of a row's keys it writes dst;
+// otherwise each writes its partials (max, sum, acc[hd]) and the last of
+// the row's splits to finish (counted in cnt[t·heads + h], which it resets)
+// merges them in split order, so results do not depend on the order the
+// blocks ran in.
 #define ATT_WARPS 4
-template <typename KV>
+#define ATT_MAX_SPLITS 256  // splits a row at most (the host sizes the chunks: attnMaxSplits)
+#define ATT_MERGE_U 8      // partial sums a thread of the merge loads at once
+// U keys a warp step, each lane holding VM values of a key (VM ≥ hd/32):
+// 8 keys of head size ≤ 128 or 4 of ≤ 256, the same registers; a warp
+// issues all its step's loads before it uses any.
+template <typename KV, int U, int VM>
 __device__ __forceinline__ void attention_body(
     float* __restrict__ dst, const float* __restrict__ q, const KV* __restrict__ kc,
-    const KV* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
+    const KV* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc, int* __restrict__ cnt,
     int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
     int nsplit, int chunk, KVQuant kq) {
-    int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, T = gridDim.y;
+    int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     int pos = row_pos(pos0, dpos, t);
     int nkeys = pos + 1;
+    int ns = min(nsplit, (nkeys + chunk - 1) / chunk);  // the splits holding keys of row t
+    if (s >= ns) return;
     int j0 = s * chunk, j1 = min(nkeys, j0 + chunk);
     int kvDim = kvHeads * hd;
     int kvh = h / (heads / kvHeads);
-    int V = hd >> 5;  // values per lane, hd % 32 == 0, hd <= 256
+    int V = hd >> 5;  // values per lane, hd % 32 == 0, hd <= 32*VM
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
-    __shared__ float sacc[ATT_WARPS][256];
-    float qr[8], acc[8];
+    __shared__ float sacc[ATT_WARPS][32 * VM];
+    __shared__ int last;
+    float qr[VM], acc[VM];
     const float* qp = q + (size_t)t * heads * hd + (size_t)h * hd + lane * V;
 #pragma unroll
-    for (int i = 0; i < 8; i++) { qr[i] = i < V ? qp[i] * scale : 0.f; acc[i] = 0.f; }
+    for (int i = 0; i < VM; i++) { qr[i] = i < V ? qp[i] * scale : 0.f; acc[i] = 0.f; }
     // An int8 cache is read as codes, its quantizers applied algebraically:
     // q·k̂ = Σ q_i·s_i·(k_i − o_i) = Σ (q_i·s_i)·k_i − Σ q_i·s_i·o_i, and the
     // second sum is the same for every key of this query and head, which
@@ -783,67 +784,64 @@ __device__ __forceinline__ void attention_body(
     // element, the same result up to float rounding.
     if constexpr (kv_quantized<KV>::value) {
 #pragma unroll
-        for (int i = 0; i < 8; i++)
+        for (int i = 0; i < VM; i++)
             if (i < V) qr[i] *= kq.ks[kvh * hd + lane * V + i];
     }
     float m = -INFINITY, l = 0.f;
-    // Each warp takes 4 consecutive keys at a time (all loads first, for
-    // memory-level parallelism), warps interleaved by 4*ATT_WARPS keys.
-    for (int jb = j0 + 4 * w; jb < j1; jb += 4 * ATT_WARPS) {
-        float kr[4][8], d[4];
+    // Each warp takes U consecutive keys at a time (all loads first, for
+    // memory-level parallelism), warps interleaved by U*ATT_WARPS keys.
+    for (int jb = j0 + U * w; jb < j1; jb += U * ATT_WARPS) {
+        float kr[U][VM], vr[U][VM], d[U];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < U; u++) {
             int j = min(jb + u, j1 - 1);
-            const KV* kp = kc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
-            kv_row(kr[u], kp, V);
-        }
-        float vr[4][8];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            int j = min(jb + u, j1 - 1);
-            const KV* vp = vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V;
-            kv_row(vr[u], vp, V);
+            kv_row(kr[u], kc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V, V);
         }
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < U; u++) {
+            int j = min(jb + u, j1 - 1);
+            kv_row(vr[u], vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V, V);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
             float a = 0.f;
 #pragma unroll
-            for (int i = 0; i < 8; i++) a += qr[i] * kr[u][i];
+            for (int i = 0; i < VM; i++) a += qr[i] * kr[u][i];
             d[u] = a;
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
 #pragma unroll
-            for (int u = 0; u < 4; u++) d[u] += __shfl_xor_sync(FULL, d[u], o);
+            for (int u = 0; u < U; u++) d[u] += __shfl_xor_sync(FULL, d[u], o);
         }
         float mn = m;
 #pragma unroll
-        for (int u = 0; u < 4; u++) if (jb + u < j1) mn = fmaxf(mn, d[u]);
+        for (int u = 0; u < U; u++) if (jb + u < j1) mn = fmaxf(mn, d[u]);
         float corr = __expf(m - mn);  // m = -inf at the start: corr = 0
         l *= corr;
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc[i] *= corr;
+        for (int i = 0; i < VM; i++) acc[i] *= corr;
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < U; u++) {
             if (jb + u < j1) {
                 float p = __expf(d[u] - mn);
                 l += p;
 #pragma unroll
-                for (int i = 0; i < 8; i++) acc[i] = fmaf(p, vr[u][i], acc[i]);
+                for (int i = 0; i < VM; i++) acc[i] = fmaf(p, vr[u][i], acc[i]);
             }
         }
         m = mn;
     }
     if constexpr (kv_quantized<KV>::value) {
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < VM; i++) {
             int c = kvh * hd + lane * V + i;
             if (i < V) acc[i] = kq.vs[c] * (acc[i] - kq.vo[c] * l);
         }
     }
     if (lane == 0) { sm[w] = m; sl[w] = l; }
 #pragma unroll
-    for (int i = 0; i < 8; i++) if (i < V) sacc[w][lane * V + i] = acc[i];
+    for (int i = 0; i < VM; i++) if (i < V) sacc[w][lane * V + i] = acc[i];
     __syncthreads();
     float M = -INFINITY;
     for (int i = 0; i < ATT_WARPS; i++) M = fmaxf(M, sm[i]);
@@ -853,52 +851,87 @@ __device__ __forceinline__ void attention_body(
         f[i] = sm[i] == -INFINITY ? 0.f : __expf(sm[i] - M);
         L += sl[i] * f[i];
     }
-    if (nsplit == 1) {
-        float* out = dst + (size_t)t * heads * hd + (size_t)h * hd;
+    float* out = dst + (size_t)t * heads * hd + (size_t)h * hd;
+    if (ns == 1) {
         for (int d = threadIdx.x; d < hd; d += blockDim.x) {
             float a = 0.f;
             for (int i = 0; i < ATT_WARPS; i++) a += sacc[i][d] * f[i];
             out[d] = a / L;
         }
-    } else {
-        size_t pi = ((size_t)t * heads + h) * nsplit + s;
-        if (threadIdx.x == 0) { part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L; }
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-            float a = 0.f;
-            for (int i = 0; i < ATT_WARPS; i++) a += sacc[i][d] * f[i];
-            part_acc[pi * hd + d] = a;
-        }
+        return;
     }
-    (void)T;
+    size_t pi0 = ((size_t)t * heads + h) * nsplit, pi = pi0 + s;
+    if (threadIdx.x == 0) { part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L; }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.f;
+        for (int i = 0; i < ATT_WARPS; i++) a += sacc[i][d] * f[i];
+        part_acc[pi * hd + d] = a;
+    }
+    __threadfence();
+    __syncthreads();
+    int ci = t * heads + h;
+    if (threadIdx.x == 0) last = atomicAdd(&cnt[ci], 1) == ns - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // The row's last split merges the ns partials (every split has keys):
+    // their (max, sum) pairs read at once into shared memory, then each
+    // output value's ns partial sums, ATT_MERGE_U loads in flight a thread.
+    __shared__ float2 sml[ATT_MAX_SPLITS];
+    for (int r = threadIdx.x; r < ns; r += blockDim.x) sml[r] = __ldcg(reinterpret_cast<const float2*>(part_ml) + pi0 + r);
+    __syncthreads();
+    M = -INFINITY;
+    for (int r = 0; r < ns; r++) M = fmaxf(M, sml[r].x);
+    L = 0.f;
+    for (int r = 0; r < ns; r++) L += sml[r].y * __expf(sml[r].x - M);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.f;
+        for (int r0 = 0; r0 < ns; r0 += ATT_MERGE_U) {
+            float v[ATT_MERGE_U];
+#pragma unroll
+            for (int u = 0; u < ATT_MERGE_U; u++) v[u] = __ldcg(part_acc + (pi0 + min(r0 + u, ns - 1)) * hd + d);
+#pragma unroll
+            for (int u = 0; u < ATT_MERGE_U; u++)
+                if (r0 + u < ns) a += v[u] * __expf(sml[r0 + u].x - M);
+        }
+        out[d] = a / L;
+    }
+    if (threadIdx.x == 0) cnt[ci] = 0;
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention(
-    float* __restrict__ dst, const float* __restrict__ q, const float* __restrict__ kc,
-    const float* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
-    int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
-    int nsplit, int chunk) {
-    PDL_ENTRY();
-    attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk, KVQuant{});
+// attention_run picks the warp step of head size hd.
+template <typename KV>
+__device__ __forceinline__ void attention_run(float* dst, const float* q, const KV* kc, const KV* vc, float* part_ml,
+                                              float* part_acc, int* cnt, int heads, int kvHeads, int hd, int pos0,
+                                              const int* dpos, float scale, int nsplit, int chunk, KVQuant kq) {
+    if (hd <= 128)
+        attention_body<KV, 8, 4>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
+                                 chunk, kq);
+    else
+        attention_body<KV, 4, 8>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
+                                 chunk, kq);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_f16(
-    float* __restrict__ dst, const float* __restrict__ q, const __half* __restrict__ kc,
-    const __half* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
-    int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
-    int nsplit, int chunk) {
+#define ATTENTION_ARGS(KV)                                                                                 \
+    float *__restrict__ dst, const float *__restrict__ q, const KV *__restrict__ kc, const KV *__restrict__ vc, \
+        float *__restrict__ part_ml, float *__restrict__ part_acc, int *__restrict__ cnt, int heads, int kvHeads,  \
+        int hd, int pos0, const int *__restrict__ dpos, float scale, int nsplit, int chunk
+extern "C" __global__ void __launch_bounds__(128) attention(ATTENTION_ARGS(float)) {
     PDL_ENTRY();
-    attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk, KVQuant{});
+    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk, KVQuant{});
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_i8(
-    float* __restrict__ dst, const float* __restrict__ q, const int8_t* __restrict__ kc,
-    const int8_t* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc,
-    int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
-    int nsplit, int chunk, const float* __restrict__ ks, const float* __restrict__ ko,
-    const float* __restrict__ vs, const float* __restrict__ vo) {
+extern "C" __global__ void __launch_bounds__(128) attention_f16(ATTENTION_ARGS(__half)) {
     PDL_ENTRY();
-    attention_body(dst, q, kc, vc, part_ml, part_acc, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk,
-                   KVQuant{ks, ko, vs, vo});
+    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk, KVQuant{});
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_i8(ATTENTION_ARGS(int8_t), const float* __restrict__ ks,
+                                                               const float* __restrict__ ko, const float* __restrict__ vs,
+                                                               const float* __restrict__ vo) {
+    PDL_ENTRY();
+    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk,
+                  KVQuant{ks, ko, vs, vo});
 }
 
 // Prefill attention on the tensor cores (FlashAttention-2 style) for T ≥
@@ -1431,33 +1464,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const f
     PDL_ENTRY();
     attn_tc_body(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt},
                  KVQuant{ks, ko, vs, vo});
-}
-
-// grid (heads, T), block >= 32.
-extern "C" __global__ void attn_combine(float* __restrict__ dst, const float* __restrict__ part_ml,
-                                        const float* __restrict__ part_acc, int heads, int hd, int pos0,
-                                        const int* __restrict__ dpos, int nsplit, int chunk) {
-    PDL_ENTRY();
-    int h = blockIdx.x, t = blockIdx.y;
-    int nkeys = row_pos(pos0, dpos, t) + 1;
-    int ns = min(nsplit, (nkeys + chunk - 1) / chunk);
-    size_t pi0 = ((size_t)t * heads + h) * nsplit;
-    float M = -INFINITY;
-    for (int s = 0; s < ns; s++) M = fmaxf(M, part_ml[2 * (pi0 + s)]);
-    float L = 0.f;
-    for (int s = 0; s < ns; s++) {
-        float ms = part_ml[2 * (pi0 + s)];
-        if (ms != -INFINITY) L += part_ml[2 * (pi0 + s) + 1] * __expf(ms - M);
-    }
-    float* out = dst + (size_t)t * heads * hd + (size_t)h * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float a = 0.f;
-        for (int s = 0; s < ns; s++) {
-            float ms = part_ml[2 * (pi0 + s)];
-            if (ms != -INFINITY) a += part_acc[(pi0 + s) * hd + d] * __expf(ms - M);
-        }
-        out[d] = a / L;
-    }
 }
 
 // ---------------------------------------------------------------------------

@@ -282,7 +282,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 func kernelNames() []string {
 	names := []string{
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_heads", "add_bias", "add_inplace",
-		"silu_mul", "rope", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8", "attn_combine",
+		"silu_mul", "rope", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8",
 		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_i8",
 		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8", "dequant_h_q4", "dequant_h_q8",
 		"gather_cols", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "decode_advance", "sample", "fill_random",
@@ -994,6 +994,11 @@ func (b *Backend) storeKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf, 
 // attnChunk is the number of keys per split in graph-captured decode steps.
 const attnChunk = 32
 
+// attnMaxSplits bounds the splits of a decode attention row (qtool.cu's
+// ATT_MAX_SPLITS: the merge stages each split's max and sum in shared
+// memory).
+const attnMaxSplits = 256
+
 // attnTCMinRows is the least number of query rows that Attention runs on
 // the tensor cores (attn_tc: 64 queries a block share each key tile); fewer
 // rows take the flash-decoding kernel, which splits long contexts over
@@ -1106,32 +1111,32 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 	if f.p != 0 {
 		panic("cuda backend: attention output in a form the decode kernel does not write")
 	}
-	var nsplit, chunk int
+	// Keys a split: a graph-captured step serves every position, so it
+	// splits the whole cache in attnChunk keys; otherwise about four blocks
+	// a multiprocessor. At most attnMaxSplits splits (the merge's shared
+	// memory), in multiples of 32 keys (a block's step).
+	nk, chunk := pos0+T, attnChunk
 	if b.capturing && b.capPos {
-		chunk = attnChunk
-		nsplit = (kc.maxSeq + chunk - 1) / chunk
+		nk = kc.maxSeq
 	} else {
-		nk := pos0 + T
 		want := (4*b.sms + T*heads - 1) / (T * heads)
 		chunk = max(32, (nk+want-1)/want)
-		chunk = (chunk + 31) / 32 * 32
-		nsplit = (nk + chunk - 1) / chunk
 	}
-	var ml, acc driver.DevicePtr
+	chunk = max(chunk, (nk+attnMaxSplits-1)/attnMaxSplits)
+	chunk = (chunk + 31) / 32 * 32
+	nsplit := (nk + chunk - 1) / chunk
+	var ml, acc, cnt driver.DevicePtr // the splits' partials, merged by each row's last split
 	if nsplit > 1 {
 		ml = b.scratchBuf("att_ml", 8*T*heads*nsplit)
 		acc = b.scratchBuf("att_acc", 4*T*heads*nsplit*headDim)
+		cnt = b.counters("att_cnt", T*heads)
 	}
 	p, dp := b.posArgs(pos0)
-	args := []any{d.p, qb.p, kc.k + off, kc.v + off, ml, acc, heads, kvHeads, headDim, p, dp, scale, nsplit, chunk}
+	args := []any{d.p, qb.p, kc.k + off, kc.v + off, ml, acc, cnt, heads, kvHeads, headDim, p, dp, scale, nsplit, chunk}
 	if kc.quant != 0 {
 		args = append(args, kc.quantArgs(layer)...)
 	}
 	b.launch(kc.kernel("attention"), [3]uint32{uint32(heads), uint32(T), uint32(nsplit)}, [3]uint32{128, 1, 1}, args...)
-	if nsplit > 1 {
-		b.launch("attn_combine", [3]uint32{uint32(heads), uint32(T), 1}, [3]uint32{uint32(min(headDim, 256)), 1, 1},
-			d.p, ml, acc, heads, headDim, p, dp, nsplit, chunk)
-	}
 }
 
 // attnQuantOut reports whether the prefill attention of T rows writes its

@@ -257,7 +257,14 @@ func TestMatMul(t *testing.T) {
 			t.Fatalf("%s: upload: %v", wc.name, err)
 		}
 		for _, M := range []int{1, 3, 5, 37, 130, 300} {
-			{
+			// On Hopper the GEMM rows also run on the mma.sync kernels
+			// (Options.NoWGMMA), which other devices take.
+			noWGMMA := []bool{false}
+			if b.wgmma && M > b.opt.GEMVMaxRows {
+				noWGMMA = append(noWGMMA, true)
+			}
+			for _, no := range noWGMMA {
+				b.opt.NoWGMMA = no
 				name := fmt.Sprintf("%s/%s/M=%d", wc.name, lin(lw).Kind(), M)
 				kernel := ""
 				if M <= b.opt.GEMVMaxRows {
@@ -265,9 +272,11 @@ func TestMatMul(t *testing.T) {
 					ran[kernel] = true
 					name += "/" + kernel
 				} else if gh, _ := gemmHKernel(lin(lw)); b.halfGEMM(lin(lw), M, false) {
-					if wg := b.wgmmaKernel(gh, M); wg != "" { // else gemm_h_*
+					if wg := b.wgmmaKernel(gh, M); wg != "" {
 						ran[wg] = true
 						name += "/" + wg
+					} else {
+						name += "/" + gh
 					}
 				}
 				t.Run(name, func(t *testing.T) {
@@ -285,6 +294,7 @@ func TestMatMul(t *testing.T) {
 					b.Free(y)
 				})
 			}
+			b.opt.NoWGMMA = false
 		}
 	}
 }
@@ -614,36 +624,7 @@ func TestAttention(t *testing.T) {
 		for _, tc := range []struct{ T, pos0 int }{{9, 0}, {1, 0}, {1, 299}, {3, 297}, {1, 349}, {31, 300}, {50, 300}, {64, 0}, {130, 0}, {200, 150}, {350, 0}} {
 			t.Run(fmt.Sprintf("hd=%d/half=%v/T=%d/pos0=%d", hd, cfg.half, tc.T, tc.pos0), func(t *testing.T) {
 				q := randVec(r, tc.T*heads*hd, 1)
-				want := make([]float64, tc.T*heads*hd)
-				scale := 1 / math.Sqrt(float64(hd))
-				for ti := 0; ti < tc.T; ti++ {
-					n := tc.pos0 + ti + 1
-					for h := 0; h < heads; h++ {
-						kh := h / (heads / kvHeads)
-						s := make([]float64, n)
-						mx := math.Inf(-1)
-						for j := 0; j < n; j++ {
-							var d float64
-							for e := 0; e < hd; e++ {
-								d += float64(q[(ti*heads+h)*hd+e]) * float64(keys[j*kvDim+kh*hd+e])
-							}
-							s[j] = d * scale
-							mx = math.Max(mx, s[j])
-						}
-						var sum float64
-						for j := range s {
-							s[j] = math.Exp(s[j] - mx)
-							sum += s[j]
-						}
-						for e := 0; e < hd; e++ {
-							var a float64
-							for j := 0; j < n; j++ {
-								a += s[j] * float64(vals[j*kvDim+kh*hd+e])
-							}
-							want[(ti*heads+h)*hd+e] = a / sum
-						}
-					}
-				}
+				want := attentionRef(q, keys, vals, tc.T, tc.pos0, heads, kvHeads, hd)
 				qb := upload(b, tc.T, heads*hd, q)
 				splits := []int{0}
 				if tc.T >= attnTCMinRows {
@@ -659,6 +640,65 @@ func TestAttention(t *testing.T) {
 			})
 		}
 	}
+}
+
+// TestAttentionLong runs the decode attention where a row's keys need
+// more splits than the merge holds at the chunk the device's size asks for
+// (one head: attnMaxSplits raises the chunk), with head size 256 (4 keys a
+// warp step instead of 8).
+func TestAttentionLong(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(15, 16))
+	const hd, filled = 256, 20000
+	c := b.NewKVCache(1, filled, hd)
+	keys, vals := randVec(r, filled*hd, 1), randVec(r, filled*hd, 1)
+	kb, vb := upload(b, filled, hd, keys), upload(b, filled, hd, vals)
+	b.StoreKV(c, 0, 0, kb, vb)
+	for _, pos0 := range []int{filled - 1, 1000, 0} {
+		q := randVec(r, hd, 1)
+		qb, d := upload(b, 1, hd, q), poisoned(b, 1, hd)
+		b.Attention(d, qb, c, 0, pos0, 1, 1, hd)
+		checkClose(t, fmt.Sprintf("attention at position %d", pos0), download(b, d), attentionRef(q, keys, vals, 1, pos0, 1, 1, hd), 1e-5)
+		b.Free(qb)
+		b.Free(d)
+	}
+}
+
+// attentionRef is causal GQA attention in float64 of T query rows q
+// [T, heads·hd] at positions pos0… over keys and values [·, kvHeads·hd].
+func attentionRef(q, keys, vals []float32, T, pos0, heads, kvHeads, hd int) []float64 {
+	kvDim := kvHeads * hd
+	want := make([]float64, T*heads*hd)
+	scale := 1 / math.Sqrt(float64(hd))
+	for ti := 0; ti < T; ti++ {
+		n := pos0 + ti + 1
+		for h := 0; h < heads; h++ {
+			kh := h / (heads / kvHeads)
+			s := make([]float64, n)
+			mx := math.Inf(-1)
+			for j := 0; j < n; j++ {
+				var d float64
+				for e := 0; e < hd; e++ {
+					d += float64(q[(ti*heads+h)*hd+e]) * float64(keys[j*kvDim+kh*hd+e])
+				}
+				s[j] = d * scale
+				mx = math.Max(mx, s[j])
+			}
+			var sum float64
+			for j := range s {
+				s[j] = math.Exp(s[j] - mx)
+				sum += s[j]
+			}
+			for e := 0; e < hd; e++ {
+				var a float64
+				for j := 0; j < n; j++ {
+					a += s[j] * float64(vals[j*kvDim+kh*hd+e])
+				}
+				want[(ti*heads+h)*hd+e] = a / sum
+			}
+		}
+	}
+	return want
 }
 
 func TestLogitOps(t *testing.T) {
