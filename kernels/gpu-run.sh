@@ -5,7 +5,7 @@
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build topo tests attnbench ncu ncuprefill 7b one one-base tp tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests attnbench ncu ncuprefill 7b one one-base tp tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -126,6 +126,13 @@ if has tp; then
     QTOOL_TP_ALLREDUCE=nccl run "$m-tp2-nccl" $V --device cuda --tp 2 /tmp/$m
     run "$m-tp2-procs" $V --device cuda --tp 2 --tp-processes /tmp/$m
   done
+fi
+if has tp-base; then # the AutoAWQ runs of tp with the previous commit's binary and its embedded PTX
+  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
+  B="env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base ${V#bin/qtool } --device cuda"
+  run l7b-awq-1gpu-base $B /tmp/l7b-awq
+  run l7b-awq-tp2-base $B --tp 2 /tmp/l7b-awq
+  run l7b-awq-tp2-procs-base $B --tp 2 --tp-processes /tmp/l7b-awq
 fi
 if has tpprof; then # CPU profiles of rank 0 and 1, ranks in one process vs a process per rank (AutoAWQ; read with go tool pprof)
   for v in "inproc:" "procs:--tp-processes"; do n=${v%%:*}
