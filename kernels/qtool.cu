@@ -740,14 +740,14 @@ extern "C" __global__ void store_kv_i8(int8_t* __restrict__ kc, int8_t* __restri
 // ---------------------------------------------------------------------------
 // Attention: causal GQA over the fp32, fp16 or int8 cache, flash-decoding
 // style. grid (heads, T, nsplit), block 128 (4 warps). Split s covers keys
-// [s*chunk, (s+1)*chunk) ∩ [0, pos_t]; the splits past a row's last key
-// return at once. Where one split holds all of a row's keys it writes dst;
+// [s*chunk, (s+1)*chunk) ∩ [0, pos_t], chunk from the row's position (see
+// below); the splits past a row's last key return at once. Where one split holds all of a row's keys it writes dst;
 // otherwise each writes its partials (max, sum, acc[hd]) and the last of
 // the row's splits to finish (counted in cnt[t·heads + h], which it resets)
 // merges them in split order, so results do not depend on the order the
 // blocks ran in.
 #define ATT_WARPS 4
-#define ATT_MAX_SPLITS 256  // splits a row at most (the host sizes the chunks: attnMaxSplits)
+#define ATT_MAX_SPLITS 256  // the grid's splits at most (attnMaxSplits)
 #define ATT_MERGE_U 8      // partial sums a thread of the merge loads at once
 // U keys a warp step, each lane holding VM values of a key (VM ≥ hd/32):
 // 8 keys of head size ≤ 128 or 4 of ≤ 256, the same registers; a warp
@@ -757,12 +757,17 @@ __device__ __forceinline__ void attention_body(
     float* __restrict__ dst, const float* __restrict__ q, const KV* __restrict__ kc,
     const KV* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc, int* __restrict__ cnt,
     int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
-    int nsplit, int chunk, KVQuant kq) {
+    int nsplit, KVQuant kq) {
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     int pos = row_pos(pos0, dpos, t);
     int nkeys = pos + 1;
-    int ns = min(nsplit, (nkeys + chunk - 1) / chunk);  // the splits holding keys of row t
+    // Keys a split: the row's keys over the grid's splits, at least 32 (a
+    // block's step), in multiples of 32; a function of the row's position
+    // and the grid alone, so a graph-captured step splits as a launch for
+    // that position does.
+    int chunk = (max(32, (nkeys + nsplit - 1) / nsplit) + 31) & ~31;
+    int ns = (nkeys + chunk - 1) / chunk;  // the splits holding keys of row t
     if (s >= ns) return;
     int j0 = s * chunk, j1 = min(nkeys, j0 + chunk);
     int kvDim = kvHeads * hd;
@@ -903,34 +908,34 @@ __device__ __forceinline__ void attention_body(
 template <typename KV>
 __device__ __forceinline__ void attention_run(float* dst, const float* q, const KV* kc, const KV* vc, float* part_ml,
                                               float* part_acc, int* cnt, int heads, int kvHeads, int hd, int pos0,
-                                              const int* dpos, float scale, int nsplit, int chunk, KVQuant kq) {
+                                              const int* dpos, float scale, int nsplit, KVQuant kq) {
     if (hd <= 128)
         attention_body<KV, 8, 4>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
-                                 chunk, kq);
+                                 kq);
     else
         attention_body<KV, 4, 8>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
-                                 chunk, kq);
+                                 kq);
 }
 
 #define ATTENTION_ARGS(KV)                                                                                 \
     float *__restrict__ dst, const float *__restrict__ q, const KV *__restrict__ kc, const KV *__restrict__ vc, \
         float *__restrict__ part_ml, float *__restrict__ part_acc, int *__restrict__ cnt, int heads, int kvHeads,  \
-        int hd, int pos0, const int *__restrict__ dpos, float scale, int nsplit, int chunk
+        int hd, int pos0, const int *__restrict__ dpos, float scale, int nsplit
 extern "C" __global__ void __launch_bounds__(128) attention(ATTENTION_ARGS(float)) {
     PDL_ENTRY();
-    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk, KVQuant{});
+    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, KVQuant{});
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_f16(ATTENTION_ARGS(__half)) {
     PDL_ENTRY();
-    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk, KVQuant{});
+    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, KVQuant{});
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_i8(ATTENTION_ARGS(int8_t), const float* __restrict__ ks,
                                                                const float* __restrict__ ko, const float* __restrict__ vs,
                                                                const float* __restrict__ vo) {
     PDL_ENTRY();
-    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, chunk,
+    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
                   KVQuant{ks, ko, vs, vo});
 }
 

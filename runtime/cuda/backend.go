@@ -991,9 +991,6 @@ func (b *Backend) storeKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf, 
 	b.launch(kc.kernel("store_kv"), b.gridFor(items), block256, args...)
 }
 
-// attnChunk is the number of keys per split in graph-captured decode steps.
-const attnChunk = 32
-
 // attnMaxSplits bounds the splits of a decode attention row (qtool.cu's
 // ATT_MAX_SPLITS: the merge stages each split's max and sum in shared
 // memory).
@@ -1111,20 +1108,16 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 	if f.p != 0 {
 		panic("cuda backend: attention output in a form the decode kernel does not write")
 	}
-	// Keys a split: a graph-captured step serves every position, so it
-	// splits the whole cache in attnChunk keys; otherwise about four blocks
-	// a multiprocessor. At most attnMaxSplits splits (the merge's shared
-	// memory), in multiples of 32 keys (a block's step).
-	nk, chunk := pos0+T, attnChunk
+	// Splits a row: about four blocks a multiprocessor, no more than the
+	// most keys (the cache's length where a graph-captured step serves every
+	// position) have 32 each, at most attnMaxSplits (the merge's shared
+	// memory). The kernel shares a row's keys among them (at least 32 a
+	// split), so a row splits alike in and out of a graph.
+	nk := pos0 + T
 	if b.capturing && b.capPos {
 		nk = kc.maxSeq
-	} else {
-		want := (4*b.sms + T*heads - 1) / (T * heads)
-		chunk = max(32, (nk+want-1)/want)
 	}
-	chunk = max(chunk, (nk+attnMaxSplits-1)/attnMaxSplits)
-	chunk = (chunk + 31) / 32 * 32
-	nsplit := (nk + chunk - 1) / chunk
+	nsplit := min((4*b.sms+T*heads-1)/(T*heads), (nk+31)/32, attnMaxSplits)
 	var ml, acc, cnt driver.DevicePtr // the splits' partials, merged by each row's last split
 	if nsplit > 1 {
 		ml = b.scratchBuf("att_ml", 8*T*heads*nsplit)
@@ -1132,7 +1125,7 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 		cnt = b.counters("att_cnt", T*heads)
 	}
 	p, dp := b.posArgs(pos0)
-	args := []any{d.p, qb.p, kc.k + off, kc.v + off, ml, acc, cnt, heads, kvHeads, headDim, p, dp, scale, nsplit, chunk}
+	args := []any{d.p, qb.p, kc.k + off, kc.v + off, ml, acc, cnt, heads, kvHeads, headDim, p, dp, scale, nsplit}
 	if kc.quant != 0 {
 		args = append(args, kc.quantArgs(layer)...)
 	}

@@ -642,10 +642,10 @@ func TestAttention(t *testing.T) {
 	}
 }
 
-// TestAttentionLong runs the decode attention where a row's keys need
-// more splits than the merge holds at the chunk the device's size asks for
-// (one head: attnMaxSplits raises the chunk), with head size 256 (4 keys a
-// warp step instead of 8).
+// TestAttentionLong runs the decode attention where the device's size asks
+// for more splits than the merge holds (one head: four blocks a
+// multiprocessor, capped at attnMaxSplits), at positions that use all of
+// them, some and one, with head size 256 (4 keys a warp step instead of 8).
 func TestAttentionLong(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(15, 16))
