@@ -157,6 +157,9 @@ type Backend struct {
 type scratch struct {
 	p driver.DevicePtr
 	n int
+	// unzeroed: a zeroedScratch area allocated during a capture, whose
+	// memset only the graph's replays run
+	unzeroed bool
 }
 
 // New opens the first CUDA device with default options. Without a driver
@@ -435,17 +438,23 @@ func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
 	p, err := b.drv.MemAlloc(uint64(n))
 	b.must(err)
 	b.owned[p] = -1 // never pooled
-	b.scratch[name] = scratch{p, n}
+	b.scratch[name] = scratch{p: p, n: n}
 	return p
 }
 
 // zeroedScratch is scratchBuf whose area is zeroed when it is (re)allocated;
-// its users leave it zero.
+// its users (kernels counting arrivals) leave it zero. An area allocated
+// during a graph capture is zeroed by the graph before its users and once
+// more by the first use outside a capture, which may come before any
+// replay.
 func (b *Backend) zeroedScratch(name string, bytes int) driver.DevicePtr {
-	old := b.scratch[name].p
+	old := b.scratch[name]
 	p := b.scratchBuf(name, bytes)
-	if p != old {
-		b.must(b.drv.MemsetD32Async(p, 0, uint64(b.scratch[name].n/4), b.stream))
+	if p != old.p || old.unzeroed && !b.capturing {
+		s := b.scratch[name]
+		b.must(b.drv.MemsetD32Async(p, 0, uint64(s.n/4), b.stream))
+		s.unzeroed = b.capturing
+		b.scratch[name] = s
 	}
 	return p
 }
@@ -1118,11 +1127,14 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 		nk = kc.maxSeq
 	}
 	nsplit := min((4*b.sms+T*heads-1)/(T*heads), (nk+31)/32, attnMaxSplits)
-	var ml, acc, cnt driver.DevicePtr // the splits' partials, merged by each row's last split
+	// The splits' partials, merged by each row's last split; the counters
+	// of the arrivals also where a row has one split, so that the
+	// uncaptured step BeginCapture asks for allocates them.
+	cnt := b.zeroedScratch("att_cnt", 4*T*heads)
+	var ml, acc driver.DevicePtr
 	if nsplit > 1 {
 		ml = b.scratchBuf("att_ml", 8*T*heads*nsplit)
 		acc = b.scratchBuf("att_acc", 4*T*heads*nsplit*headDim)
-		cnt = b.counters("att_cnt", T*heads)
 	}
 	p, dp := b.posArgs(pos0)
 	args := []any{d.p, qb.p, kc.k + off, kc.v + off, ml, acc, cnt, heads, kvHeads, headDim, p, dp, scale, nsplit}

@@ -776,6 +776,35 @@ func TestLogitOps(t *testing.T) {
 	})
 }
 
+// TestZeroedScratch checks that an arrival-counter area reads zero on its
+// first use outside a capture also when it was allocated during one (whose
+// memset only the graph's replays run): the flag set then makes the next
+// uncaptured use zero it. The capture is the flag alone (the memset runs
+// at once), so the area is dirtied in between as a replay-less graph would
+// leave it.
+func TestZeroedScratch(t *testing.T) {
+	b := newTestBackend(t)
+	b.capturing = true
+	p := b.zeroedScratch("test_cnt", 4096)
+	b.capturing = false
+	if !b.scratch["test_cnt"].unzeroed {
+		t.Fatal("an area allocated during a capture is not marked")
+	}
+	x := &Buf{p: p, rows: 1, cols: 1024}
+	b.Upload(x, randVec(rand.New(rand.NewPCG(1, 1)), 1024, 1))
+	if q := b.zeroedScratch("test_cnt", 4096); q != p {
+		t.Fatalf("the area moved: %#x, then %#x", p, q)
+	}
+	for i, v := range download(b, x) {
+		if v != 0 {
+			t.Fatalf("value %d is %g after the first uncaptured use, want 0", i, v)
+		}
+	}
+	if b.scratch["test_cnt"].unzeroed {
+		t.Error("still marked after the uncaptured use")
+	}
+}
+
 // TestPoolReuse checks that Alloc hands out zeroed buffers also when it
 // reuses a freed one.
 func TestPoolReuse(t *testing.T) {

@@ -1299,7 +1299,7 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		nks := (K + 32*kl - 1) / (32 * kl)
 		tiles := (N + 8*(-R) - 1) / (8 * (-R))
 		part := b.scratchBuf("gemv_part", 4*nks*M*N)
-		cnt := b.counters("gemv_cnt", tiles*M)
+		cnt := b.zeroedScratch("gemv_cnt", 4*tiles*M)
 		b.launch(name, [3]uint32{uint32(tiles), uint32(nks), uint32(M)}, block256, d.p, s.p, l.w, l.sz, part, cnt, N, K, l.gs, l.groups)
 		return
 	}
@@ -1361,17 +1361,6 @@ func (b *Backend) raiseSmem(name string, shm int) {
 	}
 	b.must(b.drv.SetFuncAttribute(b.fn[name], attrMaxDynSmem, shm))
 	b.dynSmem[name] = shm
-}
-
-// counters returns a zeroed int32 scratch array of at least n entries
-// (kernels that use it leave it zeroed).
-func (b *Backend) counters(name string, n int) driver.DevicePtr {
-	old := b.scratch[name].p
-	p := b.scratchBuf(name, 4*n)
-	if p != old {
-		b.must(b.drv.MemsetD32Async(p, 0, uint64(b.scratch[name].n/4), b.stream))
-	}
-	return p
 }
 
 // gemvStreamMaxSmem bounds the streaming GEMV's staged activation row
