@@ -111,22 +111,15 @@ func startTimer(be runtime.Backend) (time.Time, error) {
 	return time.Now(), nil
 }
 
-// kernelLaunches returns the kernel launch counts of be's CUDA device (a
-// tensor-parallel backend's first local rank), nil for other backends.
-func kernelLaunches(be runtime.Backend) map[string]int {
+// kernelCounts returns the kernel launches of be's CUDA device (a
+// tensor-parallel backend's first local rank) and, where
+// $QTOOL_CUDA_KERNEL_TIMES=1 recorded them, their device seconds, by
+// kernel; nil for other backends.
+func kernelCounts(be runtime.Backend) (map[string]int, map[string]float64) {
 	if cb := firstCUDA(be); cb != nil {
-		return cb.KernelLaunches()
+		return cb.KernelLaunches(), cb.KernelTimes()
 	}
-	return nil
-}
-
-// kernelTimes returns the device seconds by kernel of be's CUDA device (as
-// kernelLaunches), nil unless $QTOOL_CUDA_KERNEL_TIMES=1 recorded them.
-func kernelTimes(be runtime.Backend) map[string]float64 {
-	if cb := firstCUDA(be); cb != nil {
-		return cb.KernelTimes()
-	}
-	return nil
+	return nil, nil
 }
 
 // firstCUDA is be's CUDA device, or a tensor-parallel backend's first local

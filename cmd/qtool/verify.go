@@ -245,9 +245,10 @@ func runVerify(c *cli.Context) (err error) {
 			bar.Describe(fmt.Sprintf("ppl %.4f, %.0f tok/s", running, tps))
 			_ = bar.Set(done)
 		}
-		before, beforeT := kernelLaunches(be), kernelTimes(be)
+		before, beforeT := kernelCounts(be)
 		r, err := runtime.Perplexity(m, ids, opt)
-		res.Kernels, res.KernelSeconds = sinceBefore(kernelLaunches(be), before), sinceBefore(kernelTimes(be), beforeT)
+		after, afterT := kernelCounts(be)
+		res.Kernels, res.KernelSeconds = sinceBefore(after, before), sinceBefore(afterT, beforeT)
 		if bar != nil {
 			_ = bar.Finish()
 			fmt.Fprintln(stderr)

@@ -1127,14 +1127,11 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 		nk = kc.maxSeq
 	}
 	nsplit := min((4*b.sms+T*heads-1)/(T*heads), (nk+31)/32, attnMaxSplits)
-	// The splits' partials, merged by each row's last split; the counters
-	// of the arrivals also where a row has one split, so that the
-	// uncaptured step BeginCapture asks for allocates them.
-	cnt := b.zeroedScratch("att_cnt", 4*T*heads)
-	var ml, acc driver.DevicePtr
+	var ml, acc, cnt driver.DevicePtr // the splits' partials and arrivals, merged by each row's last split
 	if nsplit > 1 {
 		ml = b.scratchBuf("att_ml", 8*T*heads*nsplit)
 		acc = b.scratchBuf("att_acc", 4*T*heads*nsplit*headDim)
+		cnt = b.zeroedScratch("att_cnt", 4*T*heads)
 	}
 	p, dp := b.posArgs(pos0)
 	args := []any{d.p, qb.p, kc.k + off, kc.v + off, ml, acc, cnt, heads, kvHeads, headDim, p, dp, scale, nsplit}
