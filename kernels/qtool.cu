@@ -737,6 +737,75 @@ extern "C" __global__ void store_kv_i8(int8_t* __restrict__ kc, int8_t* __restri
     store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{ks, ko, vs, vo}, q, qcols, hd, theta, layout, hg);
 }
 
+// kv_cached is x as the cache gives it back once stored (kv_store, then
+// kv_load: an int8 cache's code); kv_put stores such a value.
+__device__ __forceinline__ float kv_cached(const float*, float x, float, float) { return x; }
+__device__ __forceinline__ float kv_cached(const __half*, float x, float, float) { return __half2float(__float2half_rn(x)); }
+__device__ __forceinline__ float kv_cached(const int8_t*, float x, float s, float o) {
+    return fminf(fmaxf(rintf(__fadd_rn(__fdiv_rn(x, s), o)), -128.f), 127.f);
+}
+__device__ __forceinline__ void kv_put(float* p, size_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void kv_put(__half* p, size_t i, float x) { p[i] = __float2half_rn(x); }
+__device__ __forceinline__ void kv_put(int8_t* p, size_t i, float x) { p[i] = (int8_t)x; }
+
+// rope_lane rotates the V values a lane holds of a head of hd (elements
+// lane·V + i) at position pos exactly as rope_apply rotates them in memory,
+// the angles' (sin, cos) from tab (rope_table's, hd/2 pairs a position):
+// layout 0 pairs element e with e + hd/2, held by lane ^ 16; layout 1 pairs
+// 2i with 2i + 1, within the lane (V even).
+template <int VM>
+__device__ __forceinline__ void rope_lane(float (&x)[VM], int lane, int V, int hd, const float2* __restrict__ tab,
+                                          int layout) {
+    float px[VM];
+#pragma unroll
+    for (int i = 0; i < VM; i++) px[i] = __shfl_xor_sync(FULL, x[i], 16);
+#pragma unroll
+    for (int i = 0; i < VM; i++) {
+        int e = lane * V + i;
+        if (i >= V) continue;
+        RopePair p;
+        if (layout == 0) {
+            bool lo = e < hd / 2;
+            float2 sc = tab[lo ? e : e - hd / 2];
+            p.s = sc.x, p.c = sc.y;
+            float2 o = rope_rotate(p, lo ? x[i] : px[i], lo ? px[i] : x[i]);
+            x[i] = lo ? o.x : o.y;
+        } else if ((i & 1) == 0 && i + 1 < VM) {
+            float2 sc = tab[e / 2];
+            p.s = sc.x, p.c = sc.y;
+            float2 o = rope_rotate(p, x[i], x[i + 1]);
+            x[i] = o.x;
+            x[i + 1] = o.y;
+        }
+    }
+}
+
+// rope_table writes the (sin, cos) of RoPE pair i at position p, as
+// rope_pair computes them, to tab[p·hd/2 + i] for positions below npos: the
+// decode attention's angles (AttNew).
+extern "C" __global__ void rope_table(float2* __restrict__ tab, int npos, int hd, double theta) {
+    PDL_ENTRY();
+    long long half = hd / 2, n = (long long)npos * half;
+    for (long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x; j < n; j += (long long)gridDim.x * blockDim.x) {
+        RopePair p = rope_pair((int)(j % half), hd, (int)(j / half), theta, 0);
+        tab[j] = make_float2(p.s, p.c);
+    }
+}
+
+// AttNew is a decode row's own key and value (runtime.Fused.RoPEAttention):
+// k and v [1, kvDim] as the products left them, the RoPE angles (rope_table,
+// covering the row's position) and layout. With k set the kernel rotates q
+// and the key itself, the blocks of the row's last split use the new key and
+// value from registers, and the first query head of each KV head stores
+// them in the cache after its loop (no block of the launch reads them from
+// the cache, so the key loads need not wait for the stores).
+struct AttNew {
+    const float* k;
+    const float* v;
+    const float2* tab;
+    int layout;
+};
+
 // ---------------------------------------------------------------------------
 // Attention: causal GQA over the fp32, fp16 or int8 cache, flash-decoding
 // style. grid (heads, T, nsplit), block 128 (4 warps). Split s covers keys
@@ -754,10 +823,10 @@ extern "C" __global__ void store_kv_i8(int8_t* __restrict__ kc, int8_t* __restri
 // issues all its step's loads before it uses any.
 template <typename KV, int U, int VM>
 __device__ __forceinline__ void attention_body(
-    float* __restrict__ dst, const float* __restrict__ q, const KV* __restrict__ kc,
-    const KV* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc, int* __restrict__ cnt,
+    float* __restrict__ dst, const float* __restrict__ q, KV* __restrict__ kc,
+    KV* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc, int* __restrict__ cnt,
     int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
-    int nsplit, KVQuant kq) {
+    int nsplit, KVQuant kq, AttNew nw) {
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     int pos = row_pos(pos0, dpos, t);
@@ -779,7 +848,33 @@ __device__ __forceinline__ void attention_body(
     float qr[VM], acc[VM];
     const float* qp = q + (size_t)t * heads * hd + (size_t)h * hd + lane * V;
 #pragma unroll
-    for (int i = 0; i < VM; i++) { qr[i] = i < V ? qp[i] * scale : 0.f; acc[i] = 0.f; }
+    for (int i = 0; i < VM; i++) { qr[i] = i < V ? qp[i] : 0.f; acc[i] = 0.f; }
+    // The row's own key and value as the cache will give them back (the
+    // last split's blocks), kept in shared memory for the loop (each lane
+    // reads back only what it wrote: no barrier).
+    __shared__ float skn[32 * VM], svn[32 * VM];
+    bool own = nw.k && s == ns - 1;
+    const float2* tab = nw.tab + (size_t)pos * (hd / 2);
+    if (nw.k) rope_lane(qr, lane, V, hd, tab, nw.layout);
+    if (own) {
+        const float* kp = nw.k + (size_t)kvh * hd + lane * V;
+        const float* vp = nw.v + (size_t)kvh * hd + lane * V;
+        float kn[VM];
+#pragma unroll
+        for (int i = 0; i < VM; i++) kn[i] = i < V ? kp[i] : 0.f;
+        rope_lane(kn, lane, V, hd, tab, nw.layout);
+#pragma unroll
+        for (int i = 0; i < VM; i++) {
+            if (i >= V) continue;
+            int c = kvh * hd + lane * V + i;
+            float ks = 1.f, ko = 0.f, vs = 1.f, vo = 0.f;
+            if constexpr (kv_quantized<KV>::value) { ks = kq.ks[c]; ko = kq.ko[c]; vs = kq.vs[c]; vo = kq.vo[c]; }
+            skn[lane * V + i] = kv_cached(kc, kn[i], ks, ko);
+            svn[lane * V + i] = kv_cached(vc, vp[i], vs, vo);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < VM; i++) qr[i] *= scale;
     // An int8 cache is read as codes, its quantizers applied algebraically:
     // q·k̂ = Σ q_i·s_i·(k_i − o_i) = Σ (q_i·s_i)·k_i − Σ q_i·s_i·o_i, and the
     // second sum is the same for every key of this query and head, which
@@ -806,6 +901,15 @@ __device__ __forceinline__ void attention_body(
         for (int u = 0; u < U; u++) {
             int j = min(jb + u, j1 - 1);
             kv_row(vr[u], vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V, V);
+        }
+        if (own) {  // the row's own key, which the cache does not hold yet
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (jb + u == pos) {
+#pragma unroll
+                    for (int i = 0; i < VM; i++)
+                        if (i < V) kr[u][i] = skn[lane * V + i], vr[u][i] = svn[lane * V + i];
+                }
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -836,6 +940,15 @@ __device__ __forceinline__ void attention_body(
             }
         }
         m = mn;
+    }
+    if (own && h % (heads / kvHeads) == 0) {  // the first query head of the KV head stores them
+#pragma unroll
+        for (int i = 0; i < VM; i++) {
+            if (i >= V) continue;
+            size_t c = (size_t)pos * kvDim + kvh * hd + lane * V + i;
+            kv_put(kc, c, skn[lane * V + i]);
+            kv_put(vc, c, svn[lane * V + i]);
+        }
     }
     if constexpr (kv_quantized<KV>::value) {
 #pragma unroll
@@ -906,29 +1019,35 @@ __device__ __forceinline__ void attention_body(
 
 // attention_run picks the warp step of head size hd.
 template <typename KV>
-__device__ __forceinline__ void attention_run(float* dst, const float* q, const KV* kc, const KV* vc, float* part_ml,
+__device__ __forceinline__ void attention_run(float* dst, const float* q, KV* kc, KV* vc, float* part_ml,
                                               float* part_acc, int* cnt, int heads, int kvHeads, int hd, int pos0,
-                                              const int* dpos, float scale, int nsplit, KVQuant kq) {
+                                              const int* dpos, float scale, int nsplit, KVQuant kq, AttNew nw) {
     if (hd <= 128)
         attention_body<KV, 8, 4>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
-                                 kq);
+                                 kq, nw);
     else
         attention_body<KV, 4, 8>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
-                                 kq);
+                                 kq, nw);
 }
 
-#define ATTENTION_ARGS(KV)                                                                                 \
-    float *__restrict__ dst, const float *__restrict__ q, const KV *__restrict__ kc, const KV *__restrict__ vc, \
-        float *__restrict__ part_ml, float *__restrict__ part_acc, int *__restrict__ cnt, int heads, int kvHeads,  \
-        int hd, int pos0, const int *__restrict__ dpos, float scale, int nsplit
+// Args (dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0,
+// dpos, scale, nsplit, kn, vn, rtab, layout [, ks, ko, vs, vo]): kn = 0
+// reads every key from the cache; kn set (one row) is AttNew.
+#define ATTENTION_ARGS(KV)                                                                                     \
+    float *__restrict__ dst, const float *__restrict__ q, KV *__restrict__ kc, KV *__restrict__ vc,           \
+        float *__restrict__ part_ml, float *__restrict__ part_acc, int *__restrict__ cnt, int heads, int kvHeads, \
+        int hd, int pos0, const int *__restrict__ dpos, float scale, int nsplit, const float *__restrict__ kn,  \
+        const float *__restrict__ vn, const float2 *__restrict__ rtab, int layout
 extern "C" __global__ void __launch_bounds__(128) attention(ATTENTION_ARGS(float)) {
     PDL_ENTRY();
-    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, KVQuant{});
+    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, KVQuant{},
+                  AttNew{kn, vn, rtab, layout});
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_f16(ATTENTION_ARGS(__half)) {
     PDL_ENTRY();
-    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, KVQuant{});
+    attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, KVQuant{},
+                  AttNew{kn, vn, rtab, layout});
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_i8(ATTENTION_ARGS(int8_t), const float* __restrict__ ks,
@@ -936,7 +1055,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_i8(ATTENTION_ARGS(in
                                                                const float* __restrict__ vo) {
     PDL_ENTRY();
     attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
-                  KVQuant{ks, ko, vs, vo});
+                  KVQuant{ks, ko, vs, vo}, AttNew{kn, vn, rtab, layout});
 }
 
 // Prefill attention on the tensor cores (FlashAttention-2 style) for T ≥

@@ -120,6 +120,11 @@ type Fused interface {
 	// headDim) then MatMulAdd(x, a, o) with a a temporary: the attention
 	// output o's input alone.
 	AttentionAdd(x, q Buf, c KVCache, layer, pos0, heads, kvHeads, headDim int, o Linear)
+	// RoPEAttention is RoPEStoreKV(c, layer, pos0, q, k, v, headDim,
+	// theta, layout) then Attention(dst, q, c, layer, pos0, heads,
+	// kvHeads, headDim): a decode step's attention from the q, k and v
+	// products on, which it leaves rotated or not.
+	RoPEAttention(dst, q, k, v Buf, c KVCache, layer, pos0, heads, kvHeads, headDim int, theta float64, layout model.RopeLayout)
 	// MLP is NormSwiGLU(g, x, w, bias, eps, gate, up) then
 	// MatMulAdd(x, g, down) with g a temporary: the MLP block on the
 	// residual x, the SwiGLU's result down's input alone.
@@ -209,6 +214,11 @@ func (u Unfused) AttentionAdd(x, q Buf, c KVCache, layer, pos0, heads, kvHeads, 
 	AttentionAddSeq(u, x, q, c, layer, pos0, heads, kvHeads, headDim, o)
 }
 
+// RoPEAttention implements Fused.
+func (u Unfused) RoPEAttention(dst, q, k, v Buf, c KVCache, layer, pos0, heads, kvHeads, headDim int, theta float64, layout model.RopeLayout) {
+	RoPEAttentionSeq(u, dst, q, k, v, c, layer, pos0, heads, kvHeads, headDim, theta, layout)
+}
+
 // MLP implements Fused.
 func (u Unfused) MLP(x Buf, w, bias Vector, eps float32, gate, up, down Linear) {
 	MLPSeq(u, x, w, bias, eps, gate, up, down)
@@ -228,6 +238,13 @@ func AttentionAddSeq(f FusedBackend, x, q Buf, c KVCache, layer, pos0, heads, kv
 	f.Attention(a, q, c, layer, pos0, heads, kvHeads, headDim)
 	f.MatMulAdd(x, a, o)
 	f.Free(a)
+}
+
+// RoPEAttentionSeq runs Fused.RoPEAttention as the sequence its comment
+// names, on f's RoPEStoreKV and Attention.
+func RoPEAttentionSeq(f FusedBackend, dst, q, k, v Buf, c KVCache, layer, pos0, heads, kvHeads, headDim int, theta float64, layout model.RopeLayout) {
+	f.RoPEStoreKV(c, layer, pos0, q, k, v, headDim, theta, layout)
+	f.Attention(dst, q, c, layer, pos0, heads, kvHeads, headDim)
 }
 
 // MLPSeq runs Fused.MLP as the sequence its comment names, on f's

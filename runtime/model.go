@@ -367,6 +367,17 @@ func (m *Model) attend(q Buf, cache KVCache, cl, pos0 int) Buf {
 // scratch cache where cache is nil).
 func (m *Model) storeKV(l int, q, k, v Buf, pos0 int, cache KVCache, ov Overrides) (KVCache, int) {
 	c := &m.cfg
+	cache, cl := m.finishQKV(l, q, k, v, pos0, cache, ov)
+	m.ops.RoPEStoreKV(cache, cl, pos0, q, k, v, c.HeadDim, c.RopeTheta, c.Rope)
+	m.be.Free(k)
+	m.be.Free(v)
+	return cache, cl
+}
+
+// finishQKV is storeKV up to RoPE: the products finished, the cache and
+// layer to store k and v in and read q's attention from.
+func (m *Model) finishQKV(l int, q, k, v Buf, pos0 int, cache KVCache, ov Overrides) (KVCache, int) {
+	c := &m.cfg
 	be := m.be
 	T := q.Rows()
 	cl := l
@@ -385,9 +396,6 @@ func (m *Model) storeKV(l int, q, k, v Buf, pos0 int, cache KVCache, ov Override
 	m.finishProduct(l, model.Q, q, ov)
 	m.finishProduct(l, model.K, k, ov)
 	m.finishProduct(l, model.V, v, ov)
-	m.ops.RoPEStoreKV(cache, cl, pos0, q, k, v, c.HeadDim, c.RopeTheta, c.Rope)
-	be.Free(k)
-	be.Free(v)
 	return cache, cl
 }
 
@@ -478,13 +486,25 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 		f.MatMulN(qkv, h, wqkv)
 		be.Free(h)
 	}
-	kc, cl := m.storeKV(l, q, k, v, pos0, cache, nil)
 	if capture == nil {
-		f.AttentionAdd(x, q, kc, cl, pos0, c.Heads, c.KVHeads, c.HeadDim, w.o)
-		be.Free(q)
+		if T == 1 { // a decode row: RoPE and the KV store inside the attention where the backend can
+			kc, cl := m.finishQKV(l, q, k, v, pos0, cache, nil)
+			att := AllocRaw(be, T, c.QDim())
+			f.RoPEAttention(att, q, k, v, kc, cl, pos0, c.Heads, c.KVHeads, c.HeadDim, c.RopeTheta, c.Rope)
+			be.Free(q)
+			be.Free(k)
+			be.Free(v)
+			f.MatMulAdd(x, att, w.o)
+			be.Free(att)
+		} else { // AttentionAdd may write o's input in the form its product takes
+			kc, cl := m.storeKV(l, q, k, v, pos0, cache, nil)
+			f.AttentionAdd(x, q, kc, cl, pos0, c.Heads, c.KVHeads, c.HeadDim, w.o)
+			be.Free(q)
+		}
 		f.MLP(x, w.mlpNorm, w.mlpNormBias, eps, w.gate, w.up, w.down)
 		return
 	}
+	kc, cl := m.storeKV(l, q, k, v, pos0, cache, nil)
 	att := m.attend(q, kc, cl, pos0)
 	capture(l, CaptureO, att)
 	f.MatMulAdd(x, att, w.o)

@@ -285,7 +285,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 func kernelNames() []string {
 	names := []string{
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_heads", "add_bias", "add_inplace",
-		"silu_mul", "rope", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8",
+		"silu_mul", "rope", "rope_table", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8",
 		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_i8",
 		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8", "dequant_h_q4", "dequant_h_q8",
 		"gather_cols", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "decode_advance", "sample", "fill_random",
@@ -843,6 +843,11 @@ type KVCache struct {
 	// k offsets, v scales, v offsets, each [layers][kvDim] fp32; 0 for a
 	// float cache.
 	quant driver.DevicePtr
+	// rope is the decode attention's table of RoPE angles for head size
+	// ropeHD and ropeTheta (ropeTable), 0 until its first use.
+	rope      driver.DevicePtr
+	ropeHD    int
+	ropeTheta float64
 }
 
 // elem is the size of one cached value in bytes.
@@ -917,7 +922,10 @@ func (b *Backend) FreeKVCache(c runtime.KVCache) {
 	if d.quant != 0 {
 		b.release(d.quant)
 	}
-	d.k, d.v, d.quant = 0, 0, 0
+	if d.rope != 0 {
+		b.release(d.rope)
+	}
+	d.k, d.v, d.quant, d.rope = 0, 0, 0, 0
 }
 
 func (c *KVCache) layerOff(layer int) driver.DevicePtr {
@@ -1057,7 +1065,7 @@ func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, 
 		return
 	}
 	defer b.enter()()
-	b.attention(d, inputForm{}, qb, kc, layer, pos0, heads, kvHeads, headDim)
+	b.attention(d, inputForm{}, qb, kc, layer, pos0, heads, kvHeads, headDim, attnNew{})
 }
 
 // checkAttention panics unless Attention can write an output of rows ×
@@ -1079,9 +1087,20 @@ func (b *Backend) attnTC(T, headDim int) bool {
 	return T >= attnTCMinRows && headDim%16 == 0 && headDim <= 128 && !(b.capturing && b.capPos)
 }
 
+// attnNew is a decode row's own key and value for the decode attention
+// kernel to rotate, store and use (qtool.cu's AttNew; RoPEAttention),
+// with the cache's table of RoPE angles (ropeTable): k = 0 reads every key
+// from the cache.
+type attnNew struct {
+	k, v, tab driver.DevicePtr
+	layout    model.RopeLayout
+}
+
 // attention is Attention on checked operands. With f an int8 form (where
-// attnQuantOut allows it) the output goes to f, not to d (nil).
-func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, pos0, heads, kvHeads, headDim int) {
+// attnQuantOut allows it) the output goes to f, not to d (nil); with nw set
+// (one row, the decode kernel) the kernel rotates q and the row's key,
+// uses the key and value from registers and stores them.
+func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, pos0, heads, kvHeads, headDim int, nw attnNew) {
 	T := qb.rows
 	off := kc.layerOff(layer)
 	scale := float32(1 / math.Sqrt(float64(headDim)))
@@ -1134,7 +1153,8 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 		cnt = b.zeroedScratch("att_cnt", 4*T*heads)
 	}
 	p, dp := b.posArgs(pos0)
-	args := []any{d.p, qb.p, kc.k + off, kc.v + off, ml, acc, cnt, heads, kvHeads, headDim, p, dp, scale, nsplit}
+	args := []any{d.p, qb.p, kc.k + off, kc.v + off, ml, acc, cnt, heads, kvHeads, headDim, p, dp, scale, nsplit,
+		nw.k, nw.v, nw.tab, int(nw.layout)}
 	if kc.quant != 0 {
 		args = append(args, kc.quantArgs(layer)...)
 	}
@@ -1165,8 +1185,52 @@ func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0,
 	}
 	defer b.enter()()
 	f := b.inputFor(l, qb.rows)
-	b.attention(nil, f, qb, kc, layer, pos0, heads, kvHeads, headDim)
+	b.attention(nil, f, qb, kc, layer, pos0, heads, kvHeads, headDim, attnNew{})
 	b.matmul(d, f.input(qb.rows, qb.cols), l, false, outAdd)
+}
+
+// RoPEAttention implements runtime.Fused: for a decode row with a head size
+// that is a multiple of 64 (each lane's values pair up within the lane or
+// with lane ^ 16) the RoPE of q and k and the store of k and v run inside
+// the decode attention kernel (AttNew in qtool.cu: one launch fewer), its
+// angles from the cache's table (ropeTable); otherwise the sequence
+// (runtime.RoPEAttentionSeq). q, k and v are left as they came.
+func (b *Backend) RoPEAttention(dst, q, k, v runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, theta float64, layout model.RopeLayout) {
+	d, qb, kb, vb, kc := buf(dst), buf(q), buf(k), buf(v), cache(c)
+	var tab driver.DevicePtr
+	if qb.rows == 1 && headDim%64 == 0 && !b.attnTC(qb.rows, headDim) {
+		b.checkAttention(d.rows, d.cols, qb, kc, layer, pos0, heads, kvHeads, headDim)
+		if kb.rows != 1 || vb.rows != 1 || kb.cols != kc.kvDim || vb.cols != kc.kvDim || d.p == qb.p || (!b.capPos && pos0 < 0) {
+			panic(fmt.Sprintf("cuda backend: RoPEAttention [%d %d] of q [%d %d], k [%d %d], v [%d %d] at position %d",
+				d.rows, d.cols, qb.rows, qb.cols, kb.rows, kb.cols, vb.rows, vb.cols, pos0))
+		}
+		tab = b.ropeTable(kc, headDim, theta)
+	}
+	if tab == 0 {
+		runtime.RoPEAttentionSeq(b, dst, q, k, v, c, layer, pos0, heads, kvHeads, headDim, theta, layout)
+		return
+	}
+	defer b.enter()()
+	b.attention(d, inputForm{}, qb, kc, layer, pos0, heads, kvHeads, headDim, attnNew{kb.p, vb.p, tab, layout})
+}
+
+// ropeTable returns c's table of RoPE angles for head size hd and theta,
+// the (sin, cos) of every pair at every position of the cache (qtool.cu's
+// rope_table, computed as the rope kernels compute them), made by its first
+// use outside a graph capture; 0 during a capture that finds none, and for
+// a head size or theta other than the table's.
+func (b *Backend) ropeTable(c *KVCache, hd int, theta float64) driver.DevicePtr {
+	switch {
+	case c.rope != 0 && c.ropeHD == hd && c.ropeTheta == theta:
+		return c.rope
+	case c.rope != 0 || b.capturing:
+		return 0
+	}
+	defer b.enter()()
+	n := c.maxSeq * hd / 2
+	c.rope, c.ropeHD, c.ropeTheta = b.alloc(8*n), hd, theta
+	b.launch("rope_table", b.gridFor(n), block256, c.rope, c.maxSeq, hd, theta)
+	return c.rope
 }
 
 // NLL implements runtime.Backend.

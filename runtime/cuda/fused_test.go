@@ -654,6 +654,87 @@ func TestRoPEStoreKV(t *testing.T) {
 	}
 }
 
+// TestRoPEAttention checks runtime.Fused's RoPEAttention against the
+// sequence it stands for (RoPEStoreKV, then Attention) for every cache
+// type, both RoPE layouts and head sizes 64, 128 and 256, at positions whose
+// keys fit one split and need several: the output and the cache equal bit
+// for bit, one launch fewer for a decode row (the kernel rotates and stores
+// the row's key itself, its angles from the cache's rope_table), the same
+// launches for two rows.
+func TestRoPEAttention(t *testing.T) {
+	b := newTestBackend(t)
+	defer func() { b.opt.KVHalf = false }()
+	r := rand.New(rand.NewPCG(63, 64))
+	const heads, kvHeads, maxSeq, theta = 8, 2, 400, 1e4
+	for _, hd := range []int{64, 128, 256} {
+		kvDim, K := kvHeads*hd, heads*hd
+		quant := []runtime.KVQuant{{KScale: make([]float32, kvDim), KOffset: make([]float32, kvDim), VScale: make([]float32, kvDim), VOffset: make([]float32, kvDim)}}
+		for i := range kvDim {
+			q := &quant[0]
+			q.KScale[i], q.VScale[i] = 0.01+0.02*r.Float32(), 0.01+0.02*r.Float32()
+			q.KOffset[i], q.VOffset[i] = 8*r.Float32()-4, 8*r.Float32()-4
+		}
+		newCache := func(kind string) runtime.KVCache {
+			if kind == "i8" {
+				c, err := b.NewInt8KVCache(maxSeq, kvDim, quant)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return c
+			}
+			b.opt.KVHalf = kind == "f16"
+			defer func() { b.opt.KVHalf = false }()
+			return b.NewKVCache(1, maxSeq, kvDim)
+		}
+		kinds := []string{"f32", "f16", "i8"}
+		if hd == 256 {
+			kinds = []string{"f16"}
+		}
+		for _, kind := range kinds {
+			for _, layout := range []model.RopeLayout{model.RopeHalf, model.RopeInterleaved} {
+				for _, tc := range []struct{ T, pos0 int }{{1, 0}, {1, 20}, {1, 299}, {2, 150}} {
+					t.Run(fmt.Sprintf("hd=%d/%s/%v/T=%d/pos0=%d", hd, kind, layout, tc.T, tc.pos0), func(t *testing.T) {
+						ca, cb := newCache(kind), newCache(kind)
+						defer b.FreeKVCache(ca)
+						defer b.FreeKVCache(cb)
+						b.ropeTable(cache(cb), hd, theta) // made once a cache: not a launch of the step
+						if tc.pos0 > 0 {                  // the earlier positions' keys and values
+							kv := randVec(r, tc.pos0*kvDim, 1)
+							kvb := upload(b, tc.pos0, kvDim, kv)
+							b.StoreKV(ca, 0, 0, kvb, kvb)
+							b.StoreKV(cb, 0, 0, kvb, kvb)
+							b.Free(kvb)
+						}
+						qv, kv, vv := randVec(r, tc.T*K, 1), randVec(r, tc.T*kvDim, 1), randVec(r, tc.T*kvDim, 1)
+						bufs := func() (q, k, v *Buf) {
+							return upload(b, tc.T, K, qv), upload(b, tc.T, kvDim, kv), upload(b, tc.T, kvDim, vv)
+						}
+						qa, ka, va := bufs()
+						qb, kb, vb := bufs()
+						want, got := b.AllocRaw(tc.T, K), b.AllocRaw(tc.T, K)
+						defer b.Free(want)
+						defer b.Free(got)
+						n0 := b.launches
+						runtime.RoPEAttentionSeq(b, want, qa, ka, va, ca, 0, tc.pos0, heads, kvHeads, hd, theta, layout)
+						n1 := b.launches
+						b.RoPEAttention(got, qb, kb, vb, cb, 0, tc.pos0, heads, kvHeads, hd, theta, layout)
+						compare(t, "attention", download(b, buf(got)), download(b, buf(want)), 0)
+						if nSeq, nFused, fused := n1-n0, b.launches-n1, tc.T == 1; fused && nFused != nSeq-1 || !fused && nFused != nSeq {
+							t.Errorf("%d launches, the sequence %d", nFused, nSeq)
+						}
+						if g, w := cacheBytes(b, cb), cacheBytes(b, ca); !slices.Equal(g, w) {
+							t.Errorf("cache differs from RoPEStoreKV's")
+						}
+						for _, x := range []*Buf{qa, ka, va, qb, kb, vb} {
+							b.Free(x)
+						}
+					})
+				}
+			}
+		}
+	}
+}
+
 func abs32(x float32) float32 {
 	if x < 0 {
 		return -x

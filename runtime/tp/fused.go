@@ -192,6 +192,28 @@ func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0,
 	runtime.AttentionAddSeq(b, x, q, c, layer, pos0, heads, kvHeads, headDim, o)
 }
 
+// RoPEAttention implements runtime.Fused: each rank rotates its heads of q
+// and k, stores its KV heads and attends with its heads (in one launch
+// where its backend can).
+func (b *Backend) RoPEAttention(dst, q, k, v runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, theta float64, layout model.RopeLayout) {
+	if !b.fused {
+		runtime.Unfused{Backend: b}.RoPEAttention(dst, q, k, v, c, layer, pos0, heads, kvHeads, headDim, theta, layout)
+		return
+	}
+	n := len(b.ranks)
+	d, qb, kb, vb, kc := bufOf(dst), bufOf(q), bufOf(k), bufOf(v), cacheOf(c)
+	if heads%n != 0 || kvHeads%n != 0 || kvHeads*headDim != b.cfg.KVDim() || heads*headDim != qb.cols {
+		panic(fmt.Sprintf("tp.RoPEAttention: q of %d columns, %d heads, %d KV heads × %d over %d ranks (model KV dim %d)", qb.cols, heads, kvHeads, headDim, n, b.cfg.KVDim()))
+	}
+	split := headSplit(qb.cols, n)
+	b.toSplit(qb, split)
+	b.toSplit(kb, b.kv)
+	b.toSplit(vb, b.kv)
+	b.run(d, split, func(r int) {
+		b.rankFused(r).RoPEAttention(d.parts[r], qb.parts[r], kb.parts[r], vb.parts[r], kc.parts[r], layer, pos0, heads/n, kvHeads/n, headDim, theta, layout)
+	})
+}
+
 // MLP implements runtime.Fused: NormSwiGLU, then MatMulAdd (each on the
 // ranks' pieces as above).
 func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear) {

@@ -81,6 +81,10 @@ func (f fusingCPU) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0
 	f.unfused().AttentionAdd(x, q, c, layer, pos0, heads, kvHeads, headDim, o)
 }
 
+func (f fusingCPU) RoPEAttention(dst, q, k, v runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, theta float64, layout model.RopeLayout) {
+	f.unfused().RoPEAttention(dst, q, k, v, c, layer, pos0, heads, kvHeads, headDim, theta, layout)
+}
+
 func (f fusingCPU) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear) {
 	f.unfused().MLP(x, w, bias, eps, gate, up, down)
 }
