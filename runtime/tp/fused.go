@@ -15,8 +15,9 @@ var _ runtime.Fused = (*Backend)(nil)
 // decode step's fused sequences. Where every local rank backend fuses too
 // (CUDA ranks) and the weights are split the way Megatron splits them, each
 // rank runs the fused operation on its pieces: q/k/v and gate/up in one
-// launch with the norm before them, the SwiGLU after them, RoPE inside the
-// KV store, and the residual add of o and down inside rank 0's partial
+// launch with the norm before them, the SwiGLU after them, RoPE and the
+// KV store inside the attention (a decode row; inside the KV store for a
+// prefill), and the residual add of o and down inside rank 0's partial
 // product, before the all-reduce that adds the other ranks' (so the sum is
 // (x + p₀) + p₁ + …, not x + (p₀ + p₁ + …)). Otherwise each method runs the
 // sequence the runtime.Fused comment names (runtime.Unfused), which is what
