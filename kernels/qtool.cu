@@ -796,7 +796,7 @@ extern "C" __global__ void rope_table(float2* __restrict__ tab, int npos, int hd
 // k and v [1, kvDim] as the products left them, the RoPE angles (rope_table,
 // covering the row's position) and layout. With k set the kernel rotates q
 // and the key itself, the blocks of the row's last split use the new key and
-// value from registers, and the first query head of each KV head stores
+// value from shared memory, and the first query head of each KV head stores
 // them in the cache after its loop (no block of the launch reads them from
 // the cache, so the key loads need not wait for the stores).
 struct AttNew {

@@ -1099,7 +1099,7 @@ type attnNew struct {
 // attention is Attention on checked operands. With f an int8 form (where
 // attnQuantOut allows it) the output goes to f, not to d (nil); with nw set
 // (one row, the decode kernel) the kernel rotates q and the row's key,
-// uses the key and value from registers and stores them.
+// uses the new key and value as the cache will hold them and stores them.
 func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, pos0, heads, kvHeads, headDim int, nw attnNew) {
 	T := qb.rows
 	off := kc.layerOff(layer)
