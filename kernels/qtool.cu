@@ -2949,10 +2949,11 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
 // block's W tile is rows n0..n0 + 63 of each (n0 = 64·blockIdx.y), one
 // copy a K step, with the {scale, zero} of plane 0 from sz and of plane 1
 // from sz2; epi is then the GluEpi of glu_tile (gemm_wg_*_glu).
+// The block's weight tile is ny (blockIdx.y where ny < 0).
 template <int WK, bool PAIR = false, typename Epi>
 __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap* mapA, const TmaMap* mapW,
                                              const float2* __restrict__ sz, const float2* __restrict__ sz2, int M,
-                                             int N, int gs, int G, int kt0, int kt1, int out, Epi epi) {
+                                             int N, int gs, int G, int kt0, int kt1, int out, Epi epi, int ny = -1) {
     constexpr int SB = gw_stage_bytes<WK>(), GWS = gw_stages<WK>();
     constexpr int BKE = WK == GH_S8 ? 128 : GW_BK;  // elements of a K step
     constexpr bool QUANT = WK == GH_Q4 || WK == GH_Q8;
@@ -2967,7 +2968,8 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     auto at = [&](uint32_t a) { return gw_raw + (a - raw); };      // generic address of shared address a
     // blockIdx.x walks the activation tiles: the blocks running at once
     // share weight tiles, so each weight tile leaves device memory once
-    int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128, n0 = blockIdx.y * (PAIR ? 64 : 128), nk = kt1 - kt0;
+    int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128, nk = kt1 - kt0;
+    int n0 = (ny < 0 ? (int)blockIdx.y : ny) * (PAIR ? 64 : 128);
     if (tid == 0) {
         for (int s = 0; s < GWS; s++) {
             mbar_init(full(s), QUANT ? 1 + 128 : 1);  // the copy engine's bytes; the scales' copies
@@ -3124,6 +3126,35 @@ GEMM_WG_ENTRY(gemm_wg_f16, GH_F16)
 GEMM_WG_ENTRY(gemm_wg_bf16, GH_BF16)
 GEMM_WG_ENTRY(gemm_wg_q4, GH_Q4)
 GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
+// name_segs(C0, C1, C2, mapA, mapW0, mapW1, mapW2, sz0, sz1, sz2, M, N0, N1,
+// N2, K, gs, G, out): WK's GEMM of one fp16 input [M, K] (mapA) with up to
+// three weights of WK's kind, group size and count (q, k and v) in one
+// launch: grid.y walks the weight tiles of weight 0, then 1, then 2 (N2 = 0:
+// two weights), each tile written to its weight's output Ci [M, Ni] by
+// out. No K split.
+#define GEMM_WG_SEGS_ENTRY(name, WK)                                                                             \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
+        name(float* C0, float* C1, float* C2, const __grid_constant__ TmaMap mapA,                               \
+             const __grid_constant__ TmaMap mapW0, const __grid_constant__ TmaMap mapW1,                         \
+             const __grid_constant__ TmaMap mapW2, const float2* sz0, const float2* sz1, const float2* sz2, int M, \
+             int N0, int N1, int N2, int K, int gs, int G, int out) {                                            \
+        PDL_ENTRY();                                                                                             \
+        int ny = blockIdx.y, t0 = (N0 + 127) / 128, t1 = (N1 + 127) / 128;                                      \
+        const TmaMap* mapW = &mapW0;                                                                             \
+        float* C = C0;                                                                                           \
+        const float2* sz = sz0;                                                                                  \
+        int N = N0;                                                                                              \
+        if (ny >= t0 + t1) {                                                                                     \
+            ny -= t0 + t1, mapW = &mapW2, C = C2, sz = sz2, N = N2;                                              \
+        } else if (ny >= t0) {                                                                                   \
+            ny -= t0, mapW = &mapW1, C = C1, sz = sz1, N = N1;                                                   \
+        }                                                                                                        \
+        gemm_wg_body<WK>(C, &mapA, mapW, sz, nullptr, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK, out, 0, ny);     \
+    }
+GEMM_WG_SEGS_ENTRY(gemm_wg_f16_segs, GH_F16)
+GEMM_WG_SEGS_ENTRY(gemm_wg_bf16_segs, GH_BF16)
+GEMM_WG_SEGS_ENTRY(gemm_wg_q4_segs, GH_Q4)
+GEMM_WG_SEGS_ENTRY(gemm_wg_q8_segs, GH_Q8)
 // name_glu(C, Ch, mapA, mapGU, sz, sz2, M, N, K, gs, G, upFirst): the gate
 // and up products of one fp16 input [M, K] (mapA) and their SwiGLU
 // silu(gate)·up into C [M, N] (or rounded to fp16 into Ch [M, N] where Ch

@@ -296,8 +296,10 @@ func kernelNames() []string {
 }
 
 // hopperKernels are the kernels only the sm_90a PTX holds (wgmma: the
-// values of hopperGEMM and gluKernels), looked up where it is loaded.
-var hopperKernels = append(slices.Sorted(maps.Values(hopperGEMM)), slices.Sorted(maps.Values(gluKernels))...)
+// values of hopperGEMM, gluKernels and segsKernels), looked up where it is
+// loaded.
+var hopperKernels = slices.Concat(slices.Sorted(maps.Values(hopperGEMM)), slices.Sorted(maps.Values(gluKernels)),
+	slices.Sorted(maps.Values(segsKernels)))
 
 // enter binds the context to the calling thread; call the result when done.
 func (b *Backend) enter() func() {

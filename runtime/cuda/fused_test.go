@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -70,6 +71,76 @@ func TestMatMulN(t *testing.T) {
 	for _, k := range gemvKernels {
 		if k != "gemv_q4_sh" && !strings.HasSuffix(k, "_n") && !fusedKernels[k] && !t.Failed() { // _n: TestRowSums
 			t.Errorf("no case runs the GEMV kernel %s with several weights", k)
+		}
+	}
+}
+
+// TestMatMulNHopper checks the products of one input with two or three
+// weights of one kind as one launch of a Hopper GEMM (gemm_wg_*_segs: each
+// weight's tiles half the multiprocessors, all of them enough for every one)
+// against one MatMul per weight, K unsplit in both: the same values bit for
+// bit; every such kernel runs.
+func TestMatMulNHopper(t *testing.T) {
+	b := newTestBackend(t)
+	if !b.wgmma {
+		t.Skip("no Hopper GEMMs on this device (sm_90a)")
+	}
+	defer func() { b.maxSplits = 0 }()
+	b.maxSplits = 1
+	r := rand.New(rand.NewPCG(23, 24))
+	ran := map[string]bool{}
+	const M = 256 // two row tiles
+	nt := b.sms / 4
+	outs := []int{nt*128 - 56, nt * 128, nt*128 - 8} // nt weight tiles each
+	for _, wc := range weightCases {
+		K := 512 // enough K steps for each product alone to split
+		if wc.k > 0 {
+			K = wc.k * ((512 + wc.k - 1) / wc.k) // a multiple of the case's K: its group size divides it
+		}
+		if K > 4096 || wc.tall {
+			continue
+		}
+		ws := make([]runtime.Linear, len(outs))
+		for i, n := range outs {
+			w, _ := wc.make(r, n, K)
+			lw, err := b.UploadLinear(fmt.Sprintf("%s.segs%d", wc.name, i), w)
+			if err != nil {
+				t.Fatalf("%s: upload: %v", wc.name, err)
+			}
+			ws[i] = lw
+			defer b.FreeLinear(lw)
+		}
+		for _, nw := range []int{2, 3} {
+			t.Run(fmt.Sprintf("%s/n=%d", wc.name, nw), func(t *testing.T) {
+				xb := upload(b, M, K, randVec(r, M*K, 1))
+				defer b.Free(xb)
+				dst := make([]runtime.Buf, nw)
+				for i := range dst {
+					dst[i] = poisoned(b, M, outs[i])
+					defer b.Free(dst[i])
+				}
+				before := maps.Clone(b.launched)
+				b.MatMulN(dst, xb, ws[:nw])
+				for k, n := range b.launched {
+					if strings.HasSuffix(k, "_segs") && n > before[k] {
+						ran[k] = true
+						t.Logf("one launch: %s", k)
+					}
+				}
+				for i := range dst {
+					want := poisoned(b, M, outs[i])
+					b.MatMul(want, xb, ws[i])
+					if g, w := download(b, dst[i]), download(b, want); !slices.Equal(g, w) {
+						t.Errorf("weight %d: MatMulN differs from MatMul (first values %v vs %v)", i, g[:4], w[:4])
+					}
+					b.Free(want)
+				}
+			})
+		}
+	}
+	for _, k := range segsKernels {
+		if !ran[k] && !t.Failed() {
+			t.Errorf("no case runs %s", k)
 		}
 	}
 }

@@ -1038,9 +1038,71 @@ func (b *Backend) matmulN(in *gemmIn, segs []gemvSeg) {
 		b.gemv(in.x, segs, gemvEpi{})
 		return
 	}
+	if b.wgSegs(in, segs) {
+		return
+	}
 	for _, g := range segs {
 		b.matmul(g.d, in, g.l, false, outStore)
 	}
+}
+
+// segsKernels are the Hopper GEMMs that multiply one input by up to three
+// weights of their kind in one launch (qtool.cu's GEMM_WG_SEGS_ENTRY).
+var segsKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_segs", "gemm_wg_bf16": "gemm_wg_bf16_segs",
+	"gemm_wg_q4": "gemm_wg_q4_segs", "gemm_wg_q8": "gemm_wg_q8_segs"}
+
+// wgSegs runs the products segs (two or three weights sharing in: q, k and
+// v) as one launch of a gemm_wg_*_segs kernel where every weight is of one
+// kind that a Hopper GEMM takes for in's rows without widening, with one
+// group size and no column order, each product alone would split K (its
+// tiles fill at most half the device: q, k and v of a 7B at TP=2), and
+// their tiles together fill it; it reports whether it did. The kernel's
+// tiles are those of the products one at a time, so the values are theirs
+// unsplit. (Where one product fills the device alone, as a GQA model's q,
+// the others split K beside it in less time than a second wave of tiles.)
+func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
+	M, l0 := in.x.rows, segs[0].l
+	if len(segs) < 2 || len(segs) > 3 || !b.halfGEMM(l0, M, false) || l0.perm != 0 {
+		return false
+	}
+	gh, widen := gemmHKernel(l0)
+	wg := b.wgmmaKernel(gh, M)
+	name := segsKernels[wg]
+	if widen || name == "" {
+		return false
+	}
+	tiles, mt, steps := 0, (M+127)/128, (l0.in+gemmHBK-1)/gemmHBK
+	for _, g := range segs {
+		l := g.l
+		if l.kind != l0.kind || l.in != l0.in || l.gs != l0.gs || l.groups != l0.groups || l.perm != 0 || l.gidx != 0 ||
+			gemmSplits(mt*((l.out+127)/128), steps, b.sms) == 1 {
+			return false
+		}
+		tiles += mt * ((l.out + 127) / 128)
+	}
+	if tiles < b.sms {
+		return false
+	}
+	a16 := b.half(in, l0)
+	var (
+		c, sz [3]driver.DevicePtr
+		n     [3]int
+		maps  [3]*driver.TensorMap
+		shm   int
+		grid  [3]uint32
+	)
+	for i, g := range segs {
+		grid, shm, maps[i] = b.prepareWG(wg, a16, g.l.w, g.l, M)
+		c[i], sz[i], n[i] = g.d.p, g.l.sz, g.l.out
+	}
+	if len(segs) == 2 {
+		maps[2] = maps[0] // unread: N2 = 0
+	}
+	grid[1] = uint32(tiles / mt)
+	b.raiseSmem(name, shm)
+	b.launchShm(name, grid, block384, shm, c[0], c[1], c[2], b.tmaps[0], maps[0], maps[1], maps[2], sz[0], sz[1], sz[2],
+		M, n[0], n[1], n[2], l0.in, max(l0.gs, gemmHBK), l0.groups, outStore)
+	return true
 }
 
 // segments checks the operands of a product of x with several weights.
