@@ -27,15 +27,7 @@ func TestMatMulN(t *testing.T) {
 			K = wc.k
 		}
 		outs := []int{rowsFor(b, wc, 200), 72, 40}
-		ws := make([]runtime.Linear, len(outs))
-		for i, n := range outs {
-			w, _ := wc.make(r, n, K)
-			lw, err := b.UploadLinear(fmt.Sprintf("%s.%d", wc.name, i), w)
-			if err != nil {
-				t.Fatalf("%s: upload: %v", wc.name, err)
-			}
-			ws[i] = lw
-		}
+		ws := uploadWeights(t, b, r, wc, "", outs, K)
 		for _, M := range []int{1, 3, 5, 130} {
 			for _, nw := range []int{2, 3} {
 				segs := make([]gemvSeg, nw)
@@ -48,22 +40,7 @@ func TestMatMulN(t *testing.T) {
 					if one {
 						fusedKernels[kernel] = true
 					}
-					xb := upload(b, M, K, randVec(r, M*K, 1))
-					defer b.Free(xb)
-					dst := make([]runtime.Buf, nw)
-					for i := range dst {
-						dst[i] = poisoned(b, M, outs[i])
-						defer b.Free(dst[i])
-					}
-					b.MatMulN(dst, xb, ws[:nw])
-					for i := range dst {
-						want := poisoned(b, M, outs[i])
-						b.MatMul(want, xb, ws[i])
-						if g, w := download(b, dst[i]), download(b, want); !slices.Equal(g, w) {
-							t.Errorf("weight %d: MatMulN differs from MatMul (first values %v vs %v)", i, g[:4], w[:4])
-						}
-						b.Free(want)
-					}
+					checkMatMulN(t, b, r, M, K, outs, ws[:nw])
 				})
 			}
 		}
@@ -73,6 +50,53 @@ func TestMatMulN(t *testing.T) {
 			t.Errorf("no case runs the GEMV kernel %s with several weights", k)
 		}
 	}
+}
+
+// uploadWeights uploads weights of case wc with outs[i] rows of K, named
+// after the case, tag and i.
+func uploadWeights(t *testing.T, b *Backend, r *rand.Rand, wc weightCase, tag string, outs []int, K int) []runtime.Linear {
+	t.Helper()
+	ws := make([]runtime.Linear, len(outs))
+	for i, n := range outs {
+		w, _ := wc.make(r, n, K)
+		lw, err := b.UploadLinear(fmt.Sprintf("%s.%s%d", wc.name, tag, i), w)
+		if err != nil {
+			t.Fatalf("%s: upload: %v", wc.name, err)
+		}
+		ws[i] = lw
+	}
+	return ws
+}
+
+// checkMatMulN multiplies a random M × K input by ws (outs[i] rows each)
+// with MatMulN and with one MatMul a weight, requires the same values bit
+// for bit, and returns the kernels MatMulN launched.
+func checkMatMulN(t *testing.T, b *Backend, r *rand.Rand, M, K int, outs []int, ws []runtime.Linear) map[string]bool {
+	t.Helper()
+	xb := upload(b, M, K, randVec(r, M*K, 1))
+	defer b.Free(xb)
+	dst := make([]runtime.Buf, len(ws))
+	for i := range dst {
+		dst[i] = poisoned(b, M, outs[i])
+		defer b.Free(dst[i])
+	}
+	before := maps.Clone(b.launched)
+	b.MatMulN(dst, xb, ws)
+	launched := map[string]bool{}
+	for k, n := range b.launched {
+		if n > before[k] {
+			launched[k] = true
+		}
+	}
+	for i := range dst {
+		want := poisoned(b, M, outs[i])
+		b.MatMul(want, xb, ws[i])
+		if g, w := download(b, dst[i]), download(b, want); !slices.Equal(g, w) {
+			t.Errorf("weight %d: MatMulN differs from MatMul (first values %v vs %v)", i, g[:4], w[:4])
+		}
+		b.Free(want)
+	}
+	return launched
 }
 
 // TestMatMulNHopper checks the products of one input with two or three
@@ -100,42 +124,19 @@ func TestMatMulNHopper(t *testing.T) {
 		if K > 4096 || wc.tall {
 			continue
 		}
-		ws := make([]runtime.Linear, len(outs))
-		for i, n := range outs {
-			w, _ := wc.make(r, n, K)
-			lw, err := b.UploadLinear(fmt.Sprintf("%s.segs%d", wc.name, i), w)
-			if err != nil {
-				t.Fatalf("%s: upload: %v", wc.name, err)
-			}
-			ws[i] = lw
-			defer b.FreeLinear(lw)
-		}
+		ws := uploadWeights(t, b, r, wc, "segs", outs, K)
 		for _, nw := range []int{2, 3} {
 			t.Run(fmt.Sprintf("%s/n=%d", wc.name, nw), func(t *testing.T) {
-				xb := upload(b, M, K, randVec(r, M*K, 1))
-				defer b.Free(xb)
-				dst := make([]runtime.Buf, nw)
-				for i := range dst {
-					dst[i] = poisoned(b, M, outs[i])
-					defer b.Free(dst[i])
-				}
-				before := maps.Clone(b.launched)
-				b.MatMulN(dst, xb, ws[:nw])
-				for k, n := range b.launched {
-					if strings.HasSuffix(k, "_segs") && n > before[k] {
+				for k := range checkMatMulN(t, b, r, M, K, outs, ws[:nw]) {
+					if strings.HasSuffix(k, "_segs") {
 						ran[k] = true
 						t.Logf("one launch: %s", k)
 					}
 				}
-				for i := range dst {
-					want := poisoned(b, M, outs[i])
-					b.MatMul(want, xb, ws[i])
-					if g, w := download(b, dst[i]), download(b, want); !slices.Equal(g, w) {
-						t.Errorf("weight %d: MatMulN differs from MatMul (first values %v vs %v)", i, g[:4], w[:4])
-					}
-					b.Free(want)
-				}
 			})
+		}
+		for _, w := range ws {
+			b.FreeLinear(w)
 		}
 	}
 	for _, k := range segsKernels {
