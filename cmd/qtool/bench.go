@@ -616,13 +616,14 @@ func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 in
 	// residual adds run inside the matrix products (runtime.Fused); the
 	// other GEMVs fuse the adds, the GEMMs (prefill) the adds and the
 	// SwiGLU.
-	ops := []op{{"rope+store", 1, func() { b.RoPEStoreKV(cache, 0, pos0, q, k, v, cfg.HeadDim, cfg.RopeTheta, cfg.Rope) }},
-		{"attention", 1, func() { b.Attention(att, q, cache, 0, pos0, cfg.Heads, cfg.KVHeads, cfg.HeadDim) }}}
+	var ops []op
 	if T == 1 { // a decode row: RoPE and the KV store inside the attention where the backend can
 		ops = []op{{"rope+attn", 1, func() {
 			b.RoPEAttention(att, q, k, v, cache, 0, pos0, cfg.Heads, cfg.KVHeads, cfg.HeadDim, cfg.RopeTheta, cfg.Rope)
 		}}}
 	} else {
+		ops = []op{{"rope+store", 1, func() { b.RoPEStoreKV(cache, 0, pos0, q, k, v, cfg.HeadDim, cfg.RopeTheta, cfg.Rope) }},
+			{"attention", 1, func() { b.Attention(att, q, cache, 0, pos0, cfg.Heads, cfg.KVHeads, cfg.HeadDim) }}}
 		// beside it, not in the sum: every query tile in one block
 		// (cuda.Options.AttnSplit < 0), as before the key splits
 		ops = append(ops, op{"attn 1 blk", 0, func() {
