@@ -841,21 +841,40 @@ func (b *Backend) launchWG(name string, d *Buf, a16, w driver.DevicePtr, l *Line
 // once, where w is l's weight; b.tmaps[1], encoded anew, for a widened
 // copy.
 func (b *Backend) prepareWG(name string, a, w driver.DevicePtr, l *Linear, M int) (grid [3]uint32, shm int, wmap *driver.TensorMap) {
-	N, K := l.out, l.in
+	wmap = b.weightMap(name, w, l)
+	shm = b.actMap(name, a, M, l.in)
+	b.raiseSmem(name, shm)
+	return [3]uint32{uint32((M + 127) / 128), uint32((l.out + 127) / 128), 1}, shm, wmap
+}
+
+// weightMap returns the tensor map over w [N, K] of l as Hopper GEMM name
+// reads it: l's own, encoded once, where w is l's weight; b.tmaps[1],
+// encoded anew, for a widened copy.
+func (b *Backend) weightMap(name string, w driver.DevicePtr, l *Linear) *driver.TensorMap {
 	switch {
 	case w != l.w:
-		wmap = b.tmaps[1]
-		b.encodeWeightMap(wmap, name, w, N, K)
+		b.encodeWeightMap(b.tmaps[1], name, w, l.out, l.in)
+		return b.tmaps[1]
 	case l.wmap == nil:
 		l.wmap = driver.NewTensorMaps(1)[0]
-		b.encodeWeightMap(l.wmap, name, w, N, K)
-		fallthrough
-	default:
-		wmap = l.wmap
+		b.encodeWeightMap(l.wmap, name, w, l.out, l.in)
 	}
-	shm = b.actMap(name, a, M, K)
-	b.raiseSmem(name, shm)
-	return [3]uint32{uint32((M + 127) / 128), uint32((N + 127) / 128), 1}, shm, wmap
+	return l.wmap
+}
+
+// unwidenedWG is the Hopper GEMM that multiplies M rows by l's weight as
+// stored (fp16, bf16, or 4/8-bit dequantized inside the GEMM), "" where
+// there is none (no Hopper GEMMs, too few rows, or a weight the GEMMs
+// take only widened to fp16).
+func (b *Backend) unwidenedWG(l *Linear, M int) string {
+	if !b.halfGEMM(l, M, false) {
+		return ""
+	}
+	gh, widen := gemmHKernel(l)
+	if widen {
+		return ""
+	}
+	return b.wgmmaKernel(gh, M)
 }
 
 // actMap encodes b.tmaps[0], the tensor map of Hopper GEMM name's
@@ -1062,13 +1081,12 @@ var segsKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_segs", "gemm_wg_
 // the others split K beside it in less time than a second wave of tiles.)
 func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 	M, l0 := in.x.rows, segs[0].l
-	if len(segs) < 2 || len(segs) > 3 || !b.halfGEMM(l0, M, false) || l0.perm != 0 {
+	if len(segs) < 2 || len(segs) > 3 || l0.perm != 0 {
 		return false
 	}
-	gh, widen := gemmHKernel(l0)
-	wg := b.wgmmaKernel(gh, M)
+	wg := b.unwidenedWG(l0, M)
 	name := segsKernels[wg]
-	if widen || name == "" {
+	if name == "" {
 		return false
 	}
 	tiles, mt, steps := 0, (M+127)/128, (l0.in+gemmHBK-1)/gemmHBK
@@ -1083,23 +1101,20 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 	if tiles < b.sms {
 		return false
 	}
-	a16 := b.half(in, l0)
 	var (
 		c, sz [3]driver.DevicePtr
 		n     [3]int
 		maps  [3]*driver.TensorMap
-		shm   int
-		grid  [3]uint32
 	)
 	for i, g := range segs {
-		grid, shm, maps[i] = b.prepareWG(wg, a16, g.l.w, g.l, M)
-		c[i], sz[i], n[i] = g.d.p, g.l.sz, g.l.out
+		c[i], sz[i], n[i], maps[i] = g.d.p, g.l.sz, g.l.out, b.weightMap(wg, g.l.w, g.l)
 	}
 	if len(segs) == 2 {
 		maps[2] = maps[0] // unread: N2 = 0
 	}
-	grid[1] = uint32(tiles / mt)
+	shm := b.actMap(wg, b.half(in, l0), M, l0.in)
 	b.raiseSmem(name, shm)
+	grid := [3]uint32{uint32(mt), uint32(tiles / mt), 1}
 	b.launchShm(name, grid, block384, shm, c[0], c[1], c[2], b.tmaps[0], maps[0], maps[1], maps[2], sz[0], sz[1], sz[2],
 		M, n[0], n[1], n[2], l0.in, max(l0.gs, gemmHBK), l0.groups, outStore)
 	return true
@@ -1244,10 +1259,8 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 		if gate.actQuant() == up.actQuant() {
 			wg = b.wgmmaKernel("w8a8_mma", M)
 		}
-	case b.halfGEMM(gate, M, false):
-		if gh, widen := gemmHKernel(gate); !widen {
-			wg = b.wgmmaKernel(gh, M)
-		}
+	default:
+		wg = b.unwidenedWG(gate, M)
 	}
 	name := gluKernels[wg]
 	if name == "" || !b.gluMap(wg, gate, up) {

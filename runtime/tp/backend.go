@@ -962,16 +962,25 @@ func (b *Backend) StoreKV(c runtime.KVCache, layer, pos0 int, k, v runtime.Buf) 
 // Attention implements runtime.Backend: each rank attends with its heads
 // over its KV heads.
 func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int) {
-	n := len(b.ranks)
-	if heads%n != 0 || kvHeads%n != 0 || kvHeads*headDim != b.cfg.KVDim() {
-		panic(fmt.Sprintf("tp.Attention: %d heads, %d KV heads × %d over %d ranks (model KV dim %d)", heads, kvHeads, headDim, n, b.cfg.KVDim()))
-	}
 	d, s, kc := bufOf(dst), bufOf(q), cacheOf(c)
-	split := headSplit(heads*headDim, n)
-	b.toSplit(s, split)
+	split := b.splitHeads("tp.Attention", s, heads, kvHeads, headDim)
+	n := len(b.ranks)
 	b.run(d, split, func(r int) {
 		b.ranks[r].Attention(d.parts[r], s.parts[r], kc.parts[r], layer, pos0, heads/n, kvHeads/n, headDim)
 	})
+}
+
+// splitHeads checks that heads and kvHeads of headDim divide over the
+// ranks and match the model, splits q by heads (rank r its heads·cols/n
+// columns) and returns the split: an attention's layout.
+func (b *Backend) splitHeads(op string, q *Buf, heads, kvHeads, headDim int) [][2]int {
+	n := len(b.ranks)
+	if heads%n != 0 || kvHeads%n != 0 || kvHeads*headDim != b.cfg.KVDim() || heads*headDim != q.cols {
+		panic(fmt.Sprintf("%s: q of %d columns, %d heads, %d KV heads × %d over %d ranks (model KV dim %d)", op, q.cols, heads, kvHeads, headDim, n, b.cfg.KVDim()))
+	}
+	split := headSplit(q.cols, n)
+	b.toSplit(q, split)
+	return split
 }
 
 var _ runtime.RowCopier = (*Backend)(nil)

@@ -203,11 +203,7 @@ func (b *Backend) RoPEAttention(dst, q, k, v runtime.Buf, c runtime.KVCache, lay
 	}
 	n := len(b.ranks)
 	d, qb, kb, vb, kc := bufOf(dst), bufOf(q), bufOf(k), bufOf(v), cacheOf(c)
-	if heads%n != 0 || kvHeads%n != 0 || kvHeads*headDim != b.cfg.KVDim() || heads*headDim != qb.cols {
-		panic(fmt.Sprintf("tp.RoPEAttention: q of %d columns, %d heads, %d KV heads × %d over %d ranks (model KV dim %d)", qb.cols, heads, kvHeads, headDim, n, b.cfg.KVDim()))
-	}
-	split := headSplit(qb.cols, n)
-	b.toSplit(qb, split)
+	split := b.splitHeads("tp.RoPEAttention", qb, heads, kvHeads, headDim)
 	b.toSplit(kb, b.kv)
 	b.toSplit(vb, b.kv)
 	b.run(d, split, func(r int) {
