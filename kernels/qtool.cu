@@ -1997,16 +1997,20 @@ __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* _
 GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 
 // ---------------------------------------------------------------------------
-// Streaming GEMV for 4-bit weights (the dispatcher's q4 GEMV: gemv_q4_w4h up
-// to K = 4096, gemv_q4_w2h beyond), M rows of x (grid.y). A block of 8
-// warps stages its activation row once in dynamic shared memory as fp16
-// half2 pairs (the high-nibble pairs pre-scaled by 1/16 as in gemv_q4_sh),
-// 16-byte units swizzled so that each lane's four 16-byte reads are
-// bank-conflict free. A warp owns R rows and every chunk of 32 lanes x 16
-// bytes (1024 k). Weights and their {scale, zero} go straight to registers
-// through a ring of D chunks (ld.global.nc, L1 no-allocate): D*R 16-byte
-// loads per lane are in flight while one chunk is computed, and the chunk's
-// slot is refilled right after. The weight loads of the first D chunks are
+// Streaming GEMV for 4-bit weights (the dispatcher's q4 GEMV: gemv_q4_w4h
+// or gemv_q4_w4a up to K = 4096, gemv_q4_w2h beyond), M rows of x
+// (grid.y). A block of 8 warps stages its activation row once in dynamic
+// shared memory as fp16 half2 pairs (the high-nibble pairs pre-scaled by
+// 1/16 as in gemv_q4_sh), 16-byte units swizzled so that each lane's four
+// 16-byte reads are bank-conflict free. A warp owns R rows and every chunk
+// of 32 lanes x 16 bytes (1024 k). Weights and their {scale, zero} go
+// through a ring of D chunks: D*R 16-byte loads per lane are in flight
+// while one chunk is computed, and the chunk's slot is refilled right
+// after. The ring is in registers (ld.global.nc, L1 no-allocate), or with
+// ASYNC (gemv_q4_w4a) in dynamic shared memory after x, each thread's own
+// slots filled by cp.async (one commit group a chunk) and read back by that
+// thread alone: no barrier, and registers enough for three blocks a
+// multiprocessor instead of two. The weight loads of the first D chunks are
 // issued before the kernel waits for its predecessor (pdl_wait) and stages
 // x, so those latencies overlap. Requires (host side): no g_idx, K and gs
 // multiples of 32. An act-order weight (stored with its columns sorted by
@@ -2028,7 +2032,9 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 // Args (x, xss, nss, perm, K, gs, G, nw, nb, eps, mode, yss, GEMV_SEGS);
 // grid (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/(8R)) (GEMV_SWIGLU: nb0 =
 // ceil(N_0/(4R)), one segment), block 256, dynamic shared memory 2 bytes a
-// feature for the staged x (6 with perm).
+// feature for the staged x (6 with perm), with ASYNC then at a 16-byte
+// boundary the ring: D·R·256 16-byte weight slots and as many 8-byte
+// {scale, zero} slots.
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -2063,7 +2069,7 @@ __device__ __forceinline__ float4 gemv_norm4g(float4 a, int4 p, float inv, const
 // SUMS (with nw set): the kernel that wrote x also wrote the sums of the
 // squares of its row in nss parts (xss; see yss), so the block takes 1/rms
 // from them instead of reading the whole row once more before staging it.
-template <int R, int D, bool SUMS>
+template <int R, int D, bool SUMS, bool ASYNC = false>
 __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x,
                                            const float* __restrict__ xss, int nss, const void* __restrict__ W,
                                            const float2* __restrict__ sz, const void* __restrict__ Wu,
@@ -2089,18 +2095,31 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         wrow[r] = reinterpret_cast<const uint4*>(up ? Wu : W) + n * upr + lane;
         srow[r] = (up ? szu : sz) + n * G;
     }
-    uint4 buf[D][R];
-    float2 sb[D][R];
+    // ASYNC: the ring is in shared memory after x (each thread's own
+    // slots: cp.async, one commit group a chunk, read back by the thread
+    // that copied them), not in registers
+    uint4 buf[ASYNC ? 1 : D][R];
+    float2 sb[ASYNC ? 1 : D][R];
+    unsigned char* rw = reinterpret_cast<unsigned char*>(xsh) + (((perm ? 6 : 2) * K + 15) & ~15);
+    auto wslot = [&](int d, int r) { return reinterpret_cast<uint4*>(rw) + (d * R + r) * 256 + tid; };
+    auto sslot = [&](int d, int r) { return reinterpret_cast<float2*>(rw + D * R * 256 * 16) + (d * R + r) * 256 + tid; };
+    auto fetch = [&](int d, int j, int k) {
 #pragma unroll
-    for (int d = 0; d < D; d++) {
-        int k = d * KC + lane * 32;
-        if (d < nch && k < K) {
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                buf[d][r] = ldg_stream(wrow[r] + d * 32);
+        for (int r = 0; r < R; r++) {
+            if constexpr (ASYNC) {
+                cp_async16_zfill(wslot(d, r), wrow[r] + j * 32, true);
+                cp_async8_zfill(sslot(d, r), srow[r] + k / gs, true);
+            } else {
+                buf[d][r] = ldg_stream(wrow[r] + j * 32);
                 sb[d][r] = __ldg(srow[r] + k / gs);
             }
         }
+    };
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+        int k = d * KC + lane * 32;
+        if (d < nch && k < K) fetch(d, d, k);
+        if constexpr (ASYNC) cp_async_commit();
     }
     // The weights are in flight: now wait for the kernel that writes x.
     pdl_wait();
@@ -2197,6 +2216,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         for (int d = 0; d < D; d++) {
             int j = j0 + d;
             int k = j * KC + lane * 32;
+            if constexpr (ASYNC) asm volatile("cp.async.wait_group %0;\n" ::"n"(D - 1) : "memory");
             if (j < nch && k < K) {
                 int u0 = (j * 32 + lane) * 4;
                 uint4 xv[4];
@@ -2204,21 +2224,18 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                 for (int q = 0; q < 4; q++) xv[q] = xsh[xw_swz(u0 + q)];
 #pragma unroll
                 for (int r = 0; r < R; r++) {
-                    uint32_t w4[4] = {buf[d][r].x, buf[d][r].y, buf[d][r].z, buf[d][r].w};
-                    float p = q4_dot_staged(w4, reinterpret_cast<const __half2*>(xv), *reinterpret_cast<const __half2*>(&sb[d][r].y));
-                    acc[r] = fmaf(sb[d][r].x, p, acc[r]);
+                    uint4 wv = ASYNC ? *wslot(d, r) : buf[ASYNC ? 0 : d][r];
+                    float2 sv = ASYNC ? *sslot(d, r) : sb[ASYNC ? 0 : d][r];
+                    uint32_t w4[4] = {wv.x, wv.y, wv.z, wv.w};
+                    float p = q4_dot_staged(w4, reinterpret_cast<const __half2*>(xv), *reinterpret_cast<const __half2*>(&sv.y));
+                    acc[r] = fmaf(sv.x, p, acc[r]);
                 }
             }
             // Refill this slot with the chunk D further on.
             int jn = j + D;
             int kn = jn * KC + lane * 32;
-            if (jn < nch && kn < K) {
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    buf[d][r] = ldg_stream(wrow[r] + jn * 32);
-                    sb[d][r] = __ldg(srow[r] + kn / gs);
-                }
-            }
+            if (jn < nch && kn < K) fetch(d, jn, kn);
+            if constexpr (ASYNC) cp_async_commit();
         }
     }
     // Every lane ends with every row's sum (butterfly reduction).
@@ -2251,19 +2268,21 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     }
 }
 
-#define GEMVW_ENTRY(name, R, D, SUMS, MINB)                                                                         \
+#define GEMVW_ENTRY(name, R, D, SUMS, MINB, ASYNC)                                                                  \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         name(const float* x, const float* xss, int nss, const int* perm, int K, int gs, int G, const float* nw,      \
              const float* nb, float eps, int mode, float* yss, GEMV_SEGS) {                                          \
         int bx = blockIdx.x;                                                                                         \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
-        gemvw_body<R, D, SUMS>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps, mode, perm,     \
-                               yss);                                                                                 \
+        gemvw_body<R, D, SUMS, ASYNC>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps, mode,    \
+                                      perm, yss);                                                                    \
     }
-GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2)
-GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2)
-GEMVW_ENTRY(gemv_q4_w2h_n, 2, 4, true, 2)
-GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2)
+GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2, false)
+GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2, false)
+GEMVW_ENTRY(gemv_q4_w2h_n, 2, 4, true, 2, false)
+GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2, false)
+GEMVW_ENTRY(gemv_q4_w4a, 4, 2, false, 3, true)
+GEMVW_ENTRY(gemv_q4_w4a_n, 4, 2, true, 3, true)
 
 // ---------------------------------------------------------------------------
 // Tensor-core GEMM: C[M, N] = A[M, K] (fp32, rounded to fp16) · W[N, K]ᵀ with

@@ -101,6 +101,9 @@ type Backend struct {
 	// dynSmem is the dynamic shared memory limit set on each kernel that
 	// needed more than the default.
 	dynSmem map[string]int
+	// asyncSlots caches the blocks of gemv_q4_w4a a multiprocessor holds,
+	// by its dynamic shared memory (gemvAsyncSlots).
+	asyncSlots map[int]int
 
 	// Kernel argument slots: ptrs[i] points at slots[i], or at a tensor
 	// map's bytes.
@@ -212,7 +215,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 	if opt.Device < 0 || opt.Device >= n {
 		return nil, fmt.Errorf("cuda: device %d requested, %d present: %w", opt.Device, n, ErrNoDriver)
 	}
-	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, dynSmem: map[string]int{}, pool: map[int][]driver.DevicePtr{}, launched: map[string]int{},
+	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, dynSmem: map[string]int{}, asyncSlots: map[int]int{}, pool: map[int][]driver.DevicePtr{}, launched: map[string]int{},
 		owned: map[driver.DevicePtr]int{}, scratch: map[string]scratch{}, uploaded: map[string]int64{}, prof: map[string]float64{},
 		perms: map[string]driver.DevicePtr{}, permUsers: map[driver.DevicePtr]int{}}
 	for i := range b.slots {

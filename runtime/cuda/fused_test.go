@@ -121,7 +121,7 @@ func TestMatMulNHopper(t *testing.T) {
 		if wc.k > 0 {
 			K = wc.k * ((512 + wc.k - 1) / wc.k) // a multiple of the case's K: its group size divides it
 		}
-		if K > 4096 || wc.tall {
+		if K > 4096 || wc.tall > 0 {
 			continue
 		}
 		ws := uploadWeights(t, b, r, wc, "segs", outs, K)
@@ -216,7 +216,7 @@ func TestFusedLinearSteps(t *testing.T) {
 			})
 		}
 	}
-	for _, k := range []string{"gemv_q4_w4h", "gemv_q4_w2h"} {
+	for _, k := range []string{"gemv_q4_w4h", "gemv_q4_w4a", "gemv_q4_w2h"} {
 		if !streamed[k] && !t.Failed() {
 			t.Errorf("no case runs %s with the fused norm and SwiGLU", k)
 		}
@@ -326,7 +326,7 @@ func TestGLUPair(t *testing.T) {
 	kernel := map[int]string{kindF16: "gemm_wg_f16_glu", kindBF16: "gemm_wg_bf16_glu", kindQ4: "gemm_wg_q4_glu", kindQ8: "gemm_wg_q8_glu"}
 	const N, eps = 198, 1e-5
 	for _, wc := range weightCases {
-		if wc.tall || wc.k > 4096 { // the GEMVs' shapes
+		if wc.tall > 0 || wc.k > 4096 { // the GEMVs' shapes
 			continue
 		}
 		K := 256
@@ -548,7 +548,8 @@ func TestRowSums(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(29, 30))
 	const qdim, inter = 512, 256
-	tall := (64*b.sms+127)/128*128 + 256 // rows enough for gemv_q4_w4h (K ≤ 4096)
+	// rows enough for gemv_q4_w4a (K ≤ 4096), and for gemv_q4_w4h
+	tall, taller := (64*b.sms+127)/128*128+256, (112*b.sms+127)/128*128+256
 	q4 := quantCase(4, 128, 1, false)
 	uploads := 0
 	upLinear := func(n, k int) runtime.Linear {
@@ -561,17 +562,17 @@ func TestRowSums(t *testing.T) {
 		return l
 	}
 	ran := map[string]bool{}
-	for _, N := range []int{256, tall} { // the hidden size
+	for _, sh := range []struct{ N, nq int }{{256, tall}, {256, taller}, {tall, 256}} { // the hidden size, q's rows
+		N, nq := sh.N, sh.nq
 		wo, gate, up, down := upLinear(N, qdim), upLinear(inter, N), upLinear(inter, N), upLinear(N, inter)
-		nq := tall + 256 - N
-		wq := upLinear(nq, N) // gemv_q4_w4h_n at N = 256, gemv_q4_w2h_n (K > 4096) at the other
+		wq := upLinear(nq, N) // gemv_q4_w4a_n, gemv_q4_w4h_n, gemv_q4_w2h_n (K > 4096)
 		nw, _ := b.UploadVector(fmt.Sprintf("norm%d", N), model.FromFloat32([]int{N}, randVec(r, N, 1)))
 		var nb runtime.Vector
 		if N != 256 {
 			nb, _ = b.UploadVector(fmt.Sprintf("bias%d", N), model.FromFloat32([]int{N}, randVec(r, N, 0.1)))
 		}
 		for _, M := range []int{1, 3} {
-			t.Run(fmt.Sprintf("N=%d/M=%d", N, M), func(t *testing.T) {
+			t.Run(fmt.Sprintf("N=%d/q=%d/M=%d", N, nq, M), func(t *testing.T) {
 				a, res := randVec(r, M*qdim, 1), randVec(r, M*N, 1)
 				// run the steps and return every output; withSums: each
 				// normed GEMV must find its producer's sums

@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"unsafe"
 
 	"qtool/formats/model"
@@ -1387,7 +1388,7 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		} else {
 			in = rowSums{}
 		}
-		shm, _ = gemvStream(l)
+		shm = streamSmem(name, l)
 		b.raiseSmem(name, shm)
 	}
 	var seg [3]struct {
@@ -1456,12 +1457,53 @@ func gemvStream(l *Linear) (shm int, ok bool) {
 }
 
 // gemvStreamRows is the rows per block of a streaming GEMV kernel: 8 warps
-// × 4 rows for gemv_q4_w4h, × 2 for gemv_q4_w2h.
+// × 4 rows for gemv_q4_w4h and gemv_q4_w4a, × 2 for gemv_q4_w2h.
 func gemvStreamRows(name string) int {
-	if name == "gemv_q4_w4h" {
+	if name == "gemv_q4_w4h" || name == "gemv_q4_w4a" {
 		return 32
 	}
 	return 16
+}
+
+// gemvAsyncRing is the bytes of gemv_q4_w4a's ring in shared memory: 2
+// chunks × 4 rows × 256 threads of a 16-byte weight slot and an 8-byte
+// {scale, zero} slot.
+const gemvAsyncRing = 2 * 4 * 256 * (16 + 8)
+
+// streamSmem is the dynamic shared memory of streaming GEMV name (or its
+// _n twin) on l's weight: the staged x (gemvStream), and gemv_q4_w4a's
+// ring after it at a 16-byte boundary.
+func streamSmem(name string, l *Linear) int {
+	shm, _ := gemvStream(l)
+	if strings.HasPrefix(name, "gemv_q4_w4a") {
+		shm = (shm+15)&^15 + gemvAsyncRing
+	}
+	return shm
+}
+
+// gemvAsyncSlots is the blocks of gemv_q4_w4a on l's weight one
+// multiprocessor holds at once (registers allow three; the shared memory
+// decides).
+func (b *Backend) gemvAsyncSlots(l *Linear) int {
+	shm := streamSmem("gemv_q4_w4a", l)
+	n, ok := b.asyncSlots[shm]
+	if !ok {
+		defer b.enter()() // also called from outside a launch (GEMVKernel)
+		b.raiseSmem("gemv_q4_w4a", shm)
+		b.raiseSmem("gemv_q4_w4a_n", shm)
+		var err error
+		n, err = b.drv.MaxActiveBlocks(b.fn["gemv_q4_w4a"], 256, shm)
+		b.must(err)
+		b.asyncSlots[shm] = n
+	}
+	return n
+}
+
+// waveFill is the share of the block slots of a launch's last wave (and
+// every earlier one) its blocks take, slots blocks running at once.
+func waveFill(blocks, slots int) float64 {
+	waves := (blocks + slots - 1) / slots
+	return float64(blocks) / float64(waves*slots)
 }
 
 // gemvStreamRowsTag is gemvKernel's rows-per-block answer for the streaming
@@ -1476,15 +1518,18 @@ const gemvStreamRowsTag = 1 << 29
 //	f32            always                                      gemv_f32_r4u1   4 rows a block
 //	f16, bf16      always                                      gemv_*_r4u2     4 rows a block
 //	q8             always                                      gemv_q8_r4u1    4 rows a block
-//	q4             streamable (gemvStream), K ≤ 4096,          gemv_q4_w4h     32 rows a block, x staged
-//	               ≥ 64 rows a multiprocessor in the launch
+//	q4             streamable (gemvStream), K ≤ 4096,          gemv_q4_w4a     32 rows a block, x staged,
+//	               ≥ 64 rows a multiprocessor in the launch,                   the ring in shared memory
+//	               waves as full at 3 blocks a multiprocessor
+//	               as at 2 (waveFill)
+//	q4             the same, waves fuller at 2                 gemv_q4_w4h     32 rows a block, x staged
 //	q4             other streamable                            gemv_q4_w2h     16 rows a block, x staged
 //	q4             g_idx, width or group not a multiple of 32  gemv_q4_sh      split-K, 8 rows a warp
 //
 // A streaming kernel with a norm whose input's sums of squares the
 // previous launch wrote (rowsums.go) runs as its _n twin.
 var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q4_w4h", "gemv_q4_w2h",
-	"gemv_q4_w4h_n", "gemv_q4_w2h_n", "gemv_q4_sh"}
+	"gemv_q4_w4a", "gemv_q4_w4h_n", "gemv_q4_w2h_n", "gemv_q4_w4a_n", "gemv_q4_sh"}
 
 // GEMVKernel names the GEMV kernel a product of M activation rows with w
 // runs (see gemvKernels), for reports.
@@ -1515,6 +1560,12 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 			return "gemv_q4_sh", -8
 		}
 		if l.in <= 4096 && rows >= 64*b.sms { // two blocks of 32 rows a multiprocessor
+			// The ring in shared memory runs three blocks a multiprocessor:
+			// taken where its waves are as full as the register ring's
+			blocks := M * ((rows + 31) / 32)
+			if slots := b.gemvAsyncSlots(l); slots > 2 && waveFill(blocks, slots*b.sms) >= waveFill(blocks, 2*b.sms) {
+				return "gemv_q4_w4a", gemvStreamRowsTag
+			}
 			return "gemv_q4_w4h", gemvStreamRowsTag
 		}
 		return "gemv_q4_w2h", gemvStreamRowsTag
