@@ -643,10 +643,20 @@ __device__ __forceinline__ void kv_row(float (&r)[N], const KV* p, int V) {
 #pragma unroll
     for (int i = 0; i < N; i++) r[i] = i < V ? kv_load(p, i) : 0.f;
 }
+// kv_cached is x as the cache gives it back once stored (kv_store, then
+// kv_load: an int8 cache's code); kv_put stores such a value.
+__device__ __forceinline__ float kv_cached(const float*, float x, float, float) { return x; }
+__device__ __forceinline__ float kv_cached(const __half*, float x, float, float) { return __half2float(__float2half_rn(x)); }
+__device__ __forceinline__ float kv_cached(const int8_t*, float x, float s, float o) {
+    return fminf(fmaxf(rintf(__fadd_rn(__fdiv_rn(x, s), o)), -128.f), 127.f);
+}
+__device__ __forceinline__ void kv_put(float* p, size_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void kv_put(__half* p, size_t i, float x) { p[i] = __float2half_rn(x); }
+__device__ __forceinline__ void kv_put(int8_t* p, size_t i, float x) { p[i] = (int8_t)x; }
 __device__ __forceinline__ void kv_store(float* p, size_t i, float x, float, float) { p[i] = x; }
 __device__ __forceinline__ void kv_store(__half* p, size_t i, float x, float, float) { p[i] = __float2half_rn(x); }
 __device__ __forceinline__ void kv_store(int8_t* p, size_t i, float x, float s, float o) {
-    p[i] = (int8_t)fminf(fmaxf(rintf(__fadd_rn(__fdiv_rn(x, s), o)), -128.f), 127.f);
+    p[i] = (int8_t)kv_cached(p, x, s, o);
 }
 template <typename KV> struct kv_quantized { static constexpr bool value = false; };
 template <> struct kv_quantized<int8_t> { static constexpr bool value = true; };
@@ -737,16 +747,6 @@ extern "C" __global__ void store_kv_i8(int8_t* __restrict__ kc, int8_t* __restri
     store_kv_body(kc, vc, k, v, rows, kvDim, pos0, dpos, maxSeq, KVQuant{ks, ko, vs, vo}, q, qcols, hd, theta, layout, hg);
 }
 
-// kv_cached is x as the cache gives it back once stored (kv_store, then
-// kv_load: an int8 cache's code); kv_put stores such a value.
-__device__ __forceinline__ float kv_cached(const float*, float x, float, float) { return x; }
-__device__ __forceinline__ float kv_cached(const __half*, float x, float, float) { return __half2float(__float2half_rn(x)); }
-__device__ __forceinline__ float kv_cached(const int8_t*, float x, float s, float o) {
-    return fminf(fmaxf(rintf(__fadd_rn(__fdiv_rn(x, s), o)), -128.f), 127.f);
-}
-__device__ __forceinline__ void kv_put(float* p, size_t i, float x) { p[i] = x; }
-__device__ __forceinline__ void kv_put(__half* p, size_t i, float x) { p[i] = __float2half_rn(x); }
-__device__ __forceinline__ void kv_put(int8_t* p, size_t i, float x) { p[i] = (int8_t)x; }
 
 // rope_lane rotates the V values a lane holds of a head of hd (elements
 // lane·V + i) at position pos exactly as rope_apply rotates them in memory,
