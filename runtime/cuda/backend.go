@@ -70,6 +70,10 @@ type Options struct {
 	// w8a8_mma) where the Hopper ones (gemm_wg_*) would run (for
 	// comparisons, like NoDependentLaunch).
 	NoWGMMA bool
+	// NoAsyncGEMV keeps the 4-bit decode products on gemv_q4_w4h where
+	// gemv_q4_w4a (the ring in shared memory) would run (for comparisons,
+	// like NoDependentLaunch).
+	NoAsyncGEMV bool
 	// AttnSplit is the number of 64-key tiles a block of the prefill
 	// attention takes at most: 0 lets the launch's shape choose (attnSplit),
 	// a negative value gives every query tile one block (for comparisons,

@@ -869,3 +869,71 @@ func TestActOrder(t *testing.T) {
 		}
 	}
 }
+
+// TestAsyncGEMV checks gemv_q4_w4a (the ring in shared memory) against
+// gemv_q4_w4h (Options.NoAsyncGEMV) on the decode steps that run it: a
+// product, q/k/v with the norm (three segments), gate/up with the norm and
+// SwiGLU, and a normed product after a residual add that wrote its row
+// sums. Each lane computes the same chunks in the same order in both, so
+// the results must agree bit for bit (partial blocks, groups of 32, a
+// column order).
+func TestAsyncGEMV(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(41, 42))
+	for _, wc := range weightCases {
+		switch wc.name {
+		case "awq-int4-g128-tall", "gptq-int4-actorder-g128-tall":
+		default:
+			continue
+		}
+		const K = 256
+		Ms := []int{1, 3}
+		if strings.Contains(wc.name, "actorder") {
+			Ms = Ms[:1] // each weight its own column order: one launch a weight, q alone at M = 1
+		}
+		for _, M := range Ms {
+			// q/k/v: at M = 1 a little over two blocks of 32 rows a
+			// multiprocessor (one wave at three a multiprocessor, two at
+			// two), at M = 3 exactly two (two full waves either way); the
+			// SwiGLU's gate and up: 4.5 blocks a multiprocessor
+			N, G := rowsFor(b, wc, 200), 72*b.sms
+			if M > 1 {
+				N = 64*b.sms - 112
+			}
+			ws := uploadWeights(t, b, r, wc, fmt.Sprintf("async%d", M), []int{N, 72, 40, K, G, G}, K) // q, k, v; o; gate, up
+			nw, _ := b.UploadVector("async_norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
+			t.Run(fmt.Sprintf("%s/M=%d", wc.name, M), func(t *testing.T) {
+				x, res := randVec(r, M*K, 1), randVec(r, M*K, 1)
+				run := func(noAsync bool) (out [][]float32) {
+					b.opt.NoAsyncGEMV = noAsync
+					defer func() { b.opt.NoAsyncGEMV = false }()
+					xb, rb := upload(b, M, K, x), upload(b, M, K, res)
+					y := []*Buf{poisoned(b, M, N), poisoned(b, M, 72), poisoned(b, M, 40), poisoned(b, M, G)}
+					defer func() {
+						for _, f := range append(y, xb, rb) {
+							b.Free(f)
+						}
+					}()
+					b.MatMul(y[0], xb, ws[0])
+					out = append(out, download(b, y[0]))
+					b.NormMatMulN([]runtime.Buf{y[0], y[1], y[2]}, xb, nw, nil, 1e-5, ws[:3])
+					out = append(out, download(b, y[0]), download(b, y[1]), download(b, y[2]))
+					b.NormSwiGLU(y[3], xb, nw, nil, 1e-5, ws[4], ws[5])
+					out = append(out, download(b, y[3]))
+					b.MatMulAdd(rb, xb, ws[3]) // writes the row sums the next normed product reads
+					b.NormMatMulN([]runtime.Buf{y[0], y[1], y[2]}, rb, nw, nil, 1e-5, ws[:3])
+					return append(out, download(b, rb), download(b, y[0]), download(b, y[1]), download(b, y[2]))
+				}
+				launched := b.launched["gemv_q4_w4a"] + b.launched["gemv_q4_w4a_n"]
+				got := run(false)
+				if b.launched["gemv_q4_w4a"]+b.launched["gemv_q4_w4a_n"] == launched {
+					t.Fatalf("gemv_q4_w4a did not run")
+				}
+				want := run(true)
+				for i, what := range []string{"MatMul", "q", "k", "v", "SwiGLU", "residual add", "q after the add", "k after the add", "v after the add"} {
+					compare(t, what, got[i], want[i], 0)
+				}
+			})
+		}
+	}
+}

@@ -1563,6 +1563,9 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 			// The ring in shared memory runs three blocks a multiprocessor:
 			// taken where its waves are as full as the register ring's
 			blocks := M * ((rows + 31) / 32)
+			if b.opt.NoAsyncGEMV {
+				return "gemv_q4_w4h", gemvStreamRowsTag
+			}
 			if slots := b.gemvAsyncSlots(l); slots > 2 && waveFill(blocks, slots*b.sms) >= waveFill(blocks, 2*b.sms) {
 				return "gemv_q4_w4a", gemvStreamRowsTag
 			}
