@@ -3637,6 +3637,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample(int* __restrict__ out,
 //   u32   calls[AR_MAX_BLOCKS]               the calls block b of this rank has made
 //   and from AR_HEADER + stage_off floats, per lane:
 //   float stage[2][world][cap]               stage[p][s]: rank s's values, by the call's parity p
+//                                            (lane 0: u64, allreduce_peer_ll)
 // In a call every rank runs the lane's grid on the same n. Block b numbers the
 // call e, writes its slice of x (float4 j with j mod gridDim == b) into
 // stage[e & 1][rank] of every peer (remote writes are posted, so the values
@@ -3667,6 +3668,75 @@ __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
+}
+__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_relaxed_sys_u64(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// allreduce_peer_ll is allreduce_peer for lane 0 (the small sums of a
+// decode step) without the flag exchange, after NCCL's LL protocol: every
+// value crosses the link in one 8-byte store together with the call's
+// number (low word the float's bits, high word e), and the thread that sums
+// it waits for that word to carry e, so neither a fence nor a flag's round
+// trip is on the path; each thread sums the values it sent, in rank order
+// (allreduce_peer's bits). Its stages hold 8 bytes a value: u64
+// stage[2][world][cap] (the call counters are lane 0's). A word from an
+// earlier call carries e − 2 or less (the area starts zeroed, e from 1),
+// and the stage[e & 1] argument of allreduce_peer holds: a thread writes a
+// peer's word again in call e + 2, after it read that peer's word of call
+// e + 1, which the peer wrote after its call e ended.
+extern "C" __global__ void __launch_bounds__(256) allreduce_peer_ll(float* __restrict__ x, long long n, int rank,
+                                                                    int world, char* __restrict__ area,
+                                                                    long long stage_off, long long cap,
+                                                                    unsigned long long timeout_ns) {
+    PDL_ENTRY();
+    __shared__ unsigned s_call;
+    const int b = blockIdx.x, t = threadIdx.x;
+    const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
+    unsigned* calls = reinterpret_cast<unsigned*>(area + 8 * AR_MAX_RANKS) + AR_MAX_RANKS * AR_MAX_BLOCKS;  // lane 0's
+    if (t == 0) {
+        unsigned e = calls[b] + 1;
+        calls[b] = e;
+        s_call = e;
+    }
+    __syncthreads();
+    const unsigned e = s_call;
+    auto stage_of = [&](int peer, int sender) {  // stage[e & 1][sender] in peer's area
+        return reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(areas[peer]) + AR_HEADER + 4 * stage_off) +
+               ((long long)(e & 1) * world + sender) * cap;
+    };
+    const long long step = (long long)gridDim.x * blockDim.x, i0 = (long long)b * blockDim.x + t;
+    for (long long i = i0; i < n; i += step) {
+        unsigned long long w = (unsigned long long)e << 32 | __float_as_uint(x[i]);
+        for (int p = 0; p < world; p++)
+            if (p != rank) st_relaxed_sys_u64(stage_of(p, rank) + i, w);
+    }
+    for (long long i = i0; i < n; i += step) {
+        float s = 0.f;
+        for (int r = 0; r < world; r++) {
+            float v;
+            if (r == rank) {
+                v = x[i];
+            } else {
+                const unsigned long long* f = stage_of(rank, r) + i;
+                unsigned long long w = ld_relaxed_sys_u64(f), t0 = 0;
+                while ((unsigned)(w >> 32) != e) {
+                    unsigned long long now = global_ns();
+                    if (t0 == 0) t0 = now;
+                    else if (now - t0 > timeout_ns) __trap();
+                    w = ld_relaxed_sys_u64(f);
+                }
+                v = __uint_as_float((unsigned)w);
+            }
+            s = r == 0 ? v : s + v;
+        }
+        x[i] = s;
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restrict__ x, long long n, int rank, int world,

@@ -18,8 +18,9 @@ import (
 // comment in kernels/qtool.cu gives the protocol) instead of through NCCL:
 // each rank writes its values straight into the other ranks' exchange
 // areas, over NVLink or PCIe, and sums what they wrote into its own. For
-// the small messages of a decode step that is one launch and one flag
-// exchange a call. A rank's backend joins one group: OpenPeerReduce
+// the small messages of a decode step (lane 0) that is one launch a call
+// whose values carry the call's number (allreduce_peer_ll): no flag
+// exchange; larger ones (lane 1) exchange a flag a block. A rank's backend joins one group: OpenPeerReduce
 // allocates its area and describes it (an end), the ends of all ranks are
 // exchanged (package runtime/tp does that through its communicator),
 // ConnectPeerReduce maps the other ranks' areas, and AllReducePeer queues a
@@ -148,6 +149,9 @@ func (b *Backend) OpenPeerReduce(rank, world, capFloats int, timeout time.Durati
 		l := &p.lanes[i]
 		l.capFloats, l.stride, l.stageOff = c, (c+63)&^63, off // each stage 256-byte aligned
 		off += 2 * world * l.stride                            // a stage a parity and sender
+		if i == 0 {
+			off += 2 * world * l.stride // lane 0 (allreduce_peer_ll): 8 bytes a value
+		}
 	}
 	n := uint64(peerHeader) + 4*uint64(off)
 	area, err := b.drv.MemAlloc(n)
@@ -275,6 +279,11 @@ func (b *Backend) AllReducePeer(x runtime.Buf) {
 		lane = 1
 	}
 	l := p.lanes[lane]
+	if lane == 0 { // the values and the call's number in one store: no flag exchange
+		b.launch("allreduce_peer_ll", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
+			int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()))
+		return
+	}
 	b.launch("allreduce_peer", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
 		lane, int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()))
 }
