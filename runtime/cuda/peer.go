@@ -36,8 +36,9 @@ const (
 // The kernel's lanes (AR_LANES), each with a grid of its own that every
 // call in it uses (at most the SMs of the smallest GPU of the group, so
 // that all blocks are resident): sums of up to peerSmallFloats values (a
-// decode step's) in a few blocks, whose flag exchange sets their time;
-// larger ones (a prefill's) on the whole device, for bandwidth.
+// decode step's) in a few blocks of allreduce_peer_ll, whose stages hold 8
+// bytes a value (the value and the call's number); larger ones (a
+// prefill's) on the whole device, for bandwidth.
 const (
 	peerSmallFloats = 1 << 16
 	peerSmallBlocks = 16
