@@ -1560,12 +1560,12 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 			return "gemv_q4_sh", -8
 		}
 		if l.in <= 4096 && rows >= 64*b.sms { // two blocks of 32 rows a multiprocessor
-			// The ring in shared memory runs three blocks a multiprocessor:
-			// taken where its waves are as full as the register ring's
-			blocks := M * ((rows + 31) / 32)
 			if b.opt.NoAsyncGEMV {
 				return "gemv_q4_w4h", gemvStreamRowsTag
 			}
+			// The ring in shared memory runs three blocks a multiprocessor:
+			// taken where its waves are as full as the register ring's
+			blocks := M * ((rows + 31) / 32)
 			if slots := b.gemvAsyncSlots(l); slots > 2 && waveFill(blocks, slots*b.sms) >= waveFill(blocks, 2*b.sms) {
 				return "gemv_q4_w4a", gemvStreamRowsTag
 			}

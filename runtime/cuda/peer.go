@@ -20,8 +20,9 @@ import (
 // areas, over NVLink or PCIe, and sums what they wrote into its own. For
 // the small messages of a decode step (lane 0) that is one launch a call
 // whose values carry the call's number (allreduce_peer_ll): no flag
-// exchange; larger ones (lane 1) exchange a flag a block. A rank's backend joins one group: OpenPeerReduce
-// allocates its area and describes it (an end), the ends of all ranks are
+// exchange; larger ones (lane 1) exchange a flag a block. A rank's backend
+// joins one group: OpenPeerReduce allocates its area and describes it (an
+// end), the ends of all ranks are
 // exchanged (package runtime/tp does that through its communicator),
 // ConnectPeerReduce maps the other ranks' areas, and AllReducePeer queues a
 // sum on the stream, in CUDA graphs too.
