@@ -99,18 +99,26 @@ func checkMatMulN(t *testing.T, b *Backend, r *rand.Rand, M, K int, outs []int, 
 	return launched
 }
 
+// hopperUnsplit returns a test backend whose GEMMs never split K, and
+// skips the test, saying why, where the device has no Hopper GEMMs.
+func hopperUnsplit(t *testing.T, why string) *Backend {
+	t.Helper()
+	b := newTestBackend(t)
+	if !b.wgmma {
+		t.Skip(why)
+	}
+	b.maxSplits = 1
+	t.Cleanup(func() { b.maxSplits = 0 })
+	return b
+}
+
 // TestMatMulNHopper checks the products of one input with two or three
 // weights of one kind as one launch of a Hopper GEMM (gemm_wg_*_segs: each
 // weight's tiles half the multiprocessors, all of them enough for every one)
 // against one MatMul per weight, K unsplit in both: the same values bit for
 // bit; every such kernel runs.
 func TestMatMulNHopper(t *testing.T) {
-	b := newTestBackend(t)
-	if !b.wgmma {
-		t.Skip("no Hopper GEMMs on this device (sm_90a)")
-	}
-	defer func() { b.maxSplits = 0 }()
-	b.maxSplits = 1
+	b := hopperUnsplit(t, "no Hopper GEMMs on this device (sm_90a)")
 	r := rand.New(rand.NewPCG(23, 24))
 	ran := map[string]bool{}
 	const M = 256 // two row tiles
@@ -315,12 +323,7 @@ func TestNormQuantized(t *testing.T) {
 // Kinds a Hopper GEMM takes only widened (int4 g32, g_idx) keep their two
 // products. The W8A8 pair is TestNormQuantized's and TestMLPDownInput's.
 func TestGLUPair(t *testing.T) {
-	b := newTestBackend(t)
-	if !b.wgmma {
-		t.Skip("no Hopper GEMMs (sm_90a PTX) on this device: no gate/up pair kernels")
-	}
-	defer func() { b.maxSplits = 0 }()
-	b.maxSplits = 1
+	b := hopperUnsplit(t, "no Hopper GEMMs (sm_90a PTX) on this device: no gate/up pair kernels")
 	r := rand.New(rand.NewPCG(51, 52))
 	ran := map[string]bool{}
 	kernel := map[int]string{kindF16: "gemm_wg_f16_glu", kindBF16: "gemm_wg_bf16_glu", kindQ4: "gemm_wg_q4_glu", kindQ8: "gemm_wg_q8_glu"}

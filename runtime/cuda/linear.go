@@ -1489,8 +1489,7 @@ func (b *Backend) gemvAsyncSlots(l *Linear) int {
 	n, ok := b.asyncSlots[shm]
 	if !ok {
 		defer b.enter()() // also called from outside a launch (GEMVKernel)
-		b.raiseSmem("gemv_q4_w4a", shm)
-		b.raiseSmem("gemv_q4_w4a_n", shm)
+		b.raiseSmem("gemv_q4_w4a", shm) // the _n twin's: at its launch (gemv)
 		var err error
 		n, err = b.drv.MaxActiveBlocks(b.fn["gemv_q4_w4a"], 256, shm)
 		b.must(err)
