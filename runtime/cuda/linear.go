@@ -1488,8 +1488,10 @@ func (b *Backend) gemvAsyncSlots(l *Linear) int {
 	shm := streamSmem("gemv_q4_w4a", l)
 	n, ok := b.asyncSlots[shm]
 	if !ok {
-		defer b.enter()() // also called from outside a launch (GEMVKernel)
-		b.raiseSmem("gemv_q4_w4a", shm) // the _n twin's: at its launch (gemv)
+		// also called outside a launch (GEMVKernel); the _n twin's limit
+		// is raised at its launch (gemv)
+		defer b.enter()()
+		b.raiseSmem("gemv_q4_w4a", shm)
 		var err error
 		n, err = b.drv.MaxActiveBlocks(b.fn["gemv_q4_w4a"], 256, shm)
 		b.must(err)
