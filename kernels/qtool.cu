@@ -2014,8 +2014,13 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 // issued before the kernel waits for its predecessor (pdl_wait) and stages
 // x, so those latencies overlap. Requires (host side): no g_idx, K and gs
 // multiples of 32. An act-order weight (stored with its columns sorted by
-// group) passes its column order perm, and the staging gathers x by it from
-// a copy of the row in shared memory.
+// group) passes its column order as permx: 16-bit feature indices, the 8 of
+// staged unit u (stored columns 8u .. 8u+7) at unit xw_swz(u), the place
+// of that unit's staged x. Each thread copies the units it will stage into
+// the staged row with cp.async before the wait (no kernel writes the
+// order), reads them back after copying x's row into shared memory (in the
+// same way, one round trip) and normalising it there, and gathers from
+// that copy; no barrier is needed between a unit's order and its staged x.
 //
 // The decode step's neighbours are fused in (runtime.Fused):
 //   - nw set: x is rmsnorm(x)·nw (+ nb), computed by every block from the
@@ -2029,10 +2034,10 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 //     kernel (gemv_q4_w4h_n, gemv_q4_w2h_n) that normalises y next: it
 //     takes 1/rms from those parts (xss, nss a row) instead of a pass over
 //     the row and a block reduction before its staging.
-// Args (x, xss, nss, perm, K, gs, G, nw, nb, eps, mode, yss, GEMV_SEGS);
+// Args (x, xss, nss, permx, K, gs, G, nw, nb, eps, mode, yss, GEMV_SEGS);
 // grid (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/(8R)) (GEMV_SWIGLU: nb0 =
 // ceil(N_0/(4R)), one segment), block 256, dynamic shared memory 2 bytes a
-// feature for the staged x (6 with perm), with ASYNC then at a 16-byte
+// feature for the staged x (6 with permx), with ASYNC then at a 16-byte
 // boundary the ring: D·R·256 16-byte weight slots and as many 8-byte
 // {scale, zero} slots.
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
@@ -2058,14 +2063,6 @@ __device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const f
     return a;
 }
 
-// gemv_norm4g is gemv_norm4 for the features p.x .. p.w.
-__device__ __forceinline__ float4 gemv_norm4g(float4 a, int4 p, float inv, const float* __restrict__ nw,
-                                              const float* __restrict__ nb) {
-    a = make_float4(a.x * inv * nw[p.x], a.y * inv * nw[p.y], a.z * inv * nw[p.z], a.w * inv * nw[p.w]);
-    if (nb) a = make_float4(a.x + nb[p.x], a.y + nb[p.y], a.z + nb[p.z], a.w + nb[p.w]);
-    return a;
-}
-
 // SUMS (with nw set): the kernel that wrote x also wrote the sums of the
 // squares of its row in nss parts (xss; see yss), so the block takes 1/rms
 // from them instead of reading the whole row once more before staging it.
@@ -2075,7 +2072,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                                            const float2* __restrict__ sz, const void* __restrict__ Wu,
                                            const float2* __restrict__ szu, int N, int K, int gs, int G, int bx,
                                            const float* __restrict__ nw, const float* __restrict__ nb, float eps,
-                                           int mode, const int* __restrict__ perm, float* __restrict__ yss) {
+                                           int mode, const uint4* __restrict__ permx, float* __restrict__ yss) {
     constexpr int KC = 32 * 32;  // k per chunk: 32 lanes x 32 k
     extern __shared__ uint4 xsh[];
     __shared__ float nsh[32];
@@ -2100,7 +2097,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // that copied them), not in registers
     uint4 buf[ASYNC ? 1 : D][R];
     float2 sb[ASYNC ? 1 : D][R];
-    unsigned char* rw = reinterpret_cast<unsigned char*>(xsh) + (((perm ? 6 : 2) * K + 15) & ~15);
+    unsigned char* rw = reinterpret_cast<unsigned char*>(xsh) + (((permx ? 6 : 2) * K + 15) & ~15);
     auto wslot = [&](int d, int r) { return reinterpret_cast<uint4*>(rw) + (d * R + r) * 256 + tid; };
     auto sslot = [&](int d, int r) { return reinterpret_cast<float2*>(rw + D * R * 256 * 16) + (d * R + r) * 256 + tid; };
     auto fetch = [&](int d, int j, int k) {
@@ -2115,6 +2112,11 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             }
         }
     };
+    int nu = K / 8;  // 16-byte units of the staged row (8 k each)
+    if (permx) {  // the order of the units this thread stages, before the ring's groups
+        for (int u = tid; u < nu; u += 256) cp_async16_zfill(xsh + xw_swz(u), permx + xw_swz(u), true);
+        cp_async_commit();
+    }
 #pragma unroll
     for (int d = 0; d < D; d++) {
         int k = d * KC + lane * 32;
@@ -2135,7 +2137,24 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // shared memory, after the staged form (xraw).
     float* xraw = reinterpret_cast<float*>(xsh + K / 8);
     float inv = 1.f;
-    if constexpr (SUMS) {  // every warp adds the parts in the same order
+    if (permx) {  // x's row copied whole (one round trip), normalised in place
+        for (int u = tid; u < K / 4; u += 256) cp_async16_zfill(xraw + 4 * u, xr + 4 * u, true);
+        cp_async_commit();
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // also the order and the ring's first chunks
+        __syncthreads();
+        if (nw) {
+            float ss = 0.f;
+            for (int u = tid; u < K / 4; u += 256) {
+                float4 a = reinterpret_cast<const float4*>(xraw)[u];
+                ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            }
+            ss = block_sum(ss, nsh);
+            inv = rsqrtf(ss / (float)K + eps);
+            for (int u = tid; u < K / 4; u += 256)
+                reinterpret_cast<float4*>(xraw)[u] = gemv_norm4(reinterpret_cast<const float4*>(xraw)[u], 4 * u, inv, nw, nb);
+            __syncthreads();
+        }
+    } else if (SUMS) {  // every warp adds the parts in the same order
         float ss = 0.f;
         constexpr int B = 8;
         const float* part = xss + (size_t)m * nss;
@@ -2149,7 +2168,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         }
         ss = warp_sum(ss);
         inv = rsqrtf(ss / (float)K + eps);
-    } else if (nw || perm) {
+    } else if (nw) {
         float ss = 0.f;
         constexpr int B = 4;
         for (int u0 = tid; u0 < K / 4; u0 += 256 * B) {
@@ -2158,33 +2177,28 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             for (int i = 0; i < B; i++) v[i] = *reinterpret_cast<const float4*>(xr + 4 * min(u0 + 256 * i, K / 4 - 1));
 #pragma unroll
             for (int i = 0; i < B; i++) {
-                int u = u0 + 256 * i;
-                if (u < K / 4) {
+                if (u0 + 256 * i < K / 4) {
                     float4 a = v[i];
                     ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
-                    if (perm) reinterpret_cast<float4*>(xraw)[u] = a;
                 }
             }
         }
-        ss = block_sum(ss, nsh);  // also the barrier before xraw is read
+        ss = block_sum(ss, nsh);
         inv = rsqrtf(ss / (float)K + eps);
     }
     // Stage x row m: unit u = 16 bytes = 8 k of the staged form.
-    int nu = K / 8;
     constexpr int B = 2;
     for (int u0 = tid; u0 < nu; u0 += 256 * B) {
         float4 a[B], b[B];
 #pragma unroll
         for (int i = 0; i < B; i++) {
             int u = min(u0 + 256 * i, nu - 1);
-            if (perm) {  // act-order weight: stored column k holds feature perm[k]
-                int4 p = *reinterpret_cast<const int4*>(perm + 8 * u), q = *reinterpret_cast<const int4*>(perm + 8 * u + 4);
-                a[i] = make_float4(xraw[p.x], xraw[p.y], xraw[p.z], xraw[p.w]);
-                b[i] = make_float4(xraw[q.x], xraw[q.y], xraw[q.z], xraw[q.w]);
-                if (nw) {
-                    a[i] = gemv_norm4g(a[i], p, inv, nw, nb);
-                    b[i] = gemv_norm4g(b[i], q, inv, nw, nb);
-                }
+            if (permx) {  // act-order weight: stored column k holds feature order[k]
+                // this thread's own copy of the unit's order (zeros past the row:
+                // another thread's unit, maybe staged already)
+                uint4 o = u0 + 256 * i < nu ? xsh[xw_swz(u)] : make_uint4(0, 0, 0, 0);
+                a[i] = make_float4(xraw[o.x & 0xffff], xraw[o.x >> 16], xraw[o.y & 0xffff], xraw[o.y >> 16]);
+                b[i] = make_float4(xraw[o.z & 0xffff], xraw[o.z >> 16], xraw[o.w & 0xffff], xraw[o.w >> 16]);
             } else {
                 a[i] = *reinterpret_cast<const float4*>(xr + 8 * u);
                 b[i] = *reinterpret_cast<const float4*>(xr + 8 * u + 4);
@@ -2270,12 +2284,12 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
 
 #define GEMVW_ENTRY(name, R, D, SUMS, MINB, ASYNC)                                                                  \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
-        name(const float* x, const float* xss, int nss, const int* perm, int K, int gs, int G, const float* nw,      \
+        name(const float* x, const float* xss, int nss, const uint4* permx, int K, int gs, int G, const float* nw,   \
              const float* nb, float eps, int mode, float* yss, GEMV_SEGS) {                                          \
         int bx = blockIdx.x;                                                                                         \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
         gemvw_body<R, D, SUMS, ASYNC>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps, mode,    \
-                                      perm, yss);                                                                    \
+                                      permx, yss);                                                                   \
     }
 GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2, false)
 GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2, false)
@@ -3678,6 +3692,19 @@ __device__ __forceinline__ void st_relaxed_sys_u64(unsigned long long* p, unsign
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// ar_call numbers this block's call of a lane whose call counters are
+// calls: thread 0 counts it in calls[blockIdx.x], every thread gets e.
+__device__ __forceinline__ unsigned ar_call(unsigned* calls) {
+    __shared__ unsigned s_call;
+    if (threadIdx.x == 0) {
+        unsigned e = calls[blockIdx.x] + 1;
+        calls[blockIdx.x] = e;
+        s_call = e;
+    }
+    __syncthreads();
+    return s_call;
+}
+
 // allreduce_peer_ll is allreduce_peer for lane 0 (the small sums of a
 // decode step) without the flag exchange, after NCCL's LL protocol: every
 // value crosses the link in one 8-byte store together with the call's
@@ -3695,17 +3722,9 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer_ll(float* __res
                                                                     long long stage_off, long long cap,
                                                                     unsigned long long timeout_ns) {
     PDL_ENTRY();
-    __shared__ unsigned s_call;
     const int b = blockIdx.x, t = threadIdx.x;
     const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
-    unsigned* calls = reinterpret_cast<unsigned*>(area + 8 * AR_MAX_RANKS) + AR_MAX_RANKS * AR_MAX_BLOCKS;  // lane 0's
-    if (t == 0) {
-        unsigned e = calls[b] + 1;
-        calls[b] = e;
-        s_call = e;
-    }
-    __syncthreads();
-    const unsigned e = s_call;
+    const unsigned e = ar_call(reinterpret_cast<unsigned*>(area + 8 * AR_MAX_RANKS) + AR_MAX_RANKS * AR_MAX_BLOCKS);  // lane 0's
     auto stage_of = [&](int peer, int sender) {  // stage[e & 1][sender] in peer's area
         return reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(areas[peer]) + AR_HEADER + 4 * stage_off) +
                ((long long)(e & 1) * world + sender) * cap;
@@ -3743,19 +3762,11 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
                                                                  char* __restrict__ area, int lane, long long stage_off,
                                                                  long long cap, unsigned long long timeout_ns) {
     PDL_ENTRY();
-    __shared__ unsigned s_call;
     const int b = blockIdx.x, t = threadIdx.x;
     const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
     const long long sync_off = 8 * AR_MAX_RANKS + (long long)lane * AR_LANE_SYNC;  // the lane's flags, in bytes
-    unsigned* flags = reinterpret_cast<unsigned*>(area + sync_off);
-    unsigned* calls = flags + AR_MAX_RANKS * AR_MAX_BLOCKS;
-    if (t == 0) {
-        unsigned e = calls[b] + 1;
-        calls[b] = e;
-        s_call = e;
-    }
-    __syncthreads();
-    const unsigned e = s_call;
+    const unsigned* flags = reinterpret_cast<const unsigned*>(area + sync_off);
+    const unsigned e = ar_call(reinterpret_cast<unsigned*>(area + sync_off) + AR_MAX_RANKS * AR_MAX_BLOCKS);
     const long long stage0 = stage_off + (long long)(e & 1) * world * cap;  // stage[e & 1] in floats
     const long long n4 = n >> 2, step = (long long)gridDim.x * blockDim.x, i0 = (long long)b * blockDim.x + t;
     auto stage_of = [&](int peer, int sender) {  // stage[e & 1][sender] in peer's area

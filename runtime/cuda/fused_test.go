@@ -873,6 +873,40 @@ func TestActOrder(t *testing.T) {
 	}
 }
 
+// TestStagedOrder checks (without a GPU) the 16-bit column order the
+// streaming GEMV gathers by: the thread staging unit u finds the unit's 8
+// features at the unit's own place, and widths the kernel does not run
+// get none.
+func TestStagedOrder(t *testing.T) {
+	for _, in := range []int{32, 256, 4096, 11008, 1 << 16} {
+		perm := make([]int32, in)
+		for i := range perm {
+			perm[i] = int32(i)
+		}
+		rand.New(rand.NewPCG(uint64(in), 3)).Shuffle(in, func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+		st := stagedOrder(perm)
+		if 4*len(st) != 2*in || permBytes(in) != int64(6*in) {
+			t.Fatalf("width %d: %d words, %d bytes in all; want %d and %d", in, len(st), permBytes(in), in/2, 6*in)
+		}
+		for u := 0; u < in/8; u++ {
+			if s := xwSwizzle(u); xwSwizzle(s) != u || s/4 != u/4 {
+				t.Fatalf("width %d: unit %d placed at %d (back at %d)", in, u, s, xwSwizzle(s))
+			}
+			for i := 0; i < 8; i++ {
+				w := uint32(st[4*xwSwizzle(u)+i/2])
+				if got := int32(w >> (16 * (i & 1)) & 0xffff); got != perm[8*u+i] {
+					t.Fatalf("width %d: unit %d feature %d = %d, want %d", in, u, i, got, perm[8*u+i])
+				}
+			}
+		}
+	}
+	for _, in := range []int{48, 1<<16 + 32} {
+		if st := stagedOrder(make([]int32, in)); st != nil || permBytes(in) != int64(4*in) {
+			t.Errorf("width %d: staged order of %d words, %d bytes; want none and %d", in, len(st), permBytes(in), 4*in)
+		}
+	}
+}
+
 // TestAsyncGEMV checks gemv_q4_w4a (the ring in shared memory) against
 // gemv_q4_w4h (Options.NoAsyncGEMV) on the decode steps that run it: a
 // product, q/k/v with the norm (three segments), gate/up with the norm and

@@ -63,8 +63,9 @@ type Linear struct {
 	gidx    driver.DevicePtr
 	// perm, for act-order 4-bit weights stored with their columns sorted
 	// by group: int32 [in], stored column j is input feature perm[j]; the
-	// products gather x by it first (Backend.permuted). Shared by the
-	// weights with the same order (q, k and v; gate and up).
+	// products gather x by it first (Backend.permuted), the streaming GEMV
+	// by the 16-bit form after it (stagedOrder). Shared by the weights
+	// with the same order (q, k and v; gate and up).
 	perm      driver.DevicePtr
 	gs        int
 	groups    int
@@ -282,7 +283,7 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 		l.bytes = int64(4 * len(words))
 		if perm != nil {
 			l.perm = b.sharedPerm(perm)
-			l.bytes += int64(4 * len(perm))
+			l.bytes += permBytes(len(perm))
 		}
 	} else {
 		l.kind = kindQ8
@@ -398,7 +399,7 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 			}
 			rand.New(rand.NewPCG(s.Seed, 7)).Shuffle(in, func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
 			l.perm = b.sharedPerm(perm)
-			l.bytes += int64(4 * in)
+			l.bytes += permBytes(in)
 		}
 	default:
 		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, bf16, w8a8, w8a16, w8a16-pc, w4a16 or w4a16-act)", name, s.Format)
@@ -449,18 +450,64 @@ func permuteColumns(q *model.Quantized, perm []int32) *model.Quantized {
 	return &p
 }
 
-// sharedPerm uploads a column order, or returns the device copy of an
-// equal one (weights that share their input share it), counting its users.
+// sharedPerm uploads a column order (and its stagedOrder after it), or
+// returns the device copy of an equal one (weights that share their input
+// share it), counting its users.
 func (b *Backend) sharedPerm(perm []int32) driver.DevicePtr {
 	key := string(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(perm))), 4*len(perm)))
 	if p, ok := b.perms[key]; ok {
 		b.permUsers[p]++
 		return p
 	}
-	p := uploadSlice(b, perm)
+	p := uploadSlice(b, append(slices.Clip(perm), stagedOrder(perm)...))
 	b.perms[key] = p
 	b.permUsers[p] = 1
 	return p
+}
+
+// stagedOrder is perm (a column order of a width that is a multiple of
+// 32, at most 1<<16) in the form the streaming GEMV gathers by
+// (qtool.cu's gemvw_body): 16-bit feature indices, the 8 of staged unit u
+// (columns 8u .. 8u+7) in the 16-byte unit xwSwizzle(u), packed in pairs
+// into int32 words (low half first). Other widths, which that kernel does
+// not run, give nothing.
+func stagedOrder(perm []int32) []int32 {
+	if !stagedOrderFits(len(perm)) {
+		return nil
+	}
+	st := make([]int32, len(perm)/2)
+	for u := 0; u < len(perm)/8; u++ {
+		for i := 0; i < 8; i += 2 {
+			lo, hi := uint32(perm[8*u+i]), uint32(perm[8*u+i+1])
+			st[4*xwSwizzle(u)+i/2] = int32(lo | hi<<16)
+		}
+	}
+	return st
+}
+
+// xwSwizzle is the place of the streaming GEMV's staged 16-byte unit u
+// (qtool.cu's xw_swz: its low 2 bits flipped by bits 3-4).
+func xwSwizzle(u int) int { return u ^ (u>>3)&3 }
+
+// stagedOrderFits reports whether a column order of width in has a
+// stagedOrder.
+func stagedOrderFits(in int) bool { return in%32 == 0 && in <= 1<<16 }
+
+// permBytes is the device memory of a column order of width in (sharedPerm).
+func permBytes(in int) int64 {
+	if stagedOrderFits(in) {
+		return int64(6 * in)
+	}
+	return int64(4 * in)
+}
+
+// stagedPerm is the address of l's stagedOrder for the streaming GEMV, or
+// 0 without a column order.
+func stagedPerm(l *Linear) driver.DevicePtr {
+	if l.perm == 0 {
+		return 0
+	}
+	return l.perm + driver.DevicePtr(4*l.in)
 }
 
 // releasePerm drops one user of a shared column order, freeing it with the last.
@@ -1415,7 +1462,7 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		if epi.mode == gemvAdd {
 			yss = b.sumsOut(segs[0].d, blocks)
 		}
-		args := []any{s.p, in.p, in.n, l.perm, K, l.gs, l.groups, epi.nw, epi.nb, epi.eps, epi.mode, yss}
+		args := []any{s.p, in.p, in.n, stagedPerm(l), K, l.gs, l.groups, epi.nw, epi.nb, epi.eps, epi.mode, yss}
 		b.launchShm(name, grid, block256, shm, append(args, segArgs...)...)
 		b.wroteSums(segs[0].d, yss, blocks)
 		return
