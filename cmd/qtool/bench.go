@@ -205,8 +205,10 @@ func runBench(c *cli.Context) error {
 func syntheticModel(cfg model.Config, format string) *model.Model {
 	m := model.New(cfg)
 	seed := uint64(1)
-	lin := func(name string, out, in int) {
-		m.Set(name, &cuda.Synthetic{Format: format, Dims: []int{out, in}, GroupSize: 128, Seed: seed})
+	// order: the act-order column order's seed, one for the weights that
+	// share an input (as GPTQ's desc_act orders them)
+	lin := func(name string, out, in int, order uint64) {
+		m.Set(name, &cuda.Synthetic{Format: format, Dims: []int{out, in}, GroupSize: 128, Seed: seed, OrderSeed: order})
 		seed += 2
 	}
 	vec := func(name string, n int) {
@@ -218,13 +220,14 @@ func syntheticModel(cfg model.Config, format string) *model.Model {
 	m.Set(model.Name(-1, model.LMHead), &cuda.Synthetic{Format: "fp16", Dims: []int{cfg.Vocab, cfg.Hidden}, Seed: 101})
 	vec(model.Name(-1, model.FinalNorm), cfg.Hidden)
 	for l := 0; l < cfg.Layers; l++ {
-		lin(model.Name(l, model.Q), cfg.QDim(), cfg.Hidden)
-		lin(model.Name(l, model.K), cfg.KVDim(), cfg.Hidden)
-		lin(model.Name(l, model.V), cfg.KVDim(), cfg.Hidden)
-		lin(model.Name(l, model.O), cfg.Hidden, cfg.QDim())
-		lin(model.Name(l, model.Gate), cfg.Intermediate, cfg.Hidden)
-		lin(model.Name(l, model.Up), cfg.Intermediate, cfg.Hidden)
-		lin(model.Name(l, model.Down), cfg.Hidden, cfg.Intermediate)
+		order := uint64(1000 + 4*l)
+		lin(model.Name(l, model.Q), cfg.QDim(), cfg.Hidden, order)
+		lin(model.Name(l, model.K), cfg.KVDim(), cfg.Hidden, order)
+		lin(model.Name(l, model.V), cfg.KVDim(), cfg.Hidden, order)
+		lin(model.Name(l, model.O), cfg.Hidden, cfg.QDim(), order+1)
+		lin(model.Name(l, model.Gate), cfg.Intermediate, cfg.Hidden, order+2)
+		lin(model.Name(l, model.Up), cfg.Intermediate, cfg.Hidden, order+2)
+		lin(model.Name(l, model.Down), cfg.Hidden, cfg.Intermediate, order+3)
 		vec(model.Name(l, model.AttnNorm), cfg.Hidden)
 		vec(model.Name(l, model.MLPNorm), cfg.Hidden)
 	}

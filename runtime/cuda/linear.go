@@ -124,6 +124,11 @@ type Synthetic struct {
 	Dims      []int
 	GroupSize int
 	Seed      uint64
+	// OrderSeed seeds w4a16-act's column order (0: Seed). GPTQ's desc_act
+	// order sorts the input's Hessian diagonal, so the weights that share
+	// an input (q, k and v; gate and up) share an order: give them one
+	// OrderSeed.
+	OrderSeed uint64
 }
 
 // Shape implements model.Tensor.
@@ -397,7 +402,11 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 			for i := range perm {
 				perm[i] = int32(i)
 			}
-			rand.New(rand.NewPCG(s.Seed, 7)).Shuffle(in, func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+			seed := s.OrderSeed
+			if seed == 0 {
+				seed = s.Seed
+			}
+			rand.New(rand.NewPCG(seed, 7)).Shuffle(in, func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
 			l.perm = b.sharedPerm(perm)
 			l.bytes += permBytes(in)
 		}
