@@ -873,6 +873,50 @@ func TestActOrder(t *testing.T) {
 	}
 }
 
+// TestSpreadBanks checks (without a GPU) that spreadBanks keeps every
+// group's features and leaves the streaming GEMV's gathers fewer bank
+// conflicts than a random order within the groups: the mean over a
+// window's reads of the most lanes sharing a bank.
+func TestSpreadBanks(t *testing.T) {
+	degree := func(perm []int32) float64 {
+		var sum, n float64
+		for w := 0; w < len(perm); w += 256 {
+			for c := 0; c < 8; c++ {
+				var lanes [32]int
+				most := 0
+				for col := w + c; col < min(w+256, len(perm)); col += 8 {
+					lanes[perm[col]%32]++
+					most = max(most, lanes[perm[col]%32])
+				}
+				sum, n = sum+float64(most), n+1
+			}
+		}
+		return sum / n
+	}
+	for _, tc := range []struct{ in, gs int }{{4096, 128}, {4096, 32}, {11008, 64}, {14336, 128}, {1024, 512}, {352, 32}} {
+		perm := make([]int32, tc.in)
+		for i := range perm {
+			perm[i] = int32(i)
+		}
+		rand.New(rand.NewPCG(uint64(tc.in), uint64(tc.gs))).Shuffle(tc.in, func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+		spread := slices.Clone(perm)
+		spreadBanks(spread, tc.gs)
+		for g := 0; g < tc.in; g += tc.gs {
+			a, b := slices.Clone(perm[g:g+tc.gs]), slices.Clone(spread[g:g+tc.gs])
+			slices.Sort(a)
+			slices.Sort(b)
+			if !slices.Equal(a, b) {
+				t.Fatalf("width %d, group size %d: group at %d changed its features", tc.in, tc.gs, g)
+			}
+		}
+		before, after := degree(perm), degree(spread)
+		t.Logf("width %d, group size %d: %.2f lanes a bank a read at most, %.2f spread", tc.in, tc.gs, before, after)
+		if after > 2.25 || after >= before {
+			t.Errorf("width %d, group size %d: %.2f lanes a bank a read after spreading (random order %.2f), want at most 2.25", tc.in, tc.gs, after, before)
+		}
+	}
+}
+
 // TestStagedOrder checks (without a GPU) the 16-bit column order the
 // streaming GEMV gathers by: the thread staging unit u finds the unit's 8
 // features at the unit's own place, and widths the kernel does not run
