@@ -2524,6 +2524,25 @@ extern "C" __global__ void gather_cols(float* __restrict__ dst, const float* __r
     }
 }
 
+// gather_half: dst[r][j] = half(x[r][perm[j]]), as gather_cols then
+// to_half in one pass: grid (rows), block 256, the row staged in dynamic
+// shared memory (4·cols bytes) by coalesced loads, then gathered from it
+// and written as fp16 pairs. cols % 4 == 0.
+extern "C" __global__ void __launch_bounds__(256) gather_half(__half* __restrict__ dst, const float* __restrict__ x,
+                                                              const int* __restrict__ perm, int cols) {
+    extern __shared__ float4 xrow[];
+    PDL_ENTRY();
+    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)blockIdx.x * cols);
+    for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) xrow[i] = xr[i];
+    __syncthreads();
+    const float* row = reinterpret_cast<const float*>(xrow);
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst + (size_t)blockIdx.x * cols);
+    for (int j = threadIdx.x; j < cols / 2; j += blockDim.x) {
+        int2 p = reinterpret_cast<const int2*>(perm)[j];
+        d[j] = pack_h2(row[p.x], row[p.y]);
+    }
+}
+
 extern "C" __global__ void to_half(__half* __restrict__ dst, const float* __restrict__ src, long long n) {
     PDL_ENTRY();
     long long n4 = n / 4;

@@ -656,16 +656,27 @@ func (l *Linear) actQuant() actQuant {
 }
 
 // half returns in's activations in fp16 in l's column order, made once
-// (to_half, after gather_cols for act-order weights).
+// (to_half; gather_half for act-order weights, rows of at most
+// gatherHalfMaxCols, else gather_cols first).
 func (b *Backend) half(in *gemmIn, l *Linear) driver.DevicePtr {
 	if in.a16 != 0 && in.perm == l.perm {
 		return in.a16
 	}
-	s := b.permuted(in.x, l.perm)
+	s := in.x
 	in.a16, in.perm = b.scratchBuf("gemm_a16", 2*s.n()), l.perm
+	if l.perm != 0 && s.cols <= gatherHalfMaxCols && s.cols%4 == 0 {
+		b.raiseSmem("gather_half", 4*s.cols)
+		b.launchShm("gather_half", g1(s.rows), block256, 4*s.cols, in.a16, s.p, l.perm, s.cols)
+		return in.a16
+	}
+	s = b.permuted(s, l.perm)
 	b.launch("to_half", b.gridFor(s.n()/4), block256, in.a16, s.p, int64(s.n()))
 	return in.a16
 }
+
+// gatherHalfMaxCols bounds the row gather_half stages in shared memory
+// (96 KB, as gemvStreamMaxSmem: within every supported device's limit).
+const gatherHalfMaxCols = 24 << 10
 
 // quantized returns in's activations quantized for W8A8 layer l (and the
 // per-token scales of a dynamic one), made once for each actQuant.
