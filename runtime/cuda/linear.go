@@ -567,8 +567,9 @@ func permBytes(in int) int64 {
 	return int64(4 * in)
 }
 
-// stagedPerm is the address of l's stagedOrder for the streaming GEMV, or
-// 0 without a column order.
+// stagedPerm is the address of l's stagedOrder for the streaming GEMV
+// (whose widths, at most gemvStreamMaxSmem/6 with an order, all have one),
+// or 0 without a column order.
 func stagedPerm(l *Linear) driver.DevicePtr {
 	if l.perm == 0 {
 		return 0
