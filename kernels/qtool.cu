@@ -3736,10 +3736,14 @@ __device__ __forceinline__ unsigned ar_call(unsigned* calls) {
 // and the stage[e & 1] argument of allreduce_peer holds: a thread writes a
 // peer's word again in call e + 2, after it read that peer's word of call
 // e + 1, which the peer wrote after its call e ended.
+// yss (or null; x one row): each block also writes the sum of the squares
+// of the sums it made, yss[block], as a residual add's GEMV does for the
+// normed GEMV after it (gemvw_body's yss).
 extern "C" __global__ void __launch_bounds__(256) allreduce_peer_ll(float* __restrict__ x, long long n, int rank,
                                                                     int world, char* __restrict__ area,
                                                                     long long stage_off, long long cap,
-                                                                    unsigned long long timeout_ns) {
+                                                                    unsigned long long timeout_ns,
+                                                                    float* __restrict__ yss) {
     PDL_ENTRY();
     const int b = blockIdx.x, t = threadIdx.x;
     const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
@@ -3749,6 +3753,7 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer_ll(float* __res
                ((long long)(e & 1) * world + sender) * cap;
     };
     const long long step = (long long)gridDim.x * blockDim.x, i0 = (long long)b * blockDim.x + t;
+    float ss = 0.f;
     for (long long i = i0; i < n; i += step) {
         unsigned long long w = (unsigned long long)e << 32 | __float_as_uint(x[i]);
         for (int p = 0; p < world; p++)
@@ -3774,6 +3779,12 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer_ll(float* __res
             s = r == 0 ? v : s + v;
         }
         x[i] = s;
+        ss += s * s;
+    }
+    if (yss) {
+        __shared__ float sh[32];
+        ss = block_sum(ss, sh);
+        if (t == 0) yss[b] = ss;
     }
 }
 

@@ -267,6 +267,9 @@ func (b *Backend) peerReduceCap() int {
 // AllReducePeer queues the in-place sum of x over the group's ranks, in
 // rank order, so that every rank ends with the same bits. Every rank must
 // make the same calls, with buffers of the same size, in the same order.
+// The sums of a single row of up to peerSmallFloats values also leave
+// their sums of squares for the normed GEMV that reads the row next
+// (rowsums.go).
 func (b *Backend) AllReducePeer(x runtime.Buf) {
 	p, d := b.peer, buf(x)
 	if p == nil || !p.connected {
@@ -282,8 +285,13 @@ func (b *Backend) AllReducePeer(x runtime.Buf) {
 	}
 	l := p.lanes[lane]
 	if lane == 0 { // the values and the call's number in one store: no flag exchange
+		var yss driver.DevicePtr // a decode row's sums of squares for the normed GEMV after it (rowsums.go)
+		if d.rows == 1 {
+			yss = b.sumsOut(d, l.blocks)
+		}
 		b.launch("allreduce_peer_ll", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
-			int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()))
+			int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), yss)
+		b.wroteSums(d, yss, l.blocks)
 		return
 	}
 	b.launch("allreduce_peer", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,

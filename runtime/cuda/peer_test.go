@@ -70,6 +70,7 @@ func TestAllReducePeer(t *testing.T) {
 						t.Fatalf("world %d, n %d: rank %d value %d = %v, want %v", world, n, r, i, got[i], want)
 					}
 				}
+				checkPeerRowSums(t, ranks[r], bufs[r], got, n <= peerSmallFloats)
 				ranks[r].Free(bufs[r])
 			}
 		}
@@ -78,6 +79,31 @@ func TestAllReducePeer(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
+	}
+}
+
+// checkPeerRowSums checks the sums of squares the all-reduce of the row
+// x (its values got) left for the next normed GEMV: their parts add up to
+// Σ got² where want says the small lane writes them, and there are none
+// otherwise.
+func checkPeerRowSums(t *testing.T, b *Backend, x *Buf, got []float32, want bool) {
+	t.Helper()
+	rs := b.sumsIn(x)
+	if (rs.p != 0) != want {
+		t.Fatalf("%d values: row sums written %v, want %v", len(got), rs.p != 0, want)
+	}
+	if rs.p == 0 {
+		return
+	}
+	var sum, ref float64
+	for _, v := range download(b, &Buf{p: rs.p, rows: 1, cols: rs.n}) {
+		sum += float64(v)
+	}
+	for _, v := range got {
+		ref += float64(v) * float64(v)
+	}
+	if math.Abs(sum-ref) > 1e-5*ref {
+		t.Fatalf("%d values: the row sums' parts add up to %v, Σ x² = %v", len(got), sum, ref)
 	}
 }
 

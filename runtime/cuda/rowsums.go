@@ -6,10 +6,12 @@ import "qtool/runtime/cuda/driver"
 // must know the sum of the squares of its input row before it can stage
 // the row: a pass over the row and a block reduction, in every block, while
 // its weight ring waits. The kernels that write that row on a decode step,
-// the residual adds of o and down (MatMulAdd with the streaming GEMV),
-// already hold its values, so they also write its sums of squares, one part
-// a block, and the normed GEMV that reads the row next (gemv_q4_w4h_n,
-// gemv_q4_w2h_n) adds the parts instead.
+// the residual adds of o and down (MatMulAdd with the streaming GEMV) and,
+// on a tensor-parallel rank, the all-reduce of their partial sums
+// (AllReducePeer's allreduce_peer_ll), already hold its values, so they
+// also write its sums of squares, one part a block, and the normed GEMV
+// that reads the row next (gemv_q4_w4h_n, gemv_q4_w2h_n, gemv_q4_w4a_n)
+// adds the parts instead.
 //
 // The parts are used only by the launch right after the one that wrote
 // them, and only for the buffer they describe: every launch counts
