@@ -810,8 +810,9 @@ struct AttNew {
 // Attention: causal GQA over the fp32, fp16 or int8 cache, flash-decoding
 // style. grid (heads, T, nsplit), block 128 (4 warps). Split s covers keys
 // [s*chunk, (s+1)*chunk) ∩ [0, pos_t], chunk from the row's position (see
-// below); the splits past a row's last key return at once. Where one split holds all of a row's keys it writes dst;
-// otherwise each writes its partials (max, sum, acc[hd]) and the last of
+// below); the splits past a row's last key return at once. Where one split
+// holds all of a row's keys it writes dst; otherwise each writes its
+// partials (max, sum, acc[hd]) and the last of
 // the row's splits to finish (counted in cnt[t·heads + h], which it resets)
 // merges them in split order, so results do not depend on the order the
 // blocks ran in.

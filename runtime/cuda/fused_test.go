@@ -894,11 +894,7 @@ func TestSpreadBanks(t *testing.T) {
 		return sum / n
 	}
 	for _, tc := range []struct{ in, gs int }{{4096, 128}, {4096, 32}, {11008, 64}, {14336, 128}, {1024, 512}, {352, 32}} {
-		perm := make([]int32, tc.in)
-		for i := range perm {
-			perm[i] = int32(i)
-		}
-		rand.New(rand.NewPCG(uint64(tc.in), uint64(tc.gs))).Shuffle(tc.in, func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+		perm := shuffledOrder(tc.in, uint64(tc.in*tc.gs))
 		spread := slices.Clone(perm)
 		spreadBanks(spread, tc.gs)
 		for g := 0; g < tc.in; g += tc.gs {
@@ -923,11 +919,7 @@ func TestSpreadBanks(t *testing.T) {
 // get none.
 func TestStagedOrder(t *testing.T) {
 	for _, in := range []int{32, 256, 4096, 11008, 1 << 16} {
-		perm := make([]int32, in)
-		for i := range perm {
-			perm[i] = int32(i)
-		}
-		rand.New(rand.NewPCG(uint64(in), 3)).Shuffle(in, func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+		perm := shuffledOrder(in, uint64(in))
 		st := stagedOrder(perm)
 		if 4*len(st) != 2*in || permBytes(in) != int64(6*in) {
 			t.Fatalf("width %d: %d words, %d bytes in all; want %d and %d", in, len(st), permBytes(in), in/2, 6*in)

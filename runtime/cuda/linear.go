@@ -398,15 +398,11 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		b.fill(l.sz, out*G, s.Seed+1, 3, a/8)
 		l.bytes = int64(n/2 + 8*out*G)
 		if s.Format == "w4a16-act" {
-			perm := make([]int32, in)
-			for i := range perm {
-				perm[i] = int32(i)
-			}
 			seed := s.OrderSeed
 			if seed == 0 {
 				seed = s.Seed
 			}
-			rand.New(rand.NewPCG(seed, 7)).Shuffle(in, func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+			perm := shuffledOrder(in, seed)
 			spreadBanks(perm, gs) // as actOrder stores a checkpoint's order
 			l.perm = b.sharedPerm(perm)
 			l.bytes += permBytes(in)
@@ -415,6 +411,17 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, bf16, w8a8, w8a16, w8a16-pc, w4a16 or w4a16-act)", name, s.Format)
 	}
 	return l, nil
+}
+
+// shuffledOrder is a random column order of width n from seed (a
+// synthetic act-order weight's).
+func shuffledOrder(n int, seed uint64) []int32 {
+	perm := make([]int32, n)
+	for i := range perm {
+		perm[i] = int32(i)
+	}
+	rand.New(rand.NewPCG(seed, 7)).Shuffle(n, func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+	return perm
 }
 
 // actOrder returns the column order that makes an act-order 4-bit
@@ -658,14 +665,15 @@ func (l *Linear) actQuant() actQuant {
 
 // half returns in's activations in fp16 in l's column order, made once
 // (to_half; gather_half for act-order weights, rows of at most
-// gatherHalfMaxCols, else gather_cols first).
+// gatherHalfMaxCols, else gather_cols first). K is a multiple of 32
+// (halfGEMM).
 func (b *Backend) half(in *gemmIn, l *Linear) driver.DevicePtr {
 	if in.a16 != 0 && in.perm == l.perm {
 		return in.a16
 	}
 	s := in.x
 	in.a16, in.perm = b.scratchBuf("gemm_a16", 2*s.n()), l.perm
-	if l.perm != 0 && s.cols <= gatherHalfMaxCols && s.cols%4 == 0 {
+	if l.perm != 0 && s.cols <= gatherHalfMaxCols {
 		b.raiseSmem("gather_half", 4*s.cols)
 		b.launchShm("gather_half", g1(s.rows), block256, 4*s.cols, in.a16, s.p, l.perm, s.cols)
 		return in.a16
