@@ -23,7 +23,9 @@
 // it may start while the kernel ahead of it in the stream is finishing. A
 // kernel therefore waits (pdl_wait) before it touches memory that an earlier
 // kernel writes or reads; only weights, which no kernel writes, may be read
-// before (the GEMV kernels issue their first weight loads that early).
+// before (the GEMV kernels issue their first weight loads that early), and
+// what kernels at least two launches back wrote (see pdl_trigger: the
+// decode attention's position and cached keys).
 // pdl_trigger then lets the next kernel launch: once every block of this
 // one has passed its wait, the one before has finished.
 __device__ __forceinline__ void pdl_wait() {
@@ -120,6 +122,49 @@ __device__ __forceinline__ void cp_async8_zfill(void* s, const void* g, bool val
     uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
     int n = valid ? 8 : 0;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
+}
+// Weights are read once a decode step: the GEMVs' weight loads carry an L2
+// policy of evict-first (createpolicy), so that streaming them does not
+// evict what the step reads again (kernel code, activations, the KV cache):
+// a 7B W4A16 graph decode step 3–4 % shorter (kernels/NOTES.md).
+__device__ __forceinline__ uint64_t l2_evict_first() {
+    uint64_t p;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ uint4 ldg_once16(const void* g, uint64_t pol) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(g), "l"(pol));
+    return v;
+}
+__device__ __forceinline__ uint2 ldg_once8(const void* g, uint64_t pol) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(g), "l"(pol));
+    return v;
+}
+__device__ __forceinline__ uint32_t ldg_once4(const void* g, uint64_t pol) {
+    uint32_t v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(v) : "l"(g), "l"(pol));
+    return v;
+}
+// A weight row's {scale, zero} pairs: the same line is read again by the
+// next chunk, so these stay in L1.
+__device__ __forceinline__ float2 ldg_once_f2(const float2* g, uint64_t pol) {
+    float2 v;
+    asm volatile("ld.global.nc.L2::cache_hint.v2.f32 {%0, %1}, [%2], %3;" : "=f"(v.x), "=f"(v.y) : "l"(g), "l"(pol));
+    return v;
+}
+__device__ __forceinline__ void cp_async16_once(void* s, const void* g, uint64_t pol) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(a), "l"(g), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void cp_async8_once(void* s, const void* g, uint64_t pol) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2;\n" ::"r"(a), "l"(g), "l"(pol) : "memory");
 }
 // ldmatrix_x4 loads four 8 × 8 fp16 matrices, lanes 8i..8i+7 addressing
 // the rows of matrix i; lane l receives row l/4, columns 2(l%4) and
@@ -827,10 +872,15 @@ __device__ __forceinline__ void attention_body(
     float* __restrict__ dst, const float* __restrict__ q, KV* __restrict__ kc,
     KV* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc, int* __restrict__ cnt,
     int heads, int kvHeads, int hd, int pos0, const int* __restrict__ dpos, float scale,
-    int nsplit, KVQuant kq, AttNew nw) {
+    int nsplit, KVQuant kq, AttNew nw, KV* __restrict__ skv) {
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    int pos = row_pos(pos0, dpos, t);
+    // Before the wait (pdl_wait below) the block reads only what kernels at
+    // least two launches back wrote: the graph's position (decode_advance,
+    // the step before; through L2) and the cached keys and values below the
+    // launch's first row (the launch before may be the store of its rows).
+    int p0 = pos0 + (dpos ? __ldcg(dpos) : 0);
+    int pos = p0 + t;
     int nkeys = pos + 1;
     // Keys a split: the row's keys over the grid's splits, at least 32 (a
     // block's step), in multiples of 32; a function of the row's position
@@ -843,6 +893,23 @@ __device__ __forceinline__ void attention_body(
     int kvDim = kvHeads * hd;
     int kvh = h / (heads / kvHeads);
     int V = hd >> 5;  // values per lane, hd % 32 == 0, hd <= 32*VM
+    // The warp's first step of keys below p0, copied into shared memory
+    // (16-byte pieces of each key's and value's row of the head), so that
+    // their loads overlap the kernel ahead and the q loads after the wait.
+    int jpre = min(j1, p0);  // keys below jpre come from skv in the first step
+    {
+        int n16 = hd * (int)sizeof(KV) / 16;
+        for (int i = lane; i < 2 * U * n16; i += 32) {
+            int c = i % n16, r = i / n16;  // row r: u = r % U of keys (r < U) or values
+            int j = j0 + U * w + r % U;
+            const KV* src = (r < U ? kc : vc) + (size_t)min(j, max(jpre - 1, 0)) * kvDim + (size_t)kvh * hd;
+            cp_async16_zfill(reinterpret_cast<char*>(skv + (w * 2 * U + r) * 32 * VM) + 16 * c,
+                             reinterpret_cast<const char*>(src) + 16 * c, j < jpre);
+        }
+        cp_async_commit();
+    }
+    pdl_wait();
+    pdl_trigger();
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][32 * VM];
     __shared__ int last;
@@ -889,20 +956,25 @@ __device__ __forceinline__ void attention_body(
             if (i < V) qr[i] *= kq.ks[kvh * hd + lane * V + i];
     }
     float m = -INFINITY, l = 0.f;
+    if (!nw.k) {  // the first step's keys from jpre (the launch before may have stored them)
+        int n16 = hd * (int)sizeof(KV) / 16;
+        for (int i = lane; i < 2 * U * n16; i += 32) {
+            int c = i % n16, r = i / n16;
+            int j = j0 + U * w + r % U;
+            const KV* src = (r < U ? kc : vc) + (size_t)min(j, j1 - 1) * kvDim + (size_t)kvh * hd;
+            if (j >= jpre && j < j1)
+                cp_async16_zfill(reinterpret_cast<char*>(skv + (w * 2 * U + r) * 32 * VM) + 16 * c,
+                                 reinterpret_cast<const char*>(src) + 16 * c, true);
+        }
+        cp_async_commit();
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncwarp();
     // Each warp takes U consecutive keys at a time (all loads first, for
-    // memory-level parallelism), warps interleaved by U*ATT_WARPS keys.
-    for (int jb = j0 + U * w; jb < j1; jb += U * ATT_WARPS) {
-        float kr[U][VM], vr[U][VM], d[U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int j = min(jb + u, j1 - 1);
-            kv_row(kr[u], kc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V, V);
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int j = min(jb + u, j1 - 1);
-            kv_row(vr[u], vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V, V);
-        }
+    // memory-level parallelism), warps interleaved by U*ATT_WARPS keys, the
+    // first step's from skv.
+    auto step = [&](int jb, float (&kr)[U][VM], float (&vr)[U][VM]) {
+        float d[U];
         if (own) {  // the row's own key, which the cache does not hold yet
 #pragma unroll
             for (int u = 0; u < U; u++)
@@ -941,6 +1013,30 @@ __device__ __forceinline__ void attention_body(
             }
         }
         m = mn;
+    };
+    int jb = j0 + U * w;
+    if (jb < j1) {
+        float kr[U][VM], vr[U][VM];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            kv_row(kr[u], skv + (w * 2 * U + u) * 32 * VM + lane * V, V);
+            kv_row(vr[u], skv + ((w * 2 + 1) * U + u) * 32 * VM + lane * V, V);
+        }
+        step(jb, kr, vr);
+    }
+    for (jb += U * ATT_WARPS; jb < j1; jb += U * ATT_WARPS) {
+        float kr[U][VM], vr[U][VM];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int j = min(jb + u, j1 - 1);
+            kv_row(kr[u], kc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V, V);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int j = min(jb + u, j1 - 1);
+            kv_row(vr[u], vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V, V);
+        }
+        step(jb, kr, vr);
     }
     if (own && h % (heads / kvHeads) == 0) {  // the first query head of the KV head stores them
 #pragma unroll
@@ -1023,12 +1119,14 @@ template <typename KV>
 __device__ __forceinline__ void attention_run(float* dst, const float* q, KV* kc, KV* vc, float* part_ml,
                                               float* part_acc, int* cnt, int heads, int kvHeads, int hd, int pos0,
                                               const int* dpos, float scale, int nsplit, KVQuant kq, AttNew nw) {
+    // each warp's first step of keys and values (U·VM = 32 in both forms)
+    __shared__ __align__(16) KV skv[ATT_WARPS * 2 * 32 * 32];
     if (hd <= 128)
         attention_body<KV, 8, 4>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
-                                 kq, nw);
+                                 kq, nw, skv);
     else
         attention_body<KV, 4, 8>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
-                                 kq, nw);
+                                 kq, nw, skv);
 }
 
 // Args (dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0,
@@ -1040,13 +1138,11 @@ __device__ __forceinline__ void attention_run(float* dst, const float* q, KV* kc
         int hd, int pos0, const int *__restrict__ dpos, float scale, int nsplit, const float *__restrict__ kn,  \
         const float *__restrict__ vn, const float2 *__restrict__ rtab, int layout
 extern "C" __global__ void __launch_bounds__(128) attention(ATTENTION_ARGS(float)) {
-    PDL_ENTRY();
     attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, KVQuant{},
                   AttNew{kn, vn, rtab, layout});
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_f16(ATTENTION_ARGS(__half)) {
-    PDL_ENTRY();
     attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, KVQuant{},
                   AttNew{kn, vn, rtab, layout});
 }
@@ -1054,7 +1150,6 @@ extern "C" __global__ void __launch_bounds__(128) attention_f16(ATTENTION_ARGS(_
 extern "C" __global__ void __launch_bounds__(128) attention_i8(ATTENTION_ARGS(int8_t), const float* __restrict__ ks,
                                                                const float* __restrict__ ko, const float* __restrict__ vs,
                                                                const float* __restrict__ vo) {
-    PDL_ENTRY();
     attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
                   KVQuant{ks, ko, vs, vo}, AttNew{kn, vn, rtab, layout});
 }
@@ -1638,19 +1733,19 @@ enum { GF32 = 0, GF16 = 1, GBF16 = 2, GQ8 = 3, GQ4 = 4 };
 template <int F> struct RawWords { static const int n = F == GF32 ? 8 : F == GQ8 ? 2 : F == GQ4 ? 1 : 4; };
 
 template <int F>
-__device__ __forceinline__ void gw_load(uint32_t* raw, const void* __restrict__ W, size_t n, int K, int c) {
+__device__ __forceinline__ void gw_load(uint32_t* raw, const void* __restrict__ W, size_t n, int K, int c, uint64_t pol) {
     if (F == GF32) {
         const uint4* p = reinterpret_cast<const uint4*>((const float*)W + n * K + (size_t)c * 8);
-        uint4 a = p[0], b = p[1];
+        uint4 a = ldg_once16(p, pol), b = ldg_once16(p + 1, pol);
         raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w; raw[4] = b.x; raw[5] = b.y; raw[6] = b.z; raw[7] = b.w;
     } else if (F == GF16 || F == GBF16) {
-        uint4 a = *reinterpret_cast<const uint4*>((const uint16_t*)W + n * K + (size_t)c * 8);
+        uint4 a = ldg_once16((const uint16_t*)W + n * K + (size_t)c * 8, pol);
         raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w;
     } else if (F == GQ8) {
-        uint2 a = *reinterpret_cast<const uint2*>((const int8_t*)W + n * K + (size_t)c * 8);
+        uint2 a = ldg_once8((const int8_t*)W + n * K + (size_t)c * 8, pol);
         raw[0] = a.x; raw[1] = a.y;
     } else {
-        raw[0] = __ldg((const uint32_t*)W + n * (K >> 3) + c);
+        raw[0] = ldg_once4((const uint32_t*)W + n * (K >> 3) + c, pol);
     }
 }
 
@@ -1813,6 +1908,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __
         gemv_finish<R>(acc, y, m, N, n0, mode);
         return;
     }
+    uint64_t pol = l2_evict_first();
     for (int c0 = threadIdx.x; c0 < nc; c0 += GEMV_THREADS * U) {
         uint32_t raw[U][R][NW];
         float2 s[U][R];
@@ -1825,8 +1921,8 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     size_t n = (size_t)min(n0 + r, N - 1);
-                    gw_load<F>(raw[u][r], W, n, K, c);
-                    if (F >= GQ8) s[u][r] = __ldg(sz + n * G + (c * 8) / gs);
+                    gw_load<F>(raw[u][r], W, n, K, c, pol);
+                    if (F >= GQ8) s[u][r] = ldg_once_f2(sz + n * G + (c * 8) / gs, pol);
                 }
             }
         }
@@ -2009,11 +2105,11 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 // while one chunk is computed, and the chunk's slot is refilled right
 // after. The ring is in registers (ld.global.nc, L1 no-allocate), or with
 // ASYNC (gemv_q4_w4a) in dynamic shared memory after x, each thread's own
-// slots filled by cp.async (one commit group a chunk) and read back by that
-// thread alone: no barrier, and registers enough for three blocks a
-// multiprocessor instead of two. The weight loads of the first D chunks are
-// issued before the kernel waits for its predecessor (pdl_wait) and stages
-// x, so those latencies overlap. Requires (host side): no g_idx, K and gs
+// slots filled by cp.async (L2 evict-first, one commit group a chunk) and
+// read back by that thread alone: no barrier, and registers enough for
+// three blocks a multiprocessor instead of two. The weight loads of the
+// first D chunks are issued before the kernel waits for its predecessor
+// (pdl_wait) and stages x, so those latencies overlap. Requires (host side): no g_idx, K and gs
 // multiples of 32. An act-order weight (stored with its columns sorted by
 // group) passes its column order as permx: 16-bit feature indices, the 8 of
 // staged unit u (stored columns 8u .. 8u+7) at unit xw_swz(u), the place
@@ -2041,6 +2137,8 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 // feature for the staged x (6 with permx), with ASYNC then at a 16-byte
 // boundary the ring: D·R·256 16-byte weight slots and as many 8-byte
 // {scale, zero} slots.
+// The register ring's loads keep the default L2 policy: with evict-first
+// these kernels lost 5–6 points of copy bandwidth (kernels/NOTES.md).
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -2101,12 +2199,13 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     unsigned char* rw = reinterpret_cast<unsigned char*>(xsh) + (((permx ? 6 : 2) * K + 15) & ~15);
     auto wslot = [&](int d, int r) { return reinterpret_cast<uint4*>(rw) + (d * R + r) * 256 + tid; };
     auto sslot = [&](int d, int r) { return reinterpret_cast<float2*>(rw + D * R * 256 * 16) + (d * R + r) * 256 + tid; };
+    uint64_t pol = l2_evict_first();
     auto fetch = [&](int d, int j, int k) {
 #pragma unroll
         for (int r = 0; r < R; r++) {
             if constexpr (ASYNC) {
-                cp_async16_zfill(wslot(d, r), wrow[r] + j * 32, true);
-                cp_async8_zfill(sslot(d, r), srow[r] + k / gs, true);
+                cp_async16_once(wslot(d, r), wrow[r] + j * 32, pol);
+                cp_async8_once(sslot(d, r), srow[r] + k / gs, pol);
             } else {
                 buf[d][r] = ldg_stream(wrow[r] + j * 32);
                 sb[d][r] = __ldg(srow[r] + k / gs);
