@@ -897,17 +897,23 @@ __device__ __forceinline__ void attention_body(
     // (16-byte pieces of each key's and value's row of the head), so that
     // their loads overlap the kernel ahead and the q loads after the wait.
     int jpre = min(j1, p0);  // keys below jpre come from skv in the first step
-    {
-        int n16 = hd * (int)sizeof(KV) / 16;
-        for (int i = lane; i < 2 * U * n16; i += 32) {
-            int c = i % n16, r = i / n16;  // row r: u = r % U of keys (r < U) or values
-            int j = j0 + U * w + r % U;
-            const KV* src = (r < U ? kc : vc) + (size_t)min(j, max(jpre - 1, 0)) * kvDim + (size_t)kvh * hd;
+    // 16-byte pieces of a head's row: n16 of at most P a row of skv
+    constexpr int P = 32 * VM * (int)sizeof(KV) / 16;
+    int n16 = hd * (int)sizeof(KV) / 16;
+    // Piece i % P of row i / P of the warp's part (key u = r, or value
+    // u = r - U), for the keys in [jlo, jhi); the other slots are left as
+    // they are (their keys are past the split, or the row's own, which the
+    // loop takes from skn and svn), so no two copies write one slot.
+    auto kv_copy = [&](int i, int jlo, int jhi) {
+        int r = i / P, c = i % P, j = j0 + U * w + r % U;
+        if (c < n16 && j >= jlo && j < jhi) {
+            const KV* src = (r < U ? kc : vc) + (size_t)j * kvDim + (size_t)kvh * hd;
             cp_async16_zfill(reinterpret_cast<char*>(skv + (w * 2 * U + r) * 32 * VM) + 16 * c,
-                             reinterpret_cast<const char*>(src) + 16 * c, j < jpre);
+                             reinterpret_cast<const char*>(src) + 16 * c, true);
         }
-        cp_async_commit();
-    }
+    };
+    for (int i = lane; i < 2 * U * P; i += 32) kv_copy(i, 0, jpre);
+    cp_async_commit();
     pdl_wait();
     pdl_trigger();
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
@@ -957,15 +963,7 @@ __device__ __forceinline__ void attention_body(
     }
     float m = -INFINITY, l = 0.f;
     if (!nw.k) {  // the first step's keys from jpre (the launch before may have stored them)
-        int n16 = hd * (int)sizeof(KV) / 16;
-        for (int i = lane; i < 2 * U * n16; i += 32) {
-            int c = i % n16, r = i / n16;
-            int j = j0 + U * w + r % U;
-            const KV* src = (r < U ? kc : vc) + (size_t)min(j, j1 - 1) * kvDim + (size_t)kvh * hd;
-            if (j >= jpre && j < j1)
-                cp_async16_zfill(reinterpret_cast<char*>(skv + (w * 2 * U + r) * 32 * VM) + 16 * c,
-                                 reinterpret_cast<const char*>(src) + 16 * c, true);
-        }
+        for (int i = lane; i < 2 * U * P; i += 32) kv_copy(i, jpre, j1);
         cp_async_commit();
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -973,7 +971,26 @@ __device__ __forceinline__ void attention_body(
     // Each warp takes U consecutive keys at a time (all loads first, for
     // memory-level parallelism), warps interleaved by U*ATT_WARPS keys, the
     // first step's from skv.
-    auto step = [&](int jb, float (&kr)[U][VM], float (&vr)[U][VM]) {
+    for (int jb = j0 + U * w; jb < j1; jb += U * ATT_WARPS) {
+        float kr[U][VM], vr[U][VM];
+        if (jb == j0 + U * w) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                kv_row(kr[u], skv + (w * 2 * U + u) * 32 * VM + lane * V, V);
+                kv_row(vr[u], skv + ((w * 2 + 1) * U + u) * 32 * VM + lane * V, V);
+            }
+        } else {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                int j = min(jb + u, j1 - 1);
+                kv_row(kr[u], kc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V, V);
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                int j = min(jb + u, j1 - 1);
+                kv_row(vr[u], vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V, V);
+            }
+        }
         float d[U];
         if (own) {  // the row's own key, which the cache does not hold yet
 #pragma unroll
@@ -1013,30 +1030,6 @@ __device__ __forceinline__ void attention_body(
             }
         }
         m = mn;
-    };
-    int jb = j0 + U * w;
-    if (jb < j1) {
-        float kr[U][VM], vr[U][VM];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            kv_row(kr[u], skv + (w * 2 * U + u) * 32 * VM + lane * V, V);
-            kv_row(vr[u], skv + ((w * 2 + 1) * U + u) * 32 * VM + lane * V, V);
-        }
-        step(jb, kr, vr);
-    }
-    for (jb += U * ATT_WARPS; jb < j1; jb += U * ATT_WARPS) {
-        float kr[U][VM], vr[U][VM];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int j = min(jb + u, j1 - 1);
-            kv_row(kr[u], kc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V, V);
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int j = min(jb + u, j1 - 1);
-            kv_row(vr[u], vc + (size_t)j * kvDim + (size_t)kvh * hd + lane * V, V);
-        }
-        step(jb, kr, vr);
     }
     if (own && h % (heads / kvHeads) == 0) {  // the first query head of the KV head stores them
 #pragma unroll
