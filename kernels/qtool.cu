@@ -123,10 +123,11 @@ __device__ __forceinline__ void cp_async8_zfill(void* s, const void* g, bool val
     int n = valid ? 8 : 0;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(a), "l"(g), "r"(n) : "memory");
 }
-// Weights are read once a decode step: the GEMVs' weight loads carry an L2
-// policy of evict-first (createpolicy), so that streaming them does not
-// evict what the step reads again (kernel code, activations, the KV cache):
-// a 7B W4A16 graph decode step 3–4 % shorter (kernels/NOTES.md).
+// Weights are read once a decode step: gemv_body's weight loads and the
+// streaming GEMV's cp.async ring (gemv_q4_w4a) carry an L2 policy of
+// evict-first (createpolicy), so that streaming them does not evict what
+// the step reads again (kernel code, activations, the KV cache): a 7B
+// W4A16 graph decode step 2 % shorter (kernels/NOTES.md).
 __device__ __forceinline__ uint64_t l2_evict_first() {
     uint64_t p;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
