@@ -594,8 +594,12 @@ extern "C" __global__ void silu_mul(float* dst, const float* gate, const float* 
         dst[i] = silu_times(gate[i], up[i]);
 }
 
-// Position of row t: pos0 + t, plus *dpos when dpos is set (CUDA graph replay).
-__device__ __forceinline__ int row_pos(int pos0, const int* dpos, int t) { return pos0 + (dpos ? *dpos : 0) + t; }
+// Position of row t: pos0 + t, plus *dpos when dpos is set (CUDA graph
+// replay). dpos is read through L2 (only decode_advance writes it, at the
+// end of the step before), so kernels may read it before their wait.
+__device__ __forceinline__ int row_pos(int pos0, const int* dpos, int t) {
+    return pos0 + (dpos ? __ldcg(dpos) : 0) + t;
+}
 
 // RoPE of pair i (0 ≤ i < hd/2) of a head of hd values at position pos:
 // the pair's two indices in the head (layout 0 = half (HF): i and i + hd/2,
@@ -863,12 +867,41 @@ struct AttNew {
 // merges them in split order, so results do not depend on the order the
 // blocks ran in.
 #define ATT_WARPS 4
+#define ATT_MAX_CLUSTER 16  // the splits of a cluster launch (attention_*_cl) at most
+// A thread block cluster's barrier (every thread of every block) and loads
+// from another block's shared memory in the cluster (sm_90).
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ unsigned dsmem_addr(const void* p, unsigned rank) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p), r = a;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+#endif
+    return r;
+}
+__device__ __forceinline__ float ld_dsmem(const float* p, unsigned rank) {
+    float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(dsmem_addr(p, rank)) : "memory");
+#endif
+    return v;
+}
+__device__ __forceinline__ float2 ld_dsmem_f2(const float2* p, unsigned rank) {
+    float2 v = make_float2(0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(dsmem_addr(p, rank)) : "memory");
+#endif
+    return v;
+}
 #define ATT_MAX_SPLITS 256  // the grid's splits at most (attnMaxSplits)
 #define ATT_MERGE_U 8      // partial sums a thread of the merge loads at once
 // U keys a warp step, each lane holding VM values of a key (VM ≥ hd/32):
 // 8 keys of head size ≤ 128 or 4 of ≤ 256, the same registers; a warp
 // issues all its step's loads before it uses any.
-template <typename KV, int U, int VM>
+template <typename KV, int U, int VM, bool CL = false>
 __device__ __forceinline__ void attention_body(
     float* __restrict__ dst, const float* __restrict__ q, KV* __restrict__ kc,
     KV* __restrict__ vc, float* __restrict__ part_ml, float* __restrict__ part_acc, int* __restrict__ cnt,
@@ -880,7 +913,7 @@ __device__ __forceinline__ void attention_body(
     // least two launches back wrote: the graph's position (decode_advance,
     // the step before; through L2) and the cached keys and values below the
     // launch's first row (the launch before may be the store of its rows).
-    int p0 = pos0 + (dpos ? __ldcg(dpos) : 0);
+    int p0 = row_pos(pos0, dpos, 0);
     int pos = p0 + t;
     int nkeys = pos + 1;
     // Keys a split: the row's keys over the grid's splits, at least 32 (a
@@ -889,7 +922,8 @@ __device__ __forceinline__ void attention_body(
     // that position does.
     int chunk = (max(32, (nkeys + nsplit - 1) / nsplit) + 31) & ~31;
     int ns = (nkeys + chunk - 1) / chunk;  // the splits holding keys of row t
-    if (s >= ns) return;
+    // (CL: a cluster's empty splits stay for its barriers, without keys)
+    if (s >= ns && !(CL && ns > 1)) return;
     int j0 = s * chunk, j1 = min(nkeys, j0 + chunk);
     int kvDim = kvHeads * hd;
     int kvh = h / (heads / kvHeads);
@@ -1069,6 +1103,45 @@ __device__ __forceinline__ void attention_body(
         }
         return;
     }
+    if constexpr (CL) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        // The row's splits are one cluster (rank s): each leaves its
+        // partials in its shared memory, split 0 merges them as the last
+        // split does below (the same operations in the same order), and
+        // the second barrier keeps the others until it has read them.
+        __shared__ float cacc[32 * VM];
+        __shared__ float2 cml, sml2[ATT_MAX_CLUSTER];
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float a = 0.f;
+            for (int i = 0; i < ATT_WARPS; i++) a += sacc[i][d] * f[i];
+            cacc[d] = a;
+        }
+        if (threadIdx.x == 0) cml = make_float2(M, L);
+        cluster_sync();
+        if (s == 0) {
+            for (int r = threadIdx.x; r < ns; r += blockDim.x) sml2[r] = ld_dsmem_f2(&cml, r);
+            __syncthreads();
+            M = -INFINITY;
+            for (int r = 0; r < ns; r++) M = fmaxf(M, sml2[r].x);
+            L = 0.f;
+            for (int r = 0; r < ns; r++) L += sml2[r].y * __expf(sml2[r].x - M);
+            for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+                float a = 0.f;
+                for (int r0 = 0; r0 < ns; r0 += ATT_MERGE_U) {
+                    float v[ATT_MERGE_U];
+#pragma unroll
+                    for (int u = 0; u < ATT_MERGE_U; u++) v[u] = ld_dsmem(&cacc[d], min(r0 + u, ns - 1));
+#pragma unroll
+                    for (int u = 0; u < ATT_MERGE_U; u++)
+                        if (r0 + u < ns) a += v[u] * __expf(sml2[r0 + u].x - M);
+                }
+                out[d] = a / L;
+            }
+        }
+        cluster_sync();
+#endif
+        return;
+    }
     size_t pi0 = ((size_t)t * heads + h) * nsplit, pi = pi0 + s;
     if (threadIdx.x == 0) { part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L; }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -1109,18 +1182,18 @@ __device__ __forceinline__ void attention_body(
 }
 
 // attention_run picks the warp step of head size hd.
-template <typename KV>
+template <typename KV, bool CL = false>
 __device__ __forceinline__ void attention_run(float* dst, const float* q, KV* kc, KV* vc, float* part_ml,
                                               float* part_acc, int* cnt, int heads, int kvHeads, int hd, int pos0,
                                               const int* dpos, float scale, int nsplit, KVQuant kq, AttNew nw) {
     // each warp's first step of keys and values (U·VM = 32 in both forms)
     __shared__ __align__(16) KV skv[ATT_WARPS * 2 * 32 * 32];
     if (hd <= 128)
-        attention_body<KV, 8, 4>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
-                                 kq, nw, skv);
+        attention_body<KV, 8, 4, CL>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale,
+                                     nsplit, kq, nw, skv);
     else
-        attention_body<KV, 4, 8>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
-                                 kq, nw, skv);
+        attention_body<KV, 4, 8, CL>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale,
+                                     nsplit, kq, nw, skv);
 }
 
 // Args (dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0,
@@ -1140,6 +1213,16 @@ extern "C" __global__ void __launch_bounds__(128) attention_f16(ATTENTION_ARGS(_
     attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit, KVQuant{},
                   AttNew{kn, vn, rtab, layout});
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The same with a row's splits as one thread block cluster (grid z, at most
+// ATT_MAX_CLUSTER), merged over distributed shared memory: no partials in
+// global memory, no arrival counter.
+extern "C" __global__ void __launch_bounds__(128) attention_f16_cl(ATTENTION_ARGS(__half)) {
+    attention_run<__half, true>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
+                                KVQuant{}, AttNew{kn, vn, rtab, layout});
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(128) attention_i8(ATTENTION_ARGS(int8_t), const float* __restrict__ ks,
                                                                const float* __restrict__ ko, const float* __restrict__ vs,
@@ -1681,6 +1764,138 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const f
 }
 
 // ---------------------------------------------------------------------------
+// Tensor parallelism: the all-reduce over peer memory (runtime/cuda/peer.go).
+//
+// Every rank of a group owns an exchange area in its GPU's memory that every
+// rank can address (peer access within a process, CUDA IPC across
+// processes), with AR_LANES lanes that each keep their own grid, flags and
+// stages (a small grid for the latency of small sums, the whole device for
+// large ones):
+//   u64   areas[AR_MAX_RANKS]                the group's areas, as this rank addresses them
+//   then per lane:
+//   u32   flags[AR_MAX_RANKS][AR_MAX_BLOCKS] flags[s][b]: the last call block b of rank s reached
+//   u32   calls[AR_MAX_BLOCKS]               the calls block b of this rank has made
+//   and from AR_HEADER + stage_off floats, per lane:
+//   float stage[2][world][cap]               stage[p][s]: rank s's values, by the call's parity p
+//                                            (lane 0: u64, allreduce_peer_ll)
+// In a call every rank runs the lane's grid on the same n. Block b numbers the
+// call e, writes its slice of x (float4 j with j mod gridDim == b) into
+// stage[e & 1][rank] of every peer (remote writes are posted, so the values
+// cross the link once without a round trip), tells every peer's block b that
+// it reached e, waits until every peer's block b has, then sums the slice
+// over the ranks in rank order (every rank gets the same bits) from x and
+// its own stage, local reads only, into x. Two stages suffice: block b
+// writes a peer's stage[e & 1] again in call e + 2, after that peer's block
+// b reached e + 1, which it started after its whole call e, the reads
+// included. A peer that does not arrive within timeout_ns traps (the
+// launch fails) instead of hanging.
+#define AR_MAX_RANKS 8
+#define AR_MAX_BLOCKS 128
+#define AR_LANES 2
+#define AR_LANE_SYNC (4 * (AR_MAX_RANKS + 1) * AR_MAX_BLOCKS)  // bytes of a lane's flags and calls
+#define AR_HEADER 16384
+static_assert(8 * AR_MAX_RANKS + AR_LANES * AR_LANE_SYNC <= AR_HEADER, "AR_HEADER");
+
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_relaxed_sys_u64(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// ar_call numbers this block's call of a lane whose call counters are
+// calls: thread 0 counts it in calls[blockIdx.x], every thread gets e.
+__device__ __forceinline__ unsigned ar_call(unsigned* calls) {
+    __shared__ unsigned s_call;
+    if (threadIdx.x == 0) {
+        unsigned e = calls[blockIdx.x] + 1;
+        calls[blockIdx.x] = e;
+        s_call = e;
+    }
+    __syncthreads();
+    return s_call;
+}
+
+// Lane 0's call counters (ar_call), and its stage[e & 1][sender] (u64 words,
+// allreduce_peer_ll) in the area at address area.
+__device__ __forceinline__ unsigned* ar_calls0(char* area) {
+    return reinterpret_cast<unsigned*>(area + 8 * AR_MAX_RANKS) + AR_MAX_RANKS * AR_MAX_BLOCKS;
+}
+__device__ __forceinline__ long long ar_stage0_off(long long stage_off, long long cap, unsigned e, int world,
+                                                   int sender) {
+    return AR_HEADER + 4 * stage_off + 8 * (((long long)(e & 1) * world + sender) * cap);
+}
+__device__ __forceinline__ unsigned long long* ar_stage0(unsigned long long area, long long stage_off, long long cap,
+                                                         unsigned e, int world, int sender) {
+    return reinterpret_cast<unsigned long long*>(area + ar_stage0_off(stage_off, cap, e, world, sender));
+}
+
+// A decode step's all-reduce may take its summands straight from the GEMV
+// that computes them (runtime/cuda/peer.go's MatMulAllReduce): the GEMV
+// writes each value it would store as lane 0's word (the value and the
+// call's number e) into stage[e & 1][rank] of every rank, its own included,
+// and allreduce_peer_ll with sent set only sums the words (the same sums in
+// the same order), without waiting for the GEMV to end: no launch boundary
+// between the product and the exchange. The GEMV takes e from the counter
+// of the all-reduce block that sums value i (i / 256 mod its grid: 256
+// threads, a value each), which that block advances only after it has
+// summed all its values, so every GEMV block reads it first; and the lane's
+// shape from the ArLane0 that ConnectPeerReduce writes at AR_LANE0.
+struct ArLane0 {
+    int rank, world, blocks, pad;
+    long long stage_off, cap;
+};
+#define AR_LANE0 (AR_HEADER - 64)
+static_assert(8 * AR_MAX_RANKS + AR_LANES * AR_LANE_SYNC <= AR_LANE0, "AR_LANE0");
+
+// ArSend is what a GEMV thread needs to send value i: the word's high half
+// (e), the offset of stage[e & 1][rank] in every area, and the first two
+// areas (the rest are loaded when sent). ar_send_to issues its loads, so a
+// GEMV calls it before its reductions and ar_send after them.
+struct ArSend {
+    unsigned long long hi, a0, a1;
+    const unsigned long long* areas;
+    long long off;
+    int world;
+};
+__device__ __forceinline__ ArSend ar_send_to(char* __restrict__ area, int i) {
+    const ArLane0* l = reinterpret_cast<const ArLane0*>(area + AR_LANE0);
+    int world = l->world;
+    unsigned e = __ldcg(ar_calls0(area) + (i >> 8) % l->blocks) + 1;
+    const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
+    ArSend s;
+    s.hi = (unsigned long long)e << 32;
+    s.a0 = areas[0];
+    s.a1 = world > 1 ? areas[1] : 0;
+    s.areas = areas;
+    s.off = ar_stage0_off(l->stage_off, l->cap, e, world, l->rank) + 8LL * i;
+    s.world = world;
+    return s;
+}
+__device__ __forceinline__ void ar_send(const ArSend& s, float v) {
+    unsigned long long w = s.hi | __float_as_uint(v);
+    for (int p = 0; p < s.world; p++) {
+        unsigned long long a = p == 0 ? s.a0 : p == 1 ? s.a1 : s.areas[p];
+        st_relaxed_sys_u64(reinterpret_cast<unsigned long long*>(a + s.off), w);
+    }
+}
+
+// ---------------------------------------------------------------------------
 // GEMV (few activation rows): y[m, n] = sum_k x[m, k] * W[n, k].
 // A block of 256 threads (8 warps) handles R output rows of one activation
 // row m = blockIdx.y; the threads split K in chunks of 8 consecutive k
@@ -1701,12 +1916,17 @@ __device__ __forceinline__ void load_x8(const float* __restrict__ x, int k, floa
     xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
 }
 
+// send (or null): the row is the summand of an all-reduce, sent to the
+// group's stages instead of stored (ar_send; m = 0).
 template <int R>
-__device__ __forceinline__ void gemv_finish(float (&acc)[R], float* __restrict__ y, int m, int N, int n0, int mode) {
+__device__ __forceinline__ void gemv_finish(float (&acc)[R], float* __restrict__ y, int m, int N, int n0, int mode,
+                                            char* __restrict__ send) {
     __shared__ float red[GEMV_THREADS / 32][R];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     // GEMV_ADD: the residual, loaded before the reduction hides its latency
     float yold = mode == GEMV_ADD && threadIdx.x < R && n0 + (int)threadIdx.x < N ? y[(size_t)m * N + n0 + threadIdx.x] : 0.f;
+    ArSend to;
+    if (send && threadIdx.x < R) to = ar_send_to(send, n0 + threadIdx.x);
 #pragma unroll
     for (int r = 0; r < R; r++) {
         float v = warp_sum(acc[r]);
@@ -1718,7 +1938,10 @@ __device__ __forceinline__ void gemv_finish(float (&acc)[R], float* __restrict__
         float v = 0.f;
 #pragma unroll
         for (int i = 0; i < GEMV_THREADS / 32; i++) v += red[i][r];
-        if (n0 + r < N) y[(size_t)m * N + n0 + r] = mode == GEMV_ADD ? yold + v : v;
+        if (mode == GEMV_ADD) v = yold + v;
+        if (n0 + r >= N) return;
+        if (send) ar_send(to, v);
+        else y[(size_t)m * N + n0 + r] = v;
     }
 }
 
@@ -1875,7 +2098,7 @@ __device__ __forceinline__ GemvSeg gemv_seg(int& bx, GEMV_SEGS) {
 template <int F, int R, int U, bool HACC>
 __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
                                           const float2* __restrict__ sz, const int* __restrict__ gidx, int N, int K,
-                                          int gs, int G, int bx, int mode) {
+                                          int gs, int G, int bx, int mode, char* __restrict__ send) {
     constexpr int NW = RawWords<F>::n;
     int m = blockIdx.y, n0 = bx * R;
     const float* xr = x + (size_t)m * K;
@@ -1899,7 +2122,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __
                 }
             }
         }
-        gemv_finish<R>(acc, y, m, N, n0, mode);
+        gemv_finish<R>(acc, y, m, N, n0, mode, send);
         return;
     }
     uint64_t pol = l2_evict_first();
@@ -1934,18 +2157,21 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __
             }
         }
     }
-    gemv_finish<R>(acc, y, m, N, n0, mode);
+    gemv_finish<R>(acc, y, m, N, n0, mode, send);
 }
 
-// gemv_<fmt>_r<R>u<U>[h](x, gidx, K, gs, G, mode, GEMV_SEGS); grid
-// (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/R); mode GEMV_STORE or GEMV_ADD.
+// gemv_<fmt>_r<R>u<U>[h](x, gidx, K, gs, G, mode, send, GEMV_SEGS); grid
+// (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/R); mode GEMV_STORE or GEMV_ADD;
+// send (or null, M = 1, one segment): y0 is an all-reduce's summand, sent
+// to the group whose area that is (ar_send).
 #define GEMV_ENTRY(name, F, R, U, H)                                                                            \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) name(const float* x, const int* gidx, int K,     \
-                                                                    int gs, int G, int mode, GEMV_SEGS) {       \
+                                                                    int gs, int G, int mode, char* send,        \
+                                                                    GEMV_SEGS) {                                \
         int bx = blockIdx.x;                                                                                    \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                  \
         PDL_ENTRY();                                                                                            \
-        gemv_body<F, R, U, H>(s.y, x, s.W, s.sz, gidx, s.N, K, gs, G, bx, mode);                                \
+        gemv_body<F, R, U, H>(s.y, x, s.W, s.sz, gidx, s.N, K, gs, G, bx, mode, send);                          \
     }
 GEMV_ENTRY(gemv_f32_r4u1, GF32, 4, 1, false)
 GEMV_ENTRY(gemv_f16_r4u2, GF16, 4, 2, false)
@@ -2124,8 +2350,10 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 //     the squares of its rows of y, yss[m·gridDim.x + block], for the _n
 //     kernel (gemv_q4_w4h_n, gemv_q4_w2h_n) that normalises y next: it
 //     takes 1/rms from those parts (xss, nss a row) instead of a pass over
-//     the row and a block reduction before its staging.
-// Args (x, xss, nss, permx, K, gs, G, nw, nb, eps, mode, yss, GEMV_SEGS);
+//     the row and a block reduction before its staging;
+//   - send set (M = 1, one segment, no yss): y is an all-reduce's summand,
+//     sent to the group whose area that is instead of stored (ar_send).
+// Args (x, xss, nss, permx, K, gs, G, nw, nb, eps, mode, yss, send, GEMV_SEGS);
 // grid (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/(8R)) (GEMV_SWIGLU: nb0 =
 // ceil(N_0/(4R)), one segment), block 256, dynamic shared memory 2 bytes a
 // feature for the staged x (6 with permx), with ASYNC then at a 16-byte
@@ -2165,7 +2393,8 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                                            const float2* __restrict__ sz, const void* __restrict__ Wu,
                                            const float2* __restrict__ szu, int N, int K, int gs, int G, int bx,
                                            const float* __restrict__ nw, const float* __restrict__ nb, float eps,
-                                           int mode, const uint4* __restrict__ permx, float* __restrict__ yss) {
+                                           int mode, const uint4* __restrict__ permx, float* __restrict__ yss,
+                                           char* __restrict__ send) {
     constexpr int KC = 32 * 32;  // k per chunk: 32 lanes x 32 k
     extern __shared__ uint4 xsh[];
     __shared__ float nsh[32];
@@ -2346,6 +2575,8 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             if constexpr (ASYNC) cp_async_commit();
         }
     }
+    ArSend to;  // its loads issued before the reduction
+    if (send && lane < R) to = ar_send_to(send, n0 + lane);
     // Every lane ends with every row's sum (butterfly reduction).
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
@@ -2362,7 +2593,8 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     } else {
         float v = mode == GEMV_ADD ? yold + mine : mine;
         bool own = lane < R && n0 + lane < N;
-        if (own) *yp = v;
+        if (own && send) ar_send(to, v);
+        else if (own) *yp = v;
         if (yss) {  // this block's part of the sums of squares of y's row
             float s2 = warp_sum(own ? v * v : 0.f);
             if (lane == 0) nsh[warp] = s2;
@@ -2379,11 +2611,11 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
 #define GEMVW_ENTRY(name, R, D, SUMS, MINB, ASYNC)                                                                  \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         name(const float* x, const float* xss, int nss, const uint4* permx, int K, int gs, int G, const float* nw,   \
-             const float* nb, float eps, int mode, float* yss, GEMV_SEGS) {                                          \
+             const float* nb, float eps, int mode, float* yss, char* send, GEMV_SEGS) {                              \
         int bx = blockIdx.x;                                                                                         \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
         gemvw_body<R, D, SUMS, ASYNC>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps, mode,    \
-                                      permx, yss);                                                                   \
+                                      permx, yss, send);                                                             \
     }
 GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2, false)
 GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2, false)
@@ -3750,74 +3982,10 @@ extern "C" __global__ void __launch_bounds__(1024) sample(int* __restrict__ out,
     }
 }
 
+
 // ---------------------------------------------------------------------------
-// Tensor parallelism: the all-reduce over peer memory (runtime/cuda/peer.go).
+// The all-reduce kernels (the protocol is described above ar_call).
 //
-// Every rank of a group owns an exchange area in its GPU's memory that every
-// rank can address (peer access within a process, CUDA IPC across
-// processes), with AR_LANES lanes that each keep their own grid, flags and
-// stages (a small grid for the latency of small sums, the whole device for
-// large ones):
-//   u64   areas[AR_MAX_RANKS]                the group's areas, as this rank addresses them
-//   then per lane:
-//   u32   flags[AR_MAX_RANKS][AR_MAX_BLOCKS] flags[s][b]: the last call block b of rank s reached
-//   u32   calls[AR_MAX_BLOCKS]               the calls block b of this rank has made
-//   and from AR_HEADER + stage_off floats, per lane:
-//   float stage[2][world][cap]               stage[p][s]: rank s's values, by the call's parity p
-//                                            (lane 0: u64, allreduce_peer_ll)
-// In a call every rank runs the lane's grid on the same n. Block b numbers the
-// call e, writes its slice of x (float4 j with j mod gridDim == b) into
-// stage[e & 1][rank] of every peer (remote writes are posted, so the values
-// cross the link once without a round trip), tells every peer's block b that
-// it reached e, waits until every peer's block b has, then sums the slice
-// over the ranks in rank order (every rank gets the same bits) from x and
-// its own stage, local reads only, into x. Two stages suffice: block b
-// writes a peer's stage[e & 1] again in call e + 2, after that peer's block
-// b reached e + 1, which it started after its whole call e, the reads
-// included. A peer that does not arrive within timeout_ns traps (the
-// launch fails) instead of hanging.
-#define AR_MAX_RANKS 8
-#define AR_MAX_BLOCKS 128
-#define AR_LANES 2
-#define AR_LANE_SYNC (4 * (AR_MAX_RANKS + 1) * AR_MAX_BLOCKS)  // bytes of a lane's flags and calls
-#define AR_HEADER 16384
-static_assert(8 * AR_MAX_RANKS + AR_LANES * AR_LANE_SYNC <= AR_HEADER, "AR_HEADER");
-
-__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long* p) {
-    unsigned long long v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_relaxed_sys_u64(unsigned long long* p, unsigned long long v) {
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// ar_call numbers this block's call of a lane whose call counters are
-// calls: thread 0 counts it in calls[blockIdx.x], every thread gets e.
-__device__ __forceinline__ unsigned ar_call(unsigned* calls) {
-    __shared__ unsigned s_call;
-    if (threadIdx.x == 0) {
-        unsigned e = calls[blockIdx.x] + 1;
-        calls[blockIdx.x] = e;
-        s_call = e;
-    }
-    __syncthreads();
-    return s_call;
-}
-
 // allreduce_peer_ll is allreduce_peer for lane 0 (the small sums of a
 // decode step) without the flag exchange, after NCCL's LL protocol: every
 // value crosses the link in one 8-byte store together with the call's
@@ -3830,6 +3998,12 @@ __device__ __forceinline__ unsigned ar_call(unsigned* calls) {
 // and the stage[e & 1] argument of allreduce_peer holds: a thread writes a
 // peer's word again in call e + 2, after it read that peer's word of call
 // e + 1, which the peer wrote after its call e ended.
+// sent: the GEMV before it sent this rank's values (ar_send), its own word
+// too, so the kernel does not wait for that GEMV (it reads nothing the GEMV
+// stores, and writes x[i] only after the word the GEMV made from x[i] with
+// a residual add; kernels before the GEMV have ended, it waited for them),
+// takes every value from its stage, and advances its block's call counter
+// only when it has summed them all (the GEMV's blocks read it first).
 // yss (or null; x one row): each block also writes the sum of the squares
 // of the sums it made, yss[block], as a residual add's GEMV does for the
 // normed GEMV after it (gemvw_body's yss).
@@ -3837,30 +4011,38 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer_ll(float* __res
                                                                     int world, char* __restrict__ area,
                                                                     long long stage_off, long long cap,
                                                                     unsigned long long timeout_ns,
-                                                                    float* __restrict__ yss) {
-    PDL_ENTRY();
+                                                                    float* __restrict__ yss, int sent) {
     const int b = blockIdx.x, t = threadIdx.x;
     const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
-    const unsigned e = ar_call(reinterpret_cast<unsigned*>(area + 8 * AR_MAX_RANKS) + AR_MAX_RANKS * AR_MAX_BLOCKS);  // lane 0's
-    auto stage_of = [&](int peer, int sender) {  // stage[e & 1][sender] in peer's area
-        return reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(areas[peer]) + AR_HEADER + 4 * stage_off) +
-               ((long long)(e & 1) * world + sender) * cap;
-    };
+    unsigned* calls = ar_calls0(area);
+    unsigned e;
+    if (sent) {
+        pdl_trigger();
+        __shared__ unsigned s_next;
+        if (t == 0) s_next = __ldcg(calls + b) + 1;
+        __syncthreads();
+        e = s_next;
+    } else {
+        PDL_ENTRY();
+        e = ar_call(calls);
+    }
     const long long step = (long long)gridDim.x * blockDim.x, i0 = (long long)b * blockDim.x + t;
     float ss = 0.f;
-    for (long long i = i0; i < n; i += step) {
-        unsigned long long w = (unsigned long long)e << 32 | __float_as_uint(x[i]);
-        for (int p = 0; p < world; p++)
-            if (p != rank) st_relaxed_sys_u64(stage_of(p, rank) + i, w);
+    if (!sent) {
+        for (long long i = i0; i < n; i += step) {
+            unsigned long long w = (unsigned long long)e << 32 | __float_as_uint(x[i]);
+            for (int p = 0; p < world; p++)
+                if (p != rank) st_relaxed_sys_u64(ar_stage0(areas[p], stage_off, cap, e, world, rank) + i, w);
+        }
     }
     for (long long i = i0; i < n; i += step) {
         float s = 0.f;
         for (int r = 0; r < world; r++) {
             float v;
-            if (r == rank) {
+            if (r == rank && !sent) {
                 v = x[i];
             } else {
-                const unsigned long long* f = stage_of(rank, r) + i;
+                const unsigned long long* f = ar_stage0(areas[rank], stage_off, cap, e, world, r) + i;
                 unsigned long long w = ld_relaxed_sys_u64(f), t0 = 0;
                 while ((unsigned)(w >> 32) != e) {
                     unsigned long long now = global_ns();
@@ -3879,6 +4061,10 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer_ll(float* __res
         __shared__ float sh[32];
         ss = block_sum(ss, sh);
         if (t == 0) yss[b] = ss;
+    }
+    if (sent) {
+        __syncthreads();
+        if (t == 0) calls[b] = e;
     }
 }
 

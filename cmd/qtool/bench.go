@@ -107,9 +107,12 @@ type modelResult struct {
 	DecodeGraphNoSumsTok float64 `json:"decode_graph_no_row_sums_tok_s"`
 	// DecodeGraphNoAsyncTok is DecodeGraphTok with the 4-bit GEMVs'
 	// rings in registers everywhere (cuda.Options.NoAsyncGEMV).
-	DecodeGraphNoAsyncTok float64        `json:"decode_graph_no_async_gemv_tok_s"`
-	RooflineTokS          float64        `json:"roofline_tok_s"`
-	Linears               []kernelResult `json:"linears"`
+	DecodeGraphNoAsyncTok float64 `json:"decode_graph_no_async_gemv_tok_s"`
+	// DecodeGraphNoClusterTok is DecodeGraphTok with the decode attention's
+	// splits merged through global memory (cuda.Options.NoClusterAttention).
+	DecodeGraphNoClusterTok float64        `json:"decode_graph_no_cluster_attention_tok_s"`
+	RooflineTokS            float64        `json:"roofline_tok_s"`
+	Linears                 []kernelResult `json:"linears"`
 }
 
 func runBench(c *cli.Context) error {
@@ -374,6 +377,10 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 		func(o *cuda.Options) { o.NoAsyncGEMV = true }); err != nil {
 		return res, err
 	}
+	if res.DecodeGraphNoClusterTok, err = decodeGraphTokS(b, rm, cache, prompt, maxSeq, next, steps,
+		func(o *cuda.Options) { o.NoClusterAttention = true }); err != nil {
+		return res, err
+	}
 
 	// Per-linear rates at M = 1 and M = prompt (layer 0 and the head), and
 	// the decode roofline: every weight read once per token (the embedding
@@ -439,8 +446,9 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 	fmt.Fprintf(out, "\nmodel %s (%s): weights %.2f GB, GPU memory used %.2f GB (incl. KV cache of %d positions)\n",
 		name, format, float64(weightBytes)/1e9, float64(res.GPUMemBytes)/1e9, maxSeq)
 	fmt.Fprintf(out, "  prefill %d tokens: %.0f tok/s\n", prompt, res.PrefillTokS)
-	fmt.Fprintf(out, "  decode batch 1: %.1f tok/s plain, %.1f tok/s CUDA graph (%.1f without dependent launches, %.1f without row sums, %.1f with the GEMV rings in registers); roofline %.1f tok/s (%.0f%% reached)\n",
-		res.DecodeTokS, res.DecodeGraphTok, res.DecodeGraphPlainTok, res.DecodeGraphNoSumsTok, res.DecodeGraphNoAsyncTok, res.RooflineTokS, 100*res.DecodeGraphTok/res.RooflineTokS)
+	fmt.Fprintf(out, "  decode batch 1: %.1f tok/s plain, %.1f tok/s CUDA graph (%.1f without dependent launches, %.1f without row sums, %.1f with the GEMV rings in registers, %.1f with the attention's splits merged through global memory); roofline %.1f tok/s (%.0f%% reached)\n",
+		res.DecodeTokS, res.DecodeGraphTok, res.DecodeGraphPlainTok, res.DecodeGraphNoSumsTok, res.DecodeGraphNoAsyncTok, res.DecodeGraphNoClusterTok,
+		res.RooflineTokS, 100*res.DecodeGraphTok/res.RooflineTokS)
 	for _, k := range res.Linears {
 		if k.M == 1 {
 			fmt.Fprintf(out, "  %-8s %-12s M=1   %8.1f us %7.0f GB/s (%.0f%% of copy)\n", k.Kernel, k.Shape, k.Seconds*1e6, k.GBs, k.RatioPct)

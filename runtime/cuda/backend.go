@@ -74,6 +74,10 @@ type Options struct {
 	// gemv_q4_w4a (the ring in shared memory) would run (for comparisons,
 	// like NoDependentLaunch).
 	NoAsyncGEMV bool
+	// NoClusterAttention runs the decode attention's splits as independent
+	// blocks merged through global memory (attention*), not as one cluster
+	// (attention_f16_cl, sm_90a; for comparisons, like NoDependentLaunch).
+	NoClusterAttention bool
 	// AttnSplit is the number of 64-key tiles a block of the prefill
 	// attention takes at most: 0 lets the launch's shape choose (attnSplit),
 	// a negative value gives every query tile one block (for comparisons,
@@ -105,9 +109,12 @@ type Backend struct {
 	// dynSmem is the dynamic shared memory limit set on each kernel that
 	// needed more than the default.
 	dynSmem map[string]int
-	// asyncSlots caches the blocks of gemv_q4_w4a a multiprocessor holds,
-	// by its dynamic shared memory (gemvAsyncSlots).
-	asyncSlots map[int]int
+	// resident caches the blocks of a kernel a multiprocessor holds at
+	// once, by kernel and dynamic shared memory (residentBlocks).
+	resident map[residentKey]int
+	// nonPortable holds the kernels allowed clusters of more than 8 blocks
+	// (clusterAttention).
+	nonPortable map[string]bool
 
 	// Kernel argument slots: ptrs[i] points at slots[i], or at a tensor
 	// map's bytes.
@@ -219,7 +226,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 	if opt.Device < 0 || opt.Device >= n {
 		return nil, fmt.Errorf("cuda: device %d requested, %d present: %w", opt.Device, n, ErrNoDriver)
 	}
-	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, dynSmem: map[string]int{}, asyncSlots: map[int]int{}, pool: map[int][]driver.DevicePtr{}, launched: map[string]int{},
+	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, dynSmem: map[string]int{}, resident: map[residentKey]int{}, nonPortable: map[string]bool{}, pool: map[int][]driver.DevicePtr{}, launched: map[string]int{},
 		owned: map[driver.DevicePtr]int{}, scratch: map[string]scratch{}, uploaded: map[string]int64{}, prof: map[string]float64{},
 		perms: map[string]driver.DevicePtr{}, permUsers: map[driver.DevicePtr]int{}}
 	for i := range b.slots {
@@ -303,10 +310,10 @@ func kernelNames() []string {
 }
 
 // hopperKernels are the kernels only the sm_90a PTX holds (wgmma: the
-// values of hopperGEMM, gluKernels and segsKernels), looked up where it is
-// loaded.
+// values of hopperGEMM, gluKernels and segsKernels; clusters: the decode
+// attention's attention_f16_cl), looked up where it is loaded.
 var hopperKernels = slices.Concat(slices.Sorted(maps.Values(hopperGEMM)), slices.Sorted(maps.Values(gluKernels)),
-	slices.Sorted(maps.Values(segsKernels)))
+	slices.Sorted(maps.Values(segsKernels)), []string{"attention_f16_cl"})
 
 // enter binds the context to the calling thread; call the result when done.
 func (b *Backend) enter() func() {
@@ -614,6 +621,12 @@ func (b *Backend) launch(name string, grid, block [3]uint32, args ...any) {
 
 // launchShm launches with shm bytes of dynamic shared memory.
 func (b *Backend) launchShm(name string, grid, block [3]uint32, shm int, args ...any) {
+	b.launchCluster(name, grid, block, [3]uint32{}, shm, args...)
+}
+
+// launchCluster launches with the grid's blocks in clusters of cluster
+// blocks (none where cluster is zero) and shm bytes of dynamic shared memory.
+func (b *Backend) launchCluster(name string, grid, block, cluster [3]uint32, shm int, args ...any) {
 	f, ok := b.fn[name]
 	if !ok {
 		panic("cuda backend: unknown kernel " + name)
@@ -654,9 +667,13 @@ func (b *Backend) launchShm(name string, grid, block [3]uint32, shm int, args ..
 	if timed {
 		start = b.markKernelStart()
 	}
-	if b.dependent[name] && !b.opt.NoDependentLaunch {
+	dep := b.dependent[name] && !b.opt.NoDependentLaunch
+	switch {
+	case cluster != [3]uint32{}:
+		b.must(b.drv.LaunchCluster(f, grid, block, cluster, uint32(shm), b.stream, &b.ptrs[0], dep))
+	case dep:
 		b.must(b.drv.LaunchDependent(f, grid, block, uint32(shm), b.stream, &b.ptrs[0]))
-	} else {
+	default:
 		b.must(b.drv.Launch(f, grid, block, uint32(shm), b.stream, &b.ptrs[0]))
 	}
 	if timed {
@@ -1167,8 +1184,35 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 	if kc.quant != 0 {
 		args = append(args, kc.quantArgs(layer)...)
 	}
-	b.launch(kc.kernel("attention"), [3]uint32{uint32(heads), uint32(T), uint32(nsplit)}, [3]uint32{128, 1, 1}, args...)
+	grid := [3]uint32{uint32(heads), uint32(T), uint32(nsplit)}
+	if name := kc.kernel("attention") + "_cl"; nsplit > 1 && b.clusterAttention(name, nsplit) {
+		// the row's splits as one cluster, merged in distributed shared memory
+		b.launchCluster(name, grid, [3]uint32{128, 1, 1}, [3]uint32{1, 1, uint32(nsplit)}, 0, args...)
+		return
+	}
+	b.launch(kc.kernel("attention"), grid, [3]uint32{128, 1, 1}, args...)
 }
+
+// clusterAttention reports whether the decode attention kernel name (a
+// Hopper kernel, see attention_f16_cl) runs nsplit splits as one cluster:
+// at most attnMaxCluster, more than 8 only where the kernel allows
+// non-portable cluster sizes.
+func (b *Backend) clusterAttention(name string, nsplit int) bool {
+	if _, ok := b.fn[name]; !ok || b.opt.NoClusterAttention || nsplit > attnMaxCluster {
+		return false
+	}
+	if nsplit > 8 && !b.nonPortable[name] {
+		if err := b.drv.SetFuncAttribute(b.fn[name], driver.FuncAttrNonPortableClusterSize, 1); err != nil {
+			return false
+		}
+		b.nonPortable[name] = true
+	}
+	return true
+}
+
+// attnMaxCluster is ATT_MAX_CLUSTER: the splits a cluster launch of the
+// decode attention merges at most.
+const attnMaxCluster = 16
 
 // attnQuantOut reports whether the prefill attention of T rows writes its
 // output as the int8 input of o (attn_tc_f16_q: o W8A8 with a static

@@ -7,6 +7,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
@@ -239,7 +240,7 @@ func TestMatMul(t *testing.T) {
 			}
 		}
 		for _, k := range hopperKernels {
-			if b.wgmma && !ran[k] && k != "gemm_wg_s8" && !strings.HasSuffix(k, "_glu") && !strings.HasSuffix(k, "_segs") && !t.Failed() { // TestW8A8, TestGLUPair, TestMatMulNHopper
+			if b.wgmma && !ran[k] && strings.HasPrefix(k, "gemm_") && k != "gemm_wg_s8" && !strings.HasSuffix(k, "_glu") && !strings.HasSuffix(k, "_segs") && !t.Failed() { // TestW8A8, TestGLUPair, TestMatMulNHopper; attention_f16_cl: TestAttention
 				t.Errorf("no case runs the Hopper GEMM %s", k)
 			}
 		}
@@ -633,7 +634,17 @@ func TestAttention(t *testing.T) {
 					b.opt.AttnSplit = sp
 					d := poisoned(b, tc.T, heads*hd)
 					b.Attention(d, qb, c, 1, tc.pos0, heads, kvHeads, hd)
-					checkClose(t, fmt.Sprintf("attention, split %d", sp), download(b, d), want, 1e-5)
+					got := download(b, d)
+					checkClose(t, fmt.Sprintf("attention, split %d", sp), got, want, 1e-5)
+					if _, ok := b.fn["attention_f16_cl"]; ok && tc.T < attnTCMinRows {
+						// the splits merged in a cluster: the same operations
+						b.opt.NoClusterAttention = true
+						b.Attention(d, qb, c, 1, tc.pos0, heads, kvHeads, hd)
+						b.opt.NoClusterAttention = false
+						if g := download(b, d); !slices.Equal(g, got) {
+							t.Errorf("attention merged in a cluster differs from the merge through global memory")
+						}
+					}
 					b.Free(d)
 				}
 			})

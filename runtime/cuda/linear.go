@@ -1119,11 +1119,14 @@ type gemvSeg struct {
 
 // gemvEpi is what a GEMV launch fuses around its products (qtool.cu's
 // GEMV_STORE, GEMV_ADD, GEMV_SWIGLU; the input's RMSNorm with weight nw and
-// bias nb, streaming kernel only).
+// bias nb, streaming kernel only); send (one row, one segment, no split-K)
+// sends the row to the peer-memory group whose area that is as an
+// all-reduce's summand instead of storing it (MatMulAllReduce).
 type gemvEpi struct {
 	mode   int
 	nw, nb driver.DevicePtr
 	eps    float32
+	send   driver.DevicePtr
 }
 
 const (
@@ -1499,6 +1502,9 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		s = b.permuted(s, l.perm)
 	}
 	if R <= 0 { // split-K kernel with -R rows per warp, one weight, stored
+		if epi.send != 0 {
+			panic("cuda backend: " + name + " sends no all-reduce summands")
+		}
 		N := l.out
 		d := segs[0].d
 		kl := 32
@@ -1545,10 +1551,10 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	grid := [3]uint32{uint32(blocks), uint32(M), 1}
 	if R == gemvStreamRowsTag {
 		var yss driver.DevicePtr // the residual's sums of squares
-		if epi.mode == gemvAdd {
+		if epi.mode == gemvAdd && epi.send == 0 {
 			yss = b.sumsOut(segs[0].d, blocks)
 		}
-		args := []any{s.p, in.p, in.n, stagedPerm(l), K, l.gs, l.groups, epi.nw, epi.nb, epi.eps, epi.mode, yss}
+		args := []any{s.p, in.p, in.n, stagedPerm(l), K, l.gs, l.groups, epi.nw, epi.nb, epi.eps, epi.mode, yss, epi.send}
 		b.launchShm(name, grid, block256, shm, append(args, segArgs...)...)
 		b.wroteSums(segs[0].d, yss, blocks)
 		return
@@ -1556,7 +1562,7 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	if epi.nw != 0 || epi.mode == gemvSwiGLU {
 		panic("cuda backend: " + name + " fuses no norm or SwiGLU")
 	}
-	b.launch(name, grid, block256, append([]any{s.p, l.gidx, K, l.gs, l.groups, epi.mode}, segArgs...)...)
+	b.launch(name, grid, block256, append([]any{s.p, l.gidx, K, l.gs, l.groups, epi.mode, epi.send}, segArgs...)...)
 }
 
 // attrMaxDynSmem is CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
@@ -1618,19 +1624,31 @@ func streamSmem(name string, l *Linear) int {
 // multiprocessor holds at once (registers allow three; the shared memory
 // decides).
 func (b *Backend) gemvAsyncSlots(l *Linear) int {
-	shm := streamSmem("gemv_q4_w4a", l)
-	n, ok := b.asyncSlots[shm]
+	return b.residentBlocks("gemv_q4_w4a", streamSmem("gemv_q4_w4a", l))
+}
+
+// residentBlocks is the blocks of 256 threads of kernel name with shm
+// bytes of dynamic shared memory one multiprocessor holds at once. It is
+// also called outside a launch (GEMVKernel); an _n twin's limit is raised
+// at its launch (gemv).
+func (b *Backend) residentBlocks(name string, shm int) int {
+	k := residentKey{name, shm}
+	n, ok := b.resident[k]
 	if !ok {
-		// also called outside a launch (GEMVKernel); the _n twin's limit
-		// is raised at its launch (gemv)
 		defer b.enter()()
-		b.raiseSmem("gemv_q4_w4a", shm)
+		b.raiseSmem(name, shm)
 		var err error
-		n, err = b.drv.MaxActiveBlocks(b.fn["gemv_q4_w4a"], 256, shm)
+		n, err = b.drv.MaxActiveBlocks(b.fn[name], 256, shm)
 		b.must(err)
-		b.asyncSlots[shm] = n
+		b.resident[k] = n
 	}
 	return n
+}
+
+// residentKey is a kernel and its dynamic shared memory.
+type residentKey struct {
+	name string
+	shm  int
 }
 
 // waveFill is the share of the block slots of a launch's last wave (and

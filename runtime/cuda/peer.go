@@ -251,9 +251,18 @@ func (b *Backend) ConnectPeerReduce(ends [][]byte) (err error) {
 	}
 	p.lanes[0].blocks = max(1, min(peerSmallBlocks, smallest))
 	p.lanes[1].blocks = max(1, min(peerLargeBlocks, smallest))
+	// lane 0's shape for the GEMVs that send to it (qtool.cu's ArLane0)
+	l0 := p.lanes[0]
+	desc := [4]int64{int64(p.rank) | int64(p.world)<<32, int64(l0.blocks), int64(l0.stageOff), int64(l0.stride)}
+	if err := b.drv.MemcpyHtoD(p.area+peerLane0, unsafe.Pointer(&desc[0]), uint64(8*len(desc))); err != nil {
+		return err
+	}
 	p.connected = true
 	return nil
 }
+
+// peerLane0 is where lane 0's shape lies in an area (AR_LANE0).
+const peerLane0 = peerHeader - 64
 
 // peerReduceCap is how many values AllReducePeer sums a call (0 without a
 // connected group).
@@ -283,19 +292,63 @@ func (b *Backend) AllReducePeer(x runtime.Buf) {
 	if d.n() > p.lanes[0].capFloats {
 		lane = 1
 	}
-	l := p.lanes[lane]
 	if lane == 0 { // the values and the call's number in one store: no flag exchange
-		var yss driver.DevicePtr // a decode row's sums of squares for the normed GEMV after it (rowsums.go)
-		if d.rows == 1 {
-			yss = b.sumsOut(d, l.blocks)
-		}
-		b.launch("allreduce_peer_ll", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
-			int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), yss)
-		b.wroteSums(d, yss, l.blocks)
+		b.allReduceLL(d, false)
 		return
 	}
+	l := p.lanes[lane]
 	b.launch("allreduce_peer", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
 		lane, int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()))
+}
+
+// allReduceLL launches lane 0's all-reduce of d (allreduce_peer_ll), whose
+// summands the GEMV before it sent where sent is set (MatMulAllReduce).
+func (b *Backend) allReduceLL(d *Buf, sent bool) {
+	p := b.peer
+	l := p.lanes[0]
+	var yss driver.DevicePtr // a decode row's sums of squares for the normed GEMV after it (rowsums.go)
+	if d.rows == 1 {
+		yss = b.sumsOut(d, l.blocks)
+	}
+	sentArg := 0
+	if sent {
+		sentArg = 1
+	}
+	b.launch("allreduce_peer_ll", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
+		int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), yss, sentArg)
+	b.wroteSums(d, yss, l.blocks)
+}
+
+// MatMulAllReduce queues dst = x·Wᵀ (dst + x·Wᵀ where add is set) summed
+// over the peer-memory group, as MatMul (or MatMulAdd) and AllReducePeer
+// of dst would, bit for bit, but with the GEMV sending its values straight
+// into the group's stages and the all-reduce summing them without waiting
+// for the GEMV to end (qtool.cu's ar_send): one launch boundary less. It
+// queues nothing and returns false where it cannot: not one row within the
+// small all-reduce's capacity, a product that does not run as a GEMV that
+// sends (the split-K GEMV, W8A8, a tensor-core GEMM), or a GEMV of more
+// blocks than the device holds at once (gemvOneWave); the caller then runs
+// the two. The ranks may choose differently: either way a rank's values
+// reach the others in the same words.
+func (b *Backend) MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool) bool {
+	p, d, s, l := b.peer, buf(dst), buf(x), lin(w)
+	if s.cols != l.in || d.cols != l.out || d.rows != s.rows || d.p == s.p {
+		panic(fmt.Sprintf("cuda backend: MatMulAllReduce [%d %d] <- [%d %d] x [%d %d]ᵀ", d.rows, d.cols, s.rows, s.cols, l.out, l.in))
+	}
+	if p == nil || !p.connected || s.rows != 1 || d.n() > p.lanes[0].capFloats {
+		return false
+	}
+	if _, _, ok := b.gemvPlan([]gemvSeg{{d, l}}, 1); !ok || !b.gemvOneWave(l) { // W8A8, a GEMM, the split-K GEMV
+		return false
+	}
+	defer b.enter()()
+	epi := gemvEpi{send: p.area}
+	if add {
+		epi.mode = gemvAdd
+	}
+	b.gemv(s, []gemvSeg{{d, l}}, epi)
+	b.allReduceLL(d, true)
+	return true
 }
 
 // ClosePeerReduce leaves the peer-memory group (nothing outside one).
@@ -323,4 +376,21 @@ func (b *Backend) closePeer() error {
 	}
 	errs = append(errs, b.drv.MemFree(p.area))
 	return errors.Join(errs...)
+}
+
+// gemvOneWave reports whether the blocks of a one-row GEMV of l all run at
+// once. Only such a GEMV sends its row (MatMulAllReduce): one of several
+// waves pays for sending in every wave (measured at TP=2 on two H100s:
+// bf16 o and down, 2.6 waves of gemv_bf16_r4u2, lost 1.8 % of decode with
+// it, whether the all-reduce started beside the GEMV or after it, and with
+// the sending loads issued before the products; the 4-bit ones, one wave of
+// gemv_q4_w2h, gained 5 %). Presumably a block's stores to the peers hold
+// it until they complete.
+func (b *Backend) gemvOneWave(l *Linear) bool {
+	name, R := b.gemvKernel(l, 1, l.out)
+	rows, shm := R, 0
+	if R == gemvStreamRowsTag {
+		rows, shm = gemvStreamRows(name), streamSmem(name, l)
+	}
+	return (l.out+rows-1)/rows <= b.residentBlocks(name, shm)*b.sms
 }

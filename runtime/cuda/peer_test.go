@@ -2,13 +2,17 @@ package cuda
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"qtool/runtime"
 )
 
 // peerGroup makes world backends of the first GPU (one stream each) a
@@ -104,6 +108,116 @@ func checkPeerRowSums(t *testing.T, b *Backend, x *Buf, got []float32, want bool
 	}
 	if math.Abs(sum-ref) > 1e-5*ref {
 		t.Fatalf("%d values: the row sums' parts add up to %v, Σ x² = %v", len(got), sum, ref)
+	}
+}
+
+// TestMatMulAllReduce checks the products whose GEMV sends its row to the
+// all-reduce (MatMulAllReduce) against MatMul (MatMulAdd on rank 0, as the
+// tensor-parallel backend runs o and down) followed by AllReducePeer: the
+// same bits on every rank and the row sums of the result, for every weight
+// case, over 2 and 3 ranks, with some ranks sending and the others not
+// (mixed); the cases whose product is not a sending GEMV (W8A8 aside:
+// the split-K GEMV; a bf16 weight of more rows than one wave of its GEMV's
+// blocks) must refuse and queue nothing. Sending and plain calls
+// alternate, so both stages and both ways of counting calls serve.
+func TestMatMulAllReduce(t *testing.T) {
+	for _, world := range []int{2, 3} {
+		ranks := peerGroup(t, world, 1<<16, time.Minute)
+		r := rand.New(rand.NewPCG(uint64(world), 11))
+		sent := map[string]bool{}
+		type shape struct {
+			wc weightCase
+			N  int
+		}
+		var shapes []shape
+		for _, wc := range weightCases {
+			shapes = append(shapes, shape{wc, rowsFor(ranks[0], wc, 198)})
+			switch wc.name {
+			case "bf16": // 4 rows a block, at most 8 blocks a multiprocessor: several waves
+				shapes = append(shapes, shape{wc, 4*8*ranks[0].sms + 6})
+			case "awq-int4-g128-tall": // one wave of gemv_q4_w4h (two blocks of 32 rows a multiprocessor)
+				shapes = append(shapes, shape{wc, 64 * ranks[0].sms})
+			}
+		}
+		for _, sh := range shapes {
+			wc, N := sh.wc, sh.N
+			K := 256
+			if wc.k > 0 {
+				K = wc.k
+			}
+			ws := make([]runtime.Linear, world)
+			xs := make([]*Buf, world)
+			for q, b := range ranks {
+				ws[q] = uploadWeights(t, b, r, wc, fmt.Sprintf("n%d.r%d.", N, q), []int{N}, K)[0]
+				xs[q] = upload(b, 1, K, randVec(r, K, 1))
+			}
+			resid := randVec(r, N, 1)
+			name, _, sends := ranks[0].gemvPlan([]gemvSeg{{l: lin(ws[0])}}, 1)
+			sends = sends && ranks[0].gemvOneWave(lin(ws[0]))
+			for _, mode := range []string{"all", "mixed"} {
+				t.Run(fmt.Sprintf("world=%d/%s/N=%d/%s", world, wc.name, N, mode), func(t *testing.T) {
+					// every upload before any all-reduce is queued: a
+					// synchronous copy would wait for a rank's all-reduce,
+					// which waits for the ranks not queued yet
+					want, got := make([]*Buf, world), make([]*Buf, world)
+					for q, b := range ranks {
+						want[q], got[q] = upload(b, 1, N, resid), upload(b, 1, N, resid)
+					}
+					unsent := func(q int, d *Buf) { // the product, then the all-reduce
+						if q == 0 {
+							ranks[q].MatMulAdd(d, xs[q], ws[q])
+						} else {
+							ranks[q].MatMul(d, xs[q], ws[q])
+						}
+						ranks[q].AllReducePeer(d)
+					}
+					for q := range ranks {
+						unsent(q, want[q])
+					}
+					for q, b := range ranks {
+						if mode == "mixed" && q%2 == 1 {
+							unsent(q, got[q])
+							continue
+						}
+						before := b.launches
+						if ok := b.MatMulAllReduce(got[q], xs[q], ws[q], q == 0); ok != sends {
+							t.Fatalf("rank %d: MatMulAllReduce = %v, want %v (%s)", q, ok, sends, name)
+						} else if !ok {
+							if b.launches != before {
+								t.Fatalf("rank %d: a refused MatMulAllReduce launched %d kernels", q, b.launches-before)
+							}
+							unsent(q, got[q])
+						}
+					}
+					for q, b := range ranks {
+						g, w := download(b, got[q]), download(b, want[q])
+						if !slices.Equal(g, w) {
+							t.Errorf("rank %d: the sent all-reduce differs from MatMul and AllReducePeer (first values %v vs %v)", q, g[:4], w[:4])
+						}
+						checkPeerRowSums(t, b, got[q], g, true)
+						b.Free(got[q])
+						b.Free(want[q])
+					}
+					if sends {
+						sent[name] = true
+					}
+				})
+			}
+			for q, b := range ranks {
+				b.Free(xs[q])
+				b.FreeLinear(ws[q])
+			}
+		}
+		for _, k := range gemvKernels {
+			if k != "gemv_q4_sh" && !strings.HasSuffix(k, "_n") && !sent[k] && !t.Failed() {
+				t.Errorf("world %d: no case sends from the GEMV kernel %s", world, k)
+			}
+		}
+		for _, b := range ranks {
+			if err := b.ClosePeerReduce(); err != nil {
+				t.Fatal(err)
+			}
+		}
 	}
 }
 

@@ -433,6 +433,36 @@ func (d *Driver) LaunchDependent(f Function, grid, block [3]uint32, shmem uint32
 	return err
 }
 
+// attrClusterDimension is CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+// FuncAttrNonPortableClusterSize is
+// CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (clusters of more
+// than 8 blocks on sm_90).
+const (
+	attrClusterDimension           = 4
+	FuncAttrNonPortableClusterSize = 14
+)
+
+// LaunchCluster is Launch with the grid's blocks grouped in clusters of
+// cluster blocks (sm_90; each grid dimension a multiple of the cluster's),
+// as a programmatic dependent launch (LaunchDependent) when dependent is set.
+func (d *Driver) LaunchCluster(f Function, grid, block, cluster [3]uint32, shmem uint32, s Stream, params *unsafe.Pointer, dependent bool) error {
+	if d.cuLaunchKernelEx == nil {
+		return fmt.Errorf("cuda: cluster launches need cuLaunchKernelEx (a CUDA 12 driver)")
+	}
+	attrs := [2]launchAttr{{id: attrClusterDimension}, {id: attrProgrammaticStreamSerialization}}
+	attrs[0].value[0] = uint64(cluster[0]) | uint64(cluster[1])<<32 // struct {x, y, z uint32}
+	attrs[0].value[1] = uint64(cluster[2])
+	attrs[1].value[0] = 1
+	n := uint32(1)
+	if dependent {
+		n = 2
+	}
+	cfg := launchConfig{grid: grid, block: block, shmem: shmem, stream: s, attrs: &attrs[0], numAttrs: n}
+	err := d.check("cuLaunchKernelEx", d.cuLaunchKernelEx(&cfg, f, params, nil))
+	runtime.KeepAlive(&attrs)
+	return err
+}
+
 // TensorMap is a CUtensorMap: the description of a tensor in device memory
 // that the bulk tensor copy engine (TMA, sm_90) copies tiles of. Kernels
 // take it by value (a 128-byte parameter, 64-byte aligned).
