@@ -106,7 +106,9 @@ func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps flo
 
 // MatMulAdd implements runtime.Fused: with a row-parallel weight on fusing
 // ranks, rank 0 adds its partial product to the residual and the others
-// overwrite their copy with theirs, and the all-reduce sums them.
+// overwrite their copy with theirs, and the all-reduce sums them; over peer
+// memory each rank's GEMV sends its partial row to the all-reduce itself
+// where its backend can (PeerSender).
 func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 	d, s, l := bufOf(dst), bufOf(x), linearOf(w)
 	if !b.fused || l.split != shard.Row {
@@ -118,14 +120,34 @@ func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 	}
 	b.toSplit(s, l.ranges)
 	b.replicate(d)
-	b.each(func(r int) {
+	partial := func(r int) {
 		if r == 0 {
 			b.rankFused(r).MatMulAdd(d.parts[r], s.parts[r], l.parts[r])
 		} else {
 			b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r])
 		}
-	})
+	}
+	if n := d.rows * d.cols; n > 0 && b.PeerMemory(n) && !b.skipComm {
+		// the ranks may choose differently: the values cross in the same words
+		b.each(func(r int) {
+			if ps, ok := b.peer[r].(PeerSender); ok && ps.MatMulAllReduce(d.parts[r], s.parts[r], l.parts[r], r == 0) {
+				return
+			}
+			partial(r)
+			b.peer[r].AllReducePeer(d.parts[r])
+		})
+		return
+	}
+	b.each(partial)
 	b.allReduce(d)
+}
+
+// PeerSender is a PeerRank whose GEMV can send its product straight to the
+// all-reduce (the CUDA backend's MatMulAllReduce): dst = x·Wᵀ (dst + x·Wᵀ
+// where add is set) summed over the group, or false and nothing queued
+// where it cannot (the caller then runs the product and AllReducePeer).
+type PeerSender interface {
+	MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool) bool
 }
 
 // RoPEStoreKV implements runtime.Fused: each rank rotates its heads of q

@@ -22,8 +22,11 @@ import (
 const testdata = "../../../testdata"
 
 // The CUDA backend is what package tp drives as a device rank with the
-// all-reduce over peer memory.
-var _ tp.PeerRank = (*cuda.Backend)(nil)
+// all-reduce over peer memory, its GEMVs sending their rows to it.
+var (
+	_ tp.PeerRank   = (*cuda.Backend)(nil)
+	_ tp.PeerSender = (*cuda.Backend)(nil)
+)
 
 type reference struct {
 	LogitsInputIDs  []int     `json:"logits_input_ids"`
