@@ -112,9 +112,9 @@ type Backend struct {
 	// resident caches the blocks of a kernel a multiprocessor holds at
 	// once, by kernel and dynamic shared memory (residentBlocks).
 	resident map[residentKey]int
-	// nonPortable holds the kernels allowed clusters of more than 8 blocks
-	// (clusterAttention).
-	nonPortable map[string]bool
+	// attnClusterWide: attention_f16_cl may run clusters of more than 8
+	// blocks (clusterAttention).
+	attnClusterWide bool
 
 	// Kernel argument slots: ptrs[i] points at slots[i], or at a tensor
 	// map's bytes.
@@ -226,7 +226,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 	if opt.Device < 0 || opt.Device >= n {
 		return nil, fmt.Errorf("cuda: device %d requested, %d present: %w", opt.Device, n, ErrNoDriver)
 	}
-	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, dynSmem: map[string]int{}, resident: map[residentKey]int{}, nonPortable: map[string]bool{}, pool: map[int][]driver.DevicePtr{}, launched: map[string]int{},
+	b = &Backend{drv: drv, opt: opt, fn: map[string]driver.Function{}, dynSmem: map[string]int{}, resident: map[residentKey]int{}, pool: map[int][]driver.DevicePtr{}, launched: map[string]int{},
 		owned: map[driver.DevicePtr]int{}, scratch: map[string]scratch{}, uploaded: map[string]int64{}, prof: map[string]float64{},
 		perms: map[string]driver.DevicePtr{}, permUsers: map[driver.DevicePtr]int{}}
 	for i := range b.slots {
@@ -1185,27 +1185,28 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 		args = append(args, kc.quantArgs(layer)...)
 	}
 	grid := [3]uint32{uint32(heads), uint32(T), uint32(nsplit)}
-	if name := kc.kernel("attention") + "_cl"; nsplit > 1 && b.clusterAttention(name, nsplit) {
+	if kc.half && kc.quant == 0 && nsplit > 1 && b.clusterAttention(nsplit) { // attention_f16's cache
 		// the row's splits as one cluster, merged in distributed shared memory
-		b.launchCluster(name, grid, [3]uint32{128, 1, 1}, [3]uint32{1, 1, uint32(nsplit)}, 0, args...)
+		b.launchCluster("attention_f16_cl", grid, [3]uint32{128, 1, 1}, [3]uint32{1, 1, uint32(nsplit)}, 0, args...)
 		return
 	}
 	b.launch(kc.kernel("attention"), grid, [3]uint32{128, 1, 1}, args...)
 }
 
-// clusterAttention reports whether the decode attention kernel name (a
-// Hopper kernel, see attention_f16_cl) runs nsplit splits as one cluster:
-// at most attnMaxCluster, more than 8 only where the kernel allows
-// non-portable cluster sizes.
-func (b *Backend) clusterAttention(name string, nsplit int) bool {
-	if _, ok := b.fn[name]; !ok || b.opt.NoClusterAttention || nsplit > attnMaxCluster {
+// clusterAttention reports whether the decode attention of an fp16 cache
+// runs a row's nsplit splits as one cluster (attention_f16_cl, a Hopper
+// kernel): at most attnMaxCluster, more than 8 only once the kernel
+// allows non-portable cluster sizes.
+func (b *Backend) clusterAttention(nsplit int) bool {
+	f, ok := b.fn["attention_f16_cl"]
+	if !ok || b.opt.NoClusterAttention || nsplit > attnMaxCluster {
 		return false
 	}
-	if nsplit > 8 && !b.nonPortable[name] {
-		if err := b.drv.SetFuncAttribute(b.fn[name], driver.FuncAttrNonPortableClusterSize, 1); err != nil {
+	if nsplit > 8 && !b.attnClusterWide {
+		if err := b.drv.SetFuncAttribute(f, driver.FuncAttrNonPortableClusterSize, 1); err != nil {
 			return false
 		}
-		b.nonPortable[name] = true
+		b.attnClusterWide = true
 	}
 	return true
 }

@@ -1518,16 +1518,14 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		b.launch(name, [3]uint32{uint32(tiles), uint32(nks), uint32(M)}, block256, d.p, s.p, l.w, l.sz, part, cnt, N, K, l.gs, l.groups)
 		return
 	}
-	rows, shm := R, 0
+	rows, shm := gemvShape(name, R, l)
 	var in rowSums // x's sums of squares from its producer (rowsums.go)
 	if R == gemvStreamRowsTag {
-		rows = gemvStreamRows(name)
 		if in = b.sumsIn(s); in.p != 0 && epi.nw != 0 && l.perm == 0 {
 			name += "_n"
 		} else {
 			in = rowSums{}
 		}
-		shm = streamSmem(name, l)
 		b.raiseSmem(name, shm)
 	}
 	var seg [3]struct {
@@ -1593,6 +1591,16 @@ func gemvStream(l *Linear) (shm int, ok bool) {
 	}
 	ok = l.kind == kindQ4 && l.gidx == 0 && l.in%32 == 0 && l.gs%32 == 0 && shm <= gemvStreamMaxSmem
 	return shm, ok
+}
+
+// gemvShape is the output rows a block and the dynamic shared memory of
+// GEMV kernel name on l, R being gemvKernel's answer (not the split-K
+// kernel's).
+func gemvShape(name string, R int, l *Linear) (rows, shm int) {
+	if R != gemvStreamRowsTag {
+		return R, 0
+	}
+	return gemvStreamRows(name), streamSmem(name, l)
 }
 
 // gemvStreamRows is the rows per block of a streaming GEMV kernel: 8 warps

@@ -338,7 +338,7 @@ func (b *Backend) MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool
 	if p == nil || !p.connected || s.rows != 1 || d.n() > p.lanes[0].capFloats {
 		return false
 	}
-	if _, _, ok := b.gemvPlan([]gemvSeg{{d, l}}, 1); !ok || !b.gemvOneWave(l) { // W8A8, a GEMM, the split-K GEMV
+	if !b.gemvOneWave(l) { // W8A8, a GEMM, the split-K GEMV, several waves
 		return false
 	}
 	defer b.enter()()
@@ -378,8 +378,10 @@ func (b *Backend) closePeer() error {
 	return errors.Join(errs...)
 }
 
-// gemvOneWave reports whether the blocks of a one-row GEMV of l all run at
-// once. Only such a GEMV sends its row (MatMulAllReduce): one of several
+// gemvOneWave reports whether a one-row product with l runs as a GEMV
+// (gemvPlan: not W8A8, a tensor-core GEMM or the split-K GEMV) whose
+// blocks all run at once. Only such a GEMV sends its row
+// (MatMulAllReduce): one of several
 // waves pays for sending in every wave (measured at TP=2 on two H100s:
 // bf16 o and down, 2.6 waves of gemv_bf16_r4u2, lost 1.8 % of decode with
 // it, whether the all-reduce started beside the GEMV or after it, and with
@@ -387,10 +389,11 @@ func (b *Backend) closePeer() error {
 // gemv_q4_w2h, gained 5 %). Presumably a block's stores to the peers hold
 // it until they complete.
 func (b *Backend) gemvOneWave(l *Linear) bool {
-	name, R := b.gemvKernel(l, 1, l.out)
-	rows, shm := R, 0
-	if R == gemvStreamRowsTag {
-		rows, shm = gemvStreamRows(name), streamSmem(name, l)
+	name, _, ok := b.gemvPlan([]gemvSeg{{l: l}}, 1)
+	if !ok {
+		return false
 	}
+	_, R := b.gemvKernel(l, 1, l.out)
+	rows, shm := gemvShape(name, R, l)
 	return (l.out+rows-1)/rows <= b.residentBlocks(name, shm)*b.sms
 }

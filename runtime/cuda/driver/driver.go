@@ -425,11 +425,23 @@ func (d *Driver) LaunchDependent(f Function, grid, block [3]uint32, shmem uint32
 	if d.cuLaunchKernelEx == nil {
 		return d.Launch(f, grid, block, shmem, s, params)
 	}
-	attr := launchAttr{id: attrProgrammaticStreamSerialization}
-	attr.value[0] = 1
-	cfg := launchConfig{grid: grid, block: block, shmem: shmem, stream: s, attrs: &attr, numAttrs: 1}
+	var attrs [2]launchAttr
+	return d.launchEx(f, grid, block, shmem, s, params, &attrs, withSerialization(&attrs, 0))
+}
+
+// withSerialization sets attrs[n] to programmatic stream serialization and
+// returns the attributes' count.
+func withSerialization(attrs *[2]launchAttr, n int) int {
+	attrs[n] = launchAttr{id: attrProgrammaticStreamSerialization}
+	attrs[n].value[0] = 1
+	return n + 1
+}
+
+// launchEx launches f through cuLaunchKernelEx with the first n of attrs.
+func (d *Driver) launchEx(f Function, grid, block [3]uint32, shmem uint32, s Stream, params *unsafe.Pointer, attrs *[2]launchAttr, n int) error {
+	cfg := launchConfig{grid: grid, block: block, shmem: shmem, stream: s, attrs: &attrs[0], numAttrs: uint32(n)}
 	err := d.check("cuLaunchKernelEx", d.cuLaunchKernelEx(&cfg, f, params, nil))
-	runtime.KeepAlive(&attr)
+	runtime.KeepAlive(attrs)
 	return err
 }
 
@@ -449,18 +461,14 @@ func (d *Driver) LaunchCluster(f Function, grid, block, cluster [3]uint32, shmem
 	if d.cuLaunchKernelEx == nil {
 		return fmt.Errorf("cuda: cluster launches need cuLaunchKernelEx (a CUDA 12 driver)")
 	}
-	attrs := [2]launchAttr{{id: attrClusterDimension}, {id: attrProgrammaticStreamSerialization}}
+	attrs := [2]launchAttr{{id: attrClusterDimension}}
 	attrs[0].value[0] = uint64(cluster[0]) | uint64(cluster[1])<<32 // struct {x, y, z uint32}
 	attrs[0].value[1] = uint64(cluster[2])
-	attrs[1].value[0] = 1
-	n := uint32(1)
+	n := 1
 	if dependent {
-		n = 2
+		n = withSerialization(&attrs, n)
 	}
-	cfg := launchConfig{grid: grid, block: block, shmem: shmem, stream: s, attrs: &attrs[0], numAttrs: n}
-	err := d.check("cuLaunchKernelEx", d.cuLaunchKernelEx(&cfg, f, params, nil))
-	runtime.KeepAlive(&attrs)
-	return err
+	return d.launchEx(f, grid, block, shmem, s, params, &attrs, n)
 }
 
 // TensorMap is a CUtensorMap: the description of a tensor in device memory
