@@ -898,6 +898,33 @@ __device__ __forceinline__ float2 ld_dsmem_f2(const float2* p, unsigned rank) {
 }
 #define ATT_MAX_SPLITS 256  // the grid's splits at most (attnMaxSplits)
 #define ATT_MERGE_U 8      // partial sums a thread of the merge loads at once
+// att_merge writes the row's output from its ns splits' partials, in
+// split order whatever order they ran in: their (max, sum) pairs (ml(r))
+// read at once into sml, then each output value's ns partial sums
+// (acc(r, d)), ATT_MERGE_U loads in flight a thread. The global merge reads
+// them from memory, the cluster's from the splits' shared memory: the same
+// operations either way.
+template <typename ML, typename ACC>
+__device__ __forceinline__ void att_merge(float* __restrict__ out, int ns, int hd, float2* sml, ML ml, ACC acc) {
+    for (int r = threadIdx.x; r < ns; r += blockDim.x) sml[r] = ml(r);
+    __syncthreads();
+    float M = -INFINITY;
+    for (int r = 0; r < ns; r++) M = fmaxf(M, sml[r].x);
+    float L = 0.f;
+    for (int r = 0; r < ns; r++) L += sml[r].y * __expf(sml[r].x - M);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.f;
+        for (int r0 = 0; r0 < ns; r0 += ATT_MERGE_U) {
+            float v[ATT_MERGE_U];
+#pragma unroll
+            for (int u = 0; u < ATT_MERGE_U; u++) v[u] = acc(min(r0 + u, ns - 1), d);
+#pragma unroll
+            for (int u = 0; u < ATT_MERGE_U; u++)
+                if (r0 + u < ns) a += v[u] * __expf(sml[r0 + u].x - M);
+        }
+        out[d] = a / L;
+    }
+}
 // U keys a warp step, each lane holding VM values of a key (VM ≥ hd/32):
 // 8 keys of head size ≤ 128 or 4 of ≤ 256, the same registers; a warp
 // issues all its step's loads before it uses any.
@@ -1118,26 +1145,9 @@ __device__ __forceinline__ void attention_body(
         }
         if (threadIdx.x == 0) cml = make_float2(M, L);
         cluster_sync();
-        if (s == 0) {
-            for (int r = threadIdx.x; r < ns; r += blockDim.x) sml2[r] = ld_dsmem_f2(&cml, r);
-            __syncthreads();
-            M = -INFINITY;
-            for (int r = 0; r < ns; r++) M = fmaxf(M, sml2[r].x);
-            L = 0.f;
-            for (int r = 0; r < ns; r++) L += sml2[r].y * __expf(sml2[r].x - M);
-            for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-                float a = 0.f;
-                for (int r0 = 0; r0 < ns; r0 += ATT_MERGE_U) {
-                    float v[ATT_MERGE_U];
-#pragma unroll
-                    for (int u = 0; u < ATT_MERGE_U; u++) v[u] = ld_dsmem(&cacc[d], min(r0 + u, ns - 1));
-#pragma unroll
-                    for (int u = 0; u < ATT_MERGE_U; u++)
-                        if (r0 + u < ns) a += v[u] * __expf(sml2[r0 + u].x - M);
-                }
-                out[d] = a / L;
-            }
-        }
+        if (s == 0)
+            att_merge(out, ns, hd, sml2, [&](int r) { return ld_dsmem_f2(&cml, r); },
+                      [&](int r, int d) { return ld_dsmem(&cacc[d], r); });
         cluster_sync();
 #endif
         return;
@@ -1156,28 +1166,10 @@ __device__ __forceinline__ void attention_body(
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // The row's last split merges the ns partials (every split has keys):
-    // their (max, sum) pairs read at once into shared memory, then each
-    // output value's ns partial sums, ATT_MERGE_U loads in flight a thread.
+    // The row's last split merges the ns partials (every split has keys).
     __shared__ float2 sml[ATT_MAX_SPLITS];
-    for (int r = threadIdx.x; r < ns; r += blockDim.x) sml[r] = __ldcg(reinterpret_cast<const float2*>(part_ml) + pi0 + r);
-    __syncthreads();
-    M = -INFINITY;
-    for (int r = 0; r < ns; r++) M = fmaxf(M, sml[r].x);
-    L = 0.f;
-    for (int r = 0; r < ns; r++) L += sml[r].y * __expf(sml[r].x - M);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float a = 0.f;
-        for (int r0 = 0; r0 < ns; r0 += ATT_MERGE_U) {
-            float v[ATT_MERGE_U];
-#pragma unroll
-            for (int u = 0; u < ATT_MERGE_U; u++) v[u] = __ldcg(part_acc + (pi0 + min(r0 + u, ns - 1)) * hd + d);
-#pragma unroll
-            for (int u = 0; u < ATT_MERGE_U; u++)
-                if (r0 + u < ns) a += v[u] * __expf(sml[r0 + u].x - M);
-        }
-        out[d] = a / L;
-    }
+    att_merge(out, ns, hd, sml, [&](int r) { return __ldcg(reinterpret_cast<const float2*>(part_ml) + pi0 + r); },
+              [&](int r, int d) { return __ldcg(part_acc + (pi0 + r) * hd + d); });
     if (threadIdx.x == 0) cnt[ci] = 0;
 }
 
@@ -1819,12 +1811,14 @@ __device__ __forceinline__ void st_relaxed_sys_u64(unsigned long long* p, unsign
 }
 
 // ar_call numbers this block's call of a lane whose call counters are
-// calls: thread 0 counts it in calls[blockIdx.x], every thread gets e.
-__device__ __forceinline__ unsigned ar_call(unsigned* calls) {
+// calls: every thread gets e, one more than calls[blockIdx.x]; with advance
+// thread 0 counts it there at once (allreduce_peer_ll with sent counts it
+// when it has summed: the GEMVs that sent read the counter too).
+__device__ __forceinline__ unsigned ar_call(unsigned* calls, bool advance = true) {
     __shared__ unsigned s_call;
     if (threadIdx.x == 0) {
-        unsigned e = calls[blockIdx.x] + 1;
-        calls[blockIdx.x] = e;
+        unsigned e = __ldcg(calls + blockIdx.x) + 1;
+        if (advance) calls[blockIdx.x] = e;
         s_call = e;
     }
     __syncthreads();
@@ -4015,17 +4009,9 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer_ll(float* __res
     const int b = blockIdx.x, t = threadIdx.x;
     const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
     unsigned* calls = ar_calls0(area);
-    unsigned e;
-    if (sent) {
-        pdl_trigger();
-        __shared__ unsigned s_next;
-        if (t == 0) s_next = __ldcg(calls + b) + 1;
-        __syncthreads();
-        e = s_next;
-    } else {
-        PDL_ENTRY();
-        e = ar_call(calls);
-    }
+    if (sent) pdl_trigger();
+    else PDL_ENTRY();
+    const unsigned e = ar_call(calls, !sent);
     const long long step = (long long)gridDim.x * blockDim.x, i0 = (long long)b * blockDim.x + t;
     float ss = 0.f;
     if (!sent) {
