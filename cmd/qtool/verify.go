@@ -99,6 +99,9 @@ type verifyResult struct {
 	Scored     int      `json:"scored,omitempty"`
 	Seconds    float64  `json:"seconds,omitempty"`
 	TokensPerS float64  `json:"tokens_per_s,omitempty"`
+	// ChunkSeconds is each perplexity chunk's wall time, in order (a slow
+	// first chunk is warm-up; the rest show the steady rate).
+	ChunkSeconds []float64 `json:"chunk_seconds,omitempty"`
 	// Kernels are the kernel launches of the perplexity pass on the (first
 	// local rank's) CUDA device, by kernel.
 	Kernels map[string]int `json:"kernels,omitempty"`
@@ -237,7 +240,11 @@ func runVerify(c *cli.Context) (err error) {
 			return fmt.Errorf("verify: %w", err)
 		}
 		bar := chunkBar(c, stderr, total, "perplexity")
+		last := start
 		opt.Progress = func(done, total int, running float64) {
+			now := time.Now()
+			res.ChunkSeconds = append(res.ChunkSeconds, now.Sub(last).Seconds())
+			last = now
 			if bar == nil {
 				return
 			}

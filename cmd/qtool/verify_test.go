@@ -69,12 +69,14 @@ func TestVerifyJSON(t *testing.T) {
 				t.Fatal(err)
 			}
 			var res struct {
-				PPL        float64 `json:"ppl"`
-				Tokens     int     `json:"tokens"`
-				Chunks     int     `json:"chunks"`
-				Ctx        int     `json:"ctx"`
-				Protocol   string  `json:"protocol"`
-				Device     string  `json:"device"`
+				PPL        float64   `json:"ppl"`
+				Tokens     int       `json:"tokens"`
+				Chunks     int       `json:"chunks"`
+				Ctx        int       `json:"ctx"`
+				Protocol   string    `json:"protocol"`
+				Device     string    `json:"device"`
+				Seconds    float64   `json:"seconds"`
+				ChunkSecs  []float64 `json:"chunk_seconds"`
 				Generation struct {
 					IDs  []int  `json:"ids"`
 					Text string `json:"text"`
@@ -86,6 +88,13 @@ func TestVerifyJSON(t *testing.T) {
 			want := chunkPrefixPPL(t, name, "moby-test.raw", 3)
 			if math.Abs(res.PPL-want)/want > 2e-4 || res.Chunks != 3 || res.Ctx != 512 || res.Protocol != "gptq" || !strings.HasPrefix(res.Device, "cpu") {
 				t.Errorf("result %+v, want ppl %.6f over 3 chunks of 512 (gptq)", res, want)
+			}
+			sum := 0.0
+			for _, s := range res.ChunkSecs {
+				sum += s
+			}
+			if len(res.ChunkSecs) != 3 || sum <= 0 || sum > res.Seconds*(1+1e-9) {
+				t.Errorf("chunk_seconds %v (sum %g), want 3 times adding up to at most seconds %g", res.ChunkSecs, sum, res.Seconds)
 			}
 			if got := append(append([]int(nil), ref.PromptIDs...), res.Generation.IDs...); !equal(got, ref.IDs) {
 				t.Errorf("generated ids %v, want %v", res.Generation.IDs, ref.IDs[len(ref.PromptIDs):])
