@@ -1211,9 +1211,12 @@ func (b *Backend) clusterAttention(nsplit int) bool {
 	return true
 }
 
-// attnMaxCluster is ATT_MAX_CLUSTER: the splits a cluster launch of the
-// decode attention merges at most.
-const attnMaxCluster = 16
+// attnMaxCluster is the most splits a cluster launch of the decode
+// attention merges: the kernel holds ATT_MAX_CLUSTER (16), but on an H100
+// a row of 13 or more splits as one cluster made the graph decode 7–10 %
+// slower than the global merge, while 5 to 12 splits gained 0.7–1.6 %
+// (kernels/NOTES.md, seventeenth session).
+const attnMaxCluster = 12
 
 // attnQuantOut reports whether the prefill attention of T rows writes its
 // output as the int8 input of o (attn_tc_f16_q: o W8A8 with a static
