@@ -283,7 +283,7 @@ func NewNCCLCommunicator(devices []int) (*NCCLCommunicator, error) {
 		c.Close()
 		return nil, err
 	}
-	return c, c.makeStreams()
+	return c.ready()
 }
 
 // NewNCCLRankCommunicator creates the communicator of one process of a job
@@ -309,7 +309,62 @@ func NewNCCLRankCommunicator(world, rank, device int, id UniqueID) (*NCCLCommuni
 		c.Close()
 		return nil, fmt.Errorf("nccl: rank %d of %d on GPU %d: %w", rank, world, device, err)
 	}
-	return c, c.makeStreams()
+	return c.ready()
+}
+
+// ready makes the new communicator's streams and connections.
+func (c *NCCLCommunicator) ready() (*NCCLCommunicator, error) {
+	if err := c.makeStreams(); err != nil {
+		return nil, err
+	}
+	if err := c.connect(); err != nil {
+		c.Close()
+		return nil, fmt.Errorf("nccl: connecting the ranks: %w", err)
+	}
+	return c, nil
+}
+
+// connectFloats is the larger size, in floats a rank, of connect's
+// collectives (the smaller is 1 024): sizes of a decode step's and a
+// prefill's, so that NCCL connects what either picks.
+const connectFloats = 1 << 20
+
+// connect makes NCCL's connections before any timed work: NCCL otherwise
+// makes them at a communicator's first collective of each algorithm
+// (NCCL_RUNTIME_CONNECT's default), which with the ranks in one process
+// took ~27 ms of the first perplexity chunk (runtime/tp/README.md,
+// seventeenth session). It runs an all-reduce and an all-gather of two
+// sizes on the staging buffers (their values are of no use) and waits for
+// them; every process of a job calls it at the same point, as it does the
+// communicator's creation.
+func (c *NCCLCommunicator) connect() error {
+	n := len(c.comms)
+	send, recv, streams := make([]uint64, n), make([]uint64, n), make([]uintptr, n)
+	for r := range c.comms {
+		err := c.onRank(r, func() error {
+			p, err := c.staging(r, uint64(4*connectFloats*(1+c.world)))
+			send[r], recv[r] = uint64(p), uint64(p)+4*connectFloats
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		streams[r] = uintptr(c.streams[r])
+	}
+	for _, count := range []int{1 << 10, connectFloats} {
+		if err := c.AllReduceSumDevice(send, count, streams); err != nil {
+			return err
+		}
+		if err := c.AllGatherDevice(send, recv, count, streams); err != nil {
+			return err
+		}
+	}
+	for r := range c.comms {
+		if err := c.onRank(r, func() error { return c.drv.StreamSynchronize(c.streams[r]) }); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // openNCCL loads NCCL and the CUDA driver and retains the contexts of the
