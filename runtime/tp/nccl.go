@@ -334,9 +334,10 @@ const connectFloats = 1 << 20
 // (NCCL_RUNTIME_CONNECT's default), which with the ranks in one process
 // took ~27 ms of the first perplexity chunk (runtime/tp/README.md,
 // seventeenth session). It runs an all-reduce and an all-gather of two
-// sizes on the staging buffers (their values are of no use) and waits for
-// them; every process of a job calls it at the same point, as it does the
-// communicator's creation.
+// sizes on the staging buffers (their values are of no use; the buffers
+// keep that size, 4·2^20·(world+1) bytes a rank, for the host collectives)
+// and waits for them; every process of a job calls it at the same point,
+// as it does the communicator's creation.
 func (c *NCCLCommunicator) connect() error {
 	n := len(c.comms)
 	send, recv, streams := make([]uint64, n), make([]uint64, n), make([]uintptr, n)
