@@ -3976,7 +3976,6 @@ extern "C" __global__ void __launch_bounds__(1024) sample(int* __restrict__ out,
     }
 }
 
-
 // ---------------------------------------------------------------------------
 // The all-reduce kernels (the protocol is described above ar_call).
 //

@@ -380,14 +380,13 @@ func (b *Backend) closePeer() error {
 
 // gemvOneWave reports whether a one-row product with l runs as a GEMV
 // (gemvPlan: not W8A8, a tensor-core GEMM or the split-K GEMV) whose
-// blocks all run at once. Only such a GEMV sends its row
-// (MatMulAllReduce): one of several
-// waves pays for sending in every wave (measured at TP=2 on two H100s:
-// bf16 o and down, 2.6 waves of gemv_bf16_r4u2, lost 1.8 % of decode with
-// it, whether the all-reduce started beside the GEMV or after it, and with
-// the sending loads issued before the products; the 4-bit ones, one wave of
-// gemv_q4_w2h, gained 5 %). Presumably a block's stores to the peers hold
-// it until they complete.
+// blocks all run at once. Only such a GEMV sends its row (MatMulAllReduce):
+// one of several waves pays for sending in every wave (measured at TP=2 on
+// two H100s: bf16 o and down, 2.6 waves of gemv_bf16_r4u2, lost 1.5–2.5 %
+// of decode with it, whether the all-reduce started beside the GEMV or
+// after it, and with the sending loads issued before the products; the
+// 4-bit ones, one wave of gemv_q4_w2h, gained 5 %). Presumably a block's
+// stores to the peers hold it until they complete.
 func (b *Backend) gemvOneWave(l *Linear) bool {
 	name, _, ok := b.gemvPlan([]gemvSeg{{l: l}}, 1)
 	if !ok {
