@@ -9,7 +9,8 @@
 //   - q4 weights: uint32 [N, K/8], 8 consecutive k per word, element e at bit
 //     ((e & 1) ? 16 : 0) + (e >> 1) * 4 (the order the LOP3 trick unpacks),
 //     unsigned codes u in 0..15; sz = float2 {scale, bits of half2(1024+z)};
-//     value = (u - z) * scale;
+//     value = (u - z) * scale; the streaming GEMVs read a copy of sz in the
+//     half form where the scales allow it (Q4Group);
 //   - every kernel is extern "C" so the Go side can look it up by name.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -95,6 +96,22 @@ __device__ __forceinline__ float load_dense(const void* p, size_t i, int dt) {
     return ((const float*)p)[i];
 }
 __device__ __forceinline__ int q4_shift(int e) { return ((e & 1) ? 16 : 0) + (e >> 1) * 4; }
+// The streaming GEMVs read a 4-bit weight's {scale, zero} per (row, group)
+// in one of two forms: where every scale of the weight is an fp16 value
+// (AutoAWQ, GPTQ and ak48 store fp16 scales) the half form, a 32-bit word,
+// the scale in its low half and half(1024 + z) in its high half (a copy of
+// sz, Linear.szh on the Go side: a decode step reads 5 % fewer bytes);
+// else sz's float2 {fp32 scale, bits of half2(1024 + z)}. Q4Group is
+// either, read.
+struct Q4Group {
+    float scale;
+    __half2 z1024;  // half2(1024 + z)
+};
+__device__ __forceinline__ Q4Group q4_group_of(uint32_t g) {
+    __half2 h = *reinterpret_cast<__half2*>(&g);
+    return Q4Group{__low2float(h), __high2half2(h)};
+}
+__device__ __forceinline__ Q4Group q4_group_of(float2 g) { return Q4Group{g.x, *reinterpret_cast<__half2*>(&g.y)}; }
 // two floats rounded to a half2, a in the low half
 __device__ __forceinline__ uint32_t pack_h2(float a, float b) {
     __half2 h = __floats2half2_rn(a, b);
@@ -162,6 +179,10 @@ __device__ __forceinline__ float2 ldg_once_f2(const float2* g, uint64_t pol) {
 __device__ __forceinline__ void cp_async16_once(void* s, const void* g, uint64_t pol) {
     uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(a), "l"(g), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void cp_async4_once(void* s, const void* g, uint64_t pol) {
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, %2;\n" ::"r"(a), "l"(g), "l"(pol) : "memory");
 }
 __device__ __forceinline__ void cp_async8_once(void* s, const void* g, uint64_t pol) {
     uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
@@ -2074,12 +2095,12 @@ __device__ __forceinline__ float gw_dot(const uint32_t* raw, const float* xv, fl
 struct GemvSeg {
     float* y;
     const void* W;
-    const float2* sz;
+    const void* sz;  // float2 {scale, zero}; the streaming kernels': either form of Q4Group
     int N;
 };
-#define GEMV_SEGS                                                                                               \
-    float *y0, const void *W0, const float2 *sz0, int N0, int nb0, float *y1, const void *W1, const float2 *sz1, \
-        int N1, int nb1, float *y2, const void *W2, const float2 *sz2, int N2
+#define GEMV_SEGS                                                                                           \
+    float *y0, const void *W0, const void *sz0, int N0, int nb0, float *y1, const void *W1, const void *sz1, \
+        int N1, int nb1, float *y2, const void *W2, const void *sz2, int N2
 // gemv_seg picks block bx's segment and makes bx its block within it.
 __device__ __forceinline__ GemvSeg gemv_seg(int& bx, GEMV_SEGS) {
     if (bx < nb0) return GemvSeg{y0, W0, sz0, N0};
@@ -2165,7 +2186,7 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __
         int bx = blockIdx.x;                                                                                    \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                  \
         PDL_ENTRY();                                                                                            \
-        gemv_body<F, R, U, H>(s.y, x, s.W, s.sz, gidx, s.N, K, gs, G, bx, mode, send);                          \
+        gemv_body<F, R, U, H>(s.y, x, s.W, static_cast<const float2*>(s.sz), gidx, s.N, K, gs, G, bx, mode, send); \
     }
 GEMV_ENTRY(gemv_f32_r4u1, GF32, 4, 1, false)
 GEMV_ENTRY(gemv_f16_r4u2, GF16, 4, 2, false)
@@ -2351,8 +2372,8 @@ GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
 // grid (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/(8R)) (GEMV_SWIGLU: nb0 =
 // ceil(N_0/(4R)), one segment), block 256, dynamic shared memory 2 bytes a
 // feature for the staged x (6 with permx), with ASYNC then at a 16-byte
-// boundary the ring: D·R·256 16-byte weight slots and as many 8-byte
-// {scale, zero} slots.
+// boundary the ring: D·R·256 16-byte weight slots and as many {scale,
+// zero} slots (4 bytes in the half form HS, else 8; Q4Group).
 // The register ring's loads keep the default L2 policy: with evict-first
 // these kernels lost 5–6 points of copy bandwidth (kernels/NOTES.md).
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
@@ -2381,11 +2402,12 @@ __device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const f
 // SUMS (with nw set): the kernel that wrote x also wrote the sums of the
 // squares of its row in nss parts (xss; see yss), so the block takes 1/rms
 // from them instead of reading the whole row once more before staging it.
-template <int R, int D, bool SUMS, bool ASYNC = false>
+// HS: the scales are in the half form (Q4Group), one word a group.
+template <int R, int D, bool SUMS, bool ASYNC, bool HS>
 __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x,
                                            const float* __restrict__ xss, int nss, const void* __restrict__ W,
-                                           const float2* __restrict__ sz, const void* __restrict__ Wu,
-                                           const float2* __restrict__ szu, int N, int K, int gs, int G, int bx,
+                                           const void* __restrict__ sz, const void* __restrict__ Wu,
+                                           const void* __restrict__ szu, int N, int K, int gs, int G, int bx,
                                            const float* __restrict__ nw, const float* __restrict__ nb, float eps,
                                            int mode, const uint4* __restrict__ permx, float* __restrict__ yss,
                                            char* __restrict__ send) {
@@ -2399,30 +2421,32 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     int n0 = swiglu ? (bx * 8 + warp) * (R / 2) : (bx * 8 + warp) * R;
     int nch = (K + KC - 1) / KC;
     int upr = K / 32;  // 16-byte units per weight row
+    using SG = typename std::conditional<HS, uint32_t, float2>::type;  // a group's {scale, zero}
     const uint4* wrow[R];
-    const float2* srow[R];
+    const SG* srow[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
         bool up = swiglu && r >= R / 2;
         size_t n = (size_t)min(n0 + (up ? r - R / 2 : r), N - 1);
         wrow[r] = reinterpret_cast<const uint4*>(up ? Wu : W) + n * upr + lane;
-        srow[r] = (up ? szu : sz) + n * G;
+        srow[r] = static_cast<const SG*>(up ? szu : sz) + n * G;
     }
     // ASYNC: the ring is in shared memory after x (each thread's own
     // slots: cp.async, one commit group a chunk, read back by the thread
     // that copied them), not in registers
     uint4 buf[ASYNC ? 1 : D][R];
-    float2 sb[ASYNC ? 1 : D][R];
+    SG sb[ASYNC ? 1 : D][R];
     unsigned char* rw = reinterpret_cast<unsigned char*>(xsh) + (((permx ? 6 : 2) * K + 15) & ~15);
     auto wslot = [&](int d, int r) { return reinterpret_cast<uint4*>(rw) + (d * R + r) * 256 + tid; };
-    auto sslot = [&](int d, int r) { return reinterpret_cast<float2*>(rw + D * R * 256 * 16) + (d * R + r) * 256 + tid; };
+    auto sslot = [&](int d, int r) { return reinterpret_cast<SG*>(rw + D * R * 256 * 16) + (d * R + r) * 256 + tid; };
     uint64_t pol = l2_evict_first();
     auto fetch = [&](int d, int j, int k) {
 #pragma unroll
         for (int r = 0; r < R; r++) {
             if constexpr (ASYNC) {
                 cp_async16_once(wslot(d, r), wrow[r] + j * 32, pol);
-                cp_async8_once(sslot(d, r), srow[r] + k / gs, pol);
+                if constexpr (HS) cp_async4_once(sslot(d, r), srow[r] + k / gs, pol);
+                else cp_async8_once(sslot(d, r), srow[r] + k / gs, pol);
             } else {
                 buf[d][r] = ldg_stream(wrow[r] + j * 32);
                 sb[d][r] = __ldg(srow[r] + k / gs);
@@ -2556,10 +2580,10 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     uint4 wv = ASYNC ? *wslot(d, r) : buf[ASYNC ? 0 : d][r];
-                    float2 sv = ASYNC ? *sslot(d, r) : sb[ASYNC ? 0 : d][r];
+                    Q4Group sv = q4_group_of(ASYNC ? *sslot(d, r) : sb[ASYNC ? 0 : d][r]);
                     uint32_t w4[4] = {wv.x, wv.y, wv.z, wv.w};
-                    float p = q4_dot_staged(w4, reinterpret_cast<const __half2*>(xv), *reinterpret_cast<const __half2*>(&sv.y));
-                    acc[r] = fmaf(sv.x, p, acc[r]);
+                    float p = q4_dot_staged(w4, reinterpret_cast<const __half2*>(xv), sv.z1024);
+                    acc[r] = fmaf(sv.scale, p, acc[r]);
                 }
             }
             // Refill this slot with the chunk D further on.
@@ -2602,21 +2626,26 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     }
 }
 
-#define GEMVW_ENTRY(name, R, D, SUMS, MINB, ASYNC)                                                                  \
+// The kernels take the scales' half form (Q4Group); fp32 scales, a rarer
+// form (msmodelslim W4A16, FP32Scales), run gemv_q4_w2h's _s32 twins.
+// Every segment of a launch has the same form.
+#define GEMVW_ENTRY(name, R, D, SUMS, MINB, ASYNC, HS)                                                              \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         name(const float* x, const float* xss, int nss, const uint4* permx, int K, int gs, int G, const float* nw,   \
              const float* nb, float eps, int mode, float* yss, char* send, GEMV_SEGS) {                              \
         int bx = blockIdx.x;                                                                                         \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
-        gemvw_body<R, D, SUMS, ASYNC>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps, mode,    \
-                                      permx, yss, send);                                                             \
+        gemvw_body<R, D, SUMS, ASYNC, HS>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps,      \
+                                          mode, permx, yss, send);                                                   \
     }
-GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2, false)
-GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2, false)
-GEMVW_ENTRY(gemv_q4_w2h_n, 2, 4, true, 2, false)
-GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2, false)
-GEMVW_ENTRY(gemv_q4_w4a, 4, 2, false, 3, true)
-GEMVW_ENTRY(gemv_q4_w4a_n, 4, 2, true, 3, true)
+GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2, false, true)
+GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2, false, true)
+GEMVW_ENTRY(gemv_q4_w2h_n, 2, 4, true, 2, false, true)
+GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2, false, true)
+GEMVW_ENTRY(gemv_q4_w4a, 4, 2, false, 3, true, true)
+GEMVW_ENTRY(gemv_q4_w4a_n, 4, 2, true, 3, true, true)
+GEMVW_ENTRY(gemv_q4_w2h_s32, 2, 4, false, 2, false, false)
+GEMVW_ENTRY(gemv_q4_w2h_s32_n, 2, 4, true, 2, false, false)
 
 // ---------------------------------------------------------------------------
 // Tensor-core GEMM: C[M, N] = A[M, K] (fp32, rounded to fp16) · W[N, K]ᵀ with
@@ -4141,7 +4170,9 @@ __device__ __forceinline__ float unif(uint64_t seed, uint64_t i) {  // [-1, 1)
 }
 // mode 0: n random 32-bit words; 1: n halfs uniform(-a, a); 2: n floats
 // uniform(-a, a); 3: n q4 {scale, half2(1024+z)} pairs with scale ~ a and z in
-// 0..15; 4: n q8 {scale, 0} pairs with scale ~ a; 5: n floats 1 + a*uniform.
+// 0..15; 4: n q8 {scale, 0} pairs with scale ~ a; 5: n floats 1 + a*uniform;
+// 6: n bf16 uniform(-a, a); 7: mode 3's groups (the same seed and a) in the
+// half form (Q4Group), n words.
 extern "C" __global__ void fill_random(void* p, long long n, unsigned long long seed, int mode, float a) {
     PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
@@ -4149,10 +4180,13 @@ extern "C" __global__ void fill_random(void* p, long long n, unsigned long long 
         case 0: ((uint32_t*)p)[i] = hash32(seed * 0x9E3779B97F4A7C15ull + i); break;
         case 1: ((__half*)p)[i] = __float2half(a * unif(seed, i)); break;
         case 2: ((float*)p)[i] = a * unif(seed, i); break;
-        case 3: {
+        case 3:
+        case 7: {  // the scale an fp16 value in both forms
             float z = (float)(hash32(seed + 77 * i) & 15u);
+            __half s = __float2half_rn(a * (1.5f + 0.5f * unif(seed, i)));
             __half2 zh = __float2half2_rn(1024.f + z);
-            ((float2*)p)[i] = make_float2(a * (1.5f + 0.5f * unif(seed, i)), *reinterpret_cast<float*>(&zh));
+            if (mode == 3) ((float2*)p)[i] = make_float2(__half2float(s), *reinterpret_cast<float*>(&zh));
+            else ((__half2*)p)[i] = __halves2half2(s, __low2half(zh));
             break;
         }
         case 4: ((float2*)p)[i] = make_float2(a * (1.5f + 0.5f * unif(seed, i)), 0.f); break;

@@ -94,7 +94,7 @@ type kernelResult struct {
 type modelResult struct {
 	Name           string  `json:"name"`
 	Format         string  `json:"format"`
-	WeightBytes    int64   `json:"weight_bytes"`
+	WeightBytes    int64   `json:"weight_bytes"` // read a decode step (cuda.Linear.DecodeBytes)
 	GPUMemBytes    uint64  `json:"gpu_mem_used_bytes"`
 	PrefillTokS    float64 `json:"prefill_tok_s"`
 	DecodeTokS     float64 `json:"decode_tok_s"`
@@ -273,7 +273,7 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 			for _, c := range copies[1:] {
 				b.FreeLinear(c)
 			}
-			bytes := float64(wl.Bytes() + int64(4*K+4*N))
+			bytes := float64(wl.DecodeBytes() + int64(4*K+4*N))
 			kv := kernelResult{Kernel: "gemv", Format: f + "/" + b.GEMVKernel(w, 1), Shape: fmt.Sprintf("%dx%d", N, K), M: 1, Seconds: tv, GBs: bytes / tv / 1e9}
 			kv.RatioPct = 100 * bytes / tv / copyBps
 			rep.Kernels = append(rep.Kernels, kv)
@@ -443,7 +443,7 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 	kvBytes := 2 * float64(cfg.Layers) * ctx * float64(cfg.KVDim()) * elem
 	res.RooflineTokS = copyGBs * 1e9 / (float64(weightBytes) + kvBytes)
 
-	fmt.Fprintf(out, "\nmodel %s (%s): weights %.2f GB, GPU memory used %.2f GB (incl. KV cache of %d positions)\n",
+	fmt.Fprintf(out, "\nmodel %s (%s): weights %.2f GB read a token, GPU memory used %.2f GB (incl. KV cache of %d positions)\n",
 		name, format, float64(weightBytes)/1e9, float64(res.GPUMemBytes)/1e9, maxSeq)
 	fmt.Fprintf(out, "  prefill %d tokens: %.0f tok/s\n", prompt, res.PrefillTokS)
 	fmt.Fprintf(out, "  decode batch 1: %.1f tok/s plain, %.1f tok/s CUDA graph (%.1f without dependent launches, %.1f without row sums, %.1f with the GEMV rings in registers, %.1f with the attention's splits merged through global memory); roofline %.1f tok/s (%.0f%% reached)\n",
@@ -516,7 +516,7 @@ func benchLinear(b *cuda.Backend, role string, w *cuda.Linear, layers []runtime.
 	if err != nil {
 		panic(err)
 	}
-	bytes := float64(w.Bytes() + int64(4*K+4*N))
+	bytes := float64(w.DecodeBytes() + int64(4*K+4*N))
 	r1 := kernelResult{Kernel: role, Format: w.Kind(), Shape: fmt.Sprintf("%dx%d", N, K), M: 1, Seconds: t, GBs: bytes / t / 1e9, RatioPct: 100 * bytes / t / 1e9 / copyGBs}
 	b.Free(x1)
 	b.Free(y1)

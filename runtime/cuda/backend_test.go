@@ -188,15 +188,56 @@ func quantCase(bits, gs, zero int, gidx bool) func(r *rand.Rand, n, k int) (mode
 			}
 			r.Shuffle(k, func(i, j int) { q.GIdx[i], q.GIdx[j] = q.GIdx[j], q.GIdx[i] })
 		}
-		f, err := q.Float32()
-		if err != nil {
-			panic(err)
+		return q, quantWant(q)
+	}
+}
+
+// halfScaled is mk with every scale rounded to fp16, as AutoAWQ, GPTQ and
+// ak48 checkpoints store them: a 4-bit weight's decode GEMVs read its
+// scales in the half form (Linear.szh).
+func halfScaled(mk func(r *rand.Rand, n, k int) (model.Tensor, []float64)) func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
+	return func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
+		w, _ := mk(r, n, k)
+		q := w.(*model.Quantized)
+		for i, s := range q.Scale {
+			q.Scale[i] = model.F16ToFloat32(model.Float32ToF16(s))
 		}
-		want := make([]float64, len(f))
-		for i, x := range f {
-			want[i] = float64(x)
+		return q, quantWant(q)
+	}
+}
+
+// quantWant is q's dequantized values.
+func quantWant(q *model.Quantized) []float64 {
+	f, err := q.Float32()
+	if err != nil {
+		panic(err)
+	}
+	want := make([]float64, len(f))
+	for i, x := range f {
+		want[i] = float64(x)
+	}
+	return want
+}
+
+// TestHalfScales checks which 4-bit weights get their scales in the half
+// form as well (one word a group, Linear.szh): those whose every scale is
+// an fp16 value.
+func TestHalfScales(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		scales []float32
+		want   bool
+	}{
+		{"fp16 values", []float32{0.5, 0.0078125, model.F16ToFloat32(0x3c01), 65504, 0x1p-24}, true},
+		{"none", nil, true},
+		{"an fp32 value", []float32{0.5, 0.1}, false},
+		{"beyond fp16", []float32{65520}, false},
+		{"below fp16's subnormals", []float32{1e-9}, false},
+		{"NaN", []float32{float32(math.NaN())}, false},
+	} {
+		if got := halfScales(c.scales); got != c.want {
+			t.Errorf("%s: halfScales(%v) = %v, want %v", c.name, c.scales, got, c.want)
 		}
-		return q, want
 	}
 }
 
@@ -213,20 +254,25 @@ var weightCases = []weightCase{
 	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false), 0},
 	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false), 0},
 	{"w8-g128-offset", 0, quantCase(8, 128, 2, false), 0},
-	{"awq-int4-asym-g128", 0, quantCase(4, 128, 1, false), 0},
+	// 4-bit weights with fp16 scales (the checkpoints' form: the GEMVs
+	// read the scales' half form) and with fp32 scales (msmodelslim
+	// W4A16, FP32Scales: the _s32 GEMV)
+	{"awq-int4-asym-g128", 0, halfScaled(quantCase(4, 128, 1, false)), 0},
+	{"w4-f32scales-g128", 0, quantCase(4, 128, 1, false), 0},
 	{"int4-sym-g32", 0, quantCase(4, 32, 0, false), 0},
-	{"gptq-int4-actorder-g64", 0, quantCase(4, 64, 1, true), 0}, // stored with sorted columns (Linear.perm)
-	{"gptq-int8-actorder-g64", 0, quantCase(8, 64, 1, true), 0}, // g_idx read by the kernels
+	{"gptq-int4-actorder-g64", 0, halfScaled(quantCase(4, 64, 1, true)), 0}, // stored with sorted columns (Linear.perm)
+	{"gptq-int8-actorder-g64", 0, quantCase(8, 64, 1, true), 0},             // g_idx read by the kernels
 	{"int3-asym-g64", 0, quantCase(3, 64, 1, false), 0},
 	{"int4-g48-fallback", 384, quantCase(4, 48, 1, false), 0},
-	{"awq-int4-g128-splitk", 2560, quantCase(4, 128, 1, false), 0},
+	{"awq-int4-g128-splitk", 2560, halfScaled(quantCase(4, 128, 1, false)), 0},
 	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false), 0},
-	{"awq-int4-g128-wide", 4608, quantCase(4, 128, 1, false), 0},  // K > 4096: gemv_q4_w2h
-	{"awq-int4-g128-tall", 0, quantCase(4, 128, 1, false), 64},    // ≥ 64 rows a multiprocessor: gemv_q4_w4a
-	{"awq-int4-g128-taller", 0, quantCase(4, 128, 1, false), 112}, // waves fuller at two blocks a multiprocessor: gemv_q4_w4h
-	{"gptq-int4-actorder-g128-tall", 0, quantCase(4, 128, 1, true), 64},
+	{"awq-int4-g128-wide", 4608, halfScaled(quantCase(4, 128, 1, false)), 0},  // K > 4096: gemv_q4_w2h
+	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},    // ≥ 64 rows a multiprocessor: gemv_q4_w4a
+	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), 112}, // waves fuller at two blocks a multiprocessor: gemv_q4_w4h
+	{"gptq-int4-actorder-g128-tall", 0, halfScaled(quantCase(4, 128, 1, true)), 64},
 	// x too wide to stage in shared memory (2K > 96 KB): the split-K gemv_q4_sh
-	{"awq-int4-g128-huge-k", 49280, quantCase(4, 128, 1, false), 0},
+	{"awq-int4-g128-huge-k", 49280, halfScaled(quantCase(4, 128, 1, false)), 0},
+	{"w4-f32scales-g128-huge-k", 49280, quantCase(4, 128, 1, false), 0},
 }
 
 func TestMatMul(t *testing.T) {
@@ -286,7 +332,7 @@ func TestMatMul(t *testing.T) {
 					y := poisoned(b, M, N)
 					b.MatMul(y, xb, lw)
 					tol := 1e-5 // fp32 GEMV
-					if M > b.opt.GEMVMaxRows || strings.HasSuffix(kernel, "h") || kernel == "gemv_q4_w4a" {
+					if M > b.opt.GEMVMaxRows || strings.HasPrefix(kernel, "gemv_q4_") {
 						tol = 3e-3 // fp16 operands on the tensor cores / half sums
 					}
 					checkClose(t, name, download(b, y), want, tol)
@@ -309,7 +355,7 @@ func TestGEMMRing(t *testing.T) {
 	const M, K = 200, 1024
 	for _, wc := range weightCases {
 		switch wc.name {
-		case "f16", "bf16", "kuiper-int8-sym-g64", "w8-g128-offset", "awq-int4-asym-g128", "gptq-int4-actorder-g64":
+		case "f16", "bf16", "kuiper-int8-sym-g64", "w8-g128-offset", "awq-int4-asym-g128", "w4-f32scales-g128", "gptq-int4-actorder-g64":
 		default:
 			continue
 		}

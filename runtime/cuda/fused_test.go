@@ -553,7 +553,7 @@ func TestRowSums(t *testing.T) {
 	const qdim, inter = 512, 256
 	// rows enough for gemv_q4_w4a (K ≤ 4096), and for gemv_q4_w4h
 	tall, taller := (64*b.sms+127)/128*128+256, (112*b.sms+127)/128*128+256
-	q4 := quantCase(4, 128, 1, false)
+	var q4 func(r *rand.Rand, n, k int) (model.Tensor, []float64)
 	uploads := 0
 	upLinear := func(n, k int) runtime.Linear {
 		w, _ := q4(r, n, k)
@@ -565,8 +565,16 @@ func TestRowSums(t *testing.T) {
 		return l
 	}
 	ran := map[string]bool{}
-	for _, sh := range []struct{ N, nq int }{{256, tall}, {256, taller}, {tall, 256}} { // the hidden size, q's rows
+	shapes := []struct {
+		scales string // the scales' form: the half form (Linear.szh) or fp32
+		N, nq  int    // the hidden size, q's rows
+	}{{"half", 256, tall}, {"half", 256, taller}, {"half", tall, 256}, {"s32", 256, tall}}
+	for _, sh := range shapes {
 		N, nq := sh.N, sh.nq
+		q4 = quantCase(4, 128, 1, false)
+		if sh.scales == "half" {
+			q4 = halfScaled(q4)
+		}
 		wo, gate, up, down := upLinear(N, qdim), upLinear(inter, N), upLinear(inter, N), upLinear(N, inter)
 		wq := upLinear(nq, N) // gemv_q4_w4a_n, gemv_q4_w4h_n, gemv_q4_w2h_n (K > 4096)
 		nw, _ := b.UploadVector(fmt.Sprintf("norm%d", N), model.FromFloat32([]int{N}, randVec(r, N, 1)))
@@ -575,7 +583,7 @@ func TestRowSums(t *testing.T) {
 			nb, _ = b.UploadVector(fmt.Sprintf("bias%d", N), model.FromFloat32([]int{N}, randVec(r, N, 0.1)))
 		}
 		for _, M := range []int{1, 3} {
-			t.Run(fmt.Sprintf("N=%d/q=%d/M=%d", N, nq, M), func(t *testing.T) {
+			t.Run(fmt.Sprintf("%s/N=%d/q=%d/M=%d", sh.scales, N, nq, M), func(t *testing.T) {
 				a, res := randVec(r, M*qdim, 1), randVec(r, M*N, 1)
 				// run the steps and return every output; withSums: each
 				// normed GEMV must find its producer's sums

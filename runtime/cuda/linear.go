@@ -60,7 +60,16 @@ type Linear struct {
 	kind    int
 	out, in int
 	w, sz   driver.DevicePtr
-	gidx    driver.DevicePtr
+	// szh, for a 4-bit weight whose every scale is an fp16 value (as the
+	// checkpoints storing fp16 scales give them: AutoAWQ, GPTQ, ak48): a
+	// copy of sz in the half form the streaming GEMVs read, a 32-bit word a
+	// group, the scale in its low half and fp16 1024+z in its high half
+	// (qtool.cu's Q4Group): a decode step reads 5 % fewer bytes, for 4
+	// more bytes of device memory a group (a 7B: 0.2 GB). The GEMMs keep
+	// sz: reading the half form instead cost gemm_wg_q4 3.5 %
+	// (kernels/NOTES.md).
+	szh  driver.DevicePtr
+	gidx driver.DevicePtr
 	// perm, for act-order 4-bit weights stored with their columns sorted
 	// by group: int32 [in], stored column j is input feature perm[j]; the
 	// products gather x by it first (Backend.permuted), the streaming GEMV
@@ -102,6 +111,16 @@ func (l *Linear) Kind() string { return kindNames[l.kind] }
 
 // Bytes is the device memory the weight occupies (codes plus scales).
 func (l *Linear) Bytes() int64 { return l.bytes }
+
+// DecodeBytes is the device bytes a one-row product with the weight reads:
+// Bytes less the scales the streaming GEMV leaves alone (sz, where it
+// reads szh instead).
+func (l *Linear) DecodeBytes() int64 {
+	if l.szh != 0 {
+		return l.bytes - int64(8*l.out*l.groups)
+	}
+	return l.bytes
+}
 
 func lin(w runtime.Linear) *Linear {
 	d, ok := w.(*Linear)
@@ -170,12 +189,12 @@ func (b *Backend) UploadLinear(name string, t model.Tensor) (runtime.Linear, err
 	if err != nil {
 		return nil, err
 	}
-	b.uploaded[name] += l.bytes
+	b.uploaded[name] += l.DecodeBytes()
 	return l, nil
 }
 
-// UploadedBytes returns the device bytes of every linear uploaded so far, by
-// name (codes plus scales).
+// UploadedBytes returns the device bytes a decode step reads of every
+// linear uploaded so far, by name (DecodeBytes: codes plus scales).
 func (b *Backend) UploadedBytes() map[string]int64 {
 	out := make(map[string]int64, len(b.uploaded))
 	for k, v := range b.uploaded {
@@ -197,7 +216,7 @@ func (b *Backend) FreeLinear(w runtime.Linear) {
 		b.releasePerm(l.perm)
 		l.perm = 0
 	}
-	for _, p := range []*driver.DevicePtr{&l.w, &l.sz, &l.gidx, &l.qbias, &l.deq, &l.bias} {
+	for _, p := range []*driver.DevicePtr{&l.w, &l.sz, &l.szh, &l.gidx, &l.qbias, &l.deq, &l.bias} {
 		if *p != 0 {
 			b.must(b.drv.MemFree(*p))
 			b.heldBytes -= int64(b.owned[*p])
@@ -286,6 +305,14 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 		}
 		l.w = uploadSlice(b, words)
 		l.bytes = int64(4 * len(words))
+		if halfScales(q.Scale) {
+			szh := make([]uint32, out*G)
+			for i := range szh {
+				szh[i] = uint32(model.Float32ToF16(q.Scale[i])) | math.Float32bits(sz[2*i+1])<<16
+			}
+			l.szh = uploadSlice(b, szh)
+			l.bytes += int64(4 * len(szh))
+		}
 		if perm != nil {
 			l.perm = b.sharedPerm(perm)
 			l.bytes += permBytes(len(perm))
@@ -309,6 +336,17 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 	l.sz = uploadSlice(b, sz)
 	l.bytes += int64(4 * len(sz))
 	return l, nil
+}
+
+// halfScales reports whether every scale is an fp16 value (a 4-bit
+// weight's half form, Linear.szh).
+func halfScales(scales []float32) bool {
+	for _, s := range scales {
+		if model.F16ToFloat32(model.Float32ToF16(s)) != s {
+			return false
+		}
+	}
+	return true
 }
 
 func (b *Backend) uploadW8A8(name string, w *model.W8A8) (*Linear, error) {
@@ -396,7 +434,9 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		b.fill(l.w, n/8, s.Seed, 0, 0)
 		l.sz = b.alloc(8 * out * G)
 		b.fill(l.sz, out*G, s.Seed+1, 3, a/8)
-		l.bytes = int64(n/2 + 8*out*G)
+		l.szh = b.alloc(4 * out * G) // the same groups in the half form
+		b.fill(l.szh, out*G, s.Seed+1, 7, a/8)
+		l.bytes = int64(n/2 + 12*out*G)
 		if s.Format == "w4a16-act" {
 			seed := s.OrderSeed
 			if seed == 0 {
@@ -1139,8 +1179,8 @@ const (
 // rows each, in one launch, and whether it can fuse the input's norm and
 // the SwiGLU (streaming); ok is false when there is none: more rows than
 // GEMVMaxRows, W8A8, weights that differ in kind, width, groups or column
-// order, g_idx on several weights, or the split-K kernel (per-launch
-// counters).
+// order or scale form (Linear.szh), g_idx on several weights, or the
+// split-K kernel (per-launch counters).
 func (b *Backend) gemvPlan(segs []gemvSeg, M int) (name string, streaming, ok bool) {
 	if len(segs) == 0 || len(segs) > 3 || M > b.opt.GEMVMaxRows {
 		return "", false, false
@@ -1149,7 +1189,7 @@ func (b *Backend) gemvPlan(segs []gemvSeg, M int) (name string, streaming, ok bo
 	for _, g := range segs {
 		l := g.l
 		if l.kind != first.kind || l.kind == kindW8A8 || l.in != first.in || l.gs != first.gs || l.groups != first.groups ||
-			l.perm != first.perm || (len(segs) > 1 && l.gidx != 0) {
+			l.perm != first.perm || (len(segs) > 1 && l.gidx != 0) || (l.szh == 0) != (first.szh == 0) {
 			return "", false, false
 		}
 	}
@@ -1535,6 +1575,9 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	blocks := 0
 	for i, g := range segs {
 		seg[i].w, seg[i].sz, seg[i].n = g.l.w, g.l.sz, g.l.out
+		if R == gemvStreamRowsTag && g.l.szh != 0 {
+			seg[i].sz = g.l.szh
+		}
 		seg[i].y = g.d.p
 		seg[i].nb = (g.l.out + rows - 1) / rows
 		blocks += seg[i].nb
@@ -1604,18 +1647,19 @@ func gemvShape(name string, R int, l *Linear) (rows, shm int) {
 }
 
 // gemvStreamRows is the rows per block of a streaming GEMV kernel: 8 warps
-// × 4 rows for gemv_q4_w4h and gemv_q4_w4a, × 2 for gemv_q4_w2h.
+// × 4 rows for gemv_q4_w4h and gemv_q4_w4a (and their _n twins), × 2 for
+// gemv_q4_w2h (and its twins).
 func gemvStreamRows(name string) int {
-	if name == "gemv_q4_w4h" || name == "gemv_q4_w4a" {
+	if strings.HasPrefix(name, "gemv_q4_w4") {
 		return 32
 	}
 	return 16
 }
 
 // gemvAsyncRing is the bytes of gemv_q4_w4a's ring in shared memory: 2
-// chunks × 4 rows × 256 threads of a 16-byte weight slot and an 8-byte
-// {scale, zero} slot.
-const gemvAsyncRing = 2 * 4 * 256 * (16 + 8)
+// chunks × 4 rows × 256 threads of a 16-byte weight slot and a 4-byte
+// {scale, zero} slot (the half form, Linear.szh).
+const gemvAsyncRing = 2 * 4 * 256 * (16 + 4)
 
 // streamSmem is the dynamic shared memory of streaming GEMV name (or its
 // _n twin) on l's weight: the staged x (gemvStream), and gemv_q4_w4a's
@@ -1685,11 +1729,17 @@ const gemvStreamRowsTag = 1 << 29
 //	q4             the same, waves fuller at 2                 gemv_q4_w4h     32 rows a block, x staged
 //	q4             other streamable                            gemv_q4_w2h     16 rows a block, x staged
 //	q4             g_idx, width or group not a multiple of 32  gemv_q4_sh      split-K, 8 rows a warp
+//	q4             fp32 scales (no Linear.szh), otherwise      gemv_q4_w2h_s32 16 rows a block, x staged
+//	               streamable
 //
-// A streaming kernel with a norm whose input's sums of squares the
-// previous launch wrote (rowsums.go) runs as its _n twin.
+// The streaming kernels but the _s32 twins read the scales' half form
+// (Linear.szh). A streaming kernel with a norm whose input's sums of
+// squares the previous launch wrote (rowsums.go) runs as its _n twin. The
+// fp32 scales (msmodelslim W4A16, FP32Scales) keep to one kernel: the
+// wider kernels' twins would add ~430 KB of PTX an architecture for a
+// rarer form.
 var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q4_w4h", "gemv_q4_w2h",
-	"gemv_q4_w4a", "gemv_q4_w4h_n", "gemv_q4_w2h_n", "gemv_q4_w4a_n", "gemv_q4_sh"}
+	"gemv_q4_w4a", "gemv_q4_w4h_n", "gemv_q4_w2h_n", "gemv_q4_w4a_n", "gemv_q4_w2h_s32", "gemv_q4_w2h_s32_n", "gemv_q4_sh"}
 
 // GEMVKernel names the GEMV kernel a product of M activation rows with w
 // runs (see gemvKernels), for reports.
@@ -1718,6 +1768,9 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 	case kindQ4:
 		if _, ok := gemvStream(l); !ok {
 			return "gemv_q4_sh", -8
+		}
+		if l.szh == 0 {
+			return "gemv_q4_w2h_s32", gemvStreamRowsTag
 		}
 		if l.in <= 4096 && rows >= 64*b.sms { // two blocks of 32 rows a multiprocessor
 			if b.opt.NoAsyncGEMV {

@@ -85,13 +85,20 @@ func TestSynthetic(t *testing.T) {
 	inRange("bf16 weight", wbf, -a, a)
 
 	lq4 := synth("w4a16")
+	if lq4.szh == 0 {
+		t.Fatalf("w4a16: no scales in the half form")
+	}
+	half := downloadAs[uint32](b, lq4.szh, out*lq4.groups)
 	for i, p := range downloadAs[[2]uint32](b, lq4.sz, out*lq4.groups) {
-		scale := float64(math.Float32frombits(p[0]))
+		scale := math.Float32frombits(p[0])
 		z0, z1 := model.F16ToFloat32(uint16(p[1])), model.F16ToFloat32(uint16(p[1]>>16))
 		if z0 != z1 || z0 < 1024 || z0 > 1039 || z0 != float32(math.Trunc(float64(z0))) {
 			t.Fatalf("w4a16 group %d: zero pair %g, %g, want one half2(1024 + z), z in 0..15", i, z0, z1)
 		}
-		inRange("w4a16 scale", []float64{scale}, a/8, 2*a/8)
+		inRange("w4a16 scale", []float64{float64(scale)}, a/8, 2*a/8)
+		if want := uint32(model.Float32ToF16(scale)) | p[1]<<16; model.F16ToFloat32(uint16(want)) != scale || half[i] != want {
+			t.Fatalf("w4a16 group %d: half form %#08x, want %#08x (scale %g, an fp16 value)", i, half[i], want, scale)
+		}
 	}
 	lq8 := synth("w8a16")
 	for i, p := range downloadAs[[2]float32](b, lq8.sz, out*lq8.groups) {

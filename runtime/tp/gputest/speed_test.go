@@ -56,8 +56,8 @@ func (c *timedComm) take() (time.Duration, int) {
 }
 
 // synthetic7B builds a Llama-2-7B-shaped model with `layers` decoder layers:
-// random W4A16 linears (AWQ-style 4-bit codes, group 128, fp32 scales and
-// zeros) and fp16 embedding/classifier. The weights are random; only the
+// random W4A16 linears (AWQ-style 4-bit codes, group 128, fp16 scales and
+// integer zeros) and fp16 embedding/classifier. The weights are random; only the
 // shapes matter for speed.
 func synthetic7B(layers int) *model.Model {
 	cfg := model.Config{Arch: model.Llama, Hidden: 4096, Intermediate: 11008, Layers: layers, Heads: 32,
@@ -89,7 +89,7 @@ func synthetic7B(layers int) *model.Model {
 			q.Q[i] = int8(rng.IntN(16) - 8)
 		}
 		for i := range q.Scale {
-			q.Scale[i] = 0.002 + 0.001*rng.Float32()
+			q.Scale[i] = model.F16ToFloat32(model.Float32ToF16(0.002 + 0.001*rng.Float32())) // fp16, as AutoAWQ stores them
 			q.Zero[i] = float32(rng.IntN(16) - 8)
 		}
 		return q
