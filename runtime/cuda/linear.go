@@ -308,7 +308,8 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 		if halfScales(q.Scale) {
 			szh := make([]uint32, out*G)
 			for i := range szh {
-				szh[i] = uint32(model.Float32ToF16(q.Scale[i])) | math.Float32bits(sz[2*i+1])<<16
+				z1024 := math.Float32bits(sz[2*i+1]) & 0xffff // one half of the pair
+				szh[i] = uint32(model.Float32ToF16(q.Scale[i])) | z1024<<16
 			}
 			l.szh = uploadSlice(b, szh)
 			l.bytes += int64(4 * len(szh))
