@@ -2193,22 +2193,23 @@ GEMV_ENTRY(gemv_f16_r4u2, GF16, 4, 2, false)
 GEMV_ENTRY(gemv_bf16_r4u2, GBF16, 4, 2, false)
 GEMV_ENTRY(gemv_q8_r4u1, GQ8, 4, 1, false)
 
-// Split-K GEMV for quantized weights. A block covers 64 output rows (8 warps
-// x 8 rows) and one K slice of 32 lanes x KL k (KL = 32 for q4: one 16-byte
-// word quad per lane and row; 16 for q8). The slice of x is staged in shared
-// memory (float4-swizzled so that each lane's contiguous read is
-// conflict-free) and held in registers across the 8 rows; every lane issues
-// its 8 rows' 16-byte loads at once. Partial sums go to part[ks][m][n]; the
-// last block of each (row tile, m) to finish (counted in cnt, which it resets)
-// adds them in a fixed order, so results are deterministic.
-// grid (ceil(N/(8R)), ceil(K/(32*KL)), M), block 256; R rows per warp.
-template <int F, bool HACC, int R>
+// Split-K GEMV for 4-bit weights (the streaming kernels' fallback: a g_idx,
+// or a width or group size they do not take). A block covers 64 output rows
+// (8 warps x 8 rows) and one K slice of 32 lanes x 32 k (one 16-byte word
+// quad per lane and row). The slice of x is staged in shared memory
+// (float4-swizzled so that each lane's contiguous read is conflict-free)
+// and held in registers across the 8 rows; every lane issues its 8 rows'
+// 16-byte loads at once. Partial sums go to part[ks][m][n]; the last block
+// of each (row tile, m) to finish (counted in cnt, which it resets) adds
+// them in a fixed order, so results are deterministic.
+// grid (ceil(N/(8R)), ceil(K/1024), M), block 256; R rows per warp.
+template <int R>
 __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
                                            const float2* __restrict__ sz, float* __restrict__ part, int* __restrict__ cnt,
                                            int N, int K, int gs, int G) {
-    constexpr int P = F == GQ4 ? 8 : 4;  // float4 of x per lane
-    constexpr int KL = 4 * P;            // k per lane
-    constexpr int KS = 32 * KL;          // k per block
+    constexpr int P = 8;         // float4 of x per lane
+    constexpr int KL = 4 * P;    // k per lane
+    constexpr int KS = 32 * KL;  // k per block
     __shared__ float4 xs[KS / 4];
     __shared__ int last;
     int m = blockIdx.z, ks = blockIdx.y, nks = gridDim.y, M = gridDim.z;
@@ -2233,8 +2234,7 @@ __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* _
 #pragma unroll
         for (int r = 0; r < R; r++) {
             size_t n = (size_t)min(n0 + r, N - 1);
-            if (F == GQ4) raw[r] = __ldg(reinterpret_cast<const uint4*>((const uint32_t*)W + n * (K >> 3) + (kl >> 3)));
-            else raw[r] = __ldg(reinterpret_cast<const uint4*>((const int8_t*)W + n * K + kl));
+            raw[r] = __ldg(reinterpret_cast<const uint4*>((const uint32_t*)W + n * (K >> 3) + (kl >> 3)));
             s[r] = __ldg(sz + n * G + kl / gs);
         }
         float xv[KL];
@@ -2244,53 +2244,21 @@ __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* _
             float4 v = xs[f ^ ((f >> 3) & 7)];
             xv[4 * j] = v.x; xv[4 * j + 1] = v.y; xv[4 * j + 2] = v.z; xv[4 * j + 3] = v.w;
         }
-        float xsum = 0.f;
-        if (F == GQ8) {
-#pragma unroll
-            for (int i = 0; i < KL; i++) xsum += xv[i];
-        }
-        // Half-precision path: x as half2 pairs once for all rows; the odd
-        // pairs of each word come out of the LOP3 as 1024 + 16u, so their x
-        // is pre-scaled by 1/16 (exact) instead of shifting the word.
+        // x as half2 pairs once for all rows; the odd pairs of each word
+        // come out of the LOP3 as 1024 + 16u, so their x is pre-scaled by
+        // 1/16 (exact) instead of shifting the word.
         __half2 xh[16];
-        if (F == GQ4 && HACC) {
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                xh[4 * j] = __floats2half2_rn(xv[8 * j], xv[8 * j + 1]);
-                xh[4 * j + 1] = __floats2half2_rn(xv[8 * j + 2] * 0.0625f, xv[8 * j + 3] * 0.0625f);
-                xh[4 * j + 2] = __floats2half2_rn(xv[8 * j + 4], xv[8 * j + 5]);
-                xh[4 * j + 3] = __floats2half2_rn(xv[8 * j + 6] * 0.0625f, xv[8 * j + 7] * 0.0625f);
-            }
+        for (int j = 0; j < 4; j++) {
+            xh[4 * j] = __floats2half2_rn(xv[8 * j], xv[8 * j + 1]);
+            xh[4 * j + 1] = __floats2half2_rn(xv[8 * j + 2] * 0.0625f, xv[8 * j + 3] * 0.0625f);
+            xh[4 * j + 2] = __floats2half2_rn(xv[8 * j + 4], xv[8 * j + 5]);
+            xh[4 * j + 3] = __floats2half2_rn(xv[8 * j + 6] * 0.0625f, xv[8 * j + 7] * 0.0625f);
         }
 #pragma unroll
         for (int r = 0; r < R; r++) {
             uint32_t w4[4] = {raw[r].x, raw[r].y, raw[r].z, raw[r].w};
-            if (F == GQ4 && HACC) {
-                acc[r] = s[r].x * q4_dot_staged(w4, xh, *reinterpret_cast<const __half2*>(&s[r].y));
-            } else if (F == GQ4) {
-                __half2 z1024 = *reinterpret_cast<const __half2*>(&s[r].y);
-                float p = 0.f;
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    __half2 d[4];
-                    q4_dequant_uz(w4[j], z1024, d);
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        float2 f2 = __half22float2(d[i]);
-                        p = fmaf(xv[8 * j + 2 * i], f2.x, p);
-                        p = fmaf(xv[8 * j + 2 * i + 1], f2.y, p);
-                    }
-                }
-                acc[r] = s[r].x * p;
-            } else {
-                float p = 0.f;
-#pragma unroll
-                for (int i = 0; i < 16; i++) {
-                    uint32_t b = __byte_perm(w4[i >> 2] ^ 0x80808080u, 0x4B000000u, 0x7650 | (i & 3));
-                    p = fmaf(xv[i], __uint_as_float(b) - 8388736.f, p);
-                }
-                acc[r] = s[r].x * (p - s[r].y * xsum);
-            }
+            acc[r] = s[r].x * q4_dot_staged(w4, xh, *reinterpret_cast<const __half2*>(&s[r].y));
         }
     }
 #pragma unroll
@@ -2319,14 +2287,14 @@ __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* _
     if (tid == 0) cnt[ci] = 0;
 }
 
-#define GEMVS_ENTRY(name, F, H, R, MINB)                                                                          \
+#define GEMVS_ENTRY(name, R, MINB)                                                                                \
     extern "C" __global__ void __launch_bounds__(256, MINB) name(float* y, const float* x, const void* W,          \
                                                                  const float2* sz, float* part, int* cnt, int N,  \
                                                                  int K, int gs, int G) {                          \
         PDL_ENTRY();                                                                                              \
-        gemvs_body<F, H, R>(y, x, W, sz, part, cnt, N, K, gs, G);                                                 \
+        gemvs_body<R>(y, x, W, sz, part, cnt, N, K, gs, G);                                                       \
     }
-GEMVS_ENTRY(gemv_q4_sh, GQ4, true, 8, 1)
+GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 
 // ---------------------------------------------------------------------------
 // Streaming GEMV for 4-bit weights (the dispatcher's q4 GEMV: gemv_q4_w4h

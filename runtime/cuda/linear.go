@@ -1548,11 +1548,7 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		}
 		N := l.out
 		d := segs[0].d
-		kl := 32
-		if l.kind == kindQ8 {
-			kl = 16
-		}
-		nks := (K + 32*kl - 1) / (32 * kl)
+		nks := (K + 1023) / 1024 // gemv_q4_sh: 32 lanes × 32 k a block
 		tiles := (N + 8*(-R) - 1) / (8 * (-R))
 		part := b.scratchBuf("gemv_part", 4*nks*M*N)
 		cnt := b.zeroedScratch("gemv_cnt", 4*tiles*M)
