@@ -386,7 +386,7 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 	// the decode roofline: every weight read once per token (the embedding
 	// table only when it is also the head) plus the KV cache at the mean context.
 	var weightBytes int64
-	for n, by := range b.UploadedBytes() {
+	for n, by := range b.UploadedDecodeBytes() {
 		if n != model.Name(-1, model.Embed) || headIsEmbed(m) {
 			weightBytes += by
 		}

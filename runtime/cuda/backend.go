@@ -144,7 +144,7 @@ type Backend struct {
 	// kt holds the kernel times (Options.KernelTimes).
 	kt kernelTimes
 
-	uploaded map[string]int64 // device bytes of each uploaded linear, by name
+	uploaded map[string]int64 // device bytes a decode step reads of each uploaded linear, by name
 
 	// perms holds the act-order column orders by content and permUsers
 	// how many linears use each (see Linear.perm).

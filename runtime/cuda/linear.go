@@ -193,9 +193,9 @@ func (b *Backend) UploadLinear(name string, t model.Tensor) (runtime.Linear, err
 	return l, nil
 }
 
-// UploadedBytes returns the device bytes a decode step reads of every
-// linear uploaded so far, by name (DecodeBytes: codes plus scales).
-func (b *Backend) UploadedBytes() map[string]int64 {
+// UploadedDecodeBytes returns the device bytes a decode step reads of
+// every linear uploaded so far, by name (DecodeBytes: codes plus scales).
+func (b *Backend) UploadedDecodeBytes() map[string]int64 {
 	out := make(map[string]int64, len(b.uploaded))
 	for k, v := range b.uploaded {
 		out[k] = v
@@ -1179,9 +1179,9 @@ const (
 // gemvPlan picks the GEMV kernel that computes the products of segs, M
 // rows each, in one launch, and whether it can fuse the input's norm and
 // the SwiGLU (streaming); ok is false when there is none: more rows than
-// GEMVMaxRows, W8A8, weights that differ in kind, width, groups or column
-// order or scale form (Linear.szh), g_idx on several weights, or the
-// split-K kernel (per-launch counters).
+// GEMVMaxRows, W8A8, weights that differ in kind, width, groups, column
+// order or GEMV kernel (a 4-bit weight's scale form, Linear.szh), g_idx on
+// several weights, or the split-K kernel (per-launch counters).
 func (b *Backend) gemvPlan(segs []gemvSeg, M int) (name string, streaming, ok bool) {
 	if len(segs) == 0 || len(segs) > 3 || M > b.opt.GEMVMaxRows {
 		return "", false, false
@@ -1190,7 +1190,7 @@ func (b *Backend) gemvPlan(segs []gemvSeg, M int) (name string, streaming, ok bo
 	for _, g := range segs {
 		l := g.l
 		if l.kind != first.kind || l.kind == kindW8A8 || l.in != first.in || l.gs != first.gs || l.groups != first.groups ||
-			l.perm != first.perm || (len(segs) > 1 && l.gidx != 0) || (l.szh == 0) != (first.szh == 0) {
+			l.perm != first.perm || (len(segs) > 1 && l.gidx != 0) {
 			return "", false, false
 		}
 	}
