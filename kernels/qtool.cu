@@ -1960,9 +1960,11 @@ __device__ __forceinline__ void gemv_finish(float (&acc)[R], float* __restrict__
     }
 }
 
-enum { GF32 = 0, GF16 = 1, GBF16 = 2, GQ8 = 3, GQ4 = 4 };
+// gemv_body's weight formats (the 4-bit weights have their own kernels:
+// gemvw_body, gemvs_body).
+enum { GF32 = 0, GF16 = 1, GBF16 = 2, GQ8 = 3 };
 // 32-bit words of one chunk of 8 weights.
-template <int F> struct RawWords { static const int n = F == GF32 ? 8 : F == GQ8 ? 2 : F == GQ4 ? 1 : 4; };
+template <int F> struct RawWords { static const int n = F == GF32 ? 8 : F == GQ8 ? 2 : 4; };
 
 template <int F>
 __device__ __forceinline__ void gw_load(uint32_t* raw, const void* __restrict__ W, size_t n, int K, int c, uint64_t pol) {
@@ -1973,11 +1975,9 @@ __device__ __forceinline__ void gw_load(uint32_t* raw, const void* __restrict__ 
     } else if (F == GF16 || F == GBF16) {
         uint4 a = ldg_once16((const uint16_t*)W + n * K + (size_t)c * 8, pol);
         raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w;
-    } else if (F == GQ8) {
+    } else {
         uint2 a = ldg_once8((const int8_t*)W + n * K + (size_t)c * 8, pol);
         raw[0] = a.x; raw[1] = a.y;
-    } else {
-        raw[0] = ldg_once4((const uint32_t*)W + n * (K >> 3) + c, pol);
     }
 }
 
@@ -2027,7 +2027,7 @@ __device__ __forceinline__ float q4_dot_staged(const uint32_t (&w4)[4], const __
     return p;
 }
 
-template <int F, bool HACC>
+template <int F>
 __device__ __forceinline__ float gw_dot(const uint32_t* raw, const float* xv, float xs, float2 s) {
     if (F == GF32) {
         float a = 0.f;
@@ -2051,7 +2051,7 @@ __device__ __forceinline__ float gw_dot(const uint32_t* raw, const float* xv, fl
             a = fmaf(xv[2 * i + 1], __uint_as_float(raw[i] & 0xffff0000u), a);
         }
         return a;
-    } else if (F == GQ8) {
+    } else {  // GQ8
         uint32_t wd[2] = {raw[0] ^ 0x80808080u, raw[1] ^ 0x80808080u};  // q + 128 as unsigned bytes
         float p = 0.f;
 #pragma unroll
@@ -2061,29 +2061,6 @@ __device__ __forceinline__ float gw_dot(const uint32_t* raw, const float* xv, fl
             p = fmaf(xv[i], q, p);
         }
         return s.x * (p - s.y * xs);
-    } else {
-        __half2 z1024 = *reinterpret_cast<const __half2*>(&s.y);
-        __half2 d[4];
-        q4_dequant_uz(raw[0], z1024, d);
-        if (HACC) {
-            __half2 xh[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) xh[i] = __floats2half2_rn(xv[2 * i], xv[2 * i + 1]);
-            __half2 p = __hmul2(xh[0], d[0]);
-            p = __hfma2(xh[1], d[1], p);
-            p = __hfma2(xh[2], d[2], p);
-            p = __hfma2(xh[3], d[3], p);
-            float2 pf = __half22float2(p);
-            return s.x * (pf.x + pf.y);
-        }
-        float p = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            float2 f = __half22float2(d[i]);
-            p = fmaf(xv[2 * i], f.x, p);
-            p = fmaf(xv[2 * i + 1], f.y, p);
-        }
-        return s.x * p;
     }
 }
 
@@ -2110,7 +2087,7 @@ __device__ __forceinline__ GemvSeg gemv_seg(int& bx, GEMV_SEGS) {
     return GemvSeg{y2, W2, sz2, N2};
 }
 
-template <int F, int R, int U, bool HACC>
+template <int F, int R, int U>
 __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __restrict__ x, const void* __restrict__ W,
                                           const float2* __restrict__ sz, const int* __restrict__ gidx, int N, int K,
                                           int gs, int G, int bx, int mode, char* __restrict__ send) {
@@ -2168,30 +2145,30 @@ __device__ __forceinline__ void gemv_body(float* __restrict__ y, const float* __
                     for (int i = 0; i < 8; i++) xs += xv[u][i];
                 }
 #pragma unroll
-                for (int r = 0; r < R; r++) acc[r] += gw_dot<F, HACC>(raw[u][r], xv[u], xs, s[u][r]);
+                for (int r = 0; r < R; r++) acc[r] += gw_dot<F>(raw[u][r], xv[u], xs, s[u][r]);
             }
         }
     }
     gemv_finish<R>(acc, y, m, N, n0, mode, send);
 }
 
-// gemv_<fmt>_r<R>u<U>[h](x, gidx, K, gs, G, mode, send, GEMV_SEGS); grid
+// gemv_<fmt>_r<R>u<U>(x, gidx, K, gs, G, mode, send, GEMV_SEGS); grid
 // (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/R); mode GEMV_STORE or GEMV_ADD;
 // send (or null, M = 1, one segment): y0 is an all-reduce's summand, sent
 // to the group whose area that is (ar_send).
-#define GEMV_ENTRY(name, F, R, U, H)                                                                            \
+#define GEMV_ENTRY(name, F, R, U)                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) name(const float* x, const int* gidx, int K,     \
                                                                     int gs, int G, int mode, char* send,        \
                                                                     GEMV_SEGS) {                                \
         int bx = blockIdx.x;                                                                                    \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                  \
         PDL_ENTRY();                                                                                            \
-        gemv_body<F, R, U, H>(s.y, x, s.W, static_cast<const float2*>(s.sz), gidx, s.N, K, gs, G, bx, mode, send); \
+        gemv_body<F, R, U>(s.y, x, s.W, static_cast<const float2*>(s.sz), gidx, s.N, K, gs, G, bx, mode, send);    \
     }
-GEMV_ENTRY(gemv_f32_r4u1, GF32, 4, 1, false)
-GEMV_ENTRY(gemv_f16_r4u2, GF16, 4, 2, false)
-GEMV_ENTRY(gemv_bf16_r4u2, GBF16, 4, 2, false)
-GEMV_ENTRY(gemv_q8_r4u1, GQ8, 4, 1, false)
+GEMV_ENTRY(gemv_f32_r4u1, GF32, 4, 1)
+GEMV_ENTRY(gemv_f16_r4u2, GF16, 4, 2)
+GEMV_ENTRY(gemv_bf16_r4u2, GBF16, 4, 2)
+GEMV_ENTRY(gemv_q8_r4u1, GQ8, 4, 1)
 
 // Split-K GEMV for 4-bit weights (the streaming kernels' fallback: a g_idx,
 // or a width or group size they do not take). A block covers 64 output rows
