@@ -819,13 +819,28 @@ extern "C" __global__ void store_kv_i8(int8_t* __restrict__ kc, int8_t* __restri
 }
 
 
-// rope_lane rotates the V values a lane holds of a head of hd (elements
-// lane·V + i) at position pos exactly as rope_apply rotates them in memory,
-// the angles' (sin, cos) from tab (rope_table's, hd/2 pairs a position):
-// layout 0 pairs element e with e + hd/2, held by lane ^ 16; layout 1 pairs
-// 2i with 2i + 1, within the lane (V even).
+// rope_angles loads the (sin, cos) pairs rope_lane applies to the V values
+// a lane holds of a head of hd (elements lane·V + i) from tab (rope_table's,
+// hd/2 pairs a position): layout 0 pairs element e with e + hd/2, layout 1
+// pairs 2i with 2i + 1 (V even).
 template <int VM>
-__device__ __forceinline__ void rope_lane(float (&x)[VM], int lane, int V, int hd, const float2* __restrict__ tab,
+__device__ __forceinline__ void rope_angles(float2 (&sc)[VM], int lane, int V, int hd, const float2* __restrict__ tab,
+                                            int layout) {
+#pragma unroll
+    for (int i = 0; i < VM; i++) {
+        int e = lane * V + i;
+        sc[i] = make_float2(0.f, 1.f);
+        if (i >= V) continue;
+        if (layout == 0) sc[i] = tab[e < hd / 2 ? e : e - hd / 2];
+        else if ((i & 1) == 0) sc[i] = tab[e / 2];
+    }
+}
+
+// rope_lane rotates the V values a lane holds of a head of hd exactly as
+// rope_apply rotates them in memory, by rope_angles' pairs sc: layout 0's
+// partner element is held by lane ^ 16, layout 1's within the lane.
+template <int VM>
+__device__ __forceinline__ void rope_lane(float (&x)[VM], int lane, int V, int hd, const float2 (&sc)[VM],
                                           int layout) {
     float px[VM];
 #pragma unroll
@@ -835,15 +850,12 @@ __device__ __forceinline__ void rope_lane(float (&x)[VM], int lane, int V, int h
         int e = lane * V + i;
         if (i >= V) continue;
         RopePair p;
+        p.s = sc[i].x, p.c = sc[i].y;
         if (layout == 0) {
             bool lo = e < hd / 2;
-            float2 sc = tab[lo ? e : e - hd / 2];
-            p.s = sc.x, p.c = sc.y;
             float2 o = rope_rotate(p, lo ? x[i] : px[i], lo ? px[i] : x[i]);
             x[i] = lo ? o.x : o.y;
         } else if ((i & 1) == 0 && i + 1 < VM) {
-            float2 sc = tab[e / 2];
-            p.s = sc.x, p.c = sc.y;
             float2 o = rope_rotate(p, x[i], x[i + 1]);
             x[i] = o.x;
             x[i + 1] = o.y;
@@ -959,8 +971,10 @@ __device__ __forceinline__ void attention_body(
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     // Before the wait (pdl_wait below) the block reads only what kernels at
     // least two launches back wrote: the graph's position (decode_advance,
-    // the step before; through L2) and the cached keys and values below the
-    // launch's first row (the launch before may be the store of its rows).
+    // the step before; through L2), the cached keys and values below the
+    // launch's first row (the launch before may be the store of its rows)
+    // and the RoPE angles (rope_table, made before the step that first
+    // reads them: ropeTable).
     int p0 = row_pos(pos0, dpos, 0);
     int pos = p0 + t;
     int nkeys = pos + 1;
@@ -997,6 +1011,8 @@ __device__ __forceinline__ void attention_body(
     };
     for (int i = lane; i < 2 * U * P; i += 32) kv_copy(i, 0, jpre);
     cp_async_commit();
+    float2 rsc[VM];  // the row's RoPE angles
+    if (nw.k) rope_angles(rsc, lane, V, hd, nw.tab + (size_t)pos * (hd / 2), nw.layout);
     pdl_wait();
     pdl_trigger();
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
@@ -1004,22 +1020,28 @@ __device__ __forceinline__ void attention_body(
     __shared__ int last;
     float qr[VM], acc[VM];
     const float* qp = q + (size_t)t * heads * hd + (size_t)h * hd + lane * V;
+    // The row's own key and value (the last split's blocks), loaded with q:
+    // one round trip to L2, not one for each before its RoPE.
+    bool own = nw.k && s == ns - 1;
+    float kn[VM], vn[VM];
 #pragma unroll
     for (int i = 0; i < VM; i++) { qr[i] = i < V ? qp[i] : 0.f; acc[i] = 0.f; }
-    // The row's own key and value as the cache will give them back (the
-    // last split's blocks), kept in shared memory for the loop (each lane
-    // reads back only what it wrote: no barrier).
-    __shared__ float skn[32 * VM], svn[32 * VM];
-    bool own = nw.k && s == ns - 1;
-    const float2* tab = nw.tab + (size_t)pos * (hd / 2);
-    if (nw.k) rope_lane(qr, lane, V, hd, tab, nw.layout);
     if (own) {
         const float* kp = nw.k + (size_t)kvh * hd + lane * V;
         const float* vp = nw.v + (size_t)kvh * hd + lane * V;
-        float kn[VM];
 #pragma unroll
-        for (int i = 0; i < VM; i++) kn[i] = i < V ? kp[i] : 0.f;
-        rope_lane(kn, lane, V, hd, tab, nw.layout);
+        for (int i = 0; i < VM; i++) {
+            kn[i] = i < V ? kp[i] : 0.f;
+            vn[i] = i < V ? vp[i] : 0.f;
+        }
+    }
+    // The own key and value as the cache will give them back, kept in
+    // shared memory for the loop (each lane reads back only what it wrote:
+    // no barrier).
+    __shared__ float skn[32 * VM], svn[32 * VM];
+    if (nw.k) rope_lane(qr, lane, V, hd, rsc, nw.layout);
+    if (own) {
+        rope_lane(kn, lane, V, hd, rsc, nw.layout);
 #pragma unroll
         for (int i = 0; i < VM; i++) {
             if (i >= V) continue;
@@ -1027,7 +1049,7 @@ __device__ __forceinline__ void attention_body(
             float ks = 1.f, ko = 0.f, vs = 1.f, vo = 0.f;
             if constexpr (kv_quantized<KV>::value) { ks = kq.ks[c]; ko = kq.ko[c]; vs = kq.vs[c]; vo = kq.vo[c]; }
             skn[lane * V + i] = kv_cached(kc, kn[i], ks, ko);
-            svn[lane * V + i] = kv_cached(vc, vp[i], vs, vo);
+            svn[lane * V + i] = kv_cached(vc, vn[i], vs, vo);
         }
     }
 #pragma unroll

@@ -1274,8 +1274,10 @@ func (b *Backend) RoPEAttention(dst, q, k, v runtime.Buf, c runtime.KVCache, lay
 // ropeTable returns c's table of RoPE angles for head size hd and theta,
 // the (sin, cos) of every pair at every position of the cache (qtool.cu's
 // rope_table, computed as the rope kernels compute them), made by its first
-// use outside a graph capture; 0 during a capture that finds none, and for
-// a head size or theta other than the table's.
+// use outside a graph capture, which gets 0 (the unfused sequence) like a
+// capture that finds none and a head size or theta other than the table's:
+// the attention reads the angles before its wait, so the table's kernel
+// must be at least two launches before it.
 func (b *Backend) ropeTable(c *KVCache, hd int, theta float64) driver.DevicePtr {
 	switch {
 	case c.rope != 0 && c.ropeHD == hd && c.ropeTheta == theta:
@@ -1287,7 +1289,7 @@ func (b *Backend) ropeTable(c *KVCache, hd int, theta float64) driver.DevicePtr 
 	n := c.maxSeq * hd / 2
 	c.rope, c.ropeHD, c.ropeTheta = b.alloc(8*n), hd, theta
 	b.launch("rope_table", b.gridFor(n), block256, c.rope, c.maxSeq, hd, theta)
-	return c.rope
+	return 0
 }
 
 // NLL implements runtime.Backend.
