@@ -973,8 +973,8 @@ __device__ __forceinline__ void attention_body(
     // least two launches back wrote: the graph's position (decode_advance,
     // the step before; through L2), the cached keys and values below the
     // launch's first row (the launch before may be the store of its rows)
-    // and the RoPE angles (rope_table, made before the step that first
-    // reads them: ropeTable).
+    // and the RoPE angles (rope_table, launched at least two launches
+    // before the first attention that reads them: ropeTable).
     int p0 = row_pos(pos0, dpos, 0);
     int pos = p0 + t;
     int nkeys = pos + 1;
