@@ -164,11 +164,6 @@ __device__ __forceinline__ uint2 ldg_once8(const void* g, uint64_t pol) {
                  : "l"(g), "l"(pol));
     return v;
 }
-__device__ __forceinline__ uint32_t ldg_once4(const void* g, uint64_t pol) {
-    uint32_t v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(v) : "l"(g), "l"(pol));
-    return v;
-}
 // A weight row's {scale, zero} pairs: the same line is read again by the
 // next chunk, so these stay in L1.
 __device__ __forceinline__ float2 ldg_once_f2(const float2* g, uint64_t pol) {
