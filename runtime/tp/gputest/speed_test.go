@@ -139,7 +139,8 @@ func speed(t *testing.T, rm *runtime.Model, prompt, steps int) (prefill, decode 
 }
 
 // TestTPSpeed compares prefill and decode of a Llama-2-7B-shaped W4A16
-// model (QTOOL_TP_LAYERS decoder layers, default 8) on one GPU and at TP=2,
+// model (QTOOL_TP_LAYERS decoder layers, default 8; a prompt of
+// QTOOL_TP_PROMPT tokens, default 512) on one GPU and at TP=2,
 // with the collectives measured separately: alone (all-reduce and
 // all-gather of the decode and prefill shapes), and as the slowdown against
 // a run that skips them. It also runs the host-memory collectives for
@@ -153,8 +154,11 @@ func TestTPSpeed(t *testing.T) {
 	if v := os.Getenv("QTOOL_TP_LAYERS"); v != "" {
 		fmt.Sscan(v, &layers)
 	}
+	prompt, steps := 512, 64
+	if v := os.Getenv("QTOOL_TP_PROMPT"); v != "" {
+		fmt.Sscan(v, &prompt)
+	}
 	m := synthetic7B(layers)
-	const prompt, steps = 512, 64
 
 	one, err := newRank(0)
 	if err != nil {
@@ -211,14 +215,15 @@ func TestTPSpeed(t *testing.T) {
 		pG, pG/p1, dG, dG/d1, H, us(be.TimeAllReduce(1, H, 200)))
 	be.SetGroupedCollectives(false)
 	p2, d2 := speed(t, rm2, prompt, steps)
-	if err := be.UsePeerMemory(tp.DefaultPeerBytes, time.Minute); err != nil {
+	peerBytes := max(tp.DefaultPeerBytes, 4*prompt*H) // the prompt's all-reduces too
+	if err := be.UsePeerMemory(peerBytes, time.Minute); err != nil {
 		t.Logf("TP=2 all-reduce over peer memory: %v", err)
 	} else {
 		pP, dP := speed(t, rm2, prompt, steps)
 		q2, w2 := prefillHost(t, rm2, prompt, 20, "tp2")
 		t.Logf("TP=2 prefill: the host queues it in %.2f ms of %.2f ms", ms(q2), ms(w2))
 		t.Logf("TP=2 all-reduces of up to %d MiB over peer memory: prefill %.0f tok/s (%.2fx), decode %.1f tok/s (%.2fx); all-reduce [1 %d] %.1f µs, [%d %d] %.1f µs",
-			tp.DefaultPeerBytes>>20, pP, pP/p1, dP, dP/d1, H, us(be.TimeAllReduce(1, H, 200)), prompt, H, us(be.TimeAllReduce(prompt, H, 20)))
+			peerBytes>>20, pP, pP/p1, dP, dP/d1, H, us(be.TimeAllReduce(1, H, 200)), prompt, H, us(be.TimeAllReduce(prompt, H, 20)))
 		be.SetPeerLimit(0)
 	}
 	be.SkipCollectives(true)
@@ -269,7 +274,7 @@ func TestTPSpeed(t *testing.T) {
 	t.Logf("TP=2 host collectives: prefill %.0f tok/s (%.2fx), decode %.1f tok/s (%.2fx)", pH, pH/p1, dH, dH/d1)
 	t.Logf("TP=2 host collectives on rank 0: prefill %d calls %.1f ms (%.0f%% of %.1f ms); decode %d calls %.1f ms (%.0f%% of %.1f ms, %.0f µs/token)",
 		nPre, ms(commPre), 100*commPre.Seconds()/tPreH.Seconds(), ms(tPreH),
-		nDec, ms(commDec), 100*commDec.Seconds()/tDecH.Seconds(), ms(tDecH), 1e6*commDec.Seconds()/steps)
+		nDec, ms(commDec), 100*commDec.Seconds()/tDecH.Seconds(), ms(tDecH), 1e6*commDec.Seconds()/float64(steps))
 }
 
 // prefillHost times reps prefills of prompt tokens, each from the call to
