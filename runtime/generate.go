@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"time"
 )
 
 // ErrEmptyPrompt is returned by Generate for an empty prompt.
@@ -33,6 +34,61 @@ type GenOptions struct {
 	OnToken func(id int)
 	// NoGraph turns off graph decoding (see Generate).
 	NoGraph bool
+	// Timing, when not nil, receives how long the call took to its first
+	// token and how fast it went once decoding was steady.
+	Timing *GenTiming
+}
+
+// GenTiming is how a Generate call spent its time, by the host's clock
+// (each token is known on the host when its step has ended).
+type GenTiming struct {
+	// FirstToken is the time from the call to the first new token: the
+	// prompt's prefill and the first logits.
+	FirstToken time.Duration
+	// SteadyTokens new tokens came in Steady once decoding was steady:
+	// with a captured decode step, those after the first chunk of replays
+	// (the first steps, the capture and the graph's first launch before
+	// them); otherwise those after the first token. Zero where no token
+	// came after that point.
+	SteadyTokens int
+	Steady       time.Duration
+}
+
+// SteadyTokensPerS is SteadyTokens over Steady (0 without steady tokens).
+func (t GenTiming) SteadyTokensPerS() float64 {
+	if t.SteadyTokens == 0 || t.Steady <= 0 {
+		return 0
+	}
+	return float64(t.SteadyTokens) / t.Steady.Seconds()
+}
+
+// genClock fills a GenTiming: first marks the first token, steady the
+// start of the steady part (with the tokens so far), done the end.
+type genClock struct {
+	t             *GenTiming
+	start, from   time.Time
+	fromN, marked int
+}
+
+func newGenClock(t *GenTiming) *genClock { return &genClock{t: t, start: time.Now()} }
+
+func (c *genClock) first() {
+	if c.t != nil && c.marked == 0 {
+		c.from, c.fromN, c.marked = time.Now(), 1, 1
+		c.t.FirstToken = c.from.Sub(c.start)
+	}
+}
+
+func (c *genClock) steady(n int) {
+	if c.t != nil && c.marked < 2 {
+		c.from, c.fromN, c.marked = time.Now(), n, 2
+	}
+}
+
+func (c *genClock) done(n int) {
+	if c.t != nil && c.marked > 0 && n > c.fromN {
+		c.t.SteadyTokens, c.t.Steady = n-c.fromN, time.Since(c.from)
+	}
 }
 
 // Generate continues prompt and returns the new tokens only (without the
@@ -80,6 +136,7 @@ func Generate(m *Model, prompt []int, opt GenOptions) ([]int, error) {
 	if eos == nil {
 		eos = cfg.EOS
 	}
+	clock := newGenClock(opt.Timing)
 	be := m.Backend()
 	cache := m.NewCache(total)
 	s := sampler{opt: opt, rng: rand.New(rand.NewPCG(opt.Seed, opt.Seed^0x9e3779b97f4a7c15))}
@@ -103,6 +160,7 @@ func Generate(m *Model, prompt []int, opt GenOptions) ([]int, error) {
 			break
 		}
 		out = append(out, id)
+		clock.first()
 		if opt.OnToken != nil {
 			opt.OnToken(id)
 		}
@@ -112,12 +170,15 @@ func Generate(m *Model, prompt []int, opt GenOptions) ([]int, error) {
 		if len(out) >= 2 && opt.Temperature <= 0 && !opt.NoGraph {
 			// A single-token step has run uncaptured: capture the next.
 			if g, ok := be.(DecodeGrapher); ok {
-				return graphDecode(m, g, cache, out, id, pos, total, eos, opt)
+				out, err := graphDecode(m, g, cache, out, id, pos, total, eos, opt, clock)
+				clock.done(len(out))
+				return out, err
 			}
 		}
 		last = m.Hidden([]int{id}, pos, cache)
 		pos++
 	}
+	clock.done(len(out))
 	return out, nil
 }
 
@@ -129,7 +190,7 @@ const graphChunk = 16
 // out holds the tokens so far, id the last one (not yet run), at position
 // pos. A single-token step has run uncaptured before, so every buffer the
 // step needs exists.
-func graphDecode(m *Model, g DecodeGrapher, cache KVCache, out []int, id, pos, total int, eos []int, opt GenOptions) ([]int, error) {
+func graphDecode(m *Model, g DecodeGrapher, cache KVCache, out []int, id, pos, total int, eos []int, opt GenOptions, clock *genClock) ([]int, error) {
 	be := m.Backend()
 	if err := g.BeginCapture(pos, total); err != nil {
 		if errors.Is(err, ErrNoCapture) {
@@ -161,6 +222,7 @@ func graphDecode(m *Model, g DecodeGrapher, cache KVCache, out []int, id, pos, t
 			}
 		}
 		pos += n
+		clock.steady(len(out)) // after the first chunk: the replays alone from here
 	}
 	return out, nil
 }

@@ -161,11 +161,16 @@ func TestGreedy(t *testing.T) {
 			ref := loadReference(t, name)
 			m := loadModel(t, name)
 			var streamed []int
+			var tm runtime.GenTiming
 			n := len(ref.GreedyIDs) - len(ref.GreedyPromptIDs)
 			got, err := runtime.Generate(m, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: n, EOS: []int{},
-				OnToken: func(id int) { streamed = append(streamed, id) }})
+				OnToken: func(id int) { streamed = append(streamed, id) }, Timing: &tm})
 			if err != nil {
 				t.Fatal(err)
+			}
+			// step by step (no captured step on the CPU): steady from the first token
+			if tm.FirstToken <= 0 || tm.SteadyTokens != n-1 || tm.Steady <= 0 || tm.SteadyTokensPerS() <= 0 {
+				t.Errorf("timing %+v (%.1f tokens/s steady), want the first token's time and %d steady tokens", tm, tm.SteadyTokensPerS(), n-1)
 			}
 			want := ref.GreedyIDs[len(ref.GreedyPromptIDs):]
 			if !equalInts(got, want) {

@@ -114,11 +114,19 @@ type verifyResult struct {
 }
 
 type generation struct {
-	Prompt     string  `json:"prompt"`
-	PromptIDs  []int   `json:"prompt_ids"`
-	IDs        []int   `json:"ids"` // new tokens only
-	Text       string  `json:"text"`
+	Prompt    string `json:"prompt"`
+	PromptIDs []int  `json:"prompt_ids"`
+	IDs       []int  `json:"ids"` // new tokens only
+	Text      string `json:"text"`
+	// TokensPerS is the new tokens over the whole call, the prompt's
+	// prefill and the first steps included.
 	TokensPerS float64 `json:"tokens_per_s"`
+	// FirstTokenS is the time to the first new token (the prefill);
+	// DecodeTokS the rate once decoding is steady (runtime.GenTiming:
+	// after the first chunk of replays of a captured step, else after the
+	// first token; 0 where no token came after that).
+	FirstTokenS float64 `json:"first_token_s"`
+	DecodeTokS  float64 `json:"decode_tok_s"`
 }
 
 func runVerify(c *cli.Context) (err error) {
@@ -307,9 +315,10 @@ func runVerify(c *cli.Context) (err error) {
 		if err != nil {
 			return fmt.Errorf("verify: %w", err)
 		}
+		var tm runtime.GenTiming
 		out, err := runtime.Generate(m, ids, runtime.GenOptions{
 			MaxNew: maxNew, Temperature: c.Float64("temperature"), TopK: c.Int("top-k"), TopP: c.Float64("top-p"),
-			Seed: c.Uint64("seed"), EOS: eos, NoGraph: c.Bool("no-graph"),
+			Seed: c.Uint64("seed"), EOS: eos, NoGraph: c.Bool("no-graph"), Timing: &tm,
 			OnToken: func(id int) {
 				echo()
 				if stream != nil {
@@ -322,7 +331,8 @@ func runVerify(c *cli.Context) (err error) {
 		}
 		echo()
 		sec := time.Since(start).Seconds()
-		g := &generation{Prompt: prompt, PromptIDs: ids, IDs: out, Text: tok.Decode(out)}
+		g := &generation{Prompt: prompt, PromptIDs: ids, IDs: out, Text: tok.Decode(out),
+			FirstTokenS: tm.FirstToken.Seconds(), DecodeTokS: tm.SteadyTokensPerS()}
 		if g.IDs == nil {
 			g.IDs = []int{}
 		}
@@ -330,7 +340,12 @@ func runVerify(c *cli.Context) (err error) {
 			g.TokensPerS = float64(len(out)) / sec
 		}
 		res.Generation = g
-		logf("\n        (%d new tokens, %.1f tokens/s)\n", len(out), g.TokensPerS)
+		if g.DecodeTokS > 0 {
+			logf("\n        (%d new tokens, %.1f tokens/s; the first after %.1f ms, steady decode %.1f tokens/s)\n",
+				len(out), g.TokensPerS, 1e3*g.FirstTokenS, g.DecodeTokS)
+		} else {
+			logf("\n        (%d new tokens, %.1f tokens/s)\n", len(out), g.TokensPerS)
+		}
 	}
 	if c.Bool("json") {
 		return json.NewEncoder(stdout).Encode(res)

@@ -78,8 +78,11 @@ func TestVerifyJSON(t *testing.T) {
 				Seconds    float64   `json:"seconds"`
 				ChunkSecs  []float64 `json:"chunk_seconds"`
 				Generation struct {
-					IDs  []int  `json:"ids"`
-					Text string `json:"text"`
+					IDs         []int   `json:"ids"`
+					Text        string  `json:"text"`
+					TokensPerS  float64 `json:"tokens_per_s"`
+					FirstTokenS float64 `json:"first_token_s"`
+					DecodeTokS  float64 `json:"decode_tok_s"`
 				} `json:"generation"`
 			}
 			if err := json.Unmarshal([]byte(out), &res); err != nil {
@@ -101,6 +104,10 @@ func TestVerifyJSON(t *testing.T) {
 			}
 			if !strings.HasSuffix(ref.Text, strings.TrimSpace(res.Generation.Text)) {
 				t.Errorf("generated text %q is not the end of %q", res.Generation.Text, ref.Text)
+			}
+			// the steady rate leaves out the first token's wait (the prefill)
+			if g := res.Generation; n > 1 && (g.TokensPerS <= 0 || g.FirstTokenS <= 0 || g.DecodeTokS <= 0) {
+				t.Errorf("generation rates: %g tokens/s, first token after %g s, steady %g tokens/s; want all positive", g.TokensPerS, g.FirstTokenS, g.DecodeTokS)
 			}
 		})
 	}

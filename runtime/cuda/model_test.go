@@ -123,9 +123,18 @@ func TestModels(t *testing.T) {
 
 			// runtime.Generate, with graphs (the default) and without.
 			for _, noGraph := range []bool{false, true} {
-				out, err := runtime.Generate(rm, prompt, runtime.GenOptions{MaxNew: len(want), EOS: []int{}, NoGraph: noGraph})
+				var tm runtime.GenTiming
+				out, err := runtime.Generate(rm, prompt, runtime.GenOptions{MaxNew: len(want), EOS: []int{}, NoGraph: noGraph, Timing: &tm})
 				if err != nil {
 					t.Fatal(err)
+				}
+				// steady: with graphs after two steps and a chunk of 16 replays, else after the first token
+				steady := len(want) - 1
+				if !noGraph {
+					steady = max(0, len(want)-2-16)
+				}
+				if tm.FirstToken <= 0 || tm.SteadyTokens != steady || (steady > 0) != (tm.Steady > 0) {
+					t.Errorf("Generate (NoGraph %v): timing %+v, want %d steady tokens", noGraph, tm, steady)
 				}
 				for i := range want {
 					if i >= len(out) || out[i] != want[i] {
