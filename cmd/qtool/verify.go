@@ -47,6 +47,8 @@ func verifyCommand() *cli.Command {
 			"(BOS replaces each chunk's first token, only the second half of each chunk is scored).\n" +
 			"--ppl wikitext reads " + wikitextFile + " from $QTOOL_DATA (default ~/.cache/qtool/datasets/wikitext-2-raw).\n" +
 			"Without --ppl or --prompt, a few tokens are generated from \"" + defaultPrompt + "\".\n" +
+			"Generation reports its rate over the whole call, the time to the first token (the prompt's prefill) and\n" +
+			"the steady decode rate after it (with CUDA graphs, after the first chunk of replays).\n" +
 			"--kld BASE compares MODEL's next-token distributions with BASE's (the float model, or a logits file\n" +
 			"written by --kld-cache) over the --ppl text in the same chunks: mean KL divergence ± uncertainty and its\n" +
 			"percentiles, top-1 agreement, Δp (probability of the correct token, MODEL − BASE) and PPL(MODEL)/PPL(BASE),\n" +
