@@ -62,8 +62,10 @@ func (t GenTiming) SteadyTokensPerS() float64 {
 	return float64(t.SteadyTokens) / t.Steady.Seconds()
 }
 
-// genClock fills a GenTiming: first marks the first token, steady the
-// start of the steady part (with the tokens so far), done the end.
+// genClock fills a GenTiming (none where t is nil): first marks the first
+// token, steady the start of the steady part (with the tokens so far), done
+// the end. from and fromN are where the steady count starts; marked says
+// which mark set them (0 none yet, 1 first, 2 steady).
 type genClock struct {
 	t             *GenTiming
 	start, from   time.Time
