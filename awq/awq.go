@@ -126,7 +126,7 @@ func (o Options) fp16Rows(q *model.Quantized, w []float32, r0, r1, cols, gs, G i
 	for r := r0; r < r1; r++ {
 		for g := 0; g < G; g++ {
 			i := r*G + g
-			s := model.F16ToFloat32(model.Float32ToF16(q.Scale[i]))
+			s := model.RoundF16(q.Scale[i])
 			if s < 6.103515625e-05 {
 				s = 6.103515625e-05
 			}

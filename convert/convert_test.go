@@ -105,7 +105,7 @@ func buildQuantized(v variant) (*model.Model, error) {
 			return nil, fmt.Errorf("%s: %w", name, err)
 		}
 		for i, s := range q.Scale {
-			q.Scale[i] = model.F16ToFloat32(model.Float32ToF16(s))
+			q.Scale[i] = model.RoundF16(s)
 		}
 		out.Set(name, q)
 	}
@@ -268,7 +268,7 @@ func sameCodes(t *testing.T, got, want *model.Model) {
 				}
 				return q.Zero[i]
 			}
-			if gq.Scale[i] != model.F16ToFloat32(model.Float32ToF16(s)) || z(gq) != z(wq) {
+			if gq.Scale[i] != model.RoundF16(s) || z(gq) != z(wq) {
 				t.Errorf("tensor %q: group %d scale %g zero %g, want fp16(%g) zero %g", name, i, gq.Scale[i], z(gq), s, z(wq))
 				break
 			}

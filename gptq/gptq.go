@@ -279,7 +279,7 @@ func (g *grid) quant(r int, x float64) (int, float64) {
 // fp16Round rounds a positive scale to the nearest float16 value, keeping it
 // at least the smallest normal half so it never becomes 0.
 func fp16Round(s float64) float64 {
-	v := float64(model.F16ToFloat32(model.Float32ToF16(float32(s))))
+	v := float64(model.RoundF16(float32(s)))
 	if v < 6.103515625e-05 {
 		v = 6.103515625e-05
 	}

@@ -106,7 +106,7 @@ func TestWriteOpenRoundTrip(t *testing.T) {
 				va, _ := a.Float32()
 				vb, _ := b.Float32()
 				for i := range va {
-					if want := model.F16ToFloat32(model.Float32ToF16(va[i])); vb[i] != want {
+					if want := model.RoundF16(va[i]); vb[i] != want {
 						t.Fatalf("%s[%d] = %g, want fp16(%g) = %g", name, i, vb[i], va[i], want)
 					}
 				}

@@ -153,7 +153,7 @@ func checkPackable(q *model.Quantized) error {
 	}
 	G := q.Groups()
 	for i, s := range q.Scale {
-		if f := model.F16ToFloat32(model.Float32ToF16(s)); math.IsInf(float64(f), 0) || math.IsNaN(float64(f)) {
+		if f := model.RoundF16(s); math.IsInf(float64(f), 0) || math.IsNaN(float64(f)) {
 			return fmt.Errorf("awq pack: scale %g of output %d, group %d is not representable in fp16", s, i/G, i%G)
 		}
 	}

@@ -105,7 +105,7 @@ func randomQuantized(r *rand.Rand, out, in, group int) *model.Quantized {
 		q.Q[i] = int8(r.IntN(16) - 8)
 	}
 	for i := range q.Scale {
-		q.Scale[i] = model.F16ToFloat32(model.Float32ToF16(r.Float32()*0.1 + 1e-3))
+		q.Scale[i] = model.RoundF16(r.Float32()*0.1 + 1e-3)
 		q.Zero[i] = float32(r.IntN(16) - 8)
 	}
 	return q

@@ -26,7 +26,7 @@ func rtnAsym(w []float32, rows, cols, bits, group int) *model.Quantized {
 				lo = math.Min(lo, float64(v))
 				hi = math.Max(hi, float64(v))
 			}
-			s := float64(model.F16ToFloat32(model.Float32ToF16(float32(math.Max((hi-lo)/maxq, 1e-5)))))
+			s := float64(model.RoundF16(float32(math.Max((hi-lo)/maxq, 1e-5))))
 			z := math.Min(math.Max(-math.Round(lo/s), 0), maxq)
 			q.Scale[r*G+g] = float32(s)
 			q.Zero[r*G+g] = float32(z - off)

@@ -101,7 +101,7 @@ func checkPackable(q *model.Quantized) error {
 	}
 	G := q.Groups()
 	for i, s := range q.Scale {
-		if f := float64(model.F16ToFloat32(model.Float32ToF16(s))); math.IsInf(f, 0) || math.IsNaN(f) {
+		if f := float64(model.RoundF16(s)); math.IsInf(f, 0) || math.IsNaN(f) {
 			return fmt.Errorf("gptq pack: scale %g of output %d, group %d is not representable in fp16", s, i/G, i%G)
 		}
 	}

@@ -122,7 +122,7 @@ func randomQuantized(r *rand.Rand, out, in, bits, group int, sym, actOrder bool)
 	}
 	q.Scale = make([]float32, out*G)
 	for i := range q.Scale {
-		q.Scale[i] = model.F16ToFloat32(model.Float32ToF16(r.Float32()*0.1 + 1e-3))
+		q.Scale[i] = model.RoundF16(r.Float32()*0.1 + 1e-3)
 	}
 	if !sym {
 		q.Zero = make([]float32, out*G)

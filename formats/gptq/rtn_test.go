@@ -53,7 +53,7 @@ func rtn(w []float32, rows, cols, bits, group int, gidx []int32, sym bool) *mode
 			} else {
 				s = math.Max((hi[g]-lo[g])/maxq, 1e-5)
 			}
-			s = float64(model.F16ToFloat32(model.Float32ToF16(float32(s))))
+			s = float64(model.RoundF16(float32(s)))
 			if !sym {
 				z = math.Min(math.Max(-math.Round(lo[g]/s), 1), maxq)
 				q.Zero[r*G+g] = float32(z - off)

@@ -75,7 +75,7 @@ func metaRows(w []float32, heads, hd, cols int) []float32 {
 func f16(w []float32) []float32 {
 	out := make([]float32, len(w))
 	for i, v := range w {
-		out[i] = model.F16ToFloat32(model.Float32ToF16(v))
+		out[i] = model.RoundF16(v)
 	}
 	return out
 }

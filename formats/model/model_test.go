@@ -41,6 +41,20 @@ func TestBF16RoundTrip(t *testing.T) {
 	}
 }
 
+func TestRoundF16(t *testing.T) {
+	for _, c := range []struct{ in, want float32 }{
+		{1, 1}, {1.0 / 3, 0.333251953125}, {1 + 0x1p-11, 1 /* tie -> even */}, {1 + 3*0x1p-11, 1 + 0x1p-9 /* tie -> even up */},
+		{65519, 65504}, {65520, float32(math.Inf(1))}, {1e-8, 0}, {-6e-8, -0x1p-24 /* subnormal */},
+	} {
+		if got := RoundF16(c.in); got != c.want {
+			t.Errorf("RoundF16(%v) = %v, want %v", c.in, got, c.want)
+		}
+	}
+	if v := RoundF16(float32(math.NaN())); !math.IsNaN(float64(v)) {
+		t.Error("NaN lost")
+	}
+}
+
 func TestQuantizedDequantize(t *testing.T) {
 	// 2 rows x 4 cols, groups of 2; asymmetric 4-bit codes stored minus 8.
 	q := &Quantized{Bits: 4, GroupSize: 2, Rows: 2, Cols: 4,

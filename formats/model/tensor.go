@@ -234,6 +234,10 @@ func Float32ToF16(f float32) uint16 { return float16.Fromfloat32(f).Bits() }
 // F16ToFloat32 widens an IEEE half bit pattern.
 func F16ToFloat32(h uint16) float32 { return float16.Frombits(h).Float32() }
 
+// RoundF16 is f rounded to the nearest IEEE half (ties to even), widened
+// back: the value an fp16 tensor stores for f (±Inf beyond its range).
+func RoundF16(f float32) float32 { return F16ToFloat32(Float32ToF16(f)) }
+
 // Quantized is a linear weight [Rows=out, Cols=in] stored as small integers
 // with per-group scales (and zero points when asymmetric):
 //

@@ -325,7 +325,7 @@ func (w *writer) exactDType(vs ...float32) model.DType {
 		for _, v := range vs {
 			var back float32
 			if dt == model.F16 {
-				back = model.F16ToFloat32(model.Float32ToF16(v))
+				back = model.RoundF16(v)
 			} else {
 				back = model.BF16ToFloat32(model.Float32ToBF16(v))
 			}

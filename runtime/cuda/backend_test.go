@@ -200,7 +200,7 @@ func halfScaled(mk func(r *rand.Rand, n, k int) (model.Tensor, []float64)) func(
 		w, _ := mk(r, n, k)
 		q := w.(*model.Quantized)
 		for i, s := range q.Scale {
-			q.Scale[i] = model.F16ToFloat32(model.Float32ToF16(s))
+			q.Scale[i] = model.RoundF16(s)
 		}
 		return q, quantWant(q)
 	}
@@ -658,8 +658,8 @@ func TestAttention(t *testing.T) {
 		b.StoreKV(c, 1, 0, kb, vb)
 		if cfg.half { // the reference reads what the cache holds
 			for i := range keys {
-				keys[i] = model.F16ToFloat32(model.Float32ToF16(keys[i]))
-				vals[i] = model.F16ToFloat32(model.Float32ToF16(vals[i]))
+				keys[i] = model.RoundF16(keys[i])
+				vals[i] = model.RoundF16(vals[i])
 			}
 		}
 		// T ≥ attnTCMinRows: the tensor-core kernel (one and several

@@ -343,7 +343,7 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 // weight's half form, Linear.szh).
 func halfScales(scales []float32) bool {
 	for _, s := range scales {
-		if model.F16ToFloat32(model.Float32ToF16(s)) != s {
+		if model.RoundF16(s) != s {
 			return false
 		}
 	}

@@ -89,7 +89,7 @@ func synthetic7B(layers int) *model.Model {
 			q.Q[i] = int8(rng.IntN(16) - 8)
 		}
 		for i := range q.Scale {
-			q.Scale[i] = model.F16ToFloat32(model.Float32ToF16(0.002 + 0.001*rng.Float32())) // fp16, as AutoAWQ stores them
+			q.Scale[i] = model.RoundF16(0.002 + 0.001*rng.Float32()) // fp16, as AutoAWQ stores them
 			q.Zero[i] = float32(rng.IntN(16) - 8)
 		}
 		return q
