@@ -2252,7 +2252,8 @@ __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* _
 #pragma unroll
         for (int r = 0; r < R; r++) {
             uint32_t w4[4] = {raw[r].x, raw[r].y, raw[r].z, raw[r].w};
-            acc[r] = s[r].x * q4_dot_staged(w4, xh, *reinterpret_cast<const __half2*>(&s[r].y));
+            Q4Group g = q4_group_of(s[r]);
+            acc[r] = g.scale * q4_dot_staged(w4, xh, g.z1024);
         }
     }
 #pragma unroll
@@ -2693,8 +2694,9 @@ __device__ __forceinline__ void b_convert(const BRaw& r, const WArgs& wa, int n,
             for (int i = 0; i < 8; i++) o[i] = pack_h2(v[2 * i], v[2 * i + 1]);
         }
     } else {  // WQ4
-        __half2 z1024 = *reinterpret_cast<const __half2*>(&r.s.y);
-        __half2 sc = __float2half2_rn(r.s.x);
+        Q4Group g = q4_group_of(r.s);
+        __half2 z1024 = g.z1024;
+        __half2 sc = __float2half2_rn(g.scale);
         __half2 d[4];
         q4_dequant_uz(r.a.x, z1024, d);
 #pragma unroll
