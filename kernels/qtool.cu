@@ -217,7 +217,17 @@ extern "C" __global__ void embed_dense(float* __restrict__ dst, const void* __re
     int id = ids[r] - lo;
     if (embed_zero(dst, r, id, n, cols)) return;
     size_t base = (size_t)id * cols;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[(size_t)r * cols + c] = load_dense(table, base + c, dt);
+    // EMBED_U loads a thread issued before any store: one round trip a
+    // row of up to EMBED_U·blockDim values, not one a value
+    constexpr int EMBED_U = 16;
+    for (int c0 = threadIdx.x; c0 < cols; c0 += EMBED_U * blockDim.x) {
+        float v[EMBED_U];
+#pragma unroll
+        for (int i = 0; i < EMBED_U; i++) v[i] = load_dense(table, base + min(c0 + i * (int)blockDim.x, cols - 1), dt);
+#pragma unroll
+        for (int i = 0; i < EMBED_U; i++)
+            if (c0 + i * (int)blockDim.x < cols) dst[(size_t)r * cols + c0 + i * blockDim.x] = v[i];
+    }
 }
 
 // Group of input column c for a q8 weight.
@@ -611,8 +621,8 @@ extern "C" __global__ void silu_mul(float* dst, const float* gate, const float* 
 }
 
 // Position of row t: pos0 + t, plus *dpos when dpos is set (CUDA graph
-// replay). dpos is read through L2 (only decode_advance writes it, at the
-// end of the step before), so kernels may read it before their wait.
+// replay). dpos is read through L2 (only argmax's decode advance writes it,
+// at the end of the step before), so kernels may read it before their wait.
 __device__ __forceinline__ int row_pos(int pos0, const int* dpos, int t) {
     return pos0 + (dpos ? __ldcg(dpos) : 0) + t;
 }
@@ -965,7 +975,7 @@ __device__ __forceinline__ void attention_body(
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     // Before the wait (pdl_wait below) the block reads only what kernels at
-    // least two launches back wrote: the graph's position (decode_advance,
+    // least two launches back wrote: the graph's position (argmax's advance,
     // the step before; through L2), the cached keys and values below the
     // launch's first row (the launch before may be the store of its rows)
     // and the RoPE angles (rope_table, launched at least two launches
@@ -3883,52 +3893,80 @@ extern "C" __global__ void nll(double* __restrict__ out, const float* __restrict
     if (threadIdx.x == 0) out[r] = log(s) + (double)mx - (double)l[targets[r]];
 }
 
-// Largest logit of each row (lowest index on ties). out[r]; if dpos and
-// hist are set also appends it to hist[*dpos + 1] and to ids[0] (graph decode).
-extern "C" __global__ void argmax(int* __restrict__ out, const float* __restrict__ logits, int cols) {
-    PDL_ENTRY();
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    int r = blockIdx.x;
-    const float* l = logits + (size_t)r * cols;
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = l[c];
-        if (v > bv || (v == bv && c < bi)) { bv = v; bi = c; }
-    }
+// Largest logit of each row (lowest index on ties; NaN never wins; a row of
+// NaN gives 0). Grid (splits, rows), ARGMAX_THREADS threads: split s of a
+// row takes ARGMAX_SPAN columns from s·ARGMAX_SPAN, ARGMAX_U loads a
+// thread in flight at once, and leaves its best (value bits, index) in
+// part[r·splits + s]; the row's last split to finish (cnt[r], which it
+// resets) takes the best of the parts (the order is a total one, so the
+// result does not depend on the order the splits ran in) and writes out[r].
+// With dpos set (graph decode, one row) it also advances the decode:
+// hist[*dpos] = out[0] (while *dpos < histLen), ids[0] = out[0], *dpos += 1.
+#define ARGMAX_THREADS 256
+#define ARGMAX_U 8
+#define ARGMAX_SPAN (ARGMAX_THREADS * ARGMAX_U)
+__device__ __forceinline__ void argmax_take(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+}
+__device__ __forceinline__ void argmax_block(float& bv, int& bi, float* sv, int* si) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(FULL, bv, o);
-        int oi = __shfl_xor_sync(FULL, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
+    for (int o = 16; o > 0; o >>= 1) argmax_take(bv, bi, __shfl_xor_sync(FULL, bv, o), __shfl_xor_sync(FULL, bi, o));
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     if (lane == 0) { sv[w] = bv; si[w] = bi; }
     __syncthreads();
-    if (w == 0) {
-        bv = lane < nw ? sv[lane] : -INFINITY;
-        bi = lane < nw ? si[lane] : 0x7fffffff;
+    bv = lane < nw ? sv[lane] : -INFINITY;
+    bi = lane < nw ? si[lane] : 0x7fffffff;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(FULL, bv, o);
-            int oi = __shfl_xor_sync(FULL, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-        if (lane == 0) out[r] = bi == 0x7fffffff ? 0 : bi;
-    }
+    for (int o = 16; o > 0; o >>= 1) argmax_take(bv, bi, __shfl_xor_sync(FULL, bv, o), __shfl_xor_sync(FULL, bi, o));
 }
-
-// Graph-decode bookkeeping: after argmax wrote next[0], record it and advance
-// the position: hist[*dpos] = next[0]; ids[0] = next[0]; *dpos += 1.
-extern "C" __global__ void decode_advance(int* __restrict__ dpos, int* __restrict__ ids,
-                                          const int* __restrict__ next, int* __restrict__ hist, int histLen) {
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax(int* __restrict__ out, const float* __restrict__ logits,
+                                                                   int cols, int2* __restrict__ part, int* __restrict__ cnt,
+                                                                   int* __restrict__ dpos, int* __restrict__ ids,
+                                                                   int* __restrict__ hist, int histLen) {
     PDL_ENTRY();
-    if (threadIdx.x == 0 && blockIdx.x == 0) {
-        int p = *dpos;
-        if (p < histLen) hist[p] = next[0];
-        ids[0] = next[0];
-        *dpos = p + 1;
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    __shared__ bool last;
+    int s = blockIdx.x, ns = gridDim.x, r = blockIdx.y;
+    const float* l = logits + (size_t)r * cols;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    int c0 = s * ARGMAX_SPAN + threadIdx.x;
+    float v[ARGMAX_U];
+#pragma unroll
+    for (int i = 0; i < ARGMAX_U; i++) v[i] = l[min(c0 + i * ARGMAX_THREADS, cols - 1)];
+#pragma unroll
+    for (int i = 0; i < ARGMAX_U; i++)
+        if (c0 + i * ARGMAX_THREADS < cols) argmax_take(bv, bi, v[i], c0 + i * ARGMAX_THREADS);
+    argmax_block(bv, bi, sv, si);
+    if (ns > 1) {
+        if (threadIdx.x == 0) {
+            part[(size_t)r * ns + s] = make_int2(__float_as_int(bv), bi);
+            __threadfence();
+            last = atomicAdd(&cnt[r], 1) == ns - 1;
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        bv = -INFINITY;
+        bi = 0x7fffffff;
+        for (int i = threadIdx.x; i < ns; i += blockDim.x) {
+            int2 p = __ldcg(part + (size_t)r * ns + i);
+            argmax_take(bv, bi, __int_as_float(p.x), p.y);
+        }
+        __syncthreads();  // sv, si free again
+        argmax_block(bv, bi, sv, si);
+        if (threadIdx.x == 0) cnt[r] = 0;
+    }
+    if (threadIdx.x == 0) {
+        int id = bi == 0x7fffffff ? 0 : bi;
+        out[r] = id;
+        if (dpos) {
+            int p = *dpos;
+            if (p < histLen) hist[p] = id;
+            ids[0] = id;
+            *dpos = p + 1;
+        }
     }
 }
 

@@ -302,7 +302,7 @@ func kernelNames() []string {
 		"silu_mul", "rope", "rope_table", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8",
 		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_i8",
 		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8", "dequant_h_q4", "dequant_h_q8",
-		"gather_cols", "gather_half", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "decode_advance", "sample", "fill_random",
+		"gather_cols", "gather_half", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "sample", "fill_random",
 		"allreduce_peer", "allreduce_peer_ll",
 	}
 	names = append(names, gemvKernels...)
@@ -1324,7 +1324,7 @@ func (b *Backend) Argmax(logits runtime.Buf) []int {
 	}
 	defer b.enter()()
 	op := b.scratchBuf("argmax", 4*l.rows)
-	b.launch("argmax", g1(l.rows), [3]uint32{512, 1, 1}, op, l.p, l.cols)
+	b.launchArgmax(op, l, false)
 	r := make([]int32, l.rows)
 	b.must(b.drv.MemcpyDtoH(unsafe.Pointer(&r[0]), op, uint64(4*l.rows)))
 	out := make([]int, l.rows)
@@ -1332,6 +1332,46 @@ func (b *Backend) Argmax(logits runtime.Buf) []int {
 		out[i] = int(v)
 	}
 	return out
+}
+
+// argmaxSpan and argmaxThreads are qtool.cu's ARGMAX_SPAN (the columns of
+// a row one block of the argmax kernel takes) and ARGMAX_THREADS.
+const (
+	argmaxSpan    = 2048
+	argmaxThreads = 256
+)
+
+// launchArgmax writes the largest logit's index of each row of l to out
+// (an int32 a row), a row's columns split over blocks of argmaxSpan. With
+// advance (a captured decode step, one row) the kernel also takes it as the
+// next token: it appends it to the history, feeds it to the next step and
+// advances the position (GreedyAdvance).
+func (b *Backend) launchArgmax(out driver.DevicePtr, l *Buf, advance bool) {
+	if l.cols == 0 { // no logits: id 0, as a row of NaN gives
+		b.must(b.drv.MemsetD32Async(out, 0, uint64(l.rows), b.stream))
+		return
+	}
+	splits := (l.cols + argmaxSpan - 1) / argmaxSpan
+	var dpos, ids, hist driver.DevicePtr
+	histLen := 0
+	// a graph's areas of their own: a later uncaptured call that grows an
+	// area would free the one the graph holds
+	partName, cntName := "argmax_part", "argmax_cnt"
+	if advance {
+		dpos, ids, hist, histLen = b.dstate, b.dstate+4, b.hist, b.histLen
+		partName, cntName = "argmax_part_graph", "argmax_cnt_graph"
+	}
+	const maxRows = 65535 // grid.y
+	for r0 := 0; r0 < l.rows; r0 += maxRows {
+		rows := min(maxRows, l.rows-r0)
+		var part, cnt driver.DevicePtr
+		if splits > 1 {
+			part = b.scratchBuf(partName, 8*rows*splits)
+			cnt = b.zeroedScratch(cntName, 4*rows)
+		}
+		b.launch("argmax", [3]uint32{uint32(splits), uint32(rows), 1}, [3]uint32{argmaxThreads, 1, 1},
+			out+driver.DevicePtr(4*r0), l.p+driver.DevicePtr(4*r0*l.cols), l.cols, part, cnt, dpos, ids, hist, histLen)
+	}
 }
 
 // Sample draws one id per row from softmax(logits/temp), using u[i] in

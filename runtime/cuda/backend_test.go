@@ -757,6 +757,64 @@ func attentionRef(q, keys, vals []float32, T, pos0, heads, kvHeads, hd int) []fl
 	return want
 }
 
+// testArgmaxEdges checks Argmax on rows that cross its blocks' spans:
+// ties within and across spans (the lowest index wins), NaN (never wins; a
+// row of NaN gives 0), -Inf, a maximum in the last partial span, and rows
+// narrower than one span.
+func testArgmaxEdges(t *testing.T, b *Backend) {
+	nan, inf := float32(math.NaN()), float32(math.Inf(1))
+	r := rand.New(rand.NewPCG(21, 22))
+	for _, cols := range []int{1, 7, argmaxSpan, argmaxSpan + 1, 32000} {
+		type row struct {
+			name string
+			set  func(v []float32)
+			want int
+		}
+		rows := []row{
+			{"random", func(v []float32) {}, -1},
+			{"tie across spans", func(v []float32) { v[cols-1] = 100; v[cols/2] = 100 }, min(cols/2, cols-1)},
+			{"tie at the ends", func(v []float32) { v[0] = 100; v[cols-1] = 100 }, 0},
+			{"last column", func(v []float32) { v[cols-1] = 100 }, cols - 1},
+			{"NaN beside the largest", func(v []float32) { v[cols-1] = 100; v[0] = nan; v[cols/2] = nan }, -1},
+			{"all NaN", func(v []float32) {
+				for i := range v {
+					v[i] = nan
+				}
+			}, 0},
+			{"all -Inf", func(v []float32) {
+				for i := range v {
+					v[i] = -inf
+				}
+			}, 0},
+			{"+Inf", func(v []float32) { v[cols-1] = inf }, cols - 1},
+		}
+		l := make([]float32, len(rows)*cols)
+		for i, rw := range rows {
+			v := l[i*cols : (i+1)*cols]
+			for c := range v {
+				v[c] = float32(r.NormFloat64())
+			}
+			rw.set(v)
+		}
+		got := b.Argmax(upload(b, len(rows), cols, l))
+		for i, rw := range rows {
+			want := rw.want
+			if want < 0 { // the first largest, NaN skipped
+				v := l[i*cols : (i+1)*cols]
+				want = 0
+				for c := range v {
+					if v[c] > v[want] || v[want] != v[want] && v[c] == v[c] {
+						want = c
+					}
+				}
+			}
+			if got[i] != want {
+				t.Errorf("cols %d, %s: argmax %d, want %d", cols, rw.name, got[i], want)
+			}
+		}
+	}
+}
+
 func TestLogitOps(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(15, 16))
@@ -799,6 +857,7 @@ func TestLogitOps(t *testing.T) {
 			}
 		}
 	})
+	t.Run("argmax edge rows", func(t *testing.T) { testArgmaxEdges(t, b) })
 	t.Run("sample", func(t *testing.T) {
 		u := make([]float32, rows)
 		for i := range u {

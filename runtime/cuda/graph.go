@@ -36,7 +36,7 @@ func (b *Backend) BeginCapture(pos, maxHist int) error {
 		b.hist = b.scratchBuf("hist", 4*maxHist)
 		b.histLen = maxHist
 	}
-	b.scratchBuf("argmax", 64)
+	b.scratchBuf("argmax_graph", 64)
 	if err := b.drv.StreamSynchronize(b.stream); err != nil {
 		return err
 	}
@@ -56,9 +56,7 @@ func (b *Backend) GreedyAdvance(logits runtime.Buf) {
 		panic("cuda backend: GreedyAdvance needs a capture and one row of logits")
 	}
 	defer b.enter()()
-	op := b.scratchBuf("argmax", 64)
-	b.launch("argmax", g1(1), [3]uint32{512, 1, 1}, op, l.p, l.cols)
-	b.launch("decode_advance", g1(1), [3]uint32{32, 1, 1}, b.dstate, b.dstate+4, op, b.hist, b.histLen)
+	b.launchArgmax(b.scratchBuf("argmax_graph", 64), l, true)
 }
 
 var _ runtime.DecodeGrapher = (*Backend)(nil)
