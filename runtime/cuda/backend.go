@@ -439,12 +439,15 @@ func uploadSlice[T any](b *Backend, v []T) driver.DevicePtr {
 }
 
 // scratchBuf returns a device buffer of at least bytes for a named use.
+// Growing an area frees the old one, except while a graph is being captured
+// or any captured graph is alive (either may hold it): then it stays
+// allocated until Close.
 func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
 	s := b.scratch[name]
 	if s.n >= bytes {
 		return s.p
 	}
-	if s.p != 0 && !b.capturing { // during a capture the old area stays allocated until Close
+	if s.p != 0 && !b.capturing && !b.liveGraphs() {
 		b.must(b.drv.StreamSynchronize(b.stream))
 		b.must(b.drv.MemFree(s.p))
 		b.heldBytes -= int64(b.owned[s.p])
@@ -456,6 +459,20 @@ func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
 	b.owned[p] = -1 // never pooled
 	b.scratch[name] = scratch{p: p, n: n}
 	return p
+}
+
+// liveGraphs reports whether a captured graph has not been destroyed yet
+// (and drops the destroyed ones from b.graphs).
+func (b *Backend) liveGraphs() bool {
+	live := b.graphs[:0]
+	for _, g := range b.graphs {
+		if !g.freed {
+			live = append(live, g)
+		}
+	}
+	clear(b.graphs[len(live):])
+	b.graphs = live
+	return len(live) > 0
 }
 
 // zeroedScratch is scratchBuf whose area is zeroed when it is (re)allocated;
@@ -1354,20 +1371,16 @@ func (b *Backend) launchArgmax(out driver.DevicePtr, l *Buf, advance bool) {
 	splits := (l.cols + argmaxSpan - 1) / argmaxSpan
 	var dpos, ids, hist driver.DevicePtr
 	histLen := 0
-	// a graph's areas of their own: a later uncaptured call that grows an
-	// area would free the one the graph holds
-	partName, cntName := "argmax_part", "argmax_cnt"
 	if advance {
 		dpos, ids, hist, histLen = b.dstate, b.dstate+4, b.hist, b.histLen
-		partName, cntName = "argmax_part_graph", "argmax_cnt_graph"
 	}
 	const maxRows = 65535 // grid.y
 	for r0 := 0; r0 < l.rows; r0 += maxRows {
 		rows := min(maxRows, l.rows-r0)
 		var part, cnt driver.DevicePtr
 		if splits > 1 {
-			part = b.scratchBuf(partName, 8*rows*splits)
-			cnt = b.zeroedScratch(cntName, 4*rows)
+			part = b.scratchBuf("argmax_part", 8*rows*splits)
+			cnt = b.zeroedScratch("argmax_cnt", 4*rows)
 		}
 		b.launch("argmax", [3]uint32{uint32(splits), uint32(rows), 1}, [3]uint32{argmaxThreads, 1, 1},
 			out+driver.DevicePtr(4*r0), l.p+driver.DevicePtr(4*r0*l.cols), l.cols, part, cnt, dpos, ids, hist, histLen)

@@ -815,6 +815,28 @@ func testArgmaxEdges(t *testing.T, b *Backend) {
 	}
 }
 
+// TestScratchHeldByGraph checks that growing a scratch area keeps the old
+// one allocated while a captured graph is alive (the graph may read it) and
+// frees it once none is.
+func TestScratchHeldByGraph(t *testing.T) {
+	b := newTestBackend(t)
+	old := b.scratchBuf("held_test", 1024)
+	g := &Graph{b: b} // stands for a live captured graph
+	b.graphs = append(b.graphs, g)
+	grown := b.scratchBuf("held_test", 4096)
+	if _, ok := b.owned[old]; !ok || grown == old {
+		t.Fatalf("growing the area with a live graph freed the old one (or kept its address)")
+	}
+	g.freed = true // destroyed: nothing holds areas any more
+	b.scratchBuf("held_test", 16384)
+	if _, ok := b.owned[grown]; ok {
+		t.Errorf("growing the area with no live graph kept the old one")
+	}
+	if len(b.graphs) != 0 {
+		t.Errorf("%d destroyed graphs still listed", len(b.graphs))
+	}
+}
+
 func TestLogitOps(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(15, 16))

@@ -36,7 +36,7 @@ func (b *Backend) BeginCapture(pos, maxHist int) error {
 		b.hist = b.scratchBuf("hist", 4*maxHist)
 		b.histLen = maxHist
 	}
-	b.scratchBuf("argmax_graph", 64)
+	b.scratchBuf("argmax", 64)
 	if err := b.drv.StreamSynchronize(b.stream); err != nil {
 		return err
 	}
@@ -56,7 +56,7 @@ func (b *Backend) GreedyAdvance(logits runtime.Buf) {
 		panic("cuda backend: GreedyAdvance needs a capture and one row of logits")
 	}
 	defer b.enter()()
-	b.launchArgmax(b.scratchBuf("argmax_graph", 64), l, true)
+	b.launchArgmax(b.scratchBuf("argmax", 64), l, true)
 }
 
 var _ runtime.DecodeGrapher = (*Backend)(nil)
