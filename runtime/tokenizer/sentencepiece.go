@@ -180,6 +180,9 @@ func (t *SentencePiece) index() error {
 	for i := range t.byteID {
 		t.byteID[i] = -1
 	}
+	// (in the pieces' order, not pieceID's: the same result, and the same
+	// path through the code for the same model, which fuzzing relies on)
+	t.splitWords = t.escapeSpaces
 	for id, p := range t.pieces {
 		if p == "" {
 			return fmt.Errorf("piece %d is empty", id)
@@ -207,16 +210,15 @@ func (t *SentencePiece) index() error {
 			return fmt.Errorf("piece %d %q is defined twice", id, p)
 		}
 		m[p] = id
+		if ty == spNormal || ty == spUserDefined || ty == spUnused {
+			t.splitWords = t.splitWords && spaceOnlyAtStart(p)
+		}
 		if ty == spUserDefined {
 			t.userDefs[p] = true
 			t.maxUserLen = max(t.maxUserLen, len(p))
 		}
 	}
 	t.cache = make(map[string][]int)
-	t.splitWords = t.escapeSpaces
-	for p := range t.pieceID {
-		t.splitWords = t.splitWords && spaceOnlyAtStart(p)
-	}
 	if t.unkID < 0 || t.unkID >= n || t.types[t.unkID] != spUnknown {
 		return fmt.Errorf("unk_id %d does not name an UNKNOWN piece (vocabulary of %d)", t.unkID, n)
 	}
