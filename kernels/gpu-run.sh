@@ -4,8 +4,9 @@
 # Llama-2-7B-shaped checkpoints (synth_hf.py: bf16 and its AutoAWQ twin) on
 # one GPU and at TP=2 (ranks in one process and one process per rank).
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
-# binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py). Usage:
-#   STEPS="build topo tests attnbench ncu ncuprefill 7b one one-base tp tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base bench anchor" kernels/gpu-run.sh
+# binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
+# kernels/gpu-prep.sh makes both. Usage:
+#   STEPS="build topo tests attnbench ncu ncuprefill 7b one one-base tp tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -204,6 +205,20 @@ if has kbench-base; then # the same with the previous commit's binary (.devbin/q
   base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
   lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base bench --synthetic llama2-7b --decode 128 ${KBENCH_ARGS:-} > "$OUT/kbench-base.txt" 2>&1
   grep -E "gemv|decode|prefill" "$OUT/kbench-base.txt" | head -40
+fi
+if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX built here if build ran) and
+  # bin/qtool-base (its embedded PTX) alternating AB_ROUNDS times in this call: positions 16-272, about
+  # the context verify --prompt The --max-new 256 decodes at
+  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
+  for i in $(seq "${AB_ROUNDS:-2}"); do
+    for v in new base; do
+      lim=$(left); [ "$lim" -lt 90 ] && { echo "ab: no time left"; break 2; }
+      cmd=bin/qtool; [ $v = base ] && cmd="env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base"
+      timeout "$lim" $cmd bench --synthetic llama2-7b --format "${AB_FORMAT:-w4a16}" --kernels=false \
+        --prompt "${AB_PROMPT:-16}" --decode 256 ${AB_ARGS:-} > "$OUT/ab-$v-$i.txt" 2>&1
+      echo "ab $v $i rc=$?: $(grep -oE 'decode batch 1: .*' "$OUT/ab-$v-$i.txt" | cut -c1-230)"
+    done
+  done
 fi
 if has bench; then
   # the context verify --prompt The --max-new 256 decodes at
