@@ -125,6 +125,10 @@ type Backend struct {
 	// (the activations; a widened weight; a Linear keeps its own).
 	wgmma bool
 	tmaps []*driver.TensorMap
+	// attnKeys, where positive, makes the decode attention split its grid
+	// as for a cache of that many keys, as a captured step does for its
+	// cache's length (tests: splits without keys outside a capture).
+	attnKeys int
 	// maxSplits, where positive, caps the K splits of a GEMM (tests: rings
 	// refilled many times).
 	maxSplits int
@@ -1187,6 +1191,9 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 	nk := pos0 + T
 	if b.capturing && b.capPos {
 		nk = kc.maxSeq
+	}
+	if b.attnKeys > 0 {
+		nk = b.attnKeys
 	}
 	nsplit := min((4*b.sms+T*heads-1)/(T*heads), (nk+31)/32, attnMaxSplits)
 	var ml, acc, cnt driver.DevicePtr // the splits' partials and arrivals, merged by each row's last split

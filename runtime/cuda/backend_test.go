@@ -667,11 +667,17 @@ func TestAttention(t *testing.T) {
 		// tiles' keys split as the shape chooses (0), not at all (−1) and
 		// 1–3 key tiles a block (after a prefix of 150, a block's first
 		// keys may come after some of its rows)
-		for _, tc := range []struct{ T, pos0 int }{{9, 0}, {1, 0}, {1, 299}, {3, 297}, {1, 349}, {31, 300}, {50, 300}, {64, 0}, {130, 0}, {200, 150}, {350, 0}} {
-			t.Run(fmt.Sprintf("hd=%d/half=%v/T=%d/pos0=%d", hd, cfg.half, tc.T, tc.pos0), func(t *testing.T) {
+		// Decode rows (T < attnTCMinRows) also with the grid split as for
+		// a cache of 352 keys (attnKeys: 11 splits, the later ones without
+		// keys at early positions, as in a captured step).
+		for _, tc := range []struct{ T, pos0, gridKeys int }{{9, 0, 0}, {1, 0, 0}, {1, 299, 0}, {3, 297, 0}, {1, 349, 0},
+			{1, 0, 352}, {1, 40, 352}, {3, 97, 352}, {1, 299, 352}, {31, 300, 0}, {50, 300, 0}, {64, 0, 0}, {130, 0, 0}, {200, 150, 0}, {350, 0, 0}} {
+			t.Run(fmt.Sprintf("hd=%d/half=%v/T=%d/pos0=%d/grid=%d", hd, cfg.half, tc.T, tc.pos0, tc.gridKeys), func(t *testing.T) {
 				q := randVec(r, tc.T*heads*hd, 1)
 				want := attentionRef(q, keys, vals, tc.T, tc.pos0, heads, kvHeads, hd)
 				qb := upload(b, tc.T, heads*hd, q)
+				b.attnKeys = tc.gridKeys
+				defer func() { b.attnKeys = 0 }()
 				splits := []int{0}
 				if tc.T >= attnTCMinRows {
 					splits = []int{0, -1, 1, 2, 3}
