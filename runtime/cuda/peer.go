@@ -161,7 +161,8 @@ func (b *Backend) OpenPeerReduce(rank, world, capFloats int, timeout time.Durati
 		return nil, fmt.Errorf("cuda: peer-memory area: %w", err)
 	}
 	p.area = area
-	if err := b.drv.MemsetD32Async(area, 0, n/4, b.stream); err == nil {
+	err = b.drv.MemsetD32Async(area, 0, n/4, b.stream)
+	if err == nil {
 		err = b.drv.StreamSynchronize(b.stream)
 	}
 	if err != nil {
