@@ -235,9 +235,19 @@ func TestPeerReduceErrors(t *testing.T) {
 	if _, err := b.OpenPeerReduce(0, 2, 16, time.Second); err == nil {
 		t.Error("a second OpenPeerReduce: no error")
 	}
-	bad := append([]byte(nil), end...)
-	bad[0] ^= 1
-	for _, ends := range [][][]byte{{end}, {end, bad}, {end, end[:40]}} {
+	// Each case is made from the end of the latest open: a failed connect
+	// closes the area, and the test opens a new one for the next case.
+	corrupt := func(e []byte) []byte {
+		bad := append([]byte(nil), e...)
+		bad[0] ^= 1
+		return bad
+	}
+	for _, mk := range []func() [][]byte{
+		func() [][]byte { return [][]byte{end} },
+		func() [][]byte { return [][]byte{end, corrupt(end)} },
+		func() [][]byte { return [][]byte{end, end[:40]} },
+	} {
+		ends := mk()
 		if err := b.ConnectPeerReduce(ends); err == nil {
 			t.Errorf("ConnectPeerReduce with %d ends: no error", len(ends))
 		}
