@@ -106,14 +106,3 @@ func (c QuantConfig) JSON() map[string]any {
 		"modules_to_not_convert": mods,
 	}
 }
-
-// notConverted reports whether module is excluded by modules_to_not_convert
-// (AutoAWQ matches by substring).
-func (c QuantConfig) notConverted(module string) bool {
-	for _, s := range c.ModulesToNotConvert {
-		if s != "" && strings.Contains(module, s) {
-			return true
-		}
-	}
-	return false
-}
