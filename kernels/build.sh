@@ -5,7 +5,8 @@
 # (kernels_test.go checks it). Usage:
 # kernels/build.sh [OUTDIR] (default: kernels/). Also writes the ptxas
 # resource report (registers, shared memory, spills) to OUTDIR/ptxas.txt.
-# The nvcc runs go in parallel.
+# The nvcc runs go in parallel. NVCC_FLAGS adds flags to every nvcc run (an
+# experiment's -D switches; the committed PTX is built without).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here}
@@ -15,9 +16,9 @@ pids=()
 for src in qtool calib; do
   # qtool's Hopper PTX is arch-specific (sm_90a: wgmma); calib's stays sm_90
   a90=sm_90; [ $src = qtool ] && a90=sm_90a
-  nvcc -ptx -O3 -std=c++17 -arch=sm_80 -o "$tmp/${src}80.ptx" "$here/$src.cu" & pids+=($!)
-  nvcc -ptx -O3 -std=c++17 -arch=compute_${a90#sm_} -o "$tmp/${src}90.ptx" "$here/$src.cu" & pids+=($!)
-  nvcc -cubin -O3 -std=c++17 -gencode=arch=compute_${a90#sm_},code=$a90 -Xptxas -v -o "$tmp/${src}90.cubin" "$here/$src.cu" > "$tmp/ptxas-$src.txt" 2>&1 & pids+=($!)
+  nvcc -ptx -O3 -std=c++17 ${NVCC_FLAGS:-} -arch=sm_80 -o "$tmp/${src}80.ptx" "$here/$src.cu" & pids+=($!)
+  nvcc -ptx -O3 -std=c++17 ${NVCC_FLAGS:-} -arch=compute_${a90#sm_} -o "$tmp/${src}90.ptx" "$here/$src.cu" & pids+=($!)
+  nvcc -cubin -O3 -std=c++17 ${NVCC_FLAGS:-} -gencode=arch=compute_${a90#sm_},code=$a90 -Xptxas -v -o "$tmp/${src}90.cubin" "$here/$src.cu" > "$tmp/ptxas-$src.txt" 2>&1 & pids+=($!)
 done
 for p in "${pids[@]}"; do
   wait "$p" || { cat "$tmp"/ptxas-*.txt; exit 1; }

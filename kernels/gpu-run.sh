@@ -34,6 +34,12 @@ if has build; then
   bash kernels/build.sh "$OUT/ptx" > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
   ls -l "$OUT"/ptx/*.ptx | awk '{print $5, $9}'
   export QTOOL_CUDA_PTX="$OUT/ptx/qtool_sm90.ptx" QTOOL_CALIB_PTX="$OUT/ptx/calib_sm90.ptx"
+  # AB_PTX="name=-DFLAG ...": more builds of the same source with an experiment's switches, for ab
+  for v in ${AB_PTX:-}; do
+    NVCC_FLAGS="${v#*=}" bash kernels/build.sh "$OUT/ptx-${v%%=*}" > "$OUT/build-${v%%=*}.log" 2>&1 ||
+      { tail -30 "$OUT/build-${v%%=*}.log"; exit 1; }
+    echo "built ${v%%=*} (${v#*=})"
+  done
 fi
 if has tests; then
   for t in ${TESTS:-cuda kld gputest}; do
@@ -44,6 +50,15 @@ if has tests; then
     grep -E -- "--- FAIL|panic|greedy|ppl|KLD|rel |loaded kernels" "$OUT/test-$t.log" | head -20
     # a broken peer-memory all-reduce would hang the TP runs until their timeout
     grep -q -- "--- FAIL: TestAllReducePeer" "$OUT/test-$t.log" && { echo "peer all-reduce broken: stopping"; exit 1; }
+  done
+  # each AB_PTX build through the cuda tests AB_TESTRUN names (default: the decode attention's and the models')
+  for v in ${AB_PTX:-}; do
+    n=${v%%=*}
+    [ -x bin/cuda.test ] || break
+    (cd runtime/cuda && QTOOL_CUDA_PTX="$OUT/ptx-$n/qtool_sm90.ptx" timeout 240 "$OLDPWD/bin/cuda.test" -test.v \
+      -test.run "${AB_TESTRUN:-TestAttention|TestModels|TestKVHalf}" > "$OUT/test-cuda-$n.log" 2>&1)
+    echo "test cuda ($n) rc=$? $(grep -c -- '--- PASS' "$OUT/test-cuda-$n.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-cuda-$n.log") fail"
+    grep -E -- "--- FAIL|panic" "$OUT/test-cuda-$n.log" | head -10
   done
 fi
 if has attnbench; then # the prefill attention's key splits (BenchmarkPrefillAttention)
@@ -209,11 +224,17 @@ fi
 if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX built here if build ran) and
   # bin/qtool-base (its embedded PTX) alternating AB_ROUNDS times in this call: positions 16-272, about
   # the context verify --prompt The --max-new 256 decodes at
+  # (and bin/qtool with each AB_PTX build's PTX)
   base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
+  variants="new"; for v in ${AB_PTX:-}; do variants="$variants ${v%%=*}"; done
   for i in $(seq "${AB_ROUNDS:-2}"); do
-    for v in new base; do
+    for v in $variants base; do
       lim=$(left); [ "$lim" -lt 90 ] && { echo "ab: no time left"; break 2; }
-      cmd=bin/qtool; [ $v = base ] && cmd="env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base"
+      case $v in
+        new) cmd=bin/qtool ;;
+        base) cmd="env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base" ;;
+        *) cmd="env QTOOL_CUDA_PTX=$OUT/ptx-$v/qtool_sm90.ptx bin/qtool" ;;
+      esac
       timeout "$lim" $cmd bench --synthetic llama2-7b --format "${AB_FORMAT:-w4a16}" --kernels=false \
         --prompt "${AB_PROMPT:-16}" --decode 256 ${AB_ARGS:-} > "$OUT/ab-$v-$i.txt" 2>&1
       echo "ab $v $i rc=$?: $(grep -oE 'decode batch 1: .*' "$OUT/ab-$v-$i.txt" | cut -c1-230)"
