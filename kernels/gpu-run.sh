@@ -46,7 +46,8 @@ if has tests; then
     [ -x "bin/$t.test" ] || continue
     dir=runtime/$t; [ "$t" = gputest ] && dir=runtime/tp/gputest
     (cd "$dir" && timeout 240 "$OLDPWD/bin/$t.test" -test.v ${TESTRUN:+-test.run "$TESTRUN"} > "$OUT/test-$t.log" 2>&1)
-    echo "test $t rc=$? $(grep -c -- '--- PASS' "$OUT/test-$t.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-$t.log") fail, $(grep -c -- '--- SKIP' "$OUT/test-$t.log") skip"
+    rc=$?; [ "$t" = cuda ] && failed_new=$rc
+    echo "test $t rc=$rc $(grep -c -- '--- PASS' "$OUT/test-$t.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-$t.log") fail, $(grep -c -- '--- SKIP' "$OUT/test-$t.log") skip"
     grep -E -- "--- FAIL|panic|greedy|ppl|KLD|rel |loaded kernels" "$OUT/test-$t.log" | head -20
     # a broken peer-memory all-reduce would hang the TP runs until their timeout
     grep -q -- "--- FAIL: TestAllReducePeer" "$OUT/test-$t.log" && { echo "peer all-reduce broken: stopping"; exit 1; }
@@ -57,7 +58,8 @@ if has tests; then
     [ -x bin/cuda.test ] || break
     (cd runtime/cuda && QTOOL_CUDA_PTX="$OUT/ptx-$n/qtool_sm90.ptx" timeout 240 "$OLDPWD/bin/cuda.test" -test.v \
       -test.run "${AB_TESTRUN:-TestAttention|TestModels|TestKVHalf}" > "$OUT/test-cuda-$n.log" 2>&1)
-    echo "test cuda ($n) rc=$? $(grep -c -- '--- PASS' "$OUT/test-cuda-$n.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-cuda-$n.log") fail"
+    rc=$?; [ $rc = 0 ] || failed_variants="${failed_variants:-} $n"
+    echo "test cuda ($n) rc=$rc $(grep -c -- '--- PASS' "$OUT/test-cuda-$n.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-cuda-$n.log") fail"
     grep -E -- "--- FAIL|panic" "$OUT/test-cuda-$n.log" | head -10
   done
 fi
@@ -226,7 +228,14 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
   # the context verify --prompt The --max-new 256 decodes at
   # (and bin/qtool with each AB_PTX build's PTX)
   base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
-  variants="new"; for v in ${AB_PTX:-}; do variants="$variants ${v%%=*}"; done
+  # (a build whose cuda tests failed or timed out, perhaps hanging, is left out)
+  variants=""; [ "${failed_new:-0}" = 0 ] && variants="new" || echo "ab: new left out (its cuda tests failed)"
+  for v in ${AB_PTX:-}; do
+    case " ${failed_variants:-} " in
+      *" ${v%%=*} "*) echo "ab: ${v%%=*} left out (its cuda tests failed)" ;;
+      *) [ "${failed_new:-0}" = 0 ] && variants="$variants ${v%%=*}" ;;
+    esac
+  done
   for i in $(seq "${AB_ROUNDS:-2}"); do
     for v in $variants base; do
       lim=$(left); [ "$lim" -lt 90 ] && { echo "ab: no time left"; break 2; }
