@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Prepares a device call of kernels/gpu-run.sh or gpu-calib.sh here, where Go
 # is (the GPU machine has none): CGO_ENABLED=0 builds of the working tree —
-# qtool and the GPU test binaries — xz-compressed into .devbin/, the same
-# qtool built from BASE (a commit, default HEAD) as .devbin/qtool-base.xz
-# when the tree differs from it, and .devdata/ with the shared tools and
-# corpus the scripts read. Both folders are ignored by git; name them in
-# the device call's carry. Usage:
+# qtool and the GPU test binaries TESTBINS names (default cuda; also kld,
+# gputest) — xz-compressed into .devbin/, the same qtool built from BASE (a
+# commit, default HEAD) as .devbin/qtool-base.xz when the tree differs from
+# it, and .devdata/ with the shared tools and corpus the scripts read
+# (CALIB=1 adds the calibration text gpu-calib.sh needs). Both folders are
+# ignored by git; name them in the device call's carry. What travels (the
+# files git does not ignore, and the carry) must stay under 64 MiB: the script says how
+# much it is and fails above. Usage:
 #   kernels/gpu-prep.sh [BASE]
 #   git apply kernels/exp/NAME.diff && kernels/gpu-prep.sh   # an experiment against HEAD
 # then run: STEPS="build tests ab" bash kernels/gpu-run.sh, carry .devbin .devdata
@@ -14,25 +17,35 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 shared=${SHARED:-$root/../shared}
 base=${1:-HEAD}
 cd "$root"
-rm -rf .devbin && mkdir -p .devbin .devdata bin
+rm -rf .devbin .devdata && mkdir -p .devbin .devdata bin
 rm -f bin/qtool-base
 export CGO_ENABLED=0
 go build -trimpath -ldflags='-s -w' -o bin/qtool ./cmd/qtool
-go test -c -o bin/cuda.test ./runtime/cuda
-go test -c -o bin/kld.test ./runtime/kld
-go test -c -o bin/gputest.test ./runtime/tp/gputest
+bins=(bin/qtool)
+for t in ${TESTBINS:-cuda}; do
+  case $t in
+    cuda | kld) pkg=./runtime/$t ;;
+    gputest) pkg=./runtime/tp/gputest ;;
+    *) echo "gpu-prep: unknown test binary $t (cuda, kld, gputest)" >&2; exit 2 ;;
+  esac
+  go test -c -o "bin/$t.test" "$pkg"
+  bins+=("bin/$t.test")
+done
 if ! git diff --quiet "$base" -- . ':!kernels/exp'; then
   wt=$(mktemp -d)
   git worktree add -q --detach "$wt" "$base"
   (cd "$wt" && go build -trimpath -ldflags='-s -w' -o "$root/bin/qtool-base" ./cmd/qtool)
   git worktree remove --force "$wt"
+  bins+=(bin/qtool-base)
 fi
-for b in bin/qtool bin/qtool-base bin/cuda.test bin/kld.test bin/gputest.test; do
-  [ -f "$b" ] || continue
+for b in "${bins[@]}"; do
   xz -T2 -3 -c "$b" > ".devbin/$(basename "$b").xz"
 done
 cp "$shared"/tools/synth_hf.py "$shared"/tools/torch_anchor.py "$shared"/tools/ref_gptq_scale.py .devdata/
 cp "$shared"/corpus/sotu-test.raw .devdata/
-gzip -c "$shared"/corpus/train.txt > .devdata/train.txt.gz
-du -sh .devbin .devdata
-ls -l .devbin
+[ "${CALIB:-0}" = 1 ] && gzip -c "$shared"/corpus/train.txt > .devdata/train.txt.gz
+ls -l .devbin .devdata
+tracked=$(git ls-files -z -co --exclude-standard | xargs -0 cat | wc -c) # tracked and untracked-not-ignored
+carry=$(cat .devbin/* .devdata/* | wc -c)
+echo "travels: tracked $((tracked >> 20)) MiB + carry $((carry >> 20)) MiB = $(((tracked + carry) >> 20)) MiB (limit 64)"
+[ $((tracked + carry)) -lt $((64 << 20)) ] || { echo "gpu-prep: over the device call's 64 MiB" >&2; exit 1; }
