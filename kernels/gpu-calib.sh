@@ -4,7 +4,7 @@
 # AWQ and SmoothQuant on the GPU (perplexity of the written files), then a
 # random-weight Llama-2-7B-shaped checkpoint (synth_hf.py) end to end, and
 # optionally the reference GPTQ in the same call.
-# Needs: .devbin/qtool.gz, .devbin/cuda.test.gz (CGO_ENABLED=0 builds, gzipped to fit
+# Needs (CALIB=1 kernels/gpu-prep.sh makes them, as .xz): .devbin/qtool.gz, .devbin/cuda.test.gz (CGO_ENABLED=0 builds, gzipped to fit
 # the transfer), .devdata/ (train.txt.gz, 
 # sotu-test.raw, synth_hf.py, ref_gptq_scale.py), .peers/ (IST-DASLab/gptq's
 # gptq.py and quant.py, for STEPS containing ref). Usage:
@@ -26,7 +26,11 @@ left() { echo $(( ${BUDGET:-560} - ($(date +%s) - t0) )); }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 mkdir -p "$OUT/ptx"
-mkdir -p bin; for f in qtool cuda.test; do gunzip -c .devbin/$f.gz > bin/$f; chmod +x bin/$f; done
+mkdir -p bin
+for f in qtool cuda.test; do
+  if [ -f .devbin/$f.xz ]; then xz -dc .devbin/$f.xz; else gunzip -c .devbin/$f.gz; fi > bin/$f
+  chmod +x bin/$f
+done
 [ -f .devdata/train.txt ] || gunzip -k .devdata/train.txt.gz
 if has build; then
   bash kernels/build.sh "$OUT/ptx" > "$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
