@@ -7,8 +7,12 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"syscall"
 	"testing"
+
+	"qtool/formats/atomicfile"
 )
 
 // The hand-worked example: 3 positions over a vocabulary of 4 words.
@@ -225,6 +229,64 @@ func TestLogitsFile(t *testing.T) {
 			t.Errorf("%s: %v, want %q", tc.name, err, tc.err)
 		}
 	}
+}
+
+// TestWriterOutput: a logits file is written as every qtool output is —
+// whole or not at all, one writer at a time, never into a FIFO.
+func TestWriterOutput(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "base.kld")
+	ids := []int{1, 2, 3, 0}
+	h := Header{Model: "m", Text: "t.txt", Tokens: 5, Ctx: 4, Protocol: "gptq", Chunks: 1, Scored: 3, BOS: -1, Vocab: 4}
+	w, err := Create(path, h, ids)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Create(path, h, ids); !errors.Is(err, atomicfile.ErrLocked) {
+		t.Errorf("a second writer of %s: %v, want %v", path, err, atomicfile.ErrLocked)
+	}
+	r := Row{Codes: make([]uint16, 4)}
+	if err := w.WriteRow(r); err != nil {
+		t.Fatal(err)
+	}
+	// one row of the three the header promises
+	if err := w.Close(); err == nil || !strings.Contains(err.Error(), "1 rows written, the header promises 3") {
+		t.Errorf("a short file's Close: %v", err)
+	}
+	if names := dirEntries(t, dir); len(names) != 0 {
+		t.Errorf("a short file left %v", names)
+	}
+	w, err = Create(path, h, ids) // the lock went with the failed Close
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.Abort()
+	if names := dirEntries(t, dir); len(names) != 0 {
+		t.Errorf("Abort left %v", names)
+	}
+	fifo := filepath.Join(dir, "fifo.kld")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Create(fifo, h, ids); err == nil || !strings.Contains(err.Error(), "FIFO") {
+		t.Errorf("Create on a FIFO: %v", err)
+	}
+	if names := dirEntries(t, dir); !slices.Equal(names, []string{"fifo.kld"}) {
+		t.Errorf("a refused FIFO left %v", names)
+	}
+}
+
+func dirEntries(t *testing.T, dir string) []string {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	return names
 }
 
 func withChunks(h Header, n int) Header { h.Chunks = n; return h }

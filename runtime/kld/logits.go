@@ -1,7 +1,6 @@
 package kld
 
 import (
-	"bufio"
 	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
@@ -13,6 +12,8 @@ import (
 	"math"
 	"os"
 	"strings"
+
+	"qtool/formats/atomicfile"
 )
 
 // The logits file holds a base model's next-token log-probabilities over a
@@ -130,12 +131,15 @@ func (r Row) LogProbs(dst []float64, rng float64) {
 	}
 }
 
-// Writer writes a logits file. It writes to PATH.partial and renames it on
-// Close, so a killed run leaves no file that looks complete.
+// Writer writes a logits file as every qtool output is written
+// (formats/atomicfile): into a temporary beside it that Close renames into
+// place, with the target locked meanwhile, so a killed run leaves no file
+// that looks complete, a second writer of the same file fails at once, and
+// a FIFO or device node is refused.
 type Writer struct {
 	path string
-	f    *os.File
-	w    *bufio.Writer
+	out  *atomicfile.File
+	lock *atomicfile.Lock
 	h    Header
 	rows int
 	buf  []byte
@@ -154,17 +158,25 @@ func Create(path string, h Header, ids []int) (*Writer, error) {
 	if err != nil {
 		return nil, err
 	}
-	f, err := os.Create(path + ".partial")
+	lock, err := atomicfile.LockTarget(path)
 	if err != nil {
 		return nil, fmt.Errorf("kld: %w", err)
 	}
-	w := &Writer{path: path, f: f, w: bufio.NewWriterSize(f, 1<<20), h: h}
-	w.w.WriteString(Magic)
-	w.w.Write(binary.LittleEndian.AppendUint32(nil, uint32(len(hb))))
-	w.w.Write(hb)
-	if _, err := w.w.Write(idb); err != nil {
-		w.Abort()
-		return nil, fmt.Errorf("kld: %s: %w", path, err)
+	out, err := atomicfile.Create(path)
+	if err != nil {
+		lock.Unlock()
+		return nil, fmt.Errorf("kld: %w", err)
+	}
+	w := &Writer{path: path, out: out, lock: lock, h: h}
+	var head []byte
+	head = append(head, Magic...)
+	head = binary.LittleEndian.AppendUint32(head, uint32(len(hb)))
+	head = append(head, hb...)
+	for _, b := range [][]byte{head, idb} {
+		if _, err := w.out.Write(b); err != nil {
+			w.Abort()
+			return nil, fmt.Errorf("kld: %s: %w", path, err)
+		}
 	}
 	return w, nil
 }
@@ -186,34 +198,30 @@ func (w *Writer) WriteRow(r Row) error {
 	}
 	w.buf = b
 	w.rows++
-	if _, err := w.w.Write(b); err != nil {
+	if _, err := w.out.Write(b); err != nil {
 		return fmt.Errorf("kld: %s: %w", w.path, err)
 	}
 	return nil
 }
 
-// Close finishes the file; it fails if fewer rows than the header promises
-// were written.
+// Close finishes the file; it fails, writing nothing, if fewer rows than
+// the header promises were written.
 func (w *Writer) Close() error {
+	defer w.Abort()
 	if want := w.h.Chunks * w.h.Scored; w.rows != want {
-		w.Abort()
 		return fmt.Errorf("kld: %s: %d rows written, the header promises %d", w.path, w.rows, want)
 	}
-	if err := w.w.Flush(); err != nil {
-		w.Abort()
-		return fmt.Errorf("kld: %s: %w", w.path, err)
+	if err := w.out.Commit(); err != nil {
+		return fmt.Errorf("kld: %w", err)
 	}
-	if err := w.f.Close(); err != nil {
-		os.Remove(w.f.Name())
-		return fmt.Errorf("kld: %s: %w", w.path, err)
-	}
-	return os.Rename(w.f.Name(), w.path)
+	return nil
 }
 
-// Abort removes the partial file.
+// Abort removes the unfinished file and releases the target (after Close,
+// it does nothing).
 func (w *Writer) Abort() {
-	w.f.Close()
-	os.Remove(w.f.Name())
+	w.out.Abort()
+	w.lock.Unlock()
 }
 
 func idBytes(ids []int) []byte {
