@@ -5,13 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"slices"
 	"strings"
 	"time"
 
 	"github.com/urfave/cli/v2"
 
+	"qtool/formats/atomicfile"
 	"qtool/formats/model"
 	"qtool/runtime"
 	"qtool/runtime/cuda"
@@ -197,7 +197,7 @@ func runBench(c *cli.Context) error {
 		if err != nil {
 			return err
 		}
-		if err := os.WriteFile(p, data, 0o644); err != nil {
+		if err := atomicfile.WriteFile(p, data); err != nil {
 			return fmt.Errorf("bench: %w", err)
 		}
 	}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +15,7 @@ import (
 	"qtool/convert"
 	"qtool/formats/hf"
 	"qtool/formats/kuiper"
+	"qtool/quantize/calib"
 )
 
 const w8a8Mini = "../../testdata/msmodelslim/llama-mini-w8a8-smooth"
@@ -196,6 +198,41 @@ func TestExportSpecialFiles(t *testing.T) {
 	}
 	if _, err := os.Lstat(fifo + ".json"); err == nil {
 		t.Fatal("a sidecar was written for a refused output")
+	}
+}
+
+// TestReportOutput: `qtool report -o` writes its page whole (no temporary
+// left beside it) and refuses a FIFO instead of blocking on it.
+func TestReportOutput(t *testing.T) {
+	dir := t.TempDir()
+	rec := filepath.Join(dir, "rtn4.quant.json")
+	b, err := json.Marshal(calib.RunReport{Method: "rtn", Model: "llama-mini", Out: filepath.Join(dir, "rtn4"), Scheme: "4-bit"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(rec, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	page := filepath.Join(dir, "report.html")
+	if msg, err := runApp(t, "report", "-o", page, rec); err != nil {
+		t.Fatalf("report: %v\n%s", err, msg)
+	}
+	if got := dirNames(t, dir); !slices.Equal(got, []string{"report.html", "rtn4.quant.json"}) {
+		t.Errorf("the directory holds %v", got)
+	}
+	fifo := filepath.Join(dir, "fifo.html")
+	if err := mkfifo(fifo); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { _, err := runApp(t, "report", "-o", fifo, rec); done <- err }()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "FIFO") {
+			t.Errorf("report into a FIFO: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("report into a FIFO blocked")
 	}
 }
 

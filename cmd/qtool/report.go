@@ -4,11 +4,11 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"os"
 	"time"
 
 	"github.com/urfave/cli/v2"
 
+	"qtool/formats/atomicfile"
 	"qtool/quantize/report"
 )
 
@@ -50,7 +50,7 @@ func runReport(c *cli.Context) error {
 		return fmt.Errorf("report: %w", err)
 	}
 	out := c.String("out")
-	if err := os.WriteFile(out, b.Bytes(), 0o644); err != nil {
+	if err := atomicfile.WriteFile(out, b.Bytes()); err != nil {
 		return fmt.Errorf("report: %w", err)
 	}
 	stdout, _, logf := outputs(c)

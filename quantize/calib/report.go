@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 
+	"qtool/formats/atomicfile"
 	"qtool/formats/model"
 )
 
@@ -98,7 +99,7 @@ func WriteReport(m *model.Model, r RunReport) error {
 		return err
 	}
 	path := ReportPath(r.Out)
-	if err := os.WriteFile(path, append(b, '\n'), 0o644); err != nil {
+	if err := atomicfile.WriteFile(path, append(b, '\n')); err != nil {
 		return fmt.Errorf("calib: %w", err)
 	}
 	return nil

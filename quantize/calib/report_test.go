@@ -5,7 +5,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"qtool/convert"
 	"qtool/formats/hf"
@@ -43,6 +45,24 @@ func TestWriteReport(t *testing.T) {
 		t.Fatalf("record %+v", r)
 	}
 	t.Logf("%d bytes, %d params, %.3f bits/param, %.5f linear bits", r.Bytes, r.Params, r.BitsPerWeight, r.LinearBits)
+
+	// The record is an output like the model: never written into a FIFO.
+	if err := os.Remove(calib.ReportPath(out)); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(calib.ReportPath(out), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- calib.WriteReport(q, calib.RunReport{Method: "rtn", Model: "llama-mini", Out: out}) }()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "FIFO") {
+			t.Fatalf("a record into a FIFO: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("a record into a FIFO blocked")
+	}
 
 	bad := filepath.Join(t.TempDir(), "bad.json")
 	if err := os.WriteFile(bad, []byte(`{"ppl": 3}`), 0o644); err != nil {
