@@ -120,6 +120,16 @@ func TestBoundedResources(t *testing.T) {
 	if err := syscall.Mkfifo(filepath.Join(fifoDir, "model.safetensors"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	// A FIFO where a KLD logits file or a report input should be, and a
+	// report input that is /dev/zero under a .json name.
+	fifo := filepath.Join(dir, "fifo.json")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	zeroJSON := filepath.Join(dir, "zero.json")
+	if err := os.Symlink("/dev/zero", zeroJSON); err != nil {
+		t.Fatal(err)
+	}
 	short := withConfig(t, map[string]any{"max_position_embeddings": 16})
 	zero := withConfig(t, map[string]any{"max_position_embeddings": 0})
 	calibText, _ := filepath.Abs("../../testdata/corpus/train-head.txt")
@@ -138,6 +148,10 @@ func TestBoundedResources(t *testing.T) {
 		{"calib /dev/zero", []string{"gptq", "-q", "--hf", llamaMini, "--calib", "/dev/zero", "--nsamples", "1", "--seqlen", "8", "-o", filepath.Join(dir, "g")}, false, "character device"},
 		{"FIFO model.safetensors (verify)", append(verify, fifoDir), false, "FIFO"},
 		{"FIFO model.safetensors (inspect)", []string{"inspect", fifoDir}, false, "FIFO"},
+		{"calib /dev/zero with --resume", []string{"gptq", "-q", "--hf", llamaMini, "--calib", "/dev/zero", "--resume", "--nsamples", "1", "--seqlen", "8", "-o", filepath.Join(dir, "g3")}, false, "character device"},
+		{"FIFO KLD base", append(verify, "--kld", fifo, "--ppl", calibText, llamaMini), false, "FIFO"},
+		{"FIFO report input", []string{"report", "-o", filepath.Join(dir, "r.html"), fifo}, false, "FIFO"},
+		{"/dev/zero report input", []string{"report", "-o", filepath.Join(dir, "r.html"), zeroJSON}, false, "character device"},
 		{"calib ok under the cap", []string{"gptq", "-q", "--hf", llamaMini, "--calib", calibText, "--nsamples", "1", "--seqlen", "16", "-o", filepath.Join(dir, "g2")}, true, "wrote"},
 	} {
 		t.Run(c.name, func(t *testing.T) {

@@ -12,6 +12,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"qtool/formats/infile"
 	"qtool/quantize/calib"
 )
 
@@ -77,7 +78,7 @@ func resumeKey(c *cli.Context, hfDir string, threads int, device string, windows
 // fileDigest returns the first 16 hex digits of the SHA-256 of a file and
 // its size.
 func fileDigest(path string) (string, int64, error) {
-	f, err := os.Open(path)
+	f, _, err := infile.Open(path)
 	if err != nil {
 		return "", 0, err
 	}

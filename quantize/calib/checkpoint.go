@@ -23,6 +23,7 @@ import (
 	"unsafe"
 
 	"qtool/formats/atomicfile"
+	"qtool/formats/infile"
 	"qtool/formats/model"
 )
 
@@ -125,7 +126,7 @@ func (c *Checkpoint) corrupt(format string, a ...any) error {
 
 // read loads and checks the state on disk (nothing when there is none).
 func (c *Checkpoint) read() error {
-	b, err := os.ReadFile(filepath.Join(c.dir, "state.json"))
+	b, err := infile.ReadFile(filepath.Join(c.dir, "state.json"), infile.MetaLimit)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
@@ -198,7 +199,12 @@ func (c *Checkpoint) read() error {
 
 // readChecked reads a file of the work directory and checks its CRC-32C.
 func (c *Checkpoint) readChecked(name string, crc uint32) ([]byte, error) {
-	b, err := os.ReadFile(filepath.Join(c.dir, name))
+	f, _, err := infile.Open(filepath.Join(c.dir, name))
+	if err != nil {
+		return nil, c.corrupt("%v", err)
+	}
+	b, err := io.ReadAll(f)
+	f.Close()
 	if err != nil {
 		return nil, c.corrupt("%v", err)
 	}

@@ -5,10 +5,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io/fs"
-	"os"
 	"path/filepath"
 
 	"qtool/formats/atomicfile"
+	"qtool/formats/infile"
 	"qtool/formats/model"
 )
 
@@ -110,7 +110,7 @@ func WriteReport(m *model.Model, r RunReport) error {
 // method.
 func ReadReport(path string) (RunReport, error) {
 	var r RunReport
-	b, err := os.ReadFile(path)
+	b, err := infile.ReadFile(path, infile.MetaLimit)
 	if err != nil {
 		return r, fmt.Errorf("calib: %w", err)
 	}

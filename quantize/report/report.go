@@ -21,6 +21,7 @@ import (
 	"strings"
 	"time"
 
+	"qtool/formats/infile"
 	"qtool/quantize/calib"
 	"qtool/runtime/kld"
 )
@@ -54,7 +55,7 @@ func Load(paths []string) ([]Entry, error) {
 	var entries []*Entry
 	var runs []*kld.Run
 	add := func(p string) error {
-		b, err := os.ReadFile(p)
+		b, err := infile.ReadFile(p, infile.MetaLimit)
 		if err != nil {
 			return fmt.Errorf("report: %w", err)
 		}

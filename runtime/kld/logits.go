@@ -10,10 +10,10 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"os"
 	"strings"
 
 	"qtool/formats/atomicfile"
+	"qtool/formats/infile"
 )
 
 // The logits file holds a base model's next-token log-probabilities over a
@@ -251,9 +251,10 @@ type File struct {
 	buf  []byte
 }
 
-// IsLogitsFile reports whether path starts with the logits file magic.
+// IsLogitsFile reports whether path is a regular file that starts with the
+// logits file magic.
 func IsLogitsFile(path string) bool {
-	f, err := os.Open(path)
+	f, _, err := infile.Open(path)
 	if err != nil {
 		return false
 	}
@@ -263,15 +264,10 @@ func IsLogitsFile(path string) bool {
 	return err == nil && string(m[:]) == Magic
 }
 
-// Open opens and checks a logits file.
+// Open opens and checks a logits file (a regular file: formats/infile).
 func Open(path string) (*File, error) {
-	f, err := os.Open(path)
+	f, fi, err := infile.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("kld: %w", err)
-	}
-	fi, err := f.Stat()
-	if err != nil {
-		f.Close()
 		return nil, fmt.Errorf("kld: %w", err)
 	}
 	lf, err := Decode(f, fi.Size(), path)
