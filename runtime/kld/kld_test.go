@@ -276,17 +276,17 @@ func TestWriterOutput(t *testing.T) {
 	}
 }
 
+// dirEntries lists the names in dir, dot files included.
 func dirEntries(t *testing.T, dir string) []string {
 	t.Helper()
-	ents, err := os.ReadDir(dir)
+	paths, err := filepath.Glob(filepath.Join(dir, "*"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	var names []string
-	for _, e := range ents {
-		names = append(names, e.Name())
+	for i, p := range paths {
+		paths[i] = filepath.Base(p)
 	}
-	return names
+	return paths
 }
 
 func withChunks(h Header, n int) Header { h.Chunks = n; return h }
