@@ -387,17 +387,19 @@ func SchemeHolders(s Scheme) []string {
 }
 
 // CheckShape reports why format should not be written for a model of
-// config cfg although it can hold its tensors: ak47/ak48 files of Qwen3
-// shapes OrinMLLM cannot read (kuiper.OrinCompatible) unless qtoolOnly.
+// config cfg although it can hold its tensors: a Kuiper, llama2.c or
+// OrinMLLM file that those readers would not run as this model
+// (kuiper.ReaderCompatible) unless qtoolOnly. The quantizers ask before
+// they calibrate.
 func CheckShape(format string, cfg model.Config, qtoolOnly bool) error {
 	c, err := Lookup(format)
 	if err != nil {
 		return err
 	}
-	if (c.Name != FormatAK47 && c.Name != FormatAK48) || qtoolOnly || cfg.Arch != model.Qwen3 {
+	if c.Kind != KindKuiper || qtoolOnly {
 		return nil
 	}
-	if err := kuiper.OrinCompatible(cfg); err != nil {
+	if err := kuiper.ReaderCompatible(kuiper.Format(c.Name), cfg); err != nil {
 		return fmt.Errorf("%s: %w; ask for a file only qtool reads (--qtool-only) to write it anyway", c.Name, err)
 	}
 	return nil

@@ -117,10 +117,10 @@ func inspect(path string, stats bool, source string) (*inspectReport, error) {
 		} else {
 			rep.Rope += " (assumed: no sidecar records it)"
 		}
-		if h.Format == kuiper.AK47 || h.Format == kuiper.AK48 {
-			if err := kuiper.OrinCompatible(info.Config); err != nil {
-				rep.Notes = append(rep.Notes, fmt.Sprintf("a qtool-only file: %v", err))
-			}
+		if err := kuiper.ReaderCompatible(h.Format, info.Config); err != nil {
+			rep.Notes = append(rep.Notes, fmt.Sprintf("a qtool-only file: %v", err))
+		} else if note := kuiper.ReaderNote(h.Format, info.Config); note != "" {
+			rep.Notes = append(rep.Notes, note)
 		}
 		for _, e := range info.Layout.Entries {
 			rep.Tensors = append(rep.Tensors, tensorReport{Name: e.Name, Type: e.Kind.String(), Shape: e.Shape, Offset: e.Offset, Bytes: e.Size, Extension: e.Extension})

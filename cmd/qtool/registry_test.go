@@ -345,6 +345,40 @@ func TestOrinShapes(t *testing.T) {
 	}
 }
 
+// TestExtensionFiles: a Qwen3 model in a Llama layout (its q/k norms in
+// qtool's extension, which Kuiper and llama2.c skip) is refused unless
+// --qtool-only, by export, convert and the quantizers before they
+// calibrate, and inspect says what it is.
+func TestExtensionFiles(t *testing.T) {
+	dir := t.TempDir()
+	qwen := "../../testdata/qwen3-mini"
+	out := filepath.Join(dir, "q.bin")
+	for _, args := range [][]string{
+		{"export", "-q", "--hf", qwen, "--q8", out},
+		{"convert", "--to", "kuiper-fp32", qwen, "-o", out},
+		{"quantize", "-q", "--hf", qwen, "--bits", "8", "--sym", "--group", "64", "--format", "kuiper-int8", "-o", out},
+		{"gptq", "-q", "--hf", qwen, "--calib", calibHead, "--bits", "8", "--sym", "--group", "64", "--format", "ak42-v2", "-o", out},
+	} {
+		msg, err := runApp(t, args...)
+		if err == nil || !strings.Contains(err.Error(), "no place for the q/k norms") || !strings.Contains(err.Error(), "--qtool-only") {
+			t.Errorf("%v: %v, want a refusal naming the q/k norms and --qtool-only\n%.300s", args, err, msg)
+		}
+		if _, err := os.Stat(out); err == nil {
+			t.Fatalf("%v: a refused write left its output", args)
+		}
+	}
+	if msg, err := runApp(t, "export", "-q", "--hf", qwen, "--q8", out, "--qtool-only"); err != nil {
+		t.Fatalf("%v\n%s", err, msg)
+	}
+	msg, err := runApp(t, "inspect", out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(msg, "note: a qtool-only file: a kuiper-int8 file has no place for the q/k norms") {
+		t.Errorf("inspect lacks the qtool-only note:\n%.800s", msg)
+	}
+}
+
 // TestExportNotesRTNOfFloatLinears: an AutoAWQ checkpoint that keeps a
 // linear in float (modules_to_not_convert) exported to ak48 has that linear
 // RTN-quantized; export says so.

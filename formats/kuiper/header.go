@@ -22,7 +22,10 @@
 // the Llama layouts, the q/k/v biases of Qwen2 in the int8 and ak42 layouts)
 // are appended after the standard body as fp32, in a fixed order, as a qtool
 // extension. Kuiper's C++ reader ignores trailing bytes, so such files still
-// load there (without those tensors).
+// load there — without those tensors, as another model: Write makes them
+// only when asked for a file only qtool runs (WriteOptions.QtoolOnly;
+// ReaderCompatible), but for Qwen2 in kuiper-int8, whose Kuiper files have
+// no biases either (ReaderNote).
 package kuiper
 
 import (

@@ -280,6 +280,56 @@ func TestOpenWithoutSidecar(t *testing.T) {
 	}
 }
 
+// TestReaderCompatible: the files whose readers would not run a model as
+// qtool does (or, for Qwen2 in kuiper-int8, run it as Kuiper's own files
+// without the biases: ReaderNote) are exactly those that need the qtool
+// extension (or, for ak47/ak48, a shape OrinMLLM reads), and Write refuses
+// the first unless QtoolOnly.
+func TestReaderCompatible(t *testing.T) {
+	llama := openHF(t, "llama-mini")
+	qwen := openHF(t, "qwen3-mini")
+	qwen2 := model.New(llama.Config) // llama-mini with q/k/v biases
+	qwen2.Config.Arch, qwen2.Config.AttnBias = model.Qwen2, true
+	for _, n := range llama.Names() {
+		x, _ := llama.Lookup(n)
+		qwen2.Set(n, x)
+	}
+	c := qwen2.Config
+	for l := 0; l < c.Layers; l++ {
+		for _, b := range []struct {
+			r model.Role
+			n int
+		}{{model.QBias, c.QDim()}, {model.KBias, c.KVDim()}, {model.VBias, c.KVDim()}} {
+			qwen2.Set(model.Name(l, b.r), model.FromFloat32([]int{b.n}, make([]float32, b.n)))
+		}
+	}
+	dir := t.TempDir()
+	for _, m := range []*model.Model{llama, qwen, qwen2} {
+		for _, f := range []Format{FP32, Int8, AK42V1, AK42V2} {
+			name := string(m.Config.Arch) + "/" + string(f)
+			p := filepath.Join(dir, string(m.Config.Arch)+"-"+string(f)+".bin")
+			if err := Write(m, p, WriteOptions{QtoolOnly: true, Format: f}); err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			side, err := ReadSidecar(p)
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			rc, note := ReaderCompatible(f, m.Config), ReaderNote(f, m.Config)
+			if (rc != nil || note != "") != (len(side.Extension) > 0) || rc != nil && note != "" {
+				t.Errorf("%s: ReaderCompatible %v, ReaderNote %q, and the file's extension holds %d tensors", name, rc, note, len(side.Extension))
+			}
+			err = Write(m, filepath.Join(dir, "plain.bin"), WriteOptions{Format: f})
+			if (err != nil) != (rc != nil) {
+				t.Errorf("%s: Write without QtoolOnly: %v (ReaderCompatible: %v)", name, err, rc)
+			}
+		}
+	}
+	if ReaderCompatible(AK47, qwen.Config) == nil { // qwen3-mini: 8 heads × 64 ≠ 256
+		t.Error("ak47 of qwen3-mini's shape: no objection")
+	}
+}
+
 // TestLayoutByHand checks file sizes against the formulas of
 // kuiper-formats.md and reads tensors at hand-computed byte offsets.
 func TestLayoutByHand(t *testing.T) {
@@ -501,6 +551,7 @@ func TestBadInput(t *testing.T) {
 		{"group does not divide", func() *model.Model { return llama }, WriteOptions{QtoolOnly: true, Format: Int8, GroupSize: 48}, []string{"group size 48", `tensor "layers.0.q"`}},
 		{"ak48 group", func() *model.Model { return qwen }, WriteOptions{QtoolOnly: true, Format: AK48, GroupSize: 96}, []string{"group size 96", "tensor"}},
 		{"ak47 llama", func() *model.Model { return llama }, WriteOptions{QtoolOnly: true, Format: AK47}, []string{"Qwen3"}},
+		{"qwen3 in a llama layout", func() *model.Model { return qwen }, WriteOptions{Format: Int8}, []string{"no place for the q/k norms", "ak47 and ak48 hold Qwen3", "--qtool-only"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -35,8 +35,10 @@ type WriteOptions struct {
 	// NoSidecar skips PATH.json (and removes a stale one). Readers then
 	// assume the layout AssumedRope gives (convert.SaveWith writes that one).
 	NoSidecar bool
-	// QtoolOnly allows AK47/AK48 files for Qwen3 shapes OrinMLLM cannot
-	// read (see OrinCompatible); without it Write refuses them.
+	// QtoolOnly allows files that the format's own readers would not run
+	// as this model (ReaderCompatible: a Qwen3 or Qwen2 model in a Llama
+	// layout, an ak47/ak48 file of a Qwen3 shape OrinMLLM cannot read);
+	// without it Write refuses them.
 	QtoolOnly bool
 }
 
@@ -50,6 +52,58 @@ func OrinCompatible(c model.Config) error {
 		return fmt.Errorf("OrinMLLM cannot read this shape: %d heads × head_dim %d = %d ≠ hidden_size %d (its loader assumes head_dim = hidden/heads)", c.Heads, c.HeadDim, c.Heads*c.HeadDim, c.Hidden)
 	}
 	return nil
+}
+
+// ReaderCompatible reports why the readers the format is for (Kuiper's,
+// llama2.c's, OrinMLLM's) would not run a model of config c from a file of
+// format f: the Llama layouts (kuiper-fp32, kuiper-int8, ak42-v1, ak42-v2)
+// have no place for q/k norms (Qwen3), and the ak42 ones none for q/k/v
+// biases (Qwen2) — qtool appends them as an extension these readers skip,
+// so they would load the file and run another model — and OrinMLLM reads no
+// Qwen3 shape other than head_dim = hidden/heads (OrinCompatible). Write
+// refuses such files unless WriteOptions.QtoolOnly. A Qwen2 model in
+// kuiper-int8 passes: Kuiper's own int8 Qwen2 format has no biases (its
+// exporter and reader drop them), so its reader runs such a file as it
+// runs its own; qtool keeps them in the extension (ReaderNote).
+func ReaderCompatible(f Format, c model.Config) error {
+	var what string
+	switch f {
+	case AK47, AK48:
+		if c.Arch == model.Qwen3 {
+			return OrinCompatible(c)
+		}
+		return nil
+	case FP32, Int8:
+		if c.QKNorm {
+			what = "q/k norms"
+		}
+	case AK42V1, AK42V2:
+		switch {
+		case c.QKNorm && c.AttnBias:
+			what = "q/k norms or q/k/v biases"
+		case c.QKNorm:
+			what = "q/k norms"
+		case c.AttnBias:
+			what = "q/k/v biases"
+		}
+	}
+	if what == "" {
+		return nil
+	}
+	hint := ""
+	if c.Arch == model.Qwen3 {
+		hint = " (ak47 and ak48 hold Qwen3)"
+	}
+	return fmt.Errorf("a %s file has no place for the %s of this %s model%s: qtool would append them as an extension that other readers skip, so they would run another model", f, what, c.Arch, hint)
+}
+
+// ReaderNote says what the format's readers leave out of a file of a model
+// of config c that ReaderCompatible lets through ("" when nothing).
+func ReaderNote(f Format, c model.Config) string {
+	if f == Int8 && c.AttnBias && !c.QKNorm {
+		return fmt.Sprintf("Kuiper's int8 reader runs this %s model without its q/k/v biases, as it runs the files of Kuiper's own exporter (which drops them); qtool reads them from its extension, so its perplexity is the model's with them", c.Arch)
+	}
+	return ""
 }
 
 // chunkElems is how many values the writer converts at a time: exporting
@@ -180,10 +234,10 @@ func planWrite(m *model.Model, path string, opt WriteOptions) (*plan, error) {
 		if c.Arch != model.Qwen3 || c.AttnBias {
 			return nil, fmt.Errorf("write %s: %s holds Qwen3 models (q/k norms, no attention biases); this model is %s", path, opt.Format, c.Arch)
 		}
-		if err := OrinCompatible(c); err != nil && !opt.QtoolOnly {
-			return nil, fmt.Errorf("write %s: %s: %w; ask for a file only qtool reads (--qtool-only) to write it anyway", path, opt.Format, err)
-		}
 		h.HeadDim = c.HeadDim
+	}
+	if err := ReaderCompatible(opt.Format, c); err != nil && !opt.QtoolOnly {
+		return nil, fmt.Errorf("write %s: %s: %w; ask for a file only qtool reads (--qtool-only) to write it anyway", path, opt.Format, err)
 	}
 	s := Shapes{HeadDim: c.HeadDim, QKNorm: c.QKNorm, AttnBias: c.AttnBias}
 	l, err := NewLayout(path, h, s, -1)
