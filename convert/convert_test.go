@@ -456,6 +456,48 @@ func TestConversions(t *testing.T) {
 func Must[T any](v T, _ error) T { return v }
 
 // TestSaveRefusals checks the messages of formats that cannot hold a model.
+// TestSaveNaN: a weight with a NaN, quantized lazily as the quantize
+// command does, is refused by every quantized format with an error that
+// names the tensor once and the bad value, and nothing is written.
+func TestSaveNaN(t *testing.T) {
+	llama, err := Open(filepath.Join(testdata, "llama-mini"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer llama.Close()
+	q, err := llama.Get("layers.0.q")
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := q.Float32()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w = append([]float32(nil), w...)
+	w[5] = float32(math.NaN())
+	bad := model.New(llama.Config)
+	bad.Source, bad.TokenizerDir = llama.Source, llama.TokenizerDir
+	for _, n := range llama.Names() {
+		x, _ := llama.Lookup(n)
+		bad.Set(n, x)
+	}
+	bad.Set("layers.0.q", model.FromFloat32(q.Shape(), w))
+	lazy, err := quantize.QuantizeModel(bad, quantize.Options{Params: quantize.Int4Asym(128), Lazy: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{FormatAutoAWQ, FormatGPTQ, FormatMsModelSlim} {
+		out := filepath.Join(t.TempDir(), "out")
+		err := Save(lazy, f, out)
+		if err == nil || strings.Count(err.Error(), `"layers.0.q"`) != 1 || !strings.Contains(err.Error(), "NaN at index 5") {
+			t.Errorf("%s: %v, want one mention of the tensor and the NaN", f, err)
+		}
+		if _, err := os.Stat(out); err == nil {
+			t.Errorf("%s: a refused save wrote %s", f, out)
+		}
+	}
+}
+
 func TestSaveRefusals(t *testing.T) {
 	llama, err := Open(filepath.Join(testdata, "llama-mini"))
 	if err != nil {

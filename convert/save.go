@@ -181,7 +181,8 @@ type profile struct {
 	kvInt8   bool // the model carries an int8 KV cache's quantizers (C8)
 }
 
-// quantizer is implemented by lazily quantized tensors (quantize.Lazy).
+// quantizer is implemented by lazily quantized tensors (quantize.Lazy);
+// its errors name the tensor.
 type quantizer interface {
 	Quantize() (*model.Quantized, error)
 }
@@ -228,7 +229,7 @@ func profileOf(m *model.Model) (*profile, error) {
 		case quantizer:
 			q, err := v.Quantize()
 			if err != nil {
-				return nil, fmt.Errorf("tensor %q: %w", name, err)
+				return nil, err
 			}
 			li.kind, li.q = linQuant, q
 			li.bits, li.group, li.sym, li.gidx = q.Bits, q.GroupSize, q.Zero == nil, q.GIdx != nil
@@ -468,13 +469,16 @@ type joiner interface {
 // lazy, every lazily quantized tensor replaced by its *model.Quantized
 // (other tensors shared).
 func materialize(m *model.Model, lazy bool) (*model.Model, error) {
-	resolve := func(t model.Tensor) (model.Tensor, bool, error) {
+	resolve := func(n string, t model.Tensor) (model.Tensor, bool, error) {
 		if j, ok := t.(joiner); ok {
 			jt, err := j.Join()
-			return jt, true, err
+			if err != nil {
+				return nil, false, fmt.Errorf("tensor %q: %w", n, err)
+			}
+			return jt, true, nil
 		}
 		if lz, ok := t.(quantizer); ok && lazy {
-			q, err := lz.Quantize()
+			q, err := lz.Quantize() // (its errors name the tensor)
 			return q, true, err
 		}
 		return t, false, nil
@@ -482,9 +486,9 @@ func materialize(m *model.Model, lazy bool) (*model.Model, error) {
 	var out *model.Model
 	for i, n := range m.Names() {
 		t, _ := m.Lookup(n)
-		r, changed, err := resolve(t)
+		r, changed, err := resolve(n, t)
 		if err != nil {
-			return nil, fmt.Errorf("tensor %q: %w", n, err)
+			return nil, err
 		}
 		if changed && out == nil {
 			out = model.New(m.Config)
