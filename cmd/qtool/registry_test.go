@@ -321,61 +321,52 @@ func TestSidecarTokenizerRelative(t *testing.T) {
 	}
 }
 
-// TestOrinShapes: ak47/ak48 of a Qwen3 shape OrinMLLM cannot read (qwen3-mini:
-// 8 heads × 64 ≠ 256) is refused unless --qtool-only, and inspect says so.
-func TestOrinShapes(t *testing.T) {
+// TestQtoolOnlyFiles: files that their own engines would not run as the
+// model — ak47/ak48 of a Qwen3 shape OrinMLLM cannot read (qwen3-mini: 8
+// heads × 64 ≠ 256), a Qwen3 model in a Llama layout (its q/k norms in
+// qtool's extension, which Kuiper and llama2.c skip) — are refused unless
+// --qtool-only by export, convert and the quantizers (before they
+// calibrate), and inspect says what they are.
+func TestQtoolOnlyFiles(t *testing.T) {
 	dir := t.TempDir()
 	qwen := "../../testdata/qwen3-mini"
-	out := filepath.Join(dir, "q.ak47")
-	if _, err := runApp(t, "export", "-q", "--hf", qwen, "--ak47", out); err == nil || !strings.Contains(err.Error(), "OrinMLLM cannot read") {
-		t.Fatalf("export --ak47 of qwen3-mini: %v, want a refusal", err)
-	}
-	if _, err := os.Stat(out); err == nil {
-		t.Fatal("a refused export wrote its output")
-	}
-	if msg, err := runApp(t, "export", "-q", "--hf", qwen, "--ak47", out, "--qtool-only"); err != nil {
-		t.Fatalf("%v\n%s", err, msg)
-	}
-	msg, err := runApp(t, "inspect", out)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !strings.Contains(msg, "note: a qtool-only file: OrinMLLM cannot read this shape") {
-		t.Errorf("inspect lacks the qtool-only note:\n%.500s", msg)
-	}
-}
-
-// TestExtensionFiles: a Qwen3 model in a Llama layout (its q/k norms in
-// qtool's extension, which Kuiper and llama2.c skip) is refused unless
-// --qtool-only, by export, convert and the quantizers before they
-// calibrate, and inspect says what it is.
-func TestExtensionFiles(t *testing.T) {
-	dir := t.TempDir()
-	qwen := "../../testdata/qwen3-mini"
-	out := filepath.Join(dir, "q.bin")
-	for _, args := range [][]string{
-		{"export", "-q", "--hf", qwen, "--q8", out},
-		{"convert", "--to", "kuiper-fp32", qwen, "-o", out},
-		{"quantize", "-q", "--hf", qwen, "--bits", "8", "--sym", "--group", "64", "--format", "kuiper-int8", "-o", out},
-		{"gptq", "-q", "--hf", qwen, "--calib", calibHead, "--bits", "8", "--sym", "--group", "64", "--format", "ak42-v2", "-o", out},
+	for _, tc := range []struct {
+		name, flag, format, want string
+	}{
+		{"orin shape", "--ak47", "ak47", "OrinMLLM cannot read this shape"},
+		{"q/k norms in a llama layout", "--q8", "kuiper-int8", "a kuiper-int8 file has no place for the q/k norms"},
 	} {
-		msg, err := runApp(t, args...)
-		if err == nil || !strings.Contains(err.Error(), "no place for the q/k norms") || !strings.Contains(err.Error(), "--qtool-only") {
-			t.Errorf("%v: %v, want a refusal naming the q/k norms and --qtool-only\n%.300s", args, err, msg)
-		}
-		if _, err := os.Stat(out); err == nil {
-			t.Fatalf("%v: a refused write left its output", args)
-		}
-	}
-	if msg, err := runApp(t, "export", "-q", "--hf", qwen, "--q8", out, "--qtool-only"); err != nil {
-		t.Fatalf("%v\n%s", err, msg)
-	}
-	msg, err := runApp(t, "inspect", out)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !strings.Contains(msg, "note: a qtool-only file: a kuiper-int8 file has no place for the q/k norms") {
-		t.Errorf("inspect lacks the qtool-only note:\n%.800s", msg)
+		t.Run(tc.name, func(t *testing.T) {
+			out := filepath.Join(dir, tc.format+".bin")
+			refused := [][]string{
+				{"export", "-q", "--hf", qwen, tc.flag, out},
+				{"convert", "--to", tc.format, qwen, "-o", out},
+			}
+			if tc.format == "kuiper-int8" {
+				refused = append(refused,
+					[]string{"quantize", "-q", "--hf", qwen, "--bits", "8", "--sym", "--group", "64", "--format", "kuiper-int8", "-o", out},
+					[]string{"gptq", "-q", "--hf", qwen, "--calib", calibHead, "--bits", "8", "--sym", "--group", "64", "--format", "ak42-v2", "-o", out})
+			}
+			for _, args := range refused {
+				msg, err := runApp(t, args...)
+				if err == nil || !strings.Contains(err.Error(), "--qtool-only") {
+					t.Errorf("%v: %v, want a refusal naming --qtool-only\n%.300s", args, err, msg)
+				}
+				if _, err := os.Stat(out); err == nil {
+					t.Fatalf("%v: a refused write left its output", args)
+				}
+			}
+			if msg, err := runApp(t, "export", "-q", "--hf", qwen, tc.flag, out, "--qtool-only"); err != nil {
+				t.Fatalf("%v\n%s", err, msg)
+			}
+			msg, err := runApp(t, "inspect", out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(msg, "note: a qtool-only file: "+tc.want) {
+				t.Errorf("inspect lacks the qtool-only note %q:\n%.800s", tc.want, msg)
+			}
+		})
 	}
 }
 
