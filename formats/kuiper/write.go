@@ -36,9 +36,9 @@ type WriteOptions struct {
 	// assume the layout AssumedRope gives (convert.SaveWith writes that one).
 	NoSidecar bool
 	// QtoolOnly allows files that the format's own readers would not run
-	// as this model (ReaderCompatible: a Qwen3 or Qwen2 model in a Llama
-	// layout, an ak47/ak48 file of a Qwen3 shape OrinMLLM cannot read);
-	// without it Write refuses them.
+	// as this model (ReaderCompatible: a Qwen3 model in a Llama layout, a
+	// Qwen2 one in an ak42 layout, an ak47/ak48 file of a Qwen3 shape
+	// OrinMLLM cannot read); without it Write refuses them.
 	QtoolOnly bool
 }
 
