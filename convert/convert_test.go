@@ -455,7 +455,6 @@ func TestConversions(t *testing.T) {
 // Must returns v, ignoring err (for test messages).
 func Must[T any](v T, _ error) T { return v }
 
-// TestSaveRefusals checks the messages of formats that cannot hold a model.
 // TestSaveNaN: a weight with a NaN, quantized lazily as the quantize
 // command does, is refused by every quantized format with an error that
 // names the tensor once and the bad value, and nothing is written.
@@ -498,6 +497,7 @@ func TestSaveNaN(t *testing.T) {
 	}
 }
 
+// TestSaveRefusals checks the messages of formats that cannot hold a model.
 func TestSaveRefusals(t *testing.T) {
 	llama, err := Open(filepath.Join(testdata, "llama-mini"))
 	if err != nil {

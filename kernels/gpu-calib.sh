@@ -4,8 +4,8 @@
 # AWQ and SmoothQuant on the GPU (perplexity of the written files), then a
 # random-weight Llama-2-7B-shaped checkpoint (synth_hf.py) end to end, and
 # optionally the reference GPTQ in the same call.
-# Needs (CALIB=1 kernels/gpu-prep.sh makes them, as .xz): .devbin/qtool.gz, .devbin/cuda.test.gz (CGO_ENABLED=0 builds, gzipped to fit
-# the transfer), .devdata/ (train.txt.gz, 
+# Needs: .devbin/qtool and .devbin/cuda.test (CGO_ENABLED=0 builds, .xz or
+# .gz to fit the transfer; CALIB=1 kernels/gpu-prep.sh makes them), .devdata/ (train.txt.gz,
 # sotu-test.raw, synth_hf.py, ref_gptq_scale.py), .peers/ (IST-DASLab/gptq's
 # gptq.py and quant.py, for STEPS containing ref). Usage:
 #   STEPS="build unit mini 7b-gptq 7b-asym 7b-awq 7b-sq ref" kernels/gpu-calib.sh

@@ -227,13 +227,14 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
   # bin/qtool-base (its embedded PTX) alternating AB_ROUNDS times in this call: positions 16-272, about
   # the context verify --prompt The --max-new 256 decodes at
   # (and bin/qtool with each AB_PTX build's PTX)
-  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
   # (a build whose cuda tests failed or timed out, perhaps hanging, is left out)
-  variants=""; [ "${failed_new:-0}" = 0 ] && variants="new" || echo "ab: new left out (its cuda tests failed)"
+  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
+  variants=new
+  [ "${failed_new:-0}" = 0 ] || { echo "ab: skipped (this build's cuda tests failed)"; variants=""; AB_ROUNDS=0; }
   for v in ${AB_PTX:-}; do
     case " ${failed_variants:-} " in
       *" ${v%%=*} "*) echo "ab: ${v%%=*} left out (its cuda tests failed)" ;;
-      *) [ "${failed_new:-0}" = 0 ] && variants="$variants ${v%%=*}" ;;
+      *) variants="$variants ${v%%=*}" ;;
     esac
   done
   for i in $(seq "${AB_ROUNDS:-2}"); do

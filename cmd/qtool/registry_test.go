@@ -334,7 +334,7 @@ func TestQtoolOnlyFiles(t *testing.T) {
 		name, flag, format, want string
 	}{
 		{"orin shape", "--ak47", "ak47", "OrinMLLM cannot read this shape"},
-		{"q/k norms in a llama layout", "--q8", "kuiper-int8", "a kuiper-int8 file has no place for the q/k norms"},
+		{"q/k norms in a llama layout", "--q8", "kuiper-int8", "its layout has no place for the q/k norms"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			out := filepath.Join(dir, tc.format+".bin")

@@ -94,7 +94,7 @@ func ReaderCompatible(f Format, c model.Config) error {
 	if c.Arch == model.Qwen3 {
 		hint = " (ak47 and ak48 hold Qwen3)"
 	}
-	return fmt.Errorf("a %s file has no place for the %s of this %s model%s: qtool would append them as an extension that other readers skip, so they would run another model", f, what, c.Arch, hint)
+	return fmt.Errorf("its layout has no place for the %s of this %s model%s: qtool would append them as an extension that Kuiper's and llama2.c's readers skip, so they would run another model", what, c.Arch, hint)
 }
 
 // ReaderNote says what the format's readers leave out of a file of a model

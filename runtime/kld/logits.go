@@ -168,11 +168,7 @@ func Create(path string, h Header, ids []int) (*Writer, error) {
 		return nil, fmt.Errorf("kld: %w", err)
 	}
 	w := &Writer{path: path, out: out, lock: lock, h: h}
-	var head []byte
-	head = append(head, Magic...)
-	head = binary.LittleEndian.AppendUint32(head, uint32(len(hb)))
-	head = append(head, hb...)
-	for _, b := range [][]byte{head, idb} {
+	for _, b := range [][]byte{[]byte(Magic), binary.LittleEndian.AppendUint32(nil, uint32(len(hb))), hb, idb} {
 		if _, err := w.out.Write(b); err != nil {
 			w.Abort()
 			return nil, fmt.Errorf("kld: %s: %w", path, err)
