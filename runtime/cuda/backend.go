@@ -454,7 +454,6 @@ func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
 	if s.p != 0 && !b.capturing && !b.liveGraphs() {
 		b.must(b.drv.StreamSynchronize(b.stream))
 		b.must(b.drv.MemFree(s.p))
-		b.heldBytes -= int64(b.owned[s.p])
 		delete(b.owned, s.p)
 	}
 	n := max(bytes, 2*s.n, 1024)
