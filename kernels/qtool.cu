@@ -906,11 +906,18 @@ struct AttNew {
 // blocks ran in.
 #define ATT_WARPS 4
 #define ATT_MAX_CLUSTER 16  // the splits of a cluster launch (attention_*_cl) at most
-// A thread block cluster's barrier (every thread of every block) and loads
-// from another block's shared memory in the cluster (sm_90).
-__device__ __forceinline__ void cluster_sync() {
+// A thread block cluster's barrier in two halves (every thread of every
+// block that has not exited arrives, then waits; the arrive releases what
+// the thread wrote before, the wait acquires), stores into another block's
+// shared memory in the cluster, and an arrival counter there (sm_90).
+__device__ __forceinline__ void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ unsigned dsmem_addr(const void* p, unsigned rank) {
@@ -920,17 +927,31 @@ __device__ __forceinline__ unsigned dsmem_addr(const void* p, unsigned rank) {
 #endif
     return r;
 }
-__device__ __forceinline__ float ld_dsmem(const float* p, unsigned rank) {
-    float v = 0.f;
+__device__ __forceinline__ void st_dsmem(float* p, unsigned rank, float v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(dsmem_addr(p, rank)) : "memory");
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(dsmem_addr(p, rank)), "f"(v) : "memory");
 #endif
-    return v;
 }
-__device__ __forceinline__ float2 ld_dsmem_f2(const float2* p, unsigned rank) {
-    float2 v = make_float2(0.f, 0.f);
+__device__ __forceinline__ void st_dsmem_f2(float2* p, unsigned rank, float2 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(dsmem_addr(p, rank)) : "memory");
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(dsmem_addr(p, rank)), "f"(v.x), "f"(v.y) : "memory");
+#endif
+}
+// dsmem_arrive adds one to the counter *p of block rank with release
+// semantics at cluster scope: what this thread wrote before, and what its
+// block's threads wrote before a __syncthreads it passed since, is visible
+// to a thread that reads the new count with cluster_count (a release is
+// cumulative over the barrier's causality order, PTX ISA memory
+// consistency model; so the writers need no fence of their own).
+__device__ __forceinline__ void dsmem_arrive(unsigned* p, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.release.cluster.shared::cluster.add.u32 [%0], 1;" ::"r"(dsmem_addr(p, rank)) : "memory");
+#endif
+}
+__device__ __forceinline__ unsigned cluster_count(const unsigned* p) {
+    unsigned v = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.acquire.cluster.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
 #endif
     return v;
 }
@@ -963,6 +984,21 @@ __device__ __forceinline__ void att_merge(float* __restrict__ out, int ns, int h
         out[d] = a / L;
     }
 }
+// A cluster's merge area, in split 0's shared memory: each other split
+// stores its partials (max, sum) and acc[hd] at its rank and counts itself
+// in cnt. One object a kernel (att_cluster_smem), only in the kernels that
+// merge in a cluster.
+template <int VM>
+struct AttClusterSmem {
+    float acc[ATT_MAX_CLUSTER][32 * VM];
+    float2 ml[ATT_MAX_CLUSTER];
+    unsigned cnt;
+};
+template <int VM>
+__device__ __forceinline__ AttClusterSmem<VM>& att_cluster_smem() {
+    __shared__ AttClusterSmem<VM> c;
+    return c;
+}
 // U keys a warp step, each lane holding VM values of a key (VM ≥ hd/32):
 // 8 keys of head size ≤ 128 or 4 of ≤ 256, the same registers; a warp
 // issues all its step's loads before it uses any.
@@ -989,8 +1025,17 @@ __device__ __forceinline__ void attention_body(
     // that position does.
     int chunk = (max(32, (nkeys + nsplit - 1) / nsplit) + 31) & ~31;
     int ns = (nkeys + chunk - 1) / chunk;  // the splits holding keys of row t
-    // (CL: a cluster's empty splits stay for its barriers, without keys)
-    if (s >= ns && !(CL && ns > 1)) return;
+    // (CL: a block that exits counts as arrived at the cluster's barrier)
+    if (s >= ns) return;
+    if constexpr (CL) {
+        // Split 0's arrival counter is zeroed before any split passes the
+        // barrier, which the others wait on only before their partials go
+        // to split 0 (below), long after every block arrived.
+        if (ns > 1) {
+            if (s == 0 && threadIdx.x == 0) att_cluster_smem<VM>().cnt = 0;
+            cluster_arrive();
+        }
+    }
     int j0 = s * chunk, j1 = min(nkeys, j0 + chunk);
     int kvDim = kvHeads * hd;
     int kvh = h / (heads / kvHeads);
@@ -1180,23 +1225,37 @@ __device__ __forceinline__ void attention_body(
     }
     if constexpr (CL) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        // The row's splits are one cluster (rank s): each leaves its
-        // partials in its shared memory, split 0 merges them as the last
-        // split does below (the same operations in the same order), and
-        // the second barrier keeps the others until it has read them.
-        __shared__ float cacc[32 * VM];
-        __shared__ float2 cml, sml2[ATT_MAX_CLUSTER];
+        // The row's splits are one cluster (rank s): each other split
+        // stores its partials in split 0's shared memory, counts itself
+        // there and leaves; split 0 waits for the count and merges them as
+        // the last split does below (the same operations in the same order).
+        AttClusterSmem<VM>& c = att_cluster_smem<VM>();
+        __shared__ float2 sml2[ATT_MAX_CLUSTER];
+        cluster_wait();  // split 0 has zeroed its counter
         for (int d = threadIdx.x; d < hd; d += blockDim.x) {
             float a = 0.f;
             for (int i = 0; i < ATT_WARPS; i++) a += sacc[i][d] * f[i];
-            cacc[d] = a;
+            if (s == 0)
+                c.acc[0][d] = a;
+            else
+                st_dsmem(&c.acc[s][d], 0, a);
         }
-        if (threadIdx.x == 0) cml = make_float2(M, L);
-        cluster_sync();
-        if (s == 0)
-            att_merge(out, ns, hd, sml2, [&](int r) { return ld_dsmem_f2(&cml, r); },
-                      [&](int r, int d) { return ld_dsmem(&cacc[d], r); });
-        cluster_sync();
+        if (threadIdx.x == 0) {
+            if (s == 0)
+                c.ml[0] = make_float2(M, L);
+            else
+                st_dsmem_f2(&c.ml[s], 0, make_float2(M, L));
+        }
+        if (s != 0) {
+            __syncthreads();
+            if (threadIdx.x == 0) dsmem_arrive(&c.cnt, 0);
+            return;
+        }
+        if (threadIdx.x == 0)
+            while (cluster_count(&c.cnt) < (unsigned)(ns - 1)) {
+            }
+        __syncthreads();  // with the acquire above: the partials are in
+        att_merge(out, ns, hd, sml2, [&](int r) { return c.ml[r]; }, [&](int r, int d) { return c.acc[r][d]; });
 #endif
         return;
     }
@@ -1231,6 +1290,8 @@ __device__ __forceinline__ void attention_run(float* dst, const float* q, KV* kc
     if (hd <= 128)
         attention_body<KV, 8, 4, CL>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale,
                                      nsplit, kq, nw, skv);
+    else if constexpr (CL)  // the cluster merge holds 128 values a split (clusterAttention)
+        __trap();
     else
         attention_body<KV, 4, 8, CL>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale,
                                      nsplit, kq, nw, skv);
@@ -1256,8 +1317,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_f16(ATTENTION_ARGS(_
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The same with a row's splits as one thread block cluster (grid z, at most
-// ATT_MAX_CLUSTER), merged over distributed shared memory: no partials in
-// global memory, no arrival counter.
+// ATT_MAX_CLUSTER; head size at most 128), merged in split 0's shared
+// memory: no partials in global memory.
 extern "C" __global__ void __launch_bounds__(128) attention_f16_cl(ATTENTION_ARGS(__half)) {
     attention_run<__half, true>(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
                                 KVQuant{}, AttNew{kn, vn, rtab, layout});

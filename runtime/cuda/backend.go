@@ -1208,7 +1208,7 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 		args = append(args, kc.quantArgs(layer)...)
 	}
 	grid := [3]uint32{uint32(heads), uint32(T), uint32(nsplit)}
-	if kc.half && kc.quant == 0 && nsplit > 1 && b.clusterAttention(nsplit) { // attention_f16's cache
+	if kc.half && kc.quant == 0 && nsplit > 1 && b.clusterAttention(nsplit, headDim) { // attention_f16's cache
 		// the row's splits as one cluster, merged in distributed shared memory
 		b.launchCluster("attention_f16_cl", grid, [3]uint32{128, 1, 1}, [3]uint32{1, 1, uint32(nsplit)}, 0, args...)
 		return
@@ -1219,10 +1219,11 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 // clusterAttention reports whether the decode attention of an fp16 cache
 // runs a row's nsplit splits as one cluster (attention_f16_cl, a Hopper
 // kernel): at most attnMaxCluster, more than 8 only once the kernel
-// allows non-portable cluster sizes.
-func (b *Backend) clusterAttention(nsplit int) bool {
+// allows non-portable cluster sizes, and heads of at most 128 values (its
+// merge area in shared memory).
+func (b *Backend) clusterAttention(nsplit, headDim int) bool {
 	f, ok := b.fn["attention_f16_cl"]
-	if !ok || b.opt.NoClusterAttention || nsplit > attnMaxCluster {
+	if !ok || b.opt.NoClusterAttention || nsplit > attnMaxCluster || headDim > 128 {
 		return false
 	}
 	if nsplit > 8 && !b.attnClusterWide {
