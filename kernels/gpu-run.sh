@@ -247,7 +247,7 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
       esac
       timeout "$lim" $cmd bench --synthetic llama2-7b --format "${AB_FORMAT:-w4a16}" --kernels=false \
         --prompt "${AB_PROMPT:-16}" --decode 256 ${AB_ARGS:-} > "$OUT/ab-$v-$i.txt" 2>&1
-      echo "ab $v $i rc=$?: $(grep -oE 'decode batch 1: .*' "$OUT/ab-$v-$i.txt" | cut -c1-230)"
+      echo "ab $v $i rc=$?: $(grep -oE 'prefill [0-9]+ tokens: .*|decode batch 1: .*' "$OUT/ab-$v-$i.txt" | cut -c1-230 | paste -sd'|')"
     done
   done
 fi
