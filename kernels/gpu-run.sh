@@ -228,7 +228,7 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
   # the context verify --prompt The --max-new 256 decodes at
   # (and bin/qtool with each AB_PTX build's PTX)
   # (a build whose cuda tests failed or timed out, perhaps hanging, is left out;
-  # AB_FORMAT, AB_PROMPT, AB_DECODE and AB_ARGS change the bench's model, prompt, steps and flags)
+  # AB_MODEL, AB_FORMAT, AB_PROMPT, AB_DECODE and AB_ARGS change the bench's shape, format, prompt, steps and flags)
   base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
   variants=new
   [ "${failed_new:-0}" = 0 ] || { echo "ab: skipped (this build's cuda tests failed)"; variants=""; AB_ROUNDS=0; }
@@ -246,7 +246,7 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
         base) cmd="env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base" ;;
         *) cmd="env QTOOL_CUDA_PTX=$OUT/ptx-$v/qtool_sm90.ptx bin/qtool" ;;
       esac
-      timeout "$lim" $cmd bench --synthetic llama2-7b --format "${AB_FORMAT:-w4a16}" --kernels=false \
+      timeout "$lim" $cmd bench --synthetic "${AB_MODEL:-llama2-7b}" --format "${AB_FORMAT:-w4a16}" --kernels=false \
         --prompt "${AB_PROMPT:-16}" --decode "${AB_DECODE:-256}" ${AB_ARGS:-} > "$OUT/ab-$v-$i.txt" 2>&1
       echo "ab $v $i rc=$?: $(grep -oE 'prefill [0-9]+ tokens: .*|decode batch 1: .*' "$OUT/ab-$v-$i.txt" | cut -c1-230 | paste -sd'|')"
     done
