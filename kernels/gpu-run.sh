@@ -16,6 +16,9 @@ OUT=/tmp/gpu-run
 rm -rf "$OUT"; mkdir -p "$OUT/ptx" "$FINAL"
 finish() {
   cp "$OUT"/ptx/*.ptx "$FINAL"/ 2>/dev/null
+  for d in "$OUT"/ptx-*; do # each AB_PTX variant's qtool PTX, should it win
+    [ -d "$d" ] && mkdir -p "$FINAL/${d##*/}" && cp "$d"/qtool_sm*.ptx "$FINAL/${d##*/}"/ 2>/dev/null
+  done
   tar -C "$OUT" -czf "$FINAL/logs.tgz" --exclude='*.ptx' . 2>/dev/null
 }
 trap finish EXIT
