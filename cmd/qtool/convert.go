@@ -34,7 +34,7 @@ func convertCommand() *cli.Command {
 			&cli.BoolFlag{Name: "list", Usage: "print the formats that can hold MODEL and exit"},
 			&cli.StringFlag{Name: "rope", Usage: "q/k layout to write: half or interleaved (default: the format's, see above)"},
 			&cli.IntFlag{Name: "tp", Usage: "ranks of a shard directory (--to shard)"},
-			&cli.BoolFlag{Name: "qtool-only", Usage: "write files whose own readers would not run this model (only qtool does): Qwen3 in a Kuiper or llama2.c layout or Qwen2 in an ak42 one (q/k norms or biases in an extension those readers skip), ak47/ak48 of a Qwen3 shape OrinMLLM cannot read (heads × head_dim ≠ hidden)"},
+			qtoolOnlyFlag(),
 			&cli.BoolFlag{Name: "force", Usage: "replace an output directory that already holds a model (the old model is removed entirely)"},
 		},
 		Action: runConvert,

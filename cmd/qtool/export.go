@@ -45,7 +45,7 @@ func exportCommand() *cli.Command {
 		&cli.StringFlag{Name: "rope", Usage: "q/k layout in the file: half (HF, Kuiper LLAMA3/Qwen builds) or interleaved (Meta, llama2.c, Kuiper's default Llama-2 build); default: interleaved for Llama in --fp32/--ak42-v1/--ak42-v2 (what llama2.c runs), else the input's layout"},
 		&cli.IntFlag{Name: "seq-len", Usage: "seq_len written to the header (default: max_position_embeddings)"},
 		&cli.BoolFlag{Name: "no-sidecar", Usage: "do not write OUT.json (rope theta, eps, arch, rope layout, tokenizer dir)"},
-		&cli.BoolFlag{Name: "qtool-only", Usage: "write files whose own readers would not run this model (only qtool does): Qwen3 in a Kuiper or llama2.c layout or Qwen2 in an ak42 one (q/k norms or biases in an extension those readers skip), ak47/ak48 of a Qwen3 shape OrinMLLM cannot read (heads × head_dim ≠ hidden)"},
+		qtoolOnlyFlag(),
 		&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress bar"},
 	)
 	return &cli.Command{

@@ -91,6 +91,13 @@ func checkFormat(cmd, format string, k resultKind) (string, error) {
 	return f, nil
 }
 
+// qtoolOnlyFlag is --qtool-only of the commands that write Kuiper files
+// (export, convert, quantize and the calibration commands): it lets them
+// write what kuiper.ReaderCompatible refuses.
+func qtoolOnlyFlag() *cli.BoolFlag {
+	return &cli.BoolFlag{Name: "qtool-only", Usage: "write files whose own readers would not run this model (only qtool does): Qwen3 in a Kuiper or llama2.c layout or Qwen2 in an ak42 one (q/k norms or biases in an extension those readers skip), ak47/ak48 of a Qwen3 shape OrinMLLM cannot read (heads × head_dim ≠ hidden)"}
+}
+
 // quantFlags are the flags every calibration command shares; defBits and
 // defGroup differ per method.
 func quantFlags(defBits, defGroup int, defFormat string) []cli.Flag {
@@ -103,7 +110,7 @@ func quantFlags(defBits, defGroup int, defFormat string) []cli.Flag {
 		&cli.IntFlag{Name: "group", Value: defGroup, Usage: "input columns per scale group (0: per channel)"},
 		&cli.StringFlag{Name: "out", Aliases: []string{"o"}, Usage: "output `PATH` (a directory, or a file for Kuiper formats)", Required: true, TakesFile: true},
 		&cli.StringFlag{Name: "format", Value: defFormat, Usage: "output format: ak48, kuiper-int8, ak42-v2, msmodelslim, autoawq or gptq (each as it can hold the result)"},
-		&cli.BoolFlag{Name: "qtool-only", Usage: "write files whose own readers would not run this model (only qtool does): Qwen3 in a Kuiper or llama2.c layout or Qwen2 in an ak42 one (q/k norms or biases in an extension those readers skip), ak47/ak48 of a Qwen3 shape OrinMLLM cannot read (heads × head_dim ≠ hidden)"},
+		qtoolOnlyFlag(),
 		&cli.StringFlag{Name: "kv-cache", Value: "float", Usage: "KV cache of the result: float, or int8 (msmodelslim C8: per-channel scales and offsets of the keys after RoPE and of the values, from the calibration windows)"},
 		&cli.StringFlag{Name: "verify", Usage: "after writing, print the perplexity of the written model on `FILE`", TakesFile: true},
 		&cli.IntFlag{Name: "verify-chunks", Usage: "evaluate at most `N` chunks of 512 tokens with --verify (0: all)"},

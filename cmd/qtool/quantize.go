@@ -33,7 +33,7 @@ func quantizeCommand() *cli.Command {
 			&cli.StringFlag{Name: "format", Value: convert.FormatAutoAWQ, Usage: "output format: autoawq, gptq, msmodelslim, kuiper-int8, ak42-v2 or ak48 (each as it can hold the result)"},
 			&cli.StringFlag{Name: "out", Aliases: []string{"o"}, Usage: "output `PATH` (a directory, or a file for Kuiper formats)", TakesFile: true},
 			&cli.StringFlag{Name: "rope", Usage: "q/k layout of a Kuiper output: half or interleaved (default: the format's)"},
-			&cli.BoolFlag{Name: "qtool-only", Usage: "write files whose own readers would not run this model (only qtool does): Qwen3 in a Kuiper or llama2.c layout or Qwen2 in an ak42 one (q/k norms or biases in an extension those readers skip), ak47/ak48 of a Qwen3 shape OrinMLLM cannot read (heads × head_dim ≠ hidden)"},
+			qtoolOnlyFlag(),
 			&cli.StringFlag{Name: "verify", Usage: "after writing, print the perplexity of the written model on `FILE`", TakesFile: true},
 			&cli.IntFlag{Name: "verify-chunks", Usage: "evaluate at most `N` chunks of 512 tokens with --verify (0: all)"},
 			&cli.IntFlag{Name: "threads", Usage: "CPU threads of --verify (0: all cores)"},

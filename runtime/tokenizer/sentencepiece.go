@@ -191,6 +191,7 @@ func (t *SentencePiece) index() error {
 		m := t.pieceID
 		switch ty {
 		case spNormal, spUserDefined, spUnused:
+			t.splitWords = t.splitWords && spaceOnlyAtStart(p)
 		case spControl, spUnknown:
 			m = t.reservedID
 		case spByte:
@@ -210,9 +211,6 @@ func (t *SentencePiece) index() error {
 			return fmt.Errorf("piece %d %q is defined twice", id, p)
 		}
 		m[p] = id
-		if ty == spNormal || ty == spUserDefined || ty == spUnused {
-			t.splitWords = t.splitWords && spaceOnlyAtStart(p)
-		}
 		if ty == spUserDefined {
 			t.userDefs[p] = true
 			t.maxUserLen = max(t.maxUserLen, len(p))
