@@ -498,7 +498,8 @@ struct AsIs {
 // fin whole). The adds and the SwiGLU load OTS_BATCH float4 of C a thread
 // before they use any (one round trip to memory a batch instead of one an
 // item: the epilogue runs after the products, with nothing else to hide
-// it).
+// it). mir gets every value stored into C as well (PeerMirror: the
+// tensor-parallel peers' stages; NoMirror: nothing).
 #define OTS_BATCH 4
 // stage_tile puts a thread's NU units of W values (as out_tile's) into the
 // tile stage st once every thread of st is done with the stages, and
@@ -515,9 +516,14 @@ __device__ __forceinline__ void stage_tile(At at, Raw raw, const TileStage<T>& s
     }
     named_sync(st.bar, st.nthr);
 }
-template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
+// NoMirror is out_tile_staged's mir where the values go to C alone.
+struct NoMirror {
+    __device__ __forceinline__ void put4(size_t, float4) const {}
+    __device__ __forceinline__ void put1(size_t, float) const {}
+};
+template <int NU, int W, typename T, typename At, typename Raw, typename Fin, typename Mir = NoMirror>
 __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out, At at, Raw raw, Fin fin,
-                                                TileStage<T> st) {
+                                                TileStage<T> st, Mir mir = Mir{}) {
     stage_tile<NU, W>(at, raw, st);
     const int items = TS_ROWS * TS_COLS / 4, c = st.tid % (TS_COLS / 4) * 4, n = st.n0 + c;
     const bool vec = (N & 3) == 0 && n < N;  // this thread's four columns as one float4 (the same in every row)
@@ -545,11 +551,16 @@ __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out,
                     v = make_float4(out_val(&g[j].x, v.x, out), out_val(&g[j].y, v.y, out), out_val(&g[j].z, v.z, out),
                                     out_val(&g[j].w, v.w, out));
                 *reinterpret_cast<float4*>(cp) = v;
+                mir.put4((size_t)m * N + n, v);
                 continue;
             }
 #pragma unroll 1
             for (int i = 0; i < 4; i++)
-                if (n + i < N) cp[i] = out_val(cp + i, fin(m, n + i, kp[i]), out);
+                if (n + i < N) {
+                    float v = out_val(cp + i, fin(m, n + i, kp[i]), out);
+                    cp[i] = v;
+                    mir.put1((size_t)m * N + n + i, v);
+                }
         }
     }
 }
@@ -1889,7 +1900,13 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const f
 // writes a peer's stage[e & 1] again in call e + 2, after that peer's block
 // b reached e + 1, which it started after its whole call e, the reads
 // included. A peer that does not arrive within timeout_ns traps (the
-// launch fails) instead of hanging.
+// launch fails) instead of hanging. With sent set (lane 1), the product
+// before the all-reduce on this rank's stream (gemm_wg_*_tp) has written
+// x's values into the peers' stage[e & 1][rank] already, so the blocks
+// only raise and wait for the flags and sum: the flags follow the
+// product's writes in stream order (the product's grid has completed), and
+// the two-stage argument holds for the product as for block b, since it
+// runs after this rank's whole call e + 1.
 #define AR_MAX_RANKS 8
 #define AR_MAX_BLOCKS 128
 #define AR_LANES 2
@@ -1946,6 +1963,41 @@ __device__ __forceinline__ long long ar_stage0_off(long long stage_off, long lon
 __device__ __forceinline__ unsigned long long* ar_stage0(unsigned long long area, long long stage_off, long long cap,
                                                          unsigned e, int world, int sender) {
     return reinterpret_cast<unsigned long long*>(area + ar_stage0_off(stage_off, cap, e, world, sender));
+}
+
+// PeerMirror stores a row-parallel product's values, as they are stored
+// into C, at the same offsets of the tensor-parallel peers' stages d[0..n)
+// (the all-reduce's lane 1: allreduce_peer, whose write phase then has
+// nothing left to do).
+struct PeerMirror {
+    float* d[AR_MAX_RANKS - 1];
+    int n;
+    __device__ __forceinline__ void put4(size_t i, float4 v) const {
+#pragma unroll 1
+        for (int p = 0; p < n; p++) *reinterpret_cast<float4*>(d[p] + i) = v;
+    }
+    __device__ __forceinline__ void put1(size_t i, float v) const {
+#pragma unroll 1
+        for (int p = 0; p < n; p++) d[p][i] = v;
+    }
+};
+// peer_mirror is the PeerMirror of a product that rank sends to lane 1 of
+// the group whose area (this rank's) that is, stage_off and cap the lane's
+// (gemm_wg_*_tp): stage[e & 1][rank] of every peer, e one more than the
+// lane's call counter of block 0.
+__device__ __forceinline__ PeerMirror peer_mirror(const char* area, int rank, int world, long long stage_off,
+                                                  long long cap) {
+    const long long sync_off = 8 * AR_MAX_RANKS + AR_LANE_SYNC;  // lane 1's flags, in bytes
+    unsigned e = __ldcg(reinterpret_cast<const unsigned*>(area + sync_off) + AR_MAX_RANKS * AR_MAX_BLOCKS) + 1;
+    const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
+    PeerMirror m;
+    m.n = 0;
+#pragma unroll 1
+    for (int p = 0; p < world && p < AR_MAX_RANKS; p++)
+        if (p != rank)
+            m.d[m.n++] = reinterpret_cast<float*>(reinterpret_cast<char*>(areas[p]) + AR_HEADER) + stage_off +
+                         ((long long)(e & 1) * world + rank) * cap;
+    return m;
 }
 
 // A decode step's all-reduce may take its summands straight from the GEMV
@@ -3384,7 +3436,9 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
 // PAIR: mapW is a 3-D map over two weights of N rows as planes, and a
 // block's W tile is rows n0..n0 + 63 of each (n0 = 64·blockIdx.y), one
 // copy a K step, with the {scale, zero} of plane 0 from sz and of plane 1
-// from sz2; epi is then the GluEpi of glu_tile (gemm_wg_*_glu).
+// from sz2; epi is then the GluEpi of glu_tile (gemm_wg_*_glu). A float
+// GEMM's epi may be a PeerMirror (gemm_wg_*_tp), which gets the tile's
+// values too.
 // The block's weight tile is ny (blockIdx.y where ny < 0).
 template <int WK, bool PAIR = false, typename Epi>
 __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap* mapA, const TmaMap* mapW,
@@ -3478,6 +3532,8 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             glu_tile<32, 2>(C, M, N, at, raw, epi, st);
         else if constexpr (WK == GH_S8)
             epi(at, raw, TileStage<int>{reinterpret_cast<int*>(st.s), st.m0, st.n0, st.bar, st.nthr, st.tid});
+        else if constexpr (std::is_same<Epi, PeerMirror>::value)
+            out_tile_staged<32, 2, float>(C, M, N, out, at, raw, AsIs{}, st, epi);
         else
             out_tile_staged<32, 2, float>(C, M, N, out, at, raw, AsIs{}, st);
     } else {
@@ -3540,6 +3596,8 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         auto raw = [&](int u, int) { return d[u]; };
         if constexpr (PAIR)
             glu_tile<64, 1>(C, M, N, unit, raw, epi, st);
+        else if constexpr (std::is_same<Epi, PeerMirror>::value)
+            out_tile_staged<64, 1, float>(C, M, N, out, unit, raw, AsIs{}, st, epi);
         else
             out_tile_staged<64, 1, float>(C, M, N, out, unit, raw, AsIs{}, st);
     }
@@ -3562,6 +3620,27 @@ GEMM_WG_ENTRY(gemm_wg_f16, GH_F16)
 GEMM_WG_ENTRY(gemm_wg_bf16, GH_BF16)
 GEMM_WG_ENTRY(gemm_wg_q4, GH_Q4)
 GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
+
+// name_tp(C, mapA, mapW, sz, M, N, K, gs, G, out, area, rank, world,
+// stage_off, cap): name's product, K unsplit, that also sends its values to
+// the all-reduce over peer memory that follows it (runtime/cuda/peer.go's
+// MatMulAllReduce): into stage[e & 1][rank] of lane 1 in every peer's area
+// (allreduce_peer's layout; e the call that lane makes next, one more than
+// its block 0's counter, which no block advances before this grid is
+// done), so that allreduce_peer with sent set only exchanges flags and sums.
+#define GEMM_WG_TP_ENTRY(name, WK)                                                                               \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
+        name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \
+             int M, int N, int K, int gs, int G, int out, const char* area, int rank, int world,                  \
+             long long stage_off, long long cap) {                                                               \
+        PDL_ENTRY();                                                                                             \
+        PeerMirror mir = peer_mirror(area, rank, world, stage_off, cap);                                         \
+        gemm_wg_body<WK>(C, &mapA, &mapW, sz, nullptr, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK, out, mir);       \
+    }
+GEMM_WG_TP_ENTRY(gemm_wg_f16_tp, GH_F16)
+GEMM_WG_TP_ENTRY(gemm_wg_bf16_tp, GH_BF16)
+GEMM_WG_TP_ENTRY(gemm_wg_q4_tp, GH_Q4)
+GEMM_WG_TP_ENTRY(gemm_wg_q8_tp, GH_Q8)
 // name_segs(C0, C1, C2, mapA, mapW0, mapW1, mapW2, sz0, sz1, sz2, M, N0, N1,
 // N2, K, gs, G, out): WK's GEMM of one fp16 input [M, K] (mapA) with up to
 // three weights of WK's kind, group size and count (q, k and v) in one
@@ -4147,7 +4226,7 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer_ll(float* __res
 
 extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restrict__ x, long long n, int rank, int world,
                                                                  char* __restrict__ area, int lane, long long stage_off,
-                                                                 long long cap, unsigned long long timeout_ns) {
+                                                                 long long cap, unsigned long long timeout_ns, int sent) {
     PDL_ENTRY();
     const int b = blockIdx.x, t = threadIdx.x;
     const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
@@ -4160,7 +4239,7 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
         return reinterpret_cast<float*>(reinterpret_cast<char*>(areas[peer]) + AR_HEADER) + stage0 + sender * cap;
     };
     const float4* x4 = reinterpret_cast<const float4*>(x);
-    for (long long i = i0; i < n4; i += 4 * step) {
+    for (long long i = sent ? n4 : i0; i < n4; i += 4 * step) {
         float4 v[4];
 #pragma unroll
         for (int u = 0; u < 4; u++)
@@ -4175,7 +4254,7 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
                 if (i + u * step < n4) d[i + u * step] = v[u];
         }
     }
-    for (long long i = 4 * n4 + i0; i < n; i += step)
+    for (long long i = 4 * n4 + i0; i < n && !sent; i += step)
         for (int p = 0; p < world; p++)
             if (p != rank) stage_of(p, rank)[i] = x[i];
     __syncthreads();

@@ -782,12 +782,7 @@ func (b *Backend) matmul(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int)
 		name, widen := gemmHKernel(l)
 		w := l.w
 		if widen {
-			w = b.scratchBuf("gemm_w16", 2*N*K)
-			if l.kind == kindQ4 {
-				b.launch("dequant_h_q4", b.gridFor(N*K/8), block256, w, l.w, l.sz, N, K, l.gs, l.groups)
-			} else {
-				b.launch("dequant_h_q8", b.gridFor(N*K/8), block256, w, l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
-			}
+			w = b.widened(l)
 		}
 		a16 := b.half(in, l)
 		if wg := b.wgmmaKernel(name, M); wg != "" {
@@ -829,6 +824,20 @@ func (b *Backend) matmul(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int)
 		b.putOut(d, t, out)
 		b.Free(t)
 	}
+}
+
+// widened returns l's 4- or 8-bit weight widened to fp16 [N, K] in a
+// scratch buffer (dequant_h_q4, dequant_h_q8), for the GEMMs that do not
+// dequantize it in their loaders (gemmHKernel).
+func (b *Backend) widened(l *Linear) driver.DevicePtr {
+	N, K := l.out, l.in
+	w := b.scratchBuf("gemm_w16", 2*N*K)
+	if l.kind == kindQ4 {
+		b.launch("dequant_h_q4", b.gridFor(N*K/8), block256, w, l.w, l.sz, N, K, l.gs, l.groups)
+	} else {
+		b.launch("dequant_h_q8", b.gridFor(N*K/8), block256, w, l.w, l.sz, l.gidx, N, K, l.gs, l.groups)
+	}
+	return w
 }
 
 // inputForm asks the producer of a product's input for it in the form

@@ -297,9 +297,20 @@ func (b *Backend) AllReducePeer(x runtime.Buf) {
 		b.allReduceLL(d, false)
 		return
 	}
-	l := p.lanes[lane]
+	b.allReduceLarge(d, false)
+}
+
+// allReduceLarge launches lane 1's all-reduce of d (allreduce_peer), whose
+// summands the GEMM before it sent where sent is set (MatMulAllReduce).
+func (b *Backend) allReduceLarge(d *Buf, sent bool) {
+	p := b.peer
+	l := p.lanes[1]
+	sentArg := 0
+	if sent {
+		sentArg = 1
+	}
 	b.launch("allreduce_peer", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
-		lane, int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()))
+		1, int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), sentArg)
 }
 
 // allReduceLL launches lane 0's all-reduce of d (allreduce_peer_ll), whose
@@ -322,21 +333,38 @@ func (b *Backend) allReduceLL(d *Buf, sent bool) {
 
 // MatMulAllReduce queues dst = x·Wᵀ (dst + x·Wᵀ where add is set) summed
 // over the peer-memory group, as MatMul (or MatMulAdd) and AllReducePeer
-// of dst would, bit for bit, but with the GEMV sending its values straight
-// into the group's stages and the all-reduce summing them without waiting
-// for the GEMV to end (qtool.cu's ar_send): one launch boundary less. It
-// queues nothing and returns false where it cannot: not one row within the
-// small all-reduce's capacity, a product that does not run as a GEMV that
-// sends (the split-K GEMV, W8A8, a tensor-core GEMM), or a GEMV of more
-// blocks than the device holds at once (gemvOneWave); the caller then runs
-// the two. The ranks may choose differently: either way a rank's values
-// reach the others in the same words.
+// of dst would, bit for bit, but with the product sending its values
+// straight into the group's stages: a decode row's GEMV sends them as the
+// small all-reduce's words, which it sums without waiting for the GEMV to
+// end (qtool.cu's ar_send: one launch boundary less); a prefill's Hopper
+// GEMM stores each finished tile into the peers' stages of the large
+// all-reduce as well (gemm_wg_*_tp), while its other tiles are computed, and
+// the all-reduce only exchanges flags and sums (no pass over the link of its
+// own). It queues nothing and returns false where it cannot: a row the
+// small all-reduce does not hold, a product that does not run as a GEMV
+// that sends (the split-K GEMV, W8A8, a tensor-core GEMM), or a GEMV of
+// more blocks than the device holds at once (gemvOneWave); several rows
+// that the large all-reduce does not sum or that no Hopper GEMM multiplies
+// with K unsplit (tileSender). The caller then runs the two. The ranks may
+// choose differently: either way a rank's values reach the others in the
+// same words.
 func (b *Backend) MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool) bool {
 	p, d, s, l := b.peer, buf(dst), buf(x), lin(w)
 	if s.cols != l.in || d.cols != l.out || d.rows != s.rows || d.p == s.p {
 		panic(fmt.Sprintf("cuda backend: MatMulAllReduce [%d %d] <- [%d %d] x [%d %d]ᵀ", d.rows, d.cols, s.rows, s.cols, l.out, l.in))
 	}
-	if p == nil || !p.connected || s.rows != 1 || d.n() > p.lanes[0].capFloats {
+	if p == nil || !p.connected {
+		return false
+	}
+	if s.rows > 1 {
+		defer b.enter()()
+		if !b.sendTiles(d, s, l, add) {
+			return false
+		}
+		b.allReduceLarge(d, true)
+		return true
+	}
+	if d.n() > p.lanes[0].capFloats {
 		return false
 	}
 	if !b.gemvOneWave(l) { // W8A8, a GEMM, the split-K GEMV, several waves
@@ -396,4 +424,62 @@ func (b *Backend) gemvOneWave(l *Linear) bool {
 	_, R := b.gemvKernel(l, 1, l.out)
 	rows, shm := gemvShape(name, R, l)
 	return (l.out+rows-1)/rows <= b.residentBlocks(name, shm)*b.sms
+}
+
+// tileSender is the Hopper GEMM that multiplies M rows by l's weight and
+// sends its tiles to lane 1 of the peer-memory group (gemm_wg_*_tp), and
+// the weight's kernel as the GEMM reads it: only where the sum goes
+// through lane 1 (more values than lane 0 holds, up to the group's
+// capacity) and the GEMM would not split K (gemmSplits: the splits' sum
+// would have to send instead). "" where there is none.
+func (b *Backend) tileSender(l *Linear, M int) (tp, wg string, widen bool) {
+	p, n := b.peer, M*l.out
+	if p == nil || !p.connected || n <= p.lanes[0].capFloats || n > p.capFloats || !b.halfGEMM(l, M, false) {
+		return "", "", false
+	}
+	gh, widen := gemmHKernel(l)
+	wg = b.wgmmaKernel(gh, M)
+	if tileSendKernels[wg] == "" {
+		return "", "", false
+	}
+	S := gemmSplits(((M+127)/128)*((l.out+127)/128), (l.in+gemmHBK-1)/gemmHBK, b.sms)
+	if b.maxSplits > 0 {
+		S = min(S, b.maxSplits)
+	}
+	if S != 1 {
+		return "", "", false
+	}
+	return tileSendKernels[wg], wg, widen
+}
+
+// tileSendKernels maps each Hopper GEMM of float activations to its form
+// that sends its tiles to lane 1 (qtool.cu's GEMM_WG_TP_ENTRY).
+var tileSendKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_tp", "gemm_wg_bf16": "gemm_wg_bf16_tp",
+	"gemm_wg_q4": "gemm_wg_q4_tp", "gemm_wg_q8": "gemm_wg_q8_tp"}
+
+// sendTiles queues d = s·lᵀ (d + s·lᵀ where add is set) with the Hopper
+// GEMM that sends its tiles to lane 1 (tileSender), or returns false and
+// queues nothing (context current).
+func (b *Backend) sendTiles(d, s *Buf, l *Linear, add bool) bool {
+	tp, wg, widen := b.tileSender(l, s.rows)
+	if tp == "" {
+		return false
+	}
+	M, N, K := s.rows, l.out, l.in
+	w := l.w
+	if widen {
+		w = b.widened(l)
+	}
+	a16 := b.half(&gemmIn{x: s}, l)
+	grid, shm, wmap := b.prepareWG(wg, a16, w, l, M)
+	b.raiseSmem(tp, shm)
+	out := outStore
+	if add {
+		out = outAdd
+	}
+	p := b.peer
+	l1 := p.lanes[1]
+	b.launchShm(tp, grid, block384, shm, d.p, b.tmaps[0], wmap, l.sz, M, N, K, max(l.gs, gemmHBK), l.groups, out,
+		p.area, p.rank, p.world, int64(l1.stageOff), int64(l1.stride))
+	return true
 }

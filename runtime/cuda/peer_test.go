@@ -221,6 +221,128 @@ func TestMatMulAllReduce(t *testing.T) {
 	}
 }
 
+// TestMatMulAllReduceTiles checks a prefill's row-parallel product whose
+// Hopper GEMM sends its tiles to the large all-reduce (sendTiles, then
+// allreduce_peer with sent set) against the product and AllReducePeer, bit
+// for bit, on 2 and 3 ranks of one GPU, with every rank sending and with
+// every other rank taking the plain path (the ranks may choose
+// differently): float and dequantizing GEMMs, the widened 4-bit weights,
+// the epilogue's column tail, and the weights whose GEMM splits K (which do
+// not send). All ranks' products are queued and finished before any
+// all-reduce: on one GPU a rank's waiting all-reduce would keep another
+// rank's GEMM off the multiprocessors.
+func TestMatMulAllReduceTiles(t *testing.T) {
+	const M = 130 // two activation tiles, the second of 2 rows
+	for _, world := range []int{2, 3} {
+		ranks := peerGroup(t, world, 1<<18, time.Minute)
+		r := rand.New(rand.NewPCG(uint64(world), 13))
+		sent := map[string]bool{}
+		for _, wc := range weightCases {
+			K := 256
+			if wc.k > 0 {
+				K = wc.k
+			}
+			if K > 2048 {
+				continue // the huge-K GEMV cases: nothing new for a GEMM
+			}
+			for _, N := range []int{520, 522} { // M·N above the small lane's 64 K values; 522: the column tail
+				ws := make([]runtime.Linear, world)
+				xs := make([]*Buf, world)
+				for q, b := range ranks {
+					ws[q] = uploadWeights(t, b, r, wc, fmt.Sprintf("t%d.r%d.", N, q), []int{N}, K)[0]
+					xs[q] = upload(b, M, K, randVec(r, M*K, 1))
+				}
+				resid := randVec(r, M*N, 1)
+				tp, _, _ := ranks[0].tileSender(lin(ws[0]), M)
+				for _, mode := range []string{"all", "mixed"} {
+					t.Run(fmt.Sprintf("world=%d/%s/N=%d/%s", world, wc.name, N, mode), func(t *testing.T) {
+						want, got := make([]*Buf, world), make([]*Buf, world)
+						for q, b := range ranks {
+							want[q], got[q] = upload(b, M, N, resid), upload(b, M, N, resid)
+						}
+						product := func(q int, d *Buf) {
+							if q == 0 {
+								ranks[q].MatMulAdd(d, xs[q], ws[q])
+							} else {
+								ranks[q].MatMul(d, xs[q], ws[q])
+							}
+						}
+						syncAll := func() {
+							for _, b := range ranks {
+								b.Sync()
+							}
+						}
+						for q := range ranks {
+							product(q, want[q])
+						}
+						syncAll()
+						for q, b := range ranks {
+							b.AllReducePeer(want[q])
+						}
+						sends := make([]bool, world)
+						for q, b := range ranks {
+							if mode == "mixed" && q%2 == 1 {
+								product(q, got[q])
+								continue
+							}
+							before := b.launches
+							func() {
+								defer b.enter()()
+								sends[q] = b.sendTiles(got[q], xs[q], lin(ws[q]), q == 0)
+							}()
+							if sends[q] != (tp != "") {
+								t.Fatalf("rank %d: sendTiles = %v, tileSender %q", q, sends[q], tp)
+							}
+							if !sends[q] {
+								if b.launches != before {
+									t.Fatalf("rank %d: a refused sendTiles launched %d kernels", q, b.launches-before)
+								}
+								product(q, got[q])
+							}
+						}
+						syncAll()
+						for q, b := range ranks {
+							if sends[q] {
+								func() {
+									defer b.enter()()
+									b.allReduceLarge(got[q], true)
+								}()
+							} else {
+								b.AllReducePeer(got[q])
+							}
+						}
+						for q, b := range ranks {
+							g, w := download(b, got[q]), download(b, want[q])
+							if !slices.Equal(g, w) {
+								t.Errorf("rank %d: the sent all-reduce differs from the product and AllReducePeer (first values %v vs %v)", q, g[:4], w[:4])
+							}
+							b.Free(got[q])
+							b.Free(want[q])
+						}
+						if tp != "" {
+							sent[tp] = true
+						}
+					})
+				}
+				for q, b := range ranks {
+					b.Free(xs[q])
+					b.FreeLinear(ws[q])
+				}
+			}
+		}
+		for _, k := range tileSendKernels {
+			if ranks[0].wgmma && !sent[k] && !t.Failed() {
+				t.Errorf("world %d: no case sends from %s", world, k)
+			}
+		}
+		for _, b := range ranks {
+			if err := b.ClosePeerReduce(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
 func TestPeerReduceErrors(t *testing.T) {
 	b := newTestBackend(t)
 	for _, c := range []struct{ rank, world, cap int }{{0, 1, 16}, {2, 2, 16}, {0, 9, 16}, {0, 2, 0}} {

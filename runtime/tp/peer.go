@@ -31,8 +31,11 @@ type PeerRank interface {
 }
 
 // DefaultPeerBytes is the largest all-reduce NewGPU and OpenRank run over
-// peer memory; larger ones (long prefills) go through NCCL.
-const DefaultPeerBytes = 8 << 20
+// peer memory: a 2 048-token prefill of a 4096-wide model, whose
+// row-parallel GEMMs then send their tiles to the peers while they run
+// (cuda's MatMulAllReduce); larger ones go through NCCL. Each rank's area
+// holds two stages a rank of this size (128 MiB at two ranks).
+const DefaultPeerBytes = 32 << 20
 
 // UsePeerMemory makes the all-reduces of up to limitBytes run over peer
 // memory (PeerRank) instead of through the device communicator, where every
