@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build topo tests attnbench ncu ncuprefill 7b one one-base tp tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests attnbench ncu ncuprefill 7b one one-base tp tpctx tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -128,7 +128,9 @@ import json,sys
 try: r=json.load(open(sys.argv[1]))
 except Exception as e: print("no json", e); sys.exit()
 g=r.get("generation") or {}
-print(f'ppl {r.get("ppl")} prefill {r.get("tokens_per_s",0):.0f} tok/s decode {g.get("tokens_per_s",0):.1f} tok/s ({len(g.get("ids",[]))} ids) ids[:8] {g.get("ids",[])[:8]} on {r.get("device")}')
+cs=[round(1000*c,1) for c in r.get("chunk_seconds",[])[1:]]
+steady=f' steady chunks {min(cs)}-{max(cs)} ms' if cs else ''
+print(f'ppl {r.get("ppl")} prefill {r.get("tokens_per_s",0):.0f} tok/s{steady} decode {g.get("tokens_per_s",0):.1f} tok/s steady {g.get("decode_tok_s",0):.1f} ({len(g.get("ids",[]))} ids) ids[:8] {g.get("ids",[])[:8]} on {r.get("device")}')
 PY
 )"; tail -2 "$OUT/$name.err" | cut -c1-300
 }
@@ -146,6 +148,15 @@ if has tp; then
     run "$m-tp2" $V --device cuda --tp 2 /tmp/$m
     QTOOL_TP_ALLREDUCE=nccl run "$m-tp2-nccl" $V --device cuda --tp 2 /tmp/$m
     run "$m-tp2-procs" $V --device cuda --tp 2 --tp-processes /tmp/$m
+  done
+fi
+if has tpctx; then # TP=2 prefill with TP_CTX-token chunks (default 2048), this binary and the previous commit's, both formats
+  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
+  for m in l7b-awq l7b; do
+    C="--ctx ${TP_CTX:-2048} --max-chunks ${TP_CHUNKS:-5}"
+    run "$m-1gpu-ctx" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C --device cuda /tmp/$m
+    run "$m-tp2-ctx" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C --device cuda --tp 2 /tmp/$m
+    run "$m-tp2-ctx-base" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C --device cuda --tp 2 /tmp/$m
   done
 fi
 if has tp-base; then # the AutoAWQ runs of tp with the previous commit's binary and its embedded PTX
