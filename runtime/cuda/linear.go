@@ -1127,10 +1127,7 @@ func (b *Backend) launchGEMM(name string, grid, block [3]uint32, shm, resident, 
 // partial products (4 bytes a value) at part into d by out; the kernel
 // gets out (the splits store whatever it says).
 func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, out int, args []any, sum func(part driver.DevicePtr, S int)) {
-	S := gemmSplits(int(grid[0]*grid[1]), steps, resident)
-	if b.maxSplits > 0 {
-		S = min(S, b.maxSplits)
-	}
+	S := b.splits(int(grid[0]*grid[1]), steps, resident)
 	args = append(slices.Clip(args), out)
 	if S == 1 {
 		b.launchShm(name, grid, block, shm, append([]any{d.p}, args...)...)
@@ -1155,6 +1152,16 @@ func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident,
 // of 128 × 128 values (17 MB on 132 multiprocessors).
 func gemmSplits(tiles, steps, resident int) int {
 	return max(1, min(resident/tiles, steps/gemmSplitMinSteps))
+}
+
+// splits is gemmSplits within the test cap b.maxSplits: the splits of K
+// launchSplit makes.
+func (b *Backend) splits(tiles, steps, resident int) int {
+	S := gemmSplits(tiles, steps, resident)
+	if b.maxSplits > 0 {
+		S = min(S, b.maxSplits)
+	}
+	return S
 }
 
 // gemmSplitMinSteps is the least number of K steps a GEMM split takes (its

@@ -340,14 +340,15 @@ func (b *Backend) allReduceLL(d *Buf, sent bool) {
 // GEMM stores each finished tile into the peers' stages of the large
 // all-reduce as well (gemm_wg_*_tp), while its other tiles are computed, and
 // the all-reduce only exchanges flags and sums (no pass over the link of its
-// own). It queues nothing and returns false where it cannot: a row the
-// small all-reduce does not hold, a product that does not run as a GEMV
-// that sends (the split-K GEMV, W8A8, a tensor-core GEMM), or a GEMV of
-// more blocks than the device holds at once (gemvOneWave); several rows
-// that the large all-reduce does not sum or that no Hopper GEMM multiplies
-// with K unsplit (tileSender). The caller then runs the two. The ranks may
-// choose differently: either way a rank's values reach the others in the
-// same words.
+// own). It queues nothing and returns false where it cannot: for one row,
+// a row the small all-reduce does not hold, a product that does not run
+// as a GEMV that sends (the split-K GEMV, W8A8, a tensor-core GEMM), or a
+// GEMV of more blocks than the device holds at once (gemvOneWave); for
+// several rows, a product the large all-reduce does not sum or that no
+// Hopper GEMM multiplies with K unsplit (tileSender). The caller then runs
+// the two. The ranks may choose differently: either way a rank's values
+// reach the others in the same words (for several rows, in lane 1 either
+// way).
 func (b *Backend) MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool) bool {
 	p, d, s, l := b.peer, buf(dst), buf(x), lin(w)
 	if s.cols != l.in || d.cols != l.out || d.rows != s.rows || d.p == s.p {
@@ -442,11 +443,7 @@ func (b *Backend) tileSender(l *Linear, M int) (tp, wg string, widen bool) {
 	if tileSendKernels[wg] == "" {
 		return "", "", false
 	}
-	S := gemmSplits(((M+127)/128)*((l.out+127)/128), (l.in+gemmHBK-1)/gemmHBK, b.sms)
-	if b.maxSplits > 0 {
-		S = min(S, b.maxSplits)
-	}
-	if S != 1 {
+	if b.splits(((M+127)/128)*((l.out+127)/128), (l.in+gemmHBK-1)/gemmHBK, b.sms) != 1 {
 		return "", "", false
 	}
 	return tileSendKernels[wg], wg, widen

@@ -107,8 +107,9 @@ func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps flo
 // MatMulAdd implements runtime.Fused: with a row-parallel weight on fusing
 // ranks, rank 0 adds its partial product to the residual and the others
 // overwrite their copy with theirs, and the all-reduce sums them; over peer
-// memory each rank's GEMV sends its partial row to the all-reduce itself
-// where its backend can (PeerSender).
+// memory each rank's product sends its partial sums to the all-reduce
+// itself where its backend can (PeerSender: a decode row's GEMV, a
+// prefill's Hopper GEMM).
 func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 	d, s, l := bufOf(dst), bufOf(x), linearOf(w)
 	if !b.fused || l.split != shard.Row {
@@ -142,10 +143,11 @@ func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 	b.allReduce(d)
 }
 
-// PeerSender is a PeerRank whose GEMV can send its product straight to the
-// all-reduce (the CUDA backend's MatMulAllReduce): dst = x·Wᵀ (dst + x·Wᵀ
-// where add is set) summed over the group, or false and nothing queued
-// where it cannot (the caller then runs the product and AllReducePeer).
+// PeerSender is a PeerRank whose products can send their values straight
+// to the all-reduce (the CUDA backend's MatMulAllReduce: a decode row's
+// GEMV, a prefill's Hopper GEMM): dst = x·Wᵀ (dst + x·Wᵀ where add is set)
+// summed over the group, or false and nothing queued where it cannot (the
+// caller then runs the product and AllReducePeer).
 type PeerSender interface {
 	MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool) bool
 }

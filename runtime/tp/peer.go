@@ -32,9 +32,12 @@ type PeerRank interface {
 
 // DefaultPeerBytes is the largest all-reduce NewGPU and OpenRank run over
 // peer memory: a 2 048-token prefill of a 4096-wide model, whose
-// row-parallel GEMMs then send their tiles to the peers while they run
-// (cuda's MatMulAllReduce); larger ones go through NCCL. Each rank's area
-// holds two stages a rank of this size (128 MiB at two ranks).
+// row-parallel GEMMs send their tiles to the peers while they run on
+// Hopper (cuda's MatMulAllReduce; elsewhere the all-reduces of 8–32 MiB,
+// NCCL's before the twenty-fifth session, run allreduce_peer whole,
+// unmeasured); larger ones go through NCCL. Each rank's area holds two
+// stages a rank of this size for them (128 MiB at two ranks, 512 MiB at
+// eight) and ~1 MiB a rank for the small sums.
 const DefaultPeerBytes = 32 << 20
 
 // UsePeerMemory makes the all-reduces of up to limitBytes run over peer
