@@ -426,6 +426,7 @@ func (b *Backend) GPTQ(h, w runtime.Buf, tokens int, job runtime.GPTQJob) (*runt
 	return out, nil
 }
 
+// boolInt is v as the int flag a kernel argument takes (1 or 0).
 func boolInt(v bool) int {
 	if v {
 		return 1

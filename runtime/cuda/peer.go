@@ -289,11 +289,7 @@ func (b *Backend) AllReducePeer(x runtime.Buf) {
 		panic(fmt.Sprintf("cuda backend: AllReducePeer of %d values, the group's areas hold %d", d.n(), p.capFloats))
 	}
 	defer b.enter()()
-	lane := 0
-	if d.n() > p.lanes[0].capFloats {
-		lane = 1
-	}
-	if lane == 0 { // the values and the call's number in one store: no flag exchange
+	if d.n() <= p.lanes[0].capFloats { // the values and the call's number in one store: no flag exchange
 		b.allReduceLL(d, false)
 		return
 	}
@@ -305,12 +301,8 @@ func (b *Backend) AllReducePeer(x runtime.Buf) {
 func (b *Backend) allReduceLarge(d *Buf, sent bool) {
 	p := b.peer
 	l := p.lanes[1]
-	sentArg := 0
-	if sent {
-		sentArg = 1
-	}
 	b.launch("allreduce_peer", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
-		1, int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), sentArg)
+		1, int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), boolInt(sent))
 }
 
 // allReduceLL launches lane 0's all-reduce of d (allreduce_peer_ll), whose
@@ -322,12 +314,8 @@ func (b *Backend) allReduceLL(d *Buf, sent bool) {
 	if d.rows == 1 {
 		yss = b.sumsOut(d, l.blocks)
 	}
-	sentArg := 0
-	if sent {
-		sentArg = 1
-	}
 	b.launch("allreduce_peer_ll", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
-		int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), yss, sentArg)
+		int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), yss, boolInt(sent))
 	b.wroteSums(d, yss, l.blocks)
 }
 
