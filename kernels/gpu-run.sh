@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build topo tests attnbench ncu ncuprefill 7b one one-base tp tpctx tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -115,8 +115,12 @@ if has ncuprefill; then # every kernel of a window of the synthetic 7B bench (a 
 fi
 if has 7b || has 7b-sq || has 7b-gptq || has 7b-awq || has 7b-c8; then
   ts=$(date +%s)
-  python3 .devdata/synth_hf.py llama2-7b /tmp/l7b --tokenizer testdata/llama-mini --awq > "$OUT/synth.log" 2>&1 || { tail "$OUT/synth.log"; exit 1; }
-  echo "synth $(( $(date +%s) - ts )) s: $(grep -c . "$OUT/synth.log") lines"
+  if [ -f /tmp/l7b-awq/config.json ] && [ -f /tmp/l7b/config.json ]; then # a warm machine keeps /tmp
+    echo "synth: /tmp/l7b and /tmp/l7b-awq kept from the previous call"
+  else
+    python3 .devdata/synth_hf.py llama2-7b /tmp/l7b --tokenizer testdata/llama-mini --awq > "$OUT/synth.log" 2>&1 || { tail "$OUT/synth.log"; exit 1; }
+    echo "synth $(( $(date +%s) - ts )) s: $(grep -c . "$OUT/synth.log") lines"
+  fi
 fi
 V="bin/qtool verify --json --ppl .devdata/sotu-test.raw --max-chunks ${CHUNKS:-16} --prompt The --max-new 256"
 run() { # name, args...
@@ -143,11 +147,12 @@ if has one-base; then # the same with the previous commit's binary and its embed
 fi
 if has tp; then
   for m in l7b-awq l7b; do
-    run "$m-1gpu" $V --device cuda /tmp/$m
+    tr=" ${TP_RUNS:-1gpu tp2 tp2-nccl tp2-procs} " # which of the runs (TP_RUNS="1gpu tp2": the decode ratio alone)
+    [[ $tr == *" 1gpu "* ]] && run "$m-1gpu" $V --device cuda /tmp/$m
     has nograph && run "$m-1gpu-nograph" $V --device cuda --no-graph /tmp/$m
-    run "$m-tp2" $V --device cuda --tp 2 /tmp/$m
-    QTOOL_TP_ALLREDUCE=nccl run "$m-tp2-nccl" $V --device cuda --tp 2 /tmp/$m
-    run "$m-tp2-procs" $V --device cuda --tp 2 --tp-processes /tmp/$m
+    [[ $tr == *" tp2 "* ]] && run "$m-tp2" $V --device cuda --tp 2 /tmp/$m
+    [[ $tr == *" tp2-nccl "* ]] && QTOOL_TP_ALLREDUCE=nccl run "$m-tp2-nccl" $V --device cuda --tp 2 /tmp/$m
+    [[ $tr == *" tp2-procs "* ]] && run "$m-tp2-procs" $V --device cuda --tp 2 --tp-processes /tmp/$m
   done
 fi
 if has tpctx; then # TP=2 prefill with TP_CTX-token chunks (default 2048), this binary and the previous commit's, both formats
@@ -228,6 +233,13 @@ if has kbench; then # kernels and the synthetic 7B (no checkpoint needed)
   lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --synthetic llama2-7b --decode 128 ${KBENCH_ARGS:-} > "$OUT/kbench.txt" 2>&1
   grep -E "gemv|decode|prefill" "$OUT/kbench.txt" | head -40
 fi
+if has rankbench; then # graph decode of one rank's share at TP=2 alone (no all-reduce) against the whole 7B on one GPU
+  for syn in llama2-7b-tp2 llama2-7b; do
+    lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --synthetic $syn --format w4a16,fp16 --kernels=false \
+      --prompt 16 --decode 256 > "$OUT/rankbench-$syn.txt" 2>&1
+    echo "rankbench $syn: $(grep -oE 'decode batch 1: .*' "$OUT/rankbench-$syn.txt" | cut -c1-160 | paste -sd'|')"
+  done
+fi
 if has kbench16; then # short prompts: the small-M GEMMs (prefill of 16 tokens)
   lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" bin/qtool bench --synthetic llama2-7b --kernels=false --prompt 16 --decode 32 ${KBENCH_ARGS:-} > "$OUT/kbench16.txt" 2>&1
   grep -E "prefill [0-9]+ tokens|prefill estimate" "$OUT/kbench16.txt"
@@ -253,16 +265,18 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
     esac
   done
   for i in $(seq "${AB_ROUNDS:-2}"); do
+    for p in ${AB_PROMPT:-16}; do # AB_PROMPT may list several prompt lengths
     for v in $variants base; do
-      lim=$(left); [ "$lim" -lt 90 ] && { echo "ab: no time left"; break 2; }
+      lim=$(left); [ "$lim" -lt 90 ] && { echo "ab: no time left"; break 3; }
       case $v in
         new) cmd=bin/qtool ;;
         base) cmd="env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base" ;;
         *) cmd="env QTOOL_CUDA_PTX=$OUT/ptx-$v/qtool_sm90.ptx bin/qtool" ;;
       esac
       timeout "$lim" $cmd bench --synthetic "${AB_MODEL:-llama2-7b}" --format "${AB_FORMAT:-w4a16}" --kernels=false \
-        --prompt "${AB_PROMPT:-16}" --decode "${AB_DECODE:-256}" ${AB_ARGS:-} > "$OUT/ab-$v-$i.txt" 2>&1
-      echo "ab $v $i rc=$?: $(grep -oE 'prefill [0-9]+ tokens: .*|decode batch 1: .*' "$OUT/ab-$v-$i.txt" | cut -c1-230 | paste -sd'|')"
+        --prompt "$p" --decode "${AB_DECODE:-256}" ${AB_ARGS:-} > "$OUT/ab-$v-$p-$i.txt" 2>&1
+      echo "ab $v p$p $i rc=$?: $(grep -oE 'prefill [0-9]+ tokens: .*|decode batch 1: .*' "$OUT/ab-$v-$p-$i.txt" | cut -c1-230 | paste -sd'|')"
+    done
     done
   done
 fi
