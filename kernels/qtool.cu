@@ -2309,6 +2309,7 @@ GEMV_ENTRY(gemv_f32_r4u1, GF32, 4, 1)
 GEMV_ENTRY(gemv_f16_r4u2, GF16, 4, 2)
 GEMV_ENTRY(gemv_bf16_r4u2, GBF16, 4, 2)
 GEMV_ENTRY(gemv_q8_r4u1, GQ8, 4, 1)
+GEMV_ENTRY(gemv_q8_r8u1, GQ8, 8, 1)
 
 // Split-K GEMV for 4-bit weights (the streaming kernels' fallback: a g_idx,
 // or a width or group size they do not take). A block covers 64 output rows
@@ -2836,10 +2837,11 @@ __device__ __forceinline__ void b_convert(const BRaw& r, const WArgs& wa, int n,
 // 4 × 4 m16n8 accumulators from row m0, column n0, put into C by out (unit
 // u = (4i + j)·2 + hh: row gid (+8 for hh) of m16 tile i, columns 2·tq and
 // 2·tq + 1 of n8 tile j).
-__device__ __forceinline__ void mma_tile_out(float* C, int M, int N, int out, const float (&acc)[4][4][4], int m0,
+template <int MI = 4>
+__device__ __forceinline__ void mma_tile_out(float* C, int M, int N, int out, const float (&acc)[MI][4][4], int m0,
                                              int n0, int lane) {
     int gid = lane >> 2, tq = lane & 3;
-    out_tile<32, 2, float>(
+    out_tile<8 * MI, 2, float>(
         C, M, N, out,
         [&](int u, int& m, int& n) {
             m = m0 + (u >> 3) * 16 + gid + (u & 1) * 8;
@@ -2935,6 +2937,14 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
 // GHQ_SMEM, gemm_h_q8: GHQ8_SMEM).
 #define GH_STAGES 3
 #define GH_BK 64
+// gh_bm<MI> is the rows of A a gemm_h block tile takes with MI 16-row
+// fragments a warp (two warps of rows): 128 for the prefill's tiles (MI =
+// 4, BM), 32 for a short prompt's (MI = 1; the _s kernels), whose weight
+// tiles are then read and dequantized for 32 rows instead of 128 mostly
+// zero. The shared memory sizes below are for BM rows; the _s kernels' for
+// 32 (GH_S_SMEM, GHQ_S_SMEM, GHQ8_S_SMEM).
+template <int MI>
+constexpr int gh_bm = 32 * MI;
 #define GH_LD 72  // halfs per smem row (64 + 8 padding)
 #define GH_SMEM (GH_STAGES * (BM + BN) * GH_LD * 2)
 // gemm_h_q4 keeps a stage's 4-bit weights as they are (BN rows of 8 words,
@@ -2946,6 +2956,9 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
 // GHQ8_LD) and each row's {scale, zero} (gs % GH_BK == 0, no g_idx).
 #define GHQ8_LD 80
 #define GHQ8_SMEM (GH_STAGES * (BM * GH_LD * 2 + BN * GHQ8_LD + BN * 8))
+#define GH_S_SMEM (GH_STAGES * (32 + BN) * GH_LD * 2)
+#define GHQ_S_SMEM (GH_STAGES * (32 * GH_LD * 2 + BN * 32 + BN * 8))
+#define GHQ8_S_SMEM (GH_STAGES * (32 * GH_LD * 2 + BN * GHQ8_LD + BN * 8))
 enum { GH_F16 = 0, GH_BF16 = 1, GH_Q4 = 2, GH_Q8 = 3, GH_S8 = 4 };  // GH_S8: gemm_wg_s8 alone
 
 // gather_cols: dst[r][j] = x[r][perm[j]] (the input of an act-order
@@ -3042,20 +3055,23 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
 // registers, (u − z)·scale in fp16), GH_Q8 (W [N, K] int8 codes, sz their
 // {scale, zero}, gs a multiple of GH_BK: ((float)q − zero)·scale rounded
 // to fp16, as dequant_h_q8 widens them).
-template <int WK>
+// MI is the 16-row fragments of A a warp holds: the block tile is
+// gh_bm<MI> = 32·MI rows of A by 128 rows of W.
+template <int WK, int MI = 4>
 __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half* __restrict__ A, const void* __restrict__ W,
                                             const float2* __restrict__ sz, int M, int N, int K, int gs, int G, int kt0,
                                             int kt1, int out) {
+    constexpr int TM = gh_bm<MI>;
     extern __shared__ __align__(16) unsigned char gh_smem[];
-    __half (*As)[BM][GH_LD] = reinterpret_cast<__half (*)[BM][GH_LD]>(gh_smem);
-    __half (*Bs)[BN][GH_LD] = reinterpret_cast<__half (*)[BN][GH_LD]>(gh_smem + GH_STAGES * BM * GH_LD * 2);
-    uint32_t (*Bq)[BN][8] = reinterpret_cast<uint32_t (*)[BN][8]>(gh_smem + GH_STAGES * BM * GH_LD * 2);
-    int8_t (*B8)[BN][GHQ8_LD] = reinterpret_cast<int8_t (*)[BN][GHQ8_LD]>(gh_smem + GH_STAGES * BM * GH_LD * 2);
-    float2 (*Ss)[BN] = reinterpret_cast<float2 (*)[BN]>(gh_smem + GH_STAGES * (BM * GH_LD * 2 + (WK == GH_Q8 ? BN * GHQ8_LD : BN * 32)));
+    __half (*As)[TM][GH_LD] = reinterpret_cast<__half (*)[TM][GH_LD]>(gh_smem);
+    __half (*Bs)[BN][GH_LD] = reinterpret_cast<__half (*)[BN][GH_LD]>(gh_smem + GH_STAGES * TM * GH_LD * 2);
+    uint32_t (*Bq)[BN][8] = reinterpret_cast<uint32_t (*)[BN][8]>(gh_smem + GH_STAGES * TM * GH_LD * 2);
+    int8_t (*B8)[BN][GHQ8_LD] = reinterpret_cast<int8_t (*)[BN][GHQ8_LD]>(gh_smem + GH_STAGES * TM * GH_LD * 2);
+    float2 (*Ss)[BN] = reinterpret_cast<float2 (*)[BN]>(gh_smem + GH_STAGES * (TM * GH_LD * 2 + (WK == GH_Q8 ? BN * GHQ8_LD : BN * 32)));
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int wm = warp >> 2, wn = warp & 3;  // 2 x 4 warps
-    int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-    // each thread copies 4 chunks of 8 halfs of A and of B per stage
+    int m0 = blockIdx.y * TM, n0 = blockIdx.x * BN;
+    // each thread copies MI chunks of 8 halfs of A and 4 of B per stage
     // (chunks past K zero-filled); GH_Q8: 2 chunks of 16 codes, GH_Q4: one
     // 16-byte half of a row of words, and (threads 0..127) a row's {scale,
     // zero}
@@ -3066,7 +3082,8 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
             int r = c >> 3, kc = (c & 7) * 8, k = kt * GH_BK + kc;
             int am = m0 + r, bn = n0 + r;
             bool va = am < M && k < K, vb = bn < N && k < K;
-            cp_async16_zfill(&As[st][r][kc], va ? (const void*)(A + (size_t)am * K + k) : (const void*)A, va);
+            if (i < MI)
+                cp_async16_zfill(&As[st][r][kc], va ? (const void*)(A + (size_t)am * K + k) : (const void*)A, va);
             if constexpr (WK == GH_F16 || WK == GH_BF16) {
                 const uint16_t* W16 = static_cast<const uint16_t*>(W);
                 cp_async16_zfill(&Bs[st][r][kc], vb ? (const void*)(W16 + (size_t)bn * K + k) : W, vb);
@@ -3095,9 +3112,9 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
             }
         }
     };
-    float acc[4][4][4];
+    float acc[MI][4][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < MI; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -3132,10 +3149,10 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
         }
 #pragma unroll
         for (int kk = 0; kk < GH_BK; kk += 16) {
-            uint32_t af[4][4], bf[2][4];
+            uint32_t af[MI][4], bf[2][4];
 #pragma unroll
-            for (int i = 0; i < 4; i++)
-                ldmatrix_x4(af[i], &As[cur][wm * 64 + i * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+            for (int i = 0; i < MI; i++)
+                ldmatrix_x4(af[i], &As[cur][wm * 16 * MI + i * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
             if constexpr (WK == GH_Q4) {
                 // tile j's b0, b1: k = kk + 2tq (+1) and kk + 8 + 2tq (+1) of
                 // row gid, elements 2tq and 2tq+1 of words kk/8 and kk/8 + 1
@@ -3175,14 +3192,14 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
                 }
             }
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < MI; i++)
 #pragma unroll
                 for (int j = 0; j < 4; j++)
                     mma16816(acc[i][j], af[i], bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
         }
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    mma_tile_out(C, M, N, out, acc, m0 + wm * 64, n0 + wn * 32, lane);
+    mma_tile_out<MI>(C, M, N, out, acc, m0 + wm * 16 * MI, n0 + wn * 32, lane);
 }
 // Split z of gridDim.z takes an equal share of the K steps and writes its
 // partial product to C + z·M·N (sum_splits adds them up and applies out;
@@ -3197,31 +3214,36 @@ __device__ __forceinline__ KSplit k_split(int nk) {
     int per = (nk + gridDim.z - 1) / gridDim.z, kt0 = min(nk, (int)blockIdx.z * per);
     return KSplit{kt0, min(nk, kt0 + per)};
 }
-#define GEMM_H_SPLIT(WK, W, sz, gs, G)                                                                           \
+#define GEMM_H_SPLIT(WK, MI, W, sz, gs, G)                                                                       \
     PDL_ENTRY();                                                                                                 \
     KSplit ks = k_split((K + GH_BK - 1) / GH_BK);                                                                \
-    gemm_h_body<WK>(C + (size_t)blockIdx.z * M * N, A, W, sz, M, N, K, gs, G, ks.kt0, ks.kt1, SPLIT_OUT);
-#define GEMM_H_ENTRY(name, WK)                                                                                   \
+    gemm_h_body<WK, MI>(C + (size_t)blockIdx.z * M * N, A, W, sz, M, N, K, gs, G, ks.kt0, ks.kt1, SPLIT_OUT);
+#define GEMM_H_ENTRY(name, WK, MI)                                                                               \
     extern "C" __global__ void __launch_bounds__(256, 2) name(float* C, const __half* A, const uint16_t* W, int M, \
                                                               int N, int K, int out) {                           \
-        GEMM_H_SPLIT(WK, W, nullptr, GH_BK, 0)                                                                   \
+        GEMM_H_SPLIT(WK, MI, W, nullptr, GH_BK, 0)                                                               \
     }
-GEMM_H_ENTRY(gemm_h_f16, GH_F16)
-GEMM_H_ENTRY(gemm_h_bf16, GH_BF16)
+// The _s kernels take tiles of 32 rows of A (gh_bm<1>; grid.y = ceil(M/32)),
+// for short prompts.
+GEMM_H_ENTRY(gemm_h_f16, GH_F16, 4)
+GEMM_H_ENTRY(gemm_h_bf16, GH_BF16, 4)
+GEMM_H_ENTRY(gemm_h_f16_s, GH_F16, 1)
+GEMM_H_ENTRY(gemm_h_bf16_s, GH_BF16, 1)
 // gemm_h_q4(C, A16, W, sz, M, N, K, gs, G, out): the 4-bit weight fused
-// (no widening pass); gs % GH_BK == 0, dynamic shared memory GHQ_SMEM.
-extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q4(float* C, const __half* A, const uint32_t* W,
-                                                               const float2* sz, int M, int N, int K, int gs, int G,
-                                                               int out) {
-    GEMM_H_SPLIT(GH_Q4, W, sz, gs, G)
-}
+// (no widening pass); gs % GH_BK == 0, dynamic shared memory GHQ_SMEM
+// (gemm_h_q4_s: GHQ_S_SMEM).
+#define GEMM_H_Q_ENTRY(name, WK, WT, MI)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, 2) name(float* C, const __half* A, const WT* W, const float2* sz, \
+                                                              int M, int N, int K, int gs, int G, int out) {          \
+        GEMM_H_SPLIT(WK, MI, W, sz, gs, G)                                                                            \
+    }
+GEMM_H_Q_ENTRY(gemm_h_q4, GH_Q4, uint32_t, 4)
+GEMM_H_Q_ENTRY(gemm_h_q4_s, GH_Q4, uint32_t, 1)
 // gemm_h_q8(C, A16, W, sz, M, N, K, gs, G, out): the 8-bit weight fused;
-// gs % GH_BK == 0, no g_idx, dynamic shared memory GHQ8_SMEM.
-extern "C" __global__ void __launch_bounds__(256, 2) gemm_h_q8(float* C, const __half* A, const int8_t* W,
-                                                               const float2* sz, int M, int N, int K, int gs, int G,
-                                                               int out) {
-    GEMM_H_SPLIT(GH_Q8, W, sz, gs, G)
-}
+// gs % GH_BK == 0, no g_idx, dynamic shared memory GHQ8_SMEM (gemm_h_q8_s:
+// GHQ8_S_SMEM).
+GEMM_H_Q_ENTRY(gemm_h_q8, GH_Q8, int8_t, 4)
+GEMM_H_Q_ENTRY(gemm_h_q8_s, GH_Q8, int8_t, 1)
 
 // ---------------------------------------------------------------------------
 // Hopper GEMM (sm_90a only: the wgmma instructions exist in no other

@@ -305,7 +305,8 @@ func kernelNames() []string {
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_heads", "add_bias", "add_inplace",
 		"silu_mul", "rope", "rope_table", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8",
 		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_i8",
-		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8", "dequant_h_q4", "dequant_h_q8",
+		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8",
+		"gemm_h_f16_s", "gemm_h_bf16_s", "gemm_h_q4_s", "gemm_h_q8_s", "dequant_h_q4", "dequant_h_q8",
 		"gather_cols", "gather_half", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "sample", "fill_random",
 		"allreduce_peer", "allreduce_peer_ll",
 	}

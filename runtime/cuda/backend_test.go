@@ -254,6 +254,7 @@ var weightCases = []weightCase{
 	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false), 0},
 	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false), 0},
 	{"w8-g128-offset", 0, quantCase(8, 128, 2, false), 0},
+	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64}, // ≥ 64 rows a multiprocessor: gemv_q8_r8u1
 	// 4-bit weights with fp16 scales (the checkpoints' form: the GEMVs
 	// read the scales' half form) and with fp32 scales (msmodelslim
 	// W4A16, FP32Scales: the _s32 GEMV)
@@ -322,7 +323,8 @@ func TestMatMul(t *testing.T) {
 						ran[wg] = true
 						name += "/" + wg
 					} else {
-						name += "/" + gh
+						k, _ := gemmHForm(gh, M)
+						name += "/" + k
 					}
 				}
 				t.Run(name, func(t *testing.T) {
@@ -347,12 +349,19 @@ func TestMatMul(t *testing.T) {
 
 // TestGEMMRing runs the prefill GEMMs unsplit over more K steps than their
 // rings have stages (gemm_wg_*: 5, gemm_h_*: 3), so that every stage is
-// refilled several times, for each kind of weight they dequantize.
+// refilled several times, for each kind of weight they dequantize, with
+// the prefill's rows and a short prompt's (gemm_h's _s forms).
 func TestGEMMRing(t *testing.T) {
 	b := newTestBackend(t)
 	b.maxSplits = 1
 	r := rand.New(rand.NewPCG(3, 4))
-	const M, K = 200, 1024
+	const K = 1024
+	for _, M := range []int{200, 20} {
+		testGEMMRing(t, b, r, M, K)
+	}
+}
+
+func testGEMMRing(t *testing.T, b *Backend, r *rand.Rand, M, K int) {
 	for _, wc := range weightCases {
 		switch wc.name {
 		case "f16", "bf16", "kuiper-int8-sym-g64", "w8-g128-offset", "awq-int4-asym-g128", "w4-f32scales-g128", "gptq-int4-actorder-g64":
@@ -366,9 +375,12 @@ func TestGEMMRing(t *testing.T) {
 			t.Fatalf("%s: upload: %v", wc.name, err)
 		}
 		gh, _ := gemmHKernel(lin(lw))
-		name := wc.name + "/" + gh
-		if wg := b.wgmmaKernel(gh, M); wg != "" {
-			name = wc.name + "/" + wg
+		k, _ := gemmHForm(gh, M)
+		name := fmt.Sprintf("%s/M=%d/%s", wc.name, M, k)
+		if !b.halfGEMM(lin(lw), M, false) {
+			name = fmt.Sprintf("%s/M=%d/%s", wc.name, M, "fused")
+		} else if wg := b.wgmmaKernel(gh, M); wg != "" {
+			name = fmt.Sprintf("%s/M=%d/%s", wc.name, M, wg)
 		}
 		x := randVec(r, M*K, 1)
 		want := matmulRef(x, wf, M, N, K)

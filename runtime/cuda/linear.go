@@ -27,11 +27,19 @@ const (
 var kindNames = [...]string{"f32", "f16", "bf16", "q8", "q4", "w8a8"}
 
 // dequantGEMMMinRows is the least number of rows for which a 4- or 8-bit
-// weight goes through the fp16 tensor-core GEMM: gemm_h_q4/q8, or widened to
-// fp16 and multiplied by gemm_h_f16 (one more pass over the weight,
-// amortised over the rows); fewer rows take the fused gemm_q4/gemm_q8,
-// which dequantize each tile in their loaders.
+// weight that gemm_h cannot dequantize in its loader (groups of part of a K
+// step, a g_idx) is widened to fp16 and multiplied by gemm_h_f16 (one more
+// pass over the weight, amortised over the rows); fewer rows take the
+// fused gemm_q4/gemm_q8, which dequantize each tile in their loaders. The
+// others take gemm_h_q4/q8 from GEMVMaxRows + 1 rows, and the Hopper GEMMs
+// from this many.
 const dequantGEMMMinRows = 128
+
+// gemmHSmallRows is the most rows for which gemm_h runs its _s form, whose
+// block tiles are 32 rows of the activations instead of 128 (qtool.cu's
+// gh_bm): a short prompt's product reads and dequantizes each weight tile
+// for the rows it has.
+const gemmHSmallRows = 32
 
 // w8a8MMASmem is w8a8_mma's dynamic shared memory (W8_SMEM in qtool.cu: 4
 // stages of 128 + 128 rows of 80 bytes).
@@ -40,17 +48,21 @@ const w8a8MMASmem = 4 * (128 + 128) * 80
 // w8a8BK is w8a8_mma's K step (W8_BK).
 const w8a8BK = 64
 
-// gemmHSmem is the dynamic shared memory of gemm_h_f16/gemm_h_bf16
-// (GH_SMEM in qtool.cu: 3 stages of 128 + 128 rows of 72 halfs).
-const gemmHSmem = 3 * (128 + 128) * 72 * 2
-
-// gemmHQ4Smem is gemm_h_q4's (GHQ_SMEM: 3 stages of 128 rows of 72 halfs,
-// 128 rows of 8 words and 128 {scale, zero}).
-const gemmHQ4Smem = 3 * (128*72*2 + 128*32 + 128*8)
-
-// gemmHQ8Smem is gemm_h_q8's (GHQ8_SMEM: 3 stages of 128 rows of 72 halfs,
-// 128 rows of 80 bytes and 128 {scale, zero}).
-const gemmHQ8Smem = 3 * (128*72*2 + 128*80 + 128*8)
+// gemmHSmem is the dynamic shared memory of gemm_h kernel name with block
+// tiles of rows rows of activations (128, or 32 for the _s forms): 3
+// stages of rows rows of 72 halfs, and of the weight tile's 128 rows — 72
+// halfs (gemm_h_f16, gemm_h_bf16: qtool.cu's GH_SMEM, GH_S_SMEM), 8 words
+// and a {scale, zero} (gemm_h_q4: GHQ_SMEM, GHQ_S_SMEM), 80 bytes and a
+// {scale, zero} (gemm_h_q8: GHQ8_SMEM, GHQ8_S_SMEM).
+func gemmHSmem(name string, rows int) int {
+	switch name {
+	case "gemm_h_q4":
+		return 3 * (rows*72*2 + 128*32 + 128*8)
+	case "gemm_h_q8":
+		return 3 * (rows*72*2 + 128*80 + 128*8)
+	}
+	return 3 * (rows + 128) * 72 * 2
+}
 
 // gemmHBK is gemm_h's K step (qtool.cu's GH_BK).
 const gemmHBK = 64
@@ -748,7 +760,8 @@ func (b *Backend) quantized(in *gemmIn, l *Linear) (xq, tok driver.DevicePtr) {
 }
 
 // halfGEMM reports whether matmul multiplies M rows by l with a gemm_h or
-// Hopper GEMM (the activations in fp16): fp16 and bf16 weights, and 4- and
+// Hopper GEMM (the activations in fp16): fp16 and bf16 weights, 4- and
+// 8-bit ones that gemm_h dequantizes in its loader, and the other 4- and
 // 8-bit ones from dequantGEMMMinRows rows, where the GEMMs run at all
 // (more than GEMVMaxRows rows, or forceGEMM; K a multiple of 32).
 func (b *Backend) halfGEMM(l *Linear, M int, forceGEMM bool) bool {
@@ -759,9 +772,20 @@ func (b *Backend) halfGEMM(l *Linear, M int, forceGEMM bool) bool {
 	case kindF16, kindBF16:
 		return true
 	case kindQ4, kindQ8:
-		return M >= dequantGEMMMinRows
+		_, widen := gemmHKernel(l)
+		return !widen || M >= dequantGEMMMinRows
 	}
 	return false
+}
+
+// gemmHForm is the form of gemm_h kernel name (gemmHKernel's) that
+// multiplies M rows where no Hopper GEMM takes them: its _s form up to
+// gemmHSmallRows rows; and the rows of activations its block tile holds.
+func gemmHForm(name string, M int) (kernel string, rows int) {
+	if M <= gemmHSmallRows {
+		return name + "_s", 32
+	}
+	return name, 128
 }
 
 // matmul dispatches d = in·lᵀ, the products put into d by out;
@@ -789,15 +813,15 @@ func (b *Backend) matmul(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int)
 			b.launchWG(wg, d, a16, w, l, M, out)
 			return
 		}
-		shm, args := gemmHSmem, []any{a16, w, M, N, K}
-		switch name {
-		case "gemm_h_q4":
-			shm, args = gemmHQ4Smem, []any{a16, w, l.sz, M, N, K, l.gs, l.groups}
-		case "gemm_h_q8":
-			shm, args = gemmHQ8Smem, []any{a16, w, l.sz, M, N, K, l.gs, l.groups}
+		args := []any{a16, w, M, N, K}
+		if name == "gemm_h_q4" || name == "gemm_h_q8" {
+			args = []any{a16, w, l.sz, M, N, K, l.gs, l.groups}
 		}
-		b.raiseSmem(name, shm)
-		b.launchGEMM(name, grid, block256, shm, 2*b.sms, (K+gemmHBK-1)/gemmHBK, d, out, args...)
+		kernel, rows := gemmHForm(name, M)
+		shm := gemmHSmem(name, rows)
+		grid[1] = uint32((M + rows - 1) / rows)
+		b.raiseSmem(kernel, shm)
+		b.launchGEMM(kernel, grid, block256, shm, 2*b.sms, (K+gemmHBK-1)/gemmHBK, d, out, args...)
 		return
 	}
 	if (M > b.opt.GEMVMaxRows || forceGEMM) && K%32 == 0 {
@@ -1734,7 +1758,9 @@ const gemvStreamRowsTag = 1 << 29
 //	weight         rule                                        kernel          launch
 //	f32            always                                      gemv_f32_r4u1   4 rows a block
 //	f16, bf16      always                                      gemv_*_r4u2     4 rows a block
-//	q8             always                                      gemv_q8_r4u1    4 rows a block
+//	q8             K ≤ 4096, ≥ 64 rows a multiprocessor         gemv_q8_r8u1    8 rows a block
+//	               in the launch
+//	q8             otherwise                                   gemv_q8_r4u1    4 rows a block
 //	q4             streamable (gemvStream), K ≤ 4096,          gemv_q4_w4a     32 rows a block, x staged,
 //	               ≥ 64 rows a multiprocessor in the launch,                   the ring in shared memory
 //	               waves as full at 3 blocks a multiprocessor
@@ -1751,7 +1777,7 @@ const gemvStreamRowsTag = 1 << 29
 // fp32 scales (msmodelslim W4A16, FP32Scales) keep to one kernel: the
 // wider kernels' twins would add ~430 KB of PTX an architecture for a
 // rarer form.
-var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q4_w4h", "gemv_q4_w2h",
+var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q8_r8u1", "gemv_q4_w4h", "gemv_q4_w2h",
 	"gemv_q4_w4a", "gemv_q4_w4h_n", "gemv_q4_w2h_n", "gemv_q4_w4a_n", "gemv_q4_w2h_s32", "gemv_q4_w2h_s32_n", "gemv_q4_sh"}
 
 // GEMVKernel names the GEMV kernel a product of M activation rows with w
@@ -1777,6 +1803,12 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 	case kindBF16:
 		return "gemv_bf16_r4u2", 4
 	case kindQ8:
+		// 8 rows a block halve the block reduction's share at K = 4096 and
+		// win with many rows, lose with few or a long K (kernels/NOTES.md,
+		// twenty-fifth and twenty-sixth sessions)
+		if l.in <= 4096 && rows >= 64*b.sms {
+			return "gemv_q8_r8u1", 8
+		}
 		return "gemv_q8_r4u1", 4
 	case kindQ4:
 		if _, ok := gemvStream(l); !ok {
