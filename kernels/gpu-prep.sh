@@ -39,7 +39,7 @@ if ! git diff --quiet "$base" -- . ':!kernels/exp'; then
   bins+=(bin/qtool-base)
 fi
 for b in "${bins[@]}"; do
-  xz -T2 -3 -c "$b" > ".devbin/$(basename "$b").xz"
+  xz -T2 -"${XZ_LEVEL:-3}" -c "$b" > ".devbin/$(basename "$b").xz" # XZ_LEVEL=9 when the carry is near the limit
 done
 cp "$shared"/tools/synth_hf.py "$shared"/tools/torch_anchor.py "$shared"/tools/ref_gptq_scale.py .devdata/
 cp "$shared"/corpus/sotu-test.raw .devdata/

@@ -271,6 +271,9 @@ var weightCases = []weightCase{
 	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},    // ≥ 64 rows a multiprocessor: gemv_q4_w4a
 	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), 112}, // waves fuller at two blocks a multiprocessor: gemv_q4_w4h
 	{"gptq-int4-actorder-g128-tall", 0, halfScaled(quantCase(4, 128, 1, true)), 64},
+	// act-order rows too wide for gather_half (K > gatherHalfMaxCols: a
+	// 70B's down): gather_cols, then to_half; the GEMV's x too wide to stage
+	{"gptq-int4-actorder-g128-wide-k", 24704, halfScaled(quantCase(4, 128, 1, true)), 0},
 	// x too wide to stage in shared memory (2K > 96 KB): the split-K gemv_q4_sh
 	{"awq-int4-g128-huge-k", 49280, halfScaled(quantCase(4, 128, 1, false)), 0},
 	{"w4-f32scales-g128-huge-k", 49280, quantCase(4, 128, 1, false), 0},

@@ -209,7 +209,11 @@ func TestMatMulAllReduce(t *testing.T) {
 			}
 		}
 		for _, k := range gemvKernels {
-			if k != "gemv_q4_sh" && !strings.HasSuffix(k, "_n") && !sent[k] && !t.Failed() {
+			// gemv_q8_r8u1 is taken from 64 rows a multiprocessor on, 8
+			// blocks of 8 rows: one wave, and so a sending GEMV, only
+			// where 8 of its blocks fit on a multiprocessor at once
+			neverOneWave := k == "gemv_q8_r8u1" && ranks[0].residentBlocks(k, 0) < 8
+			if k != "gemv_q4_sh" && !strings.HasSuffix(k, "_n") && !neverOneWave && !sent[k] && !t.Failed() {
 				t.Errorf("world %d: no case sends from the GEMV kernel %s", world, k)
 			}
 		}
