@@ -150,7 +150,9 @@ if has tp; then
     tr=" ${TP_RUNS:-1gpu tp2 tp2-nccl tp2-procs} " # which of the runs (TP_RUNS="1gpu tp2": the decode ratio alone)
     [[ $tr == *" 1gpu "* ]] && run "$m-1gpu" $V --device cuda /tmp/$m
     has nograph && run "$m-1gpu-nograph" $V --device cuda --no-graph /tmp/$m
-    [[ $tr == *" tp2 "* ]] && run "$m-tp2" $V --device cuda --tp 2 /tmp/$m
+    for i in $(seq "${TP_REPEAT:-1}"); do # TP_REPEAT: the TP=2 run in one process that many times
+      [[ $tr == *" tp2 "* ]] && run "$m-tp2${i#1}" $V --device cuda --tp 2 /tmp/$m
+    done
     [[ $tr == *" tp2-nccl "* ]] && QTOOL_TP_ALLREDUCE=nccl run "$m-tp2-nccl" $V --device cuda --tp 2 /tmp/$m
     [[ $tr == *" tp2-procs "* ]] && run "$m-tp2-procs" $V --device cuda --tp 2 --tp-processes /tmp/$m
   done
