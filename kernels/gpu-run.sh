@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build topo tests attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -65,6 +65,10 @@ if has tests; then
     echo "test cuda ($n) rc=$rc $(grep -c -- '--- PASS' "$OUT/test-cuda-$n.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-cuda-$n.log") fail"
     grep -E -- "--- FAIL|panic" "$OUT/test-cuda-$n.log" | head -10
   done
+fi
+if has gemvwaves; then # the quantized GEMVs against their waves of blocks (BenchmarkGEMVWaves)
+  (cd runtime/cuda && timeout 240 "$OLDPWD/bin/cuda.test" -test.run '^$' -test.bench GEMVWaves -test.benchtime 1x > "$OUT/gemvwaves.log" 2>&1)
+  grep -E '^BenchmarkGEMVWaves' "$OUT/gemvwaves.log" | sed -E 's/^BenchmarkGEMVWaves\/([^ \t]*)[ \t]+1[ \t]+/\1 /'
 fi
 if has attnbench; then # the prefill attention's key splits (BenchmarkPrefillAttention)
   (cd runtime/cuda && timeout 120 "$OLDPWD/bin/cuda.test" -test.run '^$' -test.bench PrefillAttention -test.benchtime 3x > "$OUT/attnbench.log" 2>&1)
