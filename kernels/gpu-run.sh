@@ -130,7 +130,10 @@ V="bin/qtool verify --json --ppl .devdata/sotu-test.raw --max-chunks ${CHUNKS:-1
 run() { # name, args...
   local name=$1; shift
   lim=$(left); [ "$lim" -lt 40 ] && { echo "$name: no time left"; return; }
-  timeout "$lim" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
+  # a run that hangs gets SIGQUIT after RUN_LIMIT s (default 180): Go then
+  # writes every goroutine's stack (where each rank waits) into the .err
+  lim=$(( lim < ${RUN_LIMIT:-180} ? lim : ${RUN_LIMIT:-180} ))
+  GOTRACEBACK=all timeout -s QUIT -k 15 "$lim" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
   echo "$name rc=$? $(python3 - "$OUT/$name.json" <<'PY'
 import json,sys
 try: r=json.load(open(sys.argv[1]))
