@@ -246,40 +246,22 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 		N, K := sh[0], sh[1]
 		var f16Rate float64
 		for _, f := range []string{"fp16", "bf16", "w8a8", "w8a16", "w8a16-pc", "w4a16", "w4a16-act"} {
-			w, err := b.UploadLinear("bench", &cuda.Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: seed})
+			spec := cuda.Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: seed}
+			w, err := b.UploadLinear("bench", &spec)
 			if err != nil {
 				return err
 			}
 			seed++
-			wl := w.(*cuda.Linear)
-			// GEMV, M = 1, the kernel the dispatcher picks, cycling through
-			// enough copies of the weight that none is still in L2 when it
-			// comes round again (as in a decode step).
-			copies := []runtime.Linear{w}
-			for n := int64(b.L2Bytes()); wl.Bytes()*int64(len(copies)) < 3*n && len(copies) < 16; {
-				c, err := b.UploadLinear("bench", &cuda.Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: seed + uint64(1000*len(copies))})
-				if err != nil {
-					return err
-				}
-				copies = append(copies, c)
-			}
-			x1, y1 := b.Alloc(1, K), b.Alloc(1, N)
-			b.FillRandom(x1, seed, 1)
-			i := 0
-			tv, err := b.TimeCaptured(20, func() { b.MatMul(y1, x1, copies[i%len(copies)]); i++ })
+			// GEMV, M = 1, the kernel the dispatcher picks, as a decode
+			// step runs it (no copy still in L2)
+			tv, bytes, err := b.TimeDecodeGEMV(w, spec)
 			if err != nil {
 				return err
 			}
-			for _, c := range copies[1:] {
-				b.FreeLinear(c)
-			}
-			bytes := float64(wl.DecodeBytes() + int64(4*K+4*N))
 			kv := kernelResult{Kernel: "gemv", Format: f + "/" + b.GEMVKernel(w, 1), Shape: fmt.Sprintf("%dx%d", N, K), M: 1, Seconds: tv, GBs: bytes / tv / 1e9}
 			kv.RatioPct = 100 * bytes / tv / copyBps
 			rep.Kernels = append(rep.Kernels, kv)
 			fmt.Fprintf(out, "%-8s %-24s %-12s %5d %10.2f %8.0f GB/s %7.1f%% of copy\n", "gemv", kv.Format, kv.Shape, 1, tv*1e6, kv.GBs, kv.RatioPct)
-			b.Free(x1)
-			b.Free(y1)
 			// GEMM, M = 512.
 			const M = 512
 			xm, ym := b.Alloc(M, K), b.Alloc(M, N)

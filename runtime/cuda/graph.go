@@ -206,6 +206,40 @@ func (b *Backend) CopyBandwidth(bytes int) float64 {
 	return 2 * float64(bytes) / t
 }
 
+// TimeDecodeGEMV returns the device time of a one-row product with w, the
+// synthetic weight spec made, as a decode step runs it: a replayed graph
+// of 20 products cycling through w and copies of it (spec with seeds
+// spec.Seed + 1000, + 2000, …) that together exceed the L2 cache three
+// times, so none is still cached when it comes round again; and the bytes
+// one product reads (the weight as a decode step reads it, x and y). The
+// benchmarks' GEMV rates (qtool bench's kernel table, BenchmarkGEMVWaves)
+// are these.
+func (b *Backend) TimeDecodeGEMV(w runtime.Linear, spec Synthetic) (sec, bytes float64, err error) {
+	l := lin(w)
+	copies := []runtime.Linear{w}
+	defer func() {
+		for _, c := range copies[1:] {
+			b.FreeLinear(c)
+		}
+	}()
+	for n := int64(b.L2Bytes()); l.Bytes()*int64(len(copies)) < 3*n && len(copies) < 16; {
+		s := spec
+		s.Seed += uint64(1000 * len(copies))
+		c, err := b.UploadLinear("bench", &s)
+		if err != nil {
+			return 0, 0, err
+		}
+		copies = append(copies, c)
+	}
+	x, y := b.Alloc(1, l.in), b.Alloc(1, l.out)
+	defer b.Free(x)
+	defer b.Free(y)
+	b.FillRandom(x, spec.Seed, 1)
+	i := 0
+	sec, err = b.TimeCaptured(20, func() { b.MatMul(y, x, copies[i%len(copies)]); i++ })
+	return sec, float64(l.DecodeBytes() + int64(4*l.in+4*l.out)), err
+}
+
 // MatMulGEMM is MatMul forced onto the tensor-core GEMM kernels whatever the
 // number of rows (benchmarks compare it with the GEMV path).
 func (b *Backend) MatMulGEMM(dst, x runtime.Buf, w runtime.Linear) {
