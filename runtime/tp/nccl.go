@@ -590,8 +590,14 @@ func (c *NCCLCommunicator) AllGatherDeviceRank(rank int, send, recv uint64, coun
 }
 
 // group issues call(r) for every rank inside ncclGroupStart/End (one
-// thread drives all ranks).
+// thread drives all ranks). NCCL keeps the open group per OS thread, so the
+// goroutine stays on its thread throughout: moved after ncclGroupStart, it
+// would issue the collectives outside the group (the first then waits for
+// ranks this thread has not launched yet: a hang) and end a group it never
+// opened on the new thread (ncclInvalidUsage).
 func (c *NCCLCommunicator) group(call func(r int) error) error {
+	goruntime.LockOSThread()
+	defer goruntime.UnlockOSThread()
 	if err := c.lib.GroupStart(); err != nil {
 		return err
 	}

@@ -6,6 +6,7 @@ import (
 	goruntime "runtime"
 	"slices"
 	"sync"
+	"syscall"
 	"testing"
 	"unsafe"
 
@@ -209,6 +210,72 @@ func TestNCCLCommInitRank(t *testing.T) {
 		for i, v := range out[r] {
 			if v != float32(sum*i) {
 				t.Fatalf("rank %d: [%d] = %v, want %d", r, i, v, sum*i)
+			}
+		}
+	}
+}
+
+// TestNCCLGroupOneThread checks that a group's calls all come from one OS
+// thread: NCCL keeps a group open per thread, so a goroutine that moves
+// between ncclGroupStart and ncclGroupEnd issues its collectives outside
+// the group (with several ranks in one process, the first waits for ranks
+// this thread has yet to launch: a hang) and ends a group it never opened
+// (ncclInvalidUsage, as a TP=2 run in one process once failed "connecting
+// the ranks"). A fake library records the thread of every call while other
+// goroutines keep the scheduler busy, so an unlocked group moves.
+func TestNCCLGroupOneThread(t *testing.T) {
+	var mu sync.Mutex
+	var tids []int
+	record := func() int32 {
+		mu.Lock()
+		tids = append(tids, syscall.Gettid())
+		mu.Unlock()
+		goruntime.Gosched() // give the scheduler a chance to move this goroutine
+		return 0
+	}
+	lib := &NCCL{
+		groupStart: record,
+		groupEnd:   record,
+		allReduce:  func(_, _ uintptr, _ uint64, _, _ int32, _, _ uintptr) int32 { return record() },
+		allGather:  func(_, _ uintptr, _ uint64, _ int32, _, _ uintptr) int32 { return record() },
+	}
+	const ranks = 4
+	c := &NCCLCommunicator{lib: lib, world: ranks, global: []int{0, 1, 2, 3}, comms: make([]Comm, ranks)}
+	stop := make(chan struct{})
+	var busy sync.WaitGroup
+	for range 2 * goruntime.GOMAXPROCS(0) {
+		busy.Add(1)
+		go func() {
+			defer busy.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+					goruntime.Gosched()
+				}
+			}
+		}()
+	}
+	defer func() { close(stop); busy.Wait() }()
+	bufs, streams := make([]uint64, ranks), make([]uintptr, ranks)
+	for i := range 200 {
+		tids = tids[:0]
+		var err error
+		if i%2 == 0 {
+			err = c.AllReduceSumDevice(bufs, 1024, streams)
+		} else {
+			err = c.AllGatherDevice(bufs, bufs, 1024, streams)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(tids) != ranks+2 {
+			t.Fatalf("group %d: %d calls, want %d", i, len(tids), ranks+2)
+		}
+		for _, id := range tids[1:] {
+			if id != tids[0] {
+				t.Fatalf("group %d: calls from threads %v, want one (ncclGroupStart's)", i, tids)
 			}
 		}
 	}
