@@ -53,3 +53,16 @@ func (b *Backend) Copy2D(dst runtime.Buf, dstRow, dstCol int, src runtime.Buf, s
 	}
 	b.must(b.drv.MemcpyDtoD2DAsync(dp, uint64(4*d.cols), sp, uint64(4*s.cols), uint64(4*cols), uint64(rows), b.stream))
 }
+
+// FillBits queues on the stream setting every value of x to the float32
+// whose bits are bits (−0, 0x80000000, pads a row that peer memory
+// all-gathers: runtime/tp's replicatePeer).
+func (b *Backend) FillBits(x runtime.Buf, bits uint32) {
+	d := buf(x)
+	if d.n() == 0 {
+		return
+	}
+	defer b.enter()()
+	b.wrote()
+	b.must(b.drv.MemsetD32Async(d.p, bits, uint64(d.n()), b.stream))
+}

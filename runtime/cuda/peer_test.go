@@ -150,6 +150,12 @@ func TestMatMulAllReduce(t *testing.T) {
 			for q, b := range ranks {
 				ws[q] = uploadWeights(t, b, r, wc, fmt.Sprintf("n%d.r%d.", N, q), []int{N}, K)[0]
 				xs[q] = upload(b, 1, K, randVec(r, K, 1))
+				// one product alone first: its scratch buffers grow (a
+				// free that waits for the device) before any all-reduce
+				// of the group spins there (the ranks share one GPU)
+				warm := b.AllocRaw(1, N)
+				b.MatMul(warm, xs[q], ws[q])
+				b.Free(warm)
 			}
 			resid := randVec(r, N, 1)
 			name, _, _ := ranks[0].gemvPlan([]gemvSeg{{l: lin(ws[0])}}, 1)

@@ -28,6 +28,9 @@ type PeerRank interface {
 	// AllReducePeer queues the in-place sum of x over the group, in rank
 	// order (every rank gets the same bits).
 	AllReducePeer(x runtime.Buf)
+	// FillBits queues setting every value of x to the float32 whose bits
+	// are bits.
+	FillBits(x runtime.Buf, bits uint32)
 }
 
 // DefaultPeerBytes is the largest all-reduce NewGPU and OpenRank run over

@@ -55,6 +55,13 @@ func (f *fakePeer) ConnectPeerReduce(ends [][]byte) error {
 
 func (f *fakePeer) ClosePeerReduce() error { f.open = false; return nil }
 
+func (f *fakePeer) FillBits(x runtime.Buf, bits uint32) {
+	d := x.(*cpu.Mat).Data
+	for i := range d {
+		d[i] = math.Float32frombits(bits)
+	}
+}
+
 func (f *fakePeer) AllReducePeer(x runtime.Buf) {
 	if !f.open {
 		panic("AllReducePeer outside the group")
@@ -294,5 +301,57 @@ func TestRawRankBuffers(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestPeerReplicate: a split single row (a decode step's logits) is
+// all-gathered over peer memory, each rank's piece in a row of −0 that the
+// group sums (replicatePeer), and every value keeps its bits on every rank:
+// ±0, infinities, subnormals, even and uneven splits. Rows of more go
+// through the device communicator.
+func TestPeerReplicate(t *testing.T) {
+	m := openHF(t, "llama-mini")
+	host := load(t, m, tpBackend(t, m, 2))
+	special := []float32{float32(math.Copysign(0, -1)), 0, float32(math.Inf(1)), float32(math.Inf(-1)),
+		math.Float32frombits(1), -math.Float32frombits(1), math.MaxFloat32, -1.5, 2.25}
+	for _, tc := range []struct {
+		name  string
+		rows  int
+		split [][2]int
+		peer  bool
+	}{
+		{"even", 1, [][2]int{{0, 384}, {384, 768}}, true},
+		{"uneven", 1, [][2]int{{0, 300}, {300, 768}}, true},
+		{"rows", 5, [][2]int{{0, 384}, {384, 768}}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var calls atomic.Int64
+			be, _ := peerBackend(t, host, len(tc.split), &calls)
+			if err := be.UsePeerMemory(1<<20, time.Minute); err != nil {
+				t.Fatal(err)
+			}
+			a := make([]float32, tc.rows*768)
+			for i := range a {
+				a[i] = special[i%len(special)] * float32(1+i%5)
+			}
+			x := be.Alloc(tc.rows, 768).(*Buf)
+			defer be.Free(x)
+			be.Upload(x, a)
+			be.toSplit(x, tc.split)
+			calls.Store(0)
+			be.replicate(x)
+			if got := calls.Load(); (got == int64(len(tc.split))) != tc.peer || (got != 0 && !tc.peer) {
+				t.Errorf("%d all-reduces over peer memory, want one a rank: %v", got, tc.peer)
+			}
+			got := make([]float32, len(a))
+			for r := range tc.split {
+				be.ranks[r].Download(got, x.parts[r])
+				for i := range a {
+					if math.Float32bits(got[i]) != math.Float32bits(a[i]) {
+						t.Fatalf("rank %d value %d: %g (%#x), want %g (%#x)", r, i, got[i], math.Float32bits(got[i]), a[i], math.Float32bits(a[i]))
+					}
+				}
+			}
+		})
 	}
 }
