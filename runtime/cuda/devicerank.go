@@ -55,8 +55,8 @@ func (b *Backend) Copy2D(dst runtime.Buf, dstRow, dstCol int, src runtime.Buf, s
 }
 
 // FillBits queues on the stream setting every value of x to the float32
-// whose bits are bits (−0, 0x80000000, pads a row that peer memory
-// all-gathers: runtime/tp's replicatePeer).
+// whose bits are bits (runtime/tp's replicatePeer pads with −0, 0x80000000,
+// the row that peer memory all-gathers).
 func (b *Backend) FillBits(x runtime.Buf, bits uint32) {
 	d := buf(x)
 	if d.n() == 0 {
