@@ -2,7 +2,7 @@
 # Prepares a device call of kernels/gpu-run.sh or gpu-calib.sh here, where Go
 # is (the GPU machine has none): CGO_ENABLED=0 builds of the working tree —
 # qtool and the GPU test binaries TESTBINS names (default cuda; also kld,
-# gputest) — xz-compressed into .devbin/, the same qtool built from BASE (a
+# tp, gputest) — xz-compressed into .devbin/, the same qtool built from BASE (a
 # commit, default HEAD) as .devbin/qtool-base.xz when the tree differs from
 # it, and .devdata/ with the shared tools and corpus the scripts read
 # (CALIB=1 adds the calibration text gpu-calib.sh needs). Both folders are
@@ -24,9 +24,9 @@ go build -trimpath -ldflags='-s -w' -o bin/qtool ./cmd/qtool
 bins=(bin/qtool)
 for t in ${TESTBINS:-cuda}; do
   case $t in
-    cuda | kld) pkg=./runtime/$t ;;
+    cuda | kld | tp) pkg=./runtime/$t ;;
     gputest) pkg=./runtime/tp/gputest ;;
-    *) echo "gpu-prep: unknown test binary $t (cuda, kld, gputest)" >&2; exit 2 ;;
+    *) echo "gpu-prep: unknown test binary $t (cuda, kld, tp, gputest)" >&2; exit 2 ;;
   esac
   go test -c -o "bin/$t.test" "$pkg"
   bins+=("bin/$t.test")

@@ -446,14 +446,18 @@ func uploadSlice[T any](b *Backend, v []T) driver.DevicePtr {
 
 // scratchBuf returns a device buffer of at least bytes for a named use.
 // Growing an area frees the old one, except while a graph is being captured
-// or any captured graph is alive (either may hold it): then it stays
-// allocated until Close.
+// or any captured graph is alive (either may hold it), or while the backend
+// is in a connected peer-memory group: then it stays allocated until Close.
+// A free may wait for the GPUs this one has peer access to as well as its
+// own (NVIDIA/nccl#744), where another rank's all-reduce may already spin,
+// waiting for this rank's launch that comes after the free: a deadlock
+// until the all-reduce's time-out.
 func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
 	s := b.scratch[name]
 	if s.n >= bytes {
 		return s.p
 	}
-	if s.p != 0 && !b.capturing && !b.liveGraphs() {
+	if s.p != 0 && !b.capturing && !b.liveGraphs() && b.peerReduceCap() == 0 {
 		b.must(b.drv.StreamSynchronize(b.stream))
 		b.must(b.drv.MemFree(s.p))
 		delete(b.owned, s.p)

@@ -261,9 +261,10 @@ type NCCLCommunicator struct {
 	comms   []Comm
 	streams []driver.Stream
 
-	mu   []sync.Mutex // per rank: the staging buffers
-	buf  []driver.DevicePtr
-	size []uint64
+	mu      []sync.Mutex // per rank: the staging buffers
+	buf     []driver.DevicePtr
+	size    []uint64
+	retired [][]driver.DevicePtr // per rank: outgrown staging buffers, freed by Close
 }
 
 var _ Communicator = (*NCCLCommunicator)(nil)
@@ -385,7 +386,8 @@ func openNCCL(world int, global, devices []int) (*NCCLCommunicator, error) {
 	}
 	n := len(devices)
 	c := &NCCLCommunicator{lib: lib, drv: drv, world: world, global: global,
-		mu: make([]sync.Mutex, n), buf: make([]driver.DevicePtr, n), size: make([]uint64, n)}
+		mu: make([]sync.Mutex, n), buf: make([]driver.DevicePtr, n), size: make([]uint64, n),
+		retired: make([][]driver.DevicePtr, n)}
 	for _, d := range devices {
 		if d < 0 || d >= cnt {
 			return nil, fmt.Errorf("nccl: GPU %d requested, %d present", d, cnt)
@@ -440,20 +442,22 @@ func (c *NCCLCommunicator) onRank(r int, fn func() error) error {
 	return fn()
 }
 
-// staging returns rank r's device buffer of at least n bytes (context current).
+// staging returns rank r's device buffer of at least n bytes (context
+// current). It grows to at least twice its size and keeps the outgrown
+// buffer until Close: a free may wait for the GPUs this one has peer access
+// to (NVIDIA/nccl#744; NCCL gives it to every GPU of the communicator),
+// where another local rank's collective may already wait for this rank's.
 func (c *NCCLCommunicator) staging(r int, n uint64) (driver.DevicePtr, error) {
 	if c.size[r] >= n {
 		return c.buf[r], nil
 	}
-	if c.buf[r] != 0 {
-		if err := c.drv.MemFree(c.buf[r]); err != nil {
-			return 0, err
-		}
-		c.buf[r], c.size[r] = 0, 0
-	}
+	n = max(n, 2*c.size[r])
 	p, err := c.drv.MemAlloc(n)
 	if err != nil {
 		return 0, err
+	}
+	if c.buf[r] != 0 {
+		c.retired[r] = append(c.retired[r], c.buf[r])
 	}
 	c.buf[r], c.size[r] = p, n
 	return p, nil
@@ -618,10 +622,12 @@ func (c *NCCLCommunicator) Close() error {
 	for r := range c.ctxs {
 		errs = append(errs, c.onRank(r, func() error {
 			var es []error
-			if c.buf[r] != 0 {
-				es = append(es, c.drv.MemFree(c.buf[r]))
-				c.buf[r], c.size[r] = 0, 0
+			for _, p := range append(c.retired[r], c.buf[r]) {
+				if p != 0 {
+					es = append(es, c.drv.MemFree(p))
+				}
 			}
+			c.buf[r], c.size[r], c.retired[r] = 0, 0, nil
 			if r < len(c.streams) {
 				es = append(es, c.drv.StreamDestroy(c.streams[r]))
 			}

@@ -48,7 +48,10 @@ func ncclDevices(t *testing.T, want int) []int {
 }
 
 // TestNCCLCollectives runs the NCCL communicator's all-reduce and
-// all-gather with one goroutine per GPU against plain sums.
+// all-gather with one goroutine per GPU against plain sums, at a size
+// within the staging buffers connect made and at one that grows them
+// (the outgrown buffers kept until Close: a free may wait for the peer
+// GPUs, where another rank's collective may be waiting).
 func TestNCCLCollectives(t *testing.T) {
 	devs := ncclDevices(t, 8)
 	c, err := NewNCCLCommunicator(devs)
@@ -56,40 +59,45 @@ func TestNCCLCollectives(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	n, L := len(devs), 3000
-	bufs := make([][]float32, n)
-	want := make([]float32, L)
-	for r := range bufs {
-		bufs[r] = make([]float32, L)
-		for i := range bufs[r] {
-			bufs[r][i] = float32((i*7+r*13)%101) / 8 // exact in float32 sums
-			want[i] += bufs[r][i]
+	n := len(devs)
+	for _, L := range []int{3000, connectFloats * (n + 2)} {
+		bufs := make([][]float32, n)
+		want := make([]float32, L)
+		for r := range bufs {
+			bufs[r] = make([]float32, L)
+			for i := range bufs[r] {
+				bufs[r][i] = float32((i*7+r*13)%101) / 8 // exact in float32 sums
+				want[i] += bufs[r][i]
+			}
 		}
-	}
-	sends := make([][]float32, n)
-	recvs := make([][]float32, n)
-	errs := make([]error, 2*n)
-	var wg sync.WaitGroup
-	for r := 0; r < n; r++ {
-		sends[r] = slices.Clone(bufs[r][:5])
-		recvs[r] = make([]float32, 5*n)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[r] = c.AllReduceSum(r, bufs[r])
-			errs[n+r] = c.AllGather(r, sends[r], recvs[r])
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
-		t.Fatal(err)
-	}
-	for r := range bufs {
-		if !slices.Equal(bufs[r], want) {
-			t.Fatalf("rank %d: NCCL all-reduce differs from the sum", r)
+		sends := make([][]float32, n)
+		recvs := make([][]float32, n)
+		errs := make([]error, 2*n)
+		var wg sync.WaitGroup
+		for r := 0; r < n; r++ {
+			sends[r] = slices.Clone(bufs[r][:5])
+			recvs[r] = make([]float32, 5*n)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[r] = c.AllReduceSum(r, bufs[r])
+				errs[n+r] = c.AllGather(r, sends[r], recvs[r])
+			}()
 		}
-		if !slices.Equal(recvs[r], slices.Concat(sends...)) {
-			t.Fatalf("rank %d: NCCL all-gather %v", r, recvs[r])
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
+			t.Fatal(err)
+		}
+		for r := range bufs {
+			if !slices.Equal(bufs[r], want) {
+				t.Fatalf("%d values, rank %d: NCCL all-reduce differs from the sum", L, r)
+			}
+			if !slices.Equal(recvs[r], slices.Concat(sends...)) {
+				t.Fatalf("%d values, rank %d: NCCL all-gather %v", L, r, recvs[r])
+			}
+			if grew := 4*uint64(L) > uint64(4*connectFloats*(1+n)); grew != (len(c.retired[r]) > 0) {
+				t.Errorf("%d values, rank %d: %d outgrown staging buffers kept", L, r, len(c.retired[r]))
+			}
 		}
 	}
 }
