@@ -55,6 +55,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"qtool/formats/model"
@@ -331,51 +332,62 @@ func (b *Backend) Close() error {
 }
 
 // each runs fn for every local rank concurrently and re-raises a rank's
-// panic in the caller.
+// panic in the caller: the first rank's to panic, which also aborted an
+// Aborter communicator (guard), since the others' may only follow from it.
 func (b *Backend) each(fn func(r int)) {
 	if len(b.local) == 1 {
 		fn(b.local[0])
 		return
 	}
+	var first atomic.Int32 // the first rank to panic, plus one
+	fn = b.guard(fn, &first)
+	panics := make([]any, len(b.ranks))
 	if b.workers != nil {
 		rest := b.local[1:]
 		for _, r := range rest {
 			b.workers[r].post(fn)
 		}
-		var panics []any
 		func() {
-			defer func() {
-				if p := recover(); p != nil {
-					panics = append(panics, fmt.Sprintf("tp rank %d: %v", b.local[0], p))
-				}
-			}()
+			defer func() { panics[b.local[0]] = recover() }()
 			fn(b.local[0])
 		}()
 		for _, r := range rest {
-			if p := b.workers[r].wait(); p != nil {
-				panics = append(panics, fmt.Sprintf("tp rank %d: %v", r, p))
+			panics[r] = b.workers[r].wait()
+		}
+	} else {
+		var wg sync.WaitGroup
+		for _, r := range b.local {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer func() { panics[r] = recover() }()
+				fn(r)
+			}()
+		}
+		wg.Wait()
+	}
+	if f := int(first.Load()) - 1; f >= 0 {
+		panic(fmt.Sprintf("tp rank %d: %v", f, panics[f]))
+	}
+}
+
+// guard returns fn that, should fn(r) panic, notes r in first if no rank
+// did before it and aborts the communicator (an Aborter) before passing the
+// panic on: the other ranks may be waiting for rank r in a collective it
+// will not reach, and would wait forever.
+func (b *Backend) guard(fn func(r int), first *atomic.Int32) func(r int) {
+	a, _ := b.comm.(Aborter)
+	return func(r int) {
+		defer func() {
+			if p := recover(); p != nil {
+				first.CompareAndSwap(0, int32(r)+1)
+				if a != nil {
+					a.Abort()
+				}
+				panic(p)
 			}
-		}
-		if len(panics) > 0 {
-			panic(panics[0])
-		}
-		return
-	}
-	var wg sync.WaitGroup
-	panics := make([]any, len(b.ranks))
-	for _, r := range b.local {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer func() { panics[r] = recover() }()
-			fn(r)
 		}()
-	}
-	wg.Wait()
-	for r, p := range panics {
-		if p != nil {
-			panic(fmt.Sprintf("tp rank %d: %v", r, p))
-		}
+		fn(r)
 	}
 }
 

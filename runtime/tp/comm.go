@@ -1,6 +1,7 @@
 package tp
 
 import (
+	"errors"
 	"fmt"
 	"sync"
 )
@@ -23,6 +24,16 @@ type Communicator interface {
 	Close() error
 }
 
+// Aborter is a Communicator that can be broken, so that the ranks waiting
+// in its collectives for a rank that has failed return an error instead
+// of waiting forever (Backend aborts it when a rank panics).
+type Aborter interface {
+	Abort()
+}
+
+// ErrAborted is returned by the collectives of an aborted communicator.
+var ErrAborted = errors.New("tp: communicator aborted (another rank failed)")
+
 // InProcess is a Communicator for ranks that are goroutines of one process.
 // The sum is taken in rank order, so results are deterministic.
 type InProcess struct {
@@ -32,8 +43,11 @@ type InProcess struct {
 	cond    *sync.Cond
 	arrived int
 	gen     uint64
+	broken  bool // Abort was called
 	send    [][]float32
 }
+
+var _ Aborter = (*InProcess)(nil)
 
 var _ Communicator = (*InProcess)(nil)
 
@@ -53,21 +67,38 @@ func (c *InProcess) Size() int { return c.n }
 // Close implements Communicator.
 func (c *InProcess) Close() error { return nil }
 
-// barrier blocks until all n ranks have called it.
-func (c *InProcess) barrier() {
+// Abort implements Aborter: the ranks waiting in a collective, and every
+// later call, get ErrAborted.
+func (c *InProcess) Abort() {
 	c.mu.Lock()
+	c.broken = true
+	c.cond.Broadcast()
+	c.mu.Unlock()
+}
+
+// barrier blocks until all n ranks have called it, or returns ErrAborted
+// once the communicator is aborted.
+func (c *InProcess) barrier() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.broken {
+		return ErrAborted
+	}
 	g := c.gen
 	c.arrived++
 	if c.arrived == c.n {
 		c.arrived = 0
 		c.gen++
 		c.cond.Broadcast()
-	} else {
-		for g == c.gen {
-			c.cond.Wait()
-		}
+		return nil
 	}
-	c.mu.Unlock()
+	for g == c.gen && !c.broken {
+		c.cond.Wait()
+	}
+	if g == c.gen {
+		return ErrAborted
+	}
+	return nil
 }
 
 func (c *InProcess) checkRank(rank int) error {
@@ -98,7 +129,9 @@ func (c *InProcess) AllReduceSum(rank int, buf []float32) error {
 		return nil
 	}
 	c.send[rank] = buf
-	c.barrier()
+	if err := c.barrier(); err != nil {
+		return err
+	}
 	ok := lengthsAgree(c.send)
 	if ok {
 		L := len(buf)
@@ -113,7 +146,9 @@ func (c *InProcess) AllReduceSum(rank int, buf []float32) error {
 			}
 		}
 	}
-	c.barrier()
+	if err := c.barrier(); err != nil {
+		return err
+	}
 	if !ok {
 		return fmt.Errorf("tp: all-reduce with buffers of different lengths (rank %d has %d)", rank, len(buf))
 	}
@@ -133,7 +168,9 @@ func (c *InProcess) AllGather(rank int, send, recv []float32) error {
 		return nil
 	}
 	c.send[rank] = send
-	c.barrier()
+	if err := c.barrier(); err != nil {
+		return err
+	}
 	ok := lengthsAgree(c.send)
 	if ok {
 		L := len(send)
@@ -141,7 +178,9 @@ func (c *InProcess) AllGather(rank int, send, recv []float32) error {
 			copy(recv[j*L:(j+1)*L], c.send[j])
 		}
 	}
-	c.barrier()
+	if err := c.barrier(); err != nil {
+		return err
+	}
 	if !ok {
 		return fmt.Errorf("tp: all-gather with buffers of different lengths (rank %d sends %d)", rank, len(send))
 	}

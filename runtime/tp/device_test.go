@@ -1,12 +1,14 @@
 package tp
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"path/filepath"
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"qtool/runtime"
 	"qtool/runtime/cpu"
@@ -264,4 +266,47 @@ func TestDeviceLayouts(t *testing.T) {
 			}
 		})
 	}()
+}
+
+// TestRankPanicAborts: a rank that panics before a collective the others
+// have entered aborts the in-process communicator, so they return instead
+// of waiting for it forever, and the caller gets the failing rank's panic
+// (not the others' "aborted"), with CPU ranks (a goroutine each) and device
+// ranks (persistent workers); later collectives fail at once.
+func TestRankPanicAborts(t *testing.T) {
+	m := openHF(t, "llama-mini")
+	host := load(t, m, tpBackend(t, m, 2))
+	for _, mode := range []string{"goroutines", "workers"} {
+		for _, failing := range []int{0, 1} {
+			t.Run(fmt.Sprintf("%s/rank=%d", mode, failing), func(t *testing.T) {
+				be := tpBackend(t, m, 2)
+				if mode == "workers" {
+					be = fakeBackend(t, host, 2, false)
+				}
+				got := make(chan any, 1)
+				go func() {
+					defer func() { got <- recover() }()
+					be.each(func(r int) {
+						if r == failing {
+							panic("boom")
+						}
+						if err := be.comm.AllReduceSum(r, []float32{1, 2}); err != nil {
+							panic(err)
+						}
+					})
+				}()
+				select {
+				case p := <-got:
+					if want := fmt.Sprintf("tp rank %d: boom", failing); fmt.Sprint(p) != want {
+						t.Errorf("panic %v, want %q", p, want)
+					}
+				case <-time.After(30 * time.Second):
+					t.Fatalf("rank %d panicked and the other still waits in the all-reduce", failing)
+				}
+				if err := be.comm.AllReduceSum(0, []float32{1}); !errors.Is(err, ErrAborted) {
+					t.Errorf("an all-reduce after the abort: %v, want ErrAborted", err)
+				}
+			})
+		}
+	}
 }
