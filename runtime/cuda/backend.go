@@ -324,7 +324,10 @@ var hopperKernels = slices.Concat(slices.Sorted(maps.Values(hopperGEMM)), slices
 // enter binds the context to the calling thread; call the result when done.
 func (b *Backend) enter() func() {
 	goruntime.LockOSThread()
-	b.must(b.drv.SetCurrent(b.ctx))
+	if err := b.drv.SetCurrent(b.ctx); err != nil {
+		goruntime.UnlockOSThread() // the caller's deferred call never comes
+		b.must(err)
+	}
 	return goruntime.UnlockOSThread
 }
 

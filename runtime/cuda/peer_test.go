@@ -150,9 +150,11 @@ func TestMatMulAllReduce(t *testing.T) {
 			for q, b := range ranks {
 				ws[q] = uploadWeights(t, b, r, wc, fmt.Sprintf("n%d.r%d.", N, q), []int{N}, K)[0]
 				xs[q] = upload(b, 1, K, randVec(r, K, 1))
-				// one product alone first: its scratch buffers grow (a
-				// free that waits for the device) before any all-reduce
-				// of the group spins there (the ranks share one GPU)
+				// one product alone first, so that no product below
+				// allocates while an all-reduce of the group spins on
+				// the GPU the ranks share (a free there waited for it
+				// before scratchBuf kept outgrown areas in a group; an
+				// allocation may too)
 				warm := b.AllocRaw(1, N)
 				b.MatMul(warm, xs[q], ws[q])
 				b.Free(warm)
