@@ -3,6 +3,7 @@ package tp
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 	"net"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"qtool/runtime"
+	"qtool/runtime/cpu"
 )
 
 func TestJobFromEnv(t *testing.T) {
@@ -387,5 +389,45 @@ func TestTwoProcesses(t *testing.T) {
 			}
 			t.Logf("%s: %d logits bit-identical, %d greedy ids equal", name, len(want), len(wantGen))
 		})
+	}
+}
+
+// A rank whose GPU does not open fails the job on every rank at once, with
+// an error saying so, before any rank joins NCCL (whose initialization
+// would wait for it with no time-out).
+func TestRankGPUFailsEveryRank(t *testing.T) {
+	m := openHF(t, "llama-mini")
+	addr := freeAddr(t)
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for r := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			opt := RankOptions{Fingerprint: "gpu fails", Device: "cuda",
+				NewGPU: func(d int) (runtime.Backend, error) {
+					if d == 1 {
+						return nil, errors.New("no GPU here")
+					}
+					return fakeDevice{cpu.New(1), newMemory()}, nil
+				},
+				GPUs: func() (int, error) { return 2, nil }}
+			be, err := OpenRank(Job{World: 2, Rank: r, LocalRank: r, Addr: addr, Timeout: time.Minute}, m, opt)
+			if be != nil {
+				be.Close()
+			}
+			errs[r] = err
+		}()
+	}
+	wg.Wait()
+	if errs[1] == nil || !strings.Contains(errs[1].Error(), "GPU 1 (LOCAL_RANK): no GPU here") {
+		t.Errorf("rank 1: %v, want its GPU's error", errs[1])
+	}
+	if errs[0] == nil || !strings.Contains(errs[0].Error(), "1 other rank(s) could not open their GPU") {
+		t.Errorf("rank 0: %v, want the other rank's failure", errs[0])
+	}
+	if d := time.Since(start); d > 20*time.Second {
+		t.Errorf("the ranks took %v to fail", d)
 	}
 }
