@@ -86,6 +86,52 @@ func TestAllReducePeer(t *testing.T) {
 	}
 }
 
+// TestPeerGatherBits checks what runtime/tp's replicatePeer builds on:
+// FillBits with −0, a rank's piece copied in (Copy2D) and AllReducePeer
+// leave every non-NaN value's bits as they were, ±0, infinities and
+// subnormals included, on both lanes (a row of the small lane's size and
+// one above it), 2 and 3 ranks.
+func TestPeerGatherBits(t *testing.T) {
+	special := []float32{float32(math.Copysign(0, -1)), 0, float32(math.Inf(1)), float32(math.Inf(-1)),
+		math.Float32frombits(1), -math.Float32frombits(1), math.MaxFloat32, -1.5, 2.25, 1e-40}
+	for _, world := range []int{2, 3} {
+		ranks := peerGroup(t, world, 2*peerSmallFloats, time.Minute)
+		for _, n := range []int{32000, peerSmallFloats + 7} {
+			want := make([]float32, n)
+			for i := range want {
+				want[i] = special[i%len(special)] * float32(1+i%3)
+			}
+			lo := func(r int) int { return r * n / world }
+			full := make([]*Buf, world)
+			for r, b := range ranks {
+				piece := upload(b, 1, lo(r+1)-lo(r), want[lo(r):lo(r+1)])
+				full[r] = b.AllocRaw(1, n).(*Buf)
+				b.FillBits(full[r], 0x80000000)
+				b.Copy2D(full[r], 0, lo(r), piece, 0, 0, 1, lo(r+1)-lo(r))
+				b.Free(piece)
+			}
+			for r, b := range ranks { // all queued before any download waits
+				b.AllReducePeer(full[r])
+			}
+			for r, b := range ranks {
+				got := download(b, full[r])
+				for i := range got {
+					if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+						t.Fatalf("world %d, %d values: rank %d value %d = %g (%#x), want %g (%#x)", world, n, r, i,
+							got[i], math.Float32bits(got[i]), want[i], math.Float32bits(want[i]))
+					}
+				}
+				b.Free(full[r])
+			}
+		}
+		for _, b := range ranks {
+			if err := b.ClosePeerReduce(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
 // checkPeerRowSums checks the sums of squares the all-reduce of the row
 // x (its values got) left for the next normed GEMV: their parts add up to
 // Σ got² where want says the small lane writes them, and there are none
@@ -448,6 +494,7 @@ func firstLine(s, sub string) string {
 func TestScratchHeldInPeerGroup(t *testing.T) {
 	ranks := peerGroup(t, 2, 1<<10, time.Minute)
 	b := ranks[0]
+	defer b.enter()() // scratchBuf runs with the context current
 	old := b.scratchBuf("held_test", 1024)
 	if grown := b.scratchBuf("held_test", 4096); grown == old {
 		t.Fatal("the grown area kept the old address")

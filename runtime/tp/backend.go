@@ -80,6 +80,10 @@ type Backend struct {
 	// (which runs on the caller); dev are the ranks as DeviceRanks.
 	workers []*worker
 	dev     []DeviceRank
+	// aborter is comm where it can be aborted; firstPanic is the first
+	// rank to panic in the current each, plus one (0: none).
+	aborter    Aborter
+	firstPanic atomic.Int32
 	// dcomm, when the ranks are DeviceRanks and the communicator runs
 	// collectives on device buffers; streams are the local ranks' streams,
 	// in the order of local.
@@ -149,6 +153,7 @@ func newBackend(cfg model.Config, ranks []runtime.Backend, comm Communicator) (*
 		return nil, fmt.Errorf("tp: %w", err)
 	}
 	b := &Backend{cfg: cfg, ranks: ranks, comm: comm, kv: kv}
+	b.aborter, _ = comm.(Aborter)
 	for r, be := range ranks {
 		if be != nil {
 			b.local = append(b.local, r)
@@ -170,7 +175,7 @@ func newBackend(cfg model.Config, ranks []runtime.Backend, comm Communicator) (*
 	if len(b.local) > 1 {
 		b.workers = make([]*worker, n)
 		for _, r := range b.local[1:] {
-			b.workers[r] = newWorker(r)
+			b.workers[r] = newWorker(r, b.rankPanicked)
 		}
 	}
 	if dc, ok := comm.(DeviceCommunicator); ok {
@@ -332,62 +337,70 @@ func (b *Backend) Close() error {
 }
 
 // each runs fn for every local rank concurrently and re-raises a rank's
-// panic in the caller: the first rank's to panic, which also aborted an
-// Aborter communicator (guard), since the others' may only follow from it.
+// panic in the caller: the first rank's to panic, since the others' may
+// only follow from it (rankPanicked aborts an Aborter communicator, where
+// the other ranks may wait for the failed one; the NCCL and socket
+// communicators are none: a rank waiting in NCCL for a failed one still
+// waits, the socket's collectives end at their time-out).
 func (b *Backend) each(fn func(r int)) {
 	if len(b.local) == 1 {
 		fn(b.local[0])
 		return
 	}
-	var first atomic.Int32 // the first rank to panic, plus one
-	fn = b.guard(fn, &first)
-	panics := make([]any, len(b.ranks))
+	b.firstPanic.Store(0)
+	var first any // the first rank's panic
 	if b.workers != nil {
 		rest := b.local[1:]
 		for _, r := range rest {
 			b.workers[r].post(fn)
 		}
-		func() {
-			defer func() { panics[b.local[0]] = recover() }()
-			fn(b.local[0])
-		}()
+		if p := b.runRank(fn, b.local[0]); p != nil && b.firstPanic.Load() == int32(b.local[0])+1 {
+			first = p
+		}
 		for _, r := range rest {
-			panics[r] = b.workers[r].wait()
+			if p := b.workers[r].wait(); p != nil && b.firstPanic.Load() == int32(r)+1 {
+				first = p
+			}
 		}
 	} else {
+		panics := make([]any, len(b.ranks))
 		var wg sync.WaitGroup
 		for _, r := range b.local {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				defer func() { panics[r] = recover() }()
-				fn(r)
+				panics[r] = b.runRank(fn, r)
 			}()
 		}
 		wg.Wait()
+		if f := b.firstPanic.Load(); f > 0 {
+			first = panics[f-1]
+		}
 	}
-	if f := int(first.Load()) - 1; f >= 0 {
-		panic(fmt.Sprintf("tp rank %d: %v", f, panics[f]))
+	if f := b.firstPanic.Load(); f > 0 {
+		panic(fmt.Sprintf("tp rank %d: %v", f-1, first))
 	}
 }
 
-// guard returns fn that, should fn(r) panic, notes r in first if no rank
-// did before it and aborts the communicator (an Aborter) before passing the
-// panic on: the other ranks may be waiting for rank r in a collective it
-// will not reach, and would wait forever.
-func (b *Backend) guard(fn func(r int), first *atomic.Int32) func(r int) {
-	a, _ := b.comm.(Aborter)
-	return func(r int) {
-		defer func() {
-			if p := recover(); p != nil {
-				first.CompareAndSwap(0, int32(r)+1)
-				if a != nil {
-					a.Abort()
-				}
-				panic(p)
-			}
-		}()
-		fn(r)
+// runRank runs fn(r) and returns its panic, after rankPanicked.
+func (b *Backend) runRank(fn func(r int), r int) (p any) {
+	defer func() {
+		if p = recover(); p != nil {
+			b.rankPanicked(r)
+		}
+	}()
+	fn(r)
+	return nil
+}
+
+// rankPanicked notes rank r's panic in an each (the first one's rank is
+// the one each re-raises) and aborts the communicator where it can be: the
+// other ranks may be waiting for rank r in a collective it will not reach,
+// and would wait forever.
+func (b *Backend) rankPanicked(r int) {
+	b.firstPanic.CompareAndSwap(0, int32(r)+1)
+	if b.aborter != nil {
+		b.aborter.Abort()
 	}
 }
 
@@ -1113,13 +1126,14 @@ func (b *Backend) allReduceDevice(t *Buf) {
 }
 
 // negZero is the bits of −0, the float x + (−0) and (−0) + x leave as x
-// (every x, −0 and +0 included).
+// (every x but NaN, −0 and +0 included; a NaN stays a NaN, perhaps with
+// another payload).
 const negZero = 0x80000000
 
 // replicatePeer all-gathers the split single row t over peer memory (a
 // decode step's logits): each rank puts its piece into a row of −0 and the
 // group sums the rows, in rank order, adding each value to −0s only, so
-// every value keeps its bits. A fill, a copy and the all-reduce's one
+// every value keeps its bits (a NaN stays a NaN). A fill, a copy and the all-reduce's one
 // launch, where NCCL's all-gather of a 32 000-value row took 16.7 µs
 // (runtime/tp/README.md, measured alone).
 func (b *Backend) replicatePeer(t *Buf) {

@@ -68,7 +68,7 @@ func (c *InProcess) Size() int { return c.n }
 func (c *InProcess) Close() error { return nil }
 
 // Abort implements Aborter: the ranks waiting in a collective, and every
-// later call, get ErrAborted.
+// later call of more than one rank's, get ErrAborted.
 func (c *InProcess) Abort() {
 	c.mu.Lock()
 	c.broken = true

@@ -67,20 +67,21 @@ type RankDeviceCommunicator interface {
 // it parks, so that back-to-back operations cost no thread wake-ups.
 type worker struct {
 	rank     int
-	fn       func(r int) // the posted job; nil asks the worker to exit
+	panicked func(rank int) // called when a job panics, before the panic is kept
+	fn       func(r int)    // the posted job; nil asks the worker to exit
 	posted   atomic.Uint64
 	done     atomic.Uint64
 	sleeping atomic.Int32
 	wake     chan struct{}
-	panicked any // the job's panic, read after done
+	panic    any // the job's panic, read after done
 }
 
 // spinFor is how long an idle worker (or a waiting caller) spins before it
 // parks (or yields).
 const spinFor = 200 * time.Microsecond
 
-func newWorker(rank int) *worker {
-	w := &worker{rank: rank, wake: make(chan struct{}, 1)}
+func newWorker(rank int, panicked func(rank int)) *worker {
+	w := &worker{rank: rank, panicked: panicked, wake: make(chan struct{}, 1)}
 	go w.loop()
 	return w
 }
@@ -124,7 +125,11 @@ func (w *worker) loop() {
 }
 
 func (w *worker) run(fn func(int)) {
-	defer func() { w.panicked = recover() }()
+	defer func() {
+		if w.panic = recover(); w.panic != nil && w.panicked != nil {
+			w.panicked(w.rank)
+		}
+	}()
 	fn(w.rank)
 }
 
@@ -154,8 +159,8 @@ func (w *worker) wait() any {
 			goruntime.Gosched()
 		}
 	}
-	p := w.panicked
-	w.panicked = nil
+	p := w.panic
+	w.panic = nil
 	return p
 }
 

@@ -622,10 +622,11 @@ func (c *NCCLCommunicator) Close() error {
 	for r := range c.ctxs {
 		errs = append(errs, c.onRank(r, func() error {
 			var es []error
-			for _, p := range append(c.retired[r], c.buf[r]) {
-				if p != 0 {
-					es = append(es, c.drv.MemFree(p))
-				}
+			for _, p := range c.retired[r] {
+				es = append(es, c.drv.MemFree(p))
+			}
+			if c.buf[r] != 0 {
+				es = append(es, c.drv.MemFree(c.buf[r]))
 			}
 			c.buf[r], c.size[r], c.retired[r] = 0, 0, nil
 			if r < len(c.streams) {

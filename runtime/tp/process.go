@@ -78,6 +78,9 @@ func OpenRank(job Job, m *model.Model, opt RankOptions) (*Backend, error) {
 		return nil, fmt.Errorf("tp: rank %d: rank 0 runs on a GPU, this process cannot", job.Rank)
 	}
 	be, err := opt.NewGPU(job.LocalRank)
+	if err == nil && be == nil {
+		err = fmt.Errorf("no backend")
+	}
 	if err != nil {
 		err = fmt.Errorf("tp: rank %d on GPU %d (LOCAL_RANK): %w", job.Rank, job.LocalRank, err)
 	}
