@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"math"
@@ -512,4 +513,25 @@ func TestScratchHeldInPeerGroup(t *testing.T) {
 	if len(b.owned) != areas {
 		t.Errorf("growing the area outside a group: %d areas owned, want %d (the outgrown one freed)", len(b.owned), areas)
 	}
+}
+
+// FuzzDecodePeerEnd: a peer-memory end (from another rank, over the job's
+// communicator) decodes from any bytes into an end that encodes back to
+// the same bytes, or an error; never a panic. It needs no GPU.
+func FuzzDecodePeerEnd(f *testing.F) {
+	e := peerEnd{host: 0x1234, pid: 77, device: 1, sms: 132, area: 0x7f0000000000, ipc: true}
+	e.handle.Reserved[5] = 9
+	f.Add(e.encode())
+	e.ipc, e.handle.Reserved[5] = false, 0
+	f.Add(e.encode())
+	f.Add([]byte("qtP2"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		e, err := decodePeerEnd(b)
+		if err != nil {
+			return
+		}
+		if got := e.encode(); !bytes.Equal(got, b) {
+			t.Fatalf("end %+v encodes as %x, decoded from %x", e, got, b)
+		}
+	})
 }
