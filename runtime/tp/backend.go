@@ -81,9 +81,11 @@ type Backend struct {
 	workers []*worker
 	dev     []DeviceRank
 	// aborter is comm where it can be aborted; firstPanic is the first
-	// rank to panic in the current each, plus one (0: none).
+	// rank to panic in the current each, plus one (0: none), and
+	// firstValue its panic (written by that rank, read once all are done).
 	aborter    Aborter
 	firstPanic atomic.Int32
+	firstValue any
 	// dcomm, when the ranks are DeviceRanks and the communicator runs
 	// collectives on device buffers; streams are the local ranks' streams,
 	// in the order of local.
@@ -348,57 +350,51 @@ func (b *Backend) each(fn func(r int)) {
 		return
 	}
 	b.firstPanic.Store(0)
-	var first any // the first rank's panic
 	if b.workers != nil {
 		rest := b.local[1:]
 		for _, r := range rest {
 			b.workers[r].post(fn)
 		}
-		if p := b.runRank(fn, b.local[0]); p != nil && b.firstPanic.Load() == int32(b.local[0])+1 {
-			first = p
-		}
+		b.runRank(fn, b.local[0])
 		for _, r := range rest {
-			if p := b.workers[r].wait(); p != nil && b.firstPanic.Load() == int32(r)+1 {
-				first = p
-			}
+			b.workers[r].wait()
 		}
 	} else {
-		panics := make([]any, len(b.ranks))
 		var wg sync.WaitGroup
 		for _, r := range b.local {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				panics[r] = b.runRank(fn, r)
+				b.runRank(fn, r)
 			}()
 		}
 		wg.Wait()
-		if f := b.firstPanic.Load(); f > 0 {
-			first = panics[f-1]
-		}
 	}
 	if f := b.firstPanic.Load(); f > 0 {
-		panic(fmt.Sprintf("tp rank %d: %v", f-1, first))
+		p := b.firstValue
+		b.firstValue = nil
+		panic(fmt.Sprintf("tp rank %d: %v", f-1, p))
 	}
 }
 
-// runRank runs fn(r) and returns its panic, after rankPanicked.
-func (b *Backend) runRank(fn func(r int), r int) (p any) {
+// runRank runs fn(r), passing a panic to rankPanicked.
+func (b *Backend) runRank(fn func(r int), r int) {
 	defer func() {
-		if p = recover(); p != nil {
-			b.rankPanicked(r)
+		if p := recover(); p != nil {
+			b.rankPanicked(r, p)
 		}
 	}()
 	fn(r)
-	return nil
 }
 
-// rankPanicked notes rank r's panic in an each (the first one's rank is
-// the one each re-raises) and aborts the communicator where it can be: the
+// rankPanicked notes rank r's panic p in an each (the first one's is the
+// one each re-raises) and aborts the communicator where it can be: the
 // other ranks may be waiting for rank r in a collective it will not reach,
 // and would wait forever.
-func (b *Backend) rankPanicked(r int) {
-	b.firstPanic.CompareAndSwap(0, int32(r)+1)
+func (b *Backend) rankPanicked(r int, p any) {
+	if b.firstPanic.CompareAndSwap(0, int32(r)+1) {
+		b.firstValue = p
+	}
 	if b.aborter != nil {
 		b.aborter.Abort()
 	}
@@ -1133,9 +1129,9 @@ const negZero = 0x80000000
 // replicatePeer all-gathers the split single row t over peer memory (a
 // decode step's logits): each rank puts its piece into a row of −0 and the
 // group sums the rows, in rank order, adding each value to −0s only, so
-// every value keeps its bits (a NaN stays a NaN). A fill, a copy and the all-reduce's one
-// launch, where NCCL's all-gather of a 32 000-value row took 16.7 µs
-// (runtime/tp/README.md, measured alone).
+// every value keeps its bits (a NaN stays a NaN). A fill, a copy and the
+// all-reduce's one launch, where NCCL's all-gather of a 32 000-value row
+// took 16.7 µs (runtime/tp/README.md, measured alone).
 func (b *Backend) replicatePeer(t *Buf) {
 	old, split := t.parts, t.split
 	full := make([]runtime.Buf, len(b.ranks))

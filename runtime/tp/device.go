@@ -67,20 +67,19 @@ type RankDeviceCommunicator interface {
 // it parks, so that back-to-back operations cost no thread wake-ups.
 type worker struct {
 	rank     int
-	panicked func(rank int) // called when a job panics, before the panic is kept
-	fn       func(r int)    // the posted job; nil asks the worker to exit
+	panicked func(rank int, p any) // gets a job's panic
+	fn       func(r int)           // the posted job; nil asks the worker to exit
 	posted   atomic.Uint64
 	done     atomic.Uint64
 	sleeping atomic.Int32
 	wake     chan struct{}
-	panic    any // the job's panic, read after done
 }
 
 // spinFor is how long an idle worker (or a waiting caller) spins before it
 // parks (or yields).
 const spinFor = 200 * time.Microsecond
 
-func newWorker(rank int, panicked func(rank int)) *worker {
+func newWorker(rank int, panicked func(rank int, p any)) *worker {
 	w := &worker{rank: rank, panicked: panicked, wake: make(chan struct{}, 1)}
 	go w.loop()
 	return w
@@ -126,8 +125,8 @@ func (w *worker) loop() {
 
 func (w *worker) run(fn func(int)) {
 	defer func() {
-		if w.panic = recover(); w.panic != nil && w.panicked != nil {
-			w.panicked(w.rank)
+		if p := recover(); p != nil {
+			w.panicked(w.rank, p)
 		}
 	}()
 	fn(w.rank)
@@ -142,8 +141,8 @@ func (w *worker) post(fn func(int)) {
 	}
 }
 
-// wait blocks until the posted job has run and returns its panic.
-func (w *worker) wait() any {
+// wait blocks until the posted job has run.
+func (w *worker) wait() {
 	want := w.posted.Load()
 	var t0 time.Time
 	for i := 0; w.done.Load() != want; i++ {
@@ -159,9 +158,6 @@ func (w *worker) wait() any {
 			goruntime.Gosched()
 		}
 	}
-	p := w.panic
-	w.panic = nil
-	return p
 }
 
 // stop ends the worker's goroutine.
