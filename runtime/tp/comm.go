@@ -24,6 +24,25 @@ type Communicator interface {
 	Close() error
 }
 
+// agree makes every process of the job end with an error when any has
+// one: the count of failed processes (this one's err, nil where it did
+// not fail) is all-reduced through comm by this process's rank. It
+// returns err, or one saying how many others failed to do what, or that
+// the count could not be made.
+func agree(comm Communicator, rank int, err error, what string) error {
+	failed := []float32{0}
+	if err != nil {
+		failed[0] = 1
+	}
+	if e := comm.AllReduceSum(rank, failed); e != nil {
+		return errors.Join(err, fmt.Errorf("tp: rank %d: agreeing that no rank failed: %w", rank, e))
+	}
+	if err == nil && failed[0] > 0 {
+		return fmt.Errorf("tp: rank %d: %.0f other rank(s) %s", rank, failed[0], what)
+	}
+	return err
+}
+
 // Aborter is a Communicator that can be broken, so that the ranks waiting
 // in its collectives for a rank that has failed return an error instead
 // of waiting forever (Backend aborts it when a rank panics).

@@ -95,7 +95,7 @@ func (b *Backend) UsePeerMemory(limitBytes int, timeout time.Duration) error {
 	}
 	err := errors.Join(errs...)
 	if !b.allLocal() {
-		err = b.agree(err)
+		err = agree(b.comm, b.local[0], err, "could not join the peer-memory group")
 	}
 	if err != nil {
 		for _, r := range b.local {
@@ -166,24 +166,6 @@ func (b *Backend) exchangeEnds(r int, end []byte) ([][]byte, error) {
 		out[q] = append([]byte(nil), msg[4:4+size]...)
 	}
 	return out, nil
-}
-
-// agree makes every process of the job end with an error when any has
-// one: the count of failed processes is all-reduced through the
-// communicator.
-func (b *Backend) agree(err error) error {
-	r := b.local[0]
-	failed := []float32{0}
-	if err != nil {
-		failed[0] = 1
-	}
-	if e := b.comm.AllReduceSum(r, failed); e != nil {
-		return errors.Join(err, e)
-	}
-	if err == nil && failed[0] > 0 {
-		return fmt.Errorf("another rank could not join (%v of them)", failed[0])
-	}
-	return err
 }
 
 // maxEndBytes bounds the end a PeerRank hands out (the CUDA backend's

@@ -88,7 +88,7 @@ func OpenRank(job Job, m *model.Model, opt RankOptions) (*Backend, error) {
 	// initialization would wait for a rank that failed with no time-out
 	// (a launcher such as srun need not end the others), the socket's
 	// collectives have one.
-	if err = agreeOpened(sock, job.Rank, err); err != nil {
+	if err = agree(sock, job.Rank, err, "could not open their GPU"); err != nil {
 		if be != nil {
 			be.Close()
 		}
@@ -124,26 +124,6 @@ func OpenRank(job Job, m *model.Model, opt RankOptions) (*Backend, error) {
 	}
 	b.usePeerMemoryByDefault(job.timeout())
 	return b, nil
-}
-
-// agreeOpened sums the ranks' failures to open their GPU (opened: this
-// rank's, nil where it opened) over the socket and returns this rank's
-// error, or one naming how many others failed.
-func agreeOpened(sock *SocketCommunicator, rank int, opened error) error {
-	failed := []float32{0}
-	if opened != nil {
-		failed[0] = 1
-	}
-	if err := sock.AllReduceSum(rank, failed); err != nil && opened == nil {
-		return fmt.Errorf("tp: rank %d: agreeing that every GPU opened: %w", rank, err)
-	}
-	if opened != nil {
-		return opened
-	}
-	if failed[0] > 0 {
-		return fmt.Errorf("tp: rank %d: %.0f other rank(s) could not open their GPU", rank, failed[0])
-	}
-	return nil
 }
 
 // rank0Plan is rank 0's choice: CPU or GPU ranks, and for GPUs NCCL's id
