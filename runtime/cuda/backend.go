@@ -460,7 +460,7 @@ func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
 	if s.n >= bytes {
 		return s.p
 	}
-	if s.p != 0 && !b.capturing && !b.liveGraphs() && b.peerReduceCap() == 0 {
+	if s.p != 0 && !b.outgrownHeld() {
 		b.must(b.drv.StreamSynchronize(b.stream))
 		b.must(b.drv.MemFree(s.p))
 		delete(b.owned, s.p)
@@ -471,6 +471,13 @@ func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
 	b.owned[p] = -1 // never pooled
 	b.scratch[name] = scratch{p: p, n: n}
 	return p
+}
+
+// outgrownHeld reports whether an outgrown scratch area must stay
+// allocated (scratchBuf): during a capture, while a captured graph is
+// alive, or in a connected peer-memory group.
+func (b *Backend) outgrownHeld() bool {
+	return b.capturing || b.liveGraphs() || b.peerReduceCap() > 0
 }
 
 // liveGraphs reports whether a captured graph has not been destroyed yet

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"qtool/formats/model"
 	"qtool/kernels"
@@ -836,28 +837,55 @@ func testArgmaxEdges(t *testing.T, b *Backend) {
 	}
 }
 
-// TestScratchHeldByGraph checks that growing a scratch area keeps the old
-// one allocated while a captured graph is alive (the graph may read it) and
-// frees it once none is.
-func TestScratchHeldByGraph(t *testing.T) {
-	b := newTestBackend(t)
-	old := b.scratchBuf("held_test", 1024)
-	g := &Graph{b: b} // stands for a live captured graph
-	b.graphs = append(b.graphs, g)
-	t.Cleanup(func() { g.freed = true }) // before Close (cleanups run last first): it has no graph to destroy
-	grown := b.scratchBuf("held_test", 4096)
-	if _, ok := b.owned[old]; !ok || grown == old {
-		t.Fatalf("growing the area with a live graph freed the old one (or kept its address)")
-	}
-	g.freed = true // destroyed: nothing holds areas any more
-	areas := len(b.owned)
-	b.scratchBuf("held_test", 16384)
-	// The allocator may hand the freed address out again, so count the areas.
-	if len(b.owned) != areas {
-		t.Errorf("growing the area with no live graph: %d areas owned, want %d (the outgrown one freed)", len(b.owned), areas)
-	}
-	if len(b.graphs) != 0 {
-		t.Errorf("%d destroyed graphs still listed", len(b.graphs))
+// TestScratchHeld checks that growing a scratch area keeps the old one
+// allocated while something may still need it — a captured graph alive
+// (the graph may read it), the backend in a connected peer-memory group (a
+// free may wait for the peers' GPUs, where an all-reduce may spin waiting
+// for this rank) — and frees it once nothing does.
+func TestScratchHeld(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		hold func(t *testing.T) (b *Backend, release func())
+	}{
+		{"graph", func(t *testing.T) (*Backend, func()) {
+			b := newTestBackend(t)
+			g := &Graph{b: b} // stands for a live captured graph
+			b.graphs = append(b.graphs, g)
+			t.Cleanup(func() { g.freed = true }) // before Close (cleanups run last first): it has no graph to destroy
+			return b, func() { g.freed = true }  // destroyed: nothing holds areas any more
+		}},
+		{"peer-group", func(t *testing.T) (*Backend, func()) {
+			ranks := peerGroup(t, 2, 1<<10, time.Minute)
+			return ranks[0], func() {
+				for _, r := range ranks {
+					if err := r.ClosePeerReduce(); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b, release := tc.hold(t)
+			defer b.enter()() // scratchBuf runs with the context current
+			old := b.scratchBuf("held_test", 1024)
+			if grown := b.scratchBuf("held_test", 4096); grown == old {
+				t.Fatal("the grown area kept the old address")
+			}
+			if _, ok := b.owned[old]; !ok {
+				t.Fatal("growing the area while held freed the old one")
+			}
+			release()
+			areas := len(b.owned)
+			b.scratchBuf("held_test", 16384)
+			// The allocator may hand the freed address out again, so count the areas.
+			if len(b.owned) != areas {
+				t.Errorf("growing the area, no longer held: %d areas owned, want %d (the outgrown one freed)", len(b.owned), areas)
+			}
+			if len(b.graphs) != 0 {
+				t.Errorf("%d destroyed graphs still listed", len(b.graphs))
+			}
+		})
 	}
 }
 

@@ -488,33 +488,6 @@ func firstLine(s, sub string) string {
 	return ""
 }
 
-// TestScratchHeldInPeerGroup checks that growing a scratch area keeps the
-// old one allocated while the backend is in a connected peer-memory group
-// (a free may wait for the peers' GPUs, where an all-reduce may spin
-// waiting for this rank) and frees it once the group is closed.
-func TestScratchHeldInPeerGroup(t *testing.T) {
-	ranks := peerGroup(t, 2, 1<<10, time.Minute)
-	b := ranks[0]
-	defer b.enter()() // scratchBuf runs with the context current
-	old := b.scratchBuf("held_test", 1024)
-	if grown := b.scratchBuf("held_test", 4096); grown == old {
-		t.Fatal("the grown area kept the old address")
-	}
-	if _, ok := b.owned[old]; !ok {
-		t.Fatal("growing the area in a peer-memory group freed the old one")
-	}
-	for _, r := range ranks {
-		if err := r.ClosePeerReduce(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	areas := len(b.owned)
-	b.scratchBuf("held_test", 16384)
-	if len(b.owned) != areas {
-		t.Errorf("growing the area outside a group: %d areas owned, want %d (the outgrown one freed)", len(b.owned), areas)
-	}
-}
-
 // FuzzDecodePeerEnd: a peer-memory end (from another rank, over the job's
 // communicator) decodes from any bytes into an end that encodes back to
 // the same bytes, or an error; never a panic. It needs no GPU.
