@@ -28,7 +28,7 @@ for t in ${TESTBINS:-cuda}; do
     gputest) pkg=./runtime/tp/gputest ;;
     *) echo "gpu-prep: unknown test binary $t (cuda, kld, tp, gputest)" >&2; exit 2 ;;
   esac
-  go test -c -o "bin/$t.test" "$pkg"
+  go test -c -trimpath -ldflags="-s -w" -o "bin/$t.test" "$pkg" # stripped: panics still name their functions
   bins+=("bin/$t.test")
 done
 if ! git diff --quiet "$base" -- . ':!kernels/exp'; then

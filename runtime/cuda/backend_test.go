@@ -269,7 +269,7 @@ var weightCases = []weightCase{
 	{"awq-int4-g128-splitk", 2560, halfScaled(quantCase(4, 128, 1, false)), 0},
 	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false), 0},
 	{"awq-int4-g128-wide", 4608, halfScaled(quantCase(4, 128, 1, false)), 0},  // K > 4096: gemv_q4_w2h
-	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},    // ≥ 64 rows a multiprocessor: gemv_q4_w4a
+	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},    // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a
 	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), 112}, // waves fuller at two blocks a multiprocessor: gemv_q4_w4h
 	{"gptq-int4-actorder-g128-tall", 0, halfScaled(quantCase(4, 128, 1, true)), 64},
 	// act-order rows too wide for gather_half (K > gatherHalfMaxCols: a

@@ -1762,7 +1762,7 @@ const gemvStreamRowsTag = 1 << 29
 //	               in the launch
 //	q8             otherwise                                   gemv_q8_r4u1    4 rows a block
 //	q4             streamable (gemvStream), K ≤ 4096,          gemv_q4_w4a     32 rows a block, x staged,
-//	               ≥ 64 rows a multiprocessor in the launch,                   the ring in shared memory
+//	               ≥ 40 rows a multiprocessor in the launch,                   the ring in shared memory
 //	               waves as full at 3 blocks a multiprocessor
 //	               as at 2 (waveFill)
 //	q4             the same, waves fuller at 2                 gemv_q4_w4h     32 rows a block, x staged
@@ -1817,7 +1817,11 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 		if l.szh == 0 {
 			return "gemv_q4_w2h_s32", gemvStreamRowsTag
 		}
-		if l.in <= 4096 && rows >= 64*b.sms { // two blocks of 32 rows a multiprocessor
+		// two blocks of 32 rows a multiprocessor from 40 rows a
+		// multiprocessor in the launch: a TP=2 rank's q/k/v (6 144 rows)
+		// decodes faster on them than on gemv_q4_w2h (kernels/NOTES.md,
+		// twenty-eighth session)
+		if l.in <= 4096 && rows >= 40*b.sms {
 			if b.opt.NoAsyncGEMV {
 				return "gemv_q4_w4h", gemvStreamRowsTag
 			}
