@@ -347,7 +347,7 @@ func (b *Backend) MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool
 	}
 	if s.rows > 1 {
 		defer b.enter()()
-		if !b.sendTiles(d, s, l, add) {
+		if !b.sendTiles(d, &gemmIn{x: s}, l, add) {
 			return false
 		}
 		b.allReduceLarge(d, true)
@@ -367,6 +367,53 @@ func (b *Backend) MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool
 	b.gemv(s, []gemvSeg{{d, l}}, epi)
 	b.allReduceLL(d, true)
 	return true
+}
+
+// MLPAllReduce queues MLP's block (NormSwiGLU(g, x, w, bias, eps, gate,
+// up), then x·downᵀ) with down's products summed over the peer-memory group
+// as MatMulAllReduce sums them: x becomes (x where add is set) + g·downᵀ
+// summed over the ranks, the bits of NormSwiGLU then MatMulAllReduce. Down's
+// GEMM reads the SwiGLU in the fp16 form the gate/up GEMM writes where it
+// can (gluPair), as MLP does on one GPU, where that sequence converts it
+// with to_half. Only for several rows whose down product sends its tiles
+// (tileSender); otherwise it queues nothing and returns false.
+func (b *Backend) MLPAllReduce(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear, add bool) bool {
+	if sent, _ := b.mlpSend(x, w, bias, eps, gate, up, down, add); !sent {
+		return false
+	}
+	defer b.enter()()
+	b.allReduceLarge(buf(x), true)
+	return true
+}
+
+// mlpSend is MLPAllReduce up to the all-reduce: the block with down's GEMM
+// sending its tiles (sent), or nothing queued (not sent); formed reports
+// whether down read the SwiGLU's fp16 form. (The tests queue every rank's
+// before any rank's all-reduce, which on one GPU would spin where the
+// other ranks' GEMMs need the multiprocessors.)
+func (b *Backend) mlpSend(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear, add bool) (sent, formed bool) {
+	p, rows := b.peer, x.Rows()
+	if p == nil || !p.connected || rows <= 1 {
+		return false, false
+	}
+	if tp, _, _ := b.tileSender(lin(down), rows); tp == "" {
+		return false, false
+	}
+	g := b.AllocRaw(rows, gate.Out())
+	defer b.Free(g)
+	s, segs := b.segments("MLPAllReduce", []runtime.Buf{g, g}, x, []runtime.Linear{gate, up})
+	_, dseg := b.segments("MLPAllReduce", []runtime.Buf{x}, g, []runtime.Linear{down})
+	defer b.enter()()
+	dl := dseg[0].l
+	q := b.inputFor(dl, rows)
+	in := &gemmIn{x: buf(g)}
+	if formed = b.normSwiGLU(s, segs, w, bias, eps, q); formed {
+		in = q.input(rows, dl.in)
+	}
+	if !b.sendTiles(s, in, dl, add) {
+		panic("cuda backend: MLPAllReduce: down's GEMM refused to send after tileSender chose it")
+	}
+	return true, formed
 }
 
 // ClosePeerReduce leaves the peer-memory group (nothing outside one).
@@ -442,20 +489,21 @@ func (b *Backend) tileSender(l *Linear, M int) (tp, wg string, widen bool) {
 var tileSendKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_tp", "gemm_wg_bf16": "gemm_wg_bf16_tp",
 	"gemm_wg_q4": "gemm_wg_q4_tp", "gemm_wg_q8": "gemm_wg_q8_tp"}
 
-// sendTiles queues d = s·lᵀ (d + s·lᵀ where add is set) with the Hopper
-// GEMM that sends its tiles to lane 1 (tileSender), or returns false and
-// queues nothing (context current).
-func (b *Backend) sendTiles(d, s *Buf, l *Linear, add bool) bool {
-	tp, wg, widen := b.tileSender(l, s.rows)
+// sendTiles queues d = x·lᵀ (d + x·lᵀ where add is set), x in's
+// activations (in whichever form in holds), with the Hopper GEMM that sends
+// its tiles to lane 1 (tileSender), or returns false and queues nothing
+// (context current).
+func (b *Backend) sendTiles(d *Buf, in *gemmIn, l *Linear, add bool) bool {
+	tp, wg, widen := b.tileSender(l, in.x.rows)
 	if tp == "" {
 		return false
 	}
-	M, N, K := s.rows, l.out, l.in
+	M, N, K := in.x.rows, l.out, l.in
 	w := l.w
 	if widen {
 		w = b.widened(l)
 	}
-	a16 := b.half(&gemmIn{x: s}, l)
+	a16 := b.half(in, l)
 	grid, shm, wmap := b.prepareWG(wg, a16, w, l, M)
 	b.raiseSmem(tp, shm)
 	out := outStore

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"qtool/formats/model"
 	"qtool/runtime"
 )
 
@@ -354,7 +355,7 @@ func TestMatMulAllReduceTiles(t *testing.T) {
 								before := b.launches
 								func() {
 									defer b.enter()()
-									sends[q] = b.sendTiles(got[q], xs[q], lin(ws[q]), q == 0)
+									sends[q] = b.sendTiles(got[q], &gemmIn{x: xs[q]}, lin(ws[q]), q == 0)
 								}()
 								if sends[q] != (tp != "") {
 									t.Fatalf("rank %d: sendTiles = %v, tileSender %q", q, sends[q], tp)
@@ -407,6 +408,112 @@ func TestMatMulAllReduceTiles(t *testing.T) {
 			if err := b.ClosePeerReduce(); err != nil {
 				t.Fatal(err)
 			}
+		}
+	}
+}
+
+// TestMLPAllReduce checks a prefill's MLP block with down's products sent
+// to the large all-reduce (MLPAllReduce: mlpSend, then allreduce_peer with
+// sent set) against NormSwiGLU, down's product and AllReducePeer, bit for
+// bit, on two ranks of one GPU, for the weight kinds of the default width.
+// As in TestMatMulAllReduceTiles every rank's block is queued and finished
+// before any all-reduce. On Hopper at least one case must have down read the
+// SwiGLU's fp16 form (no to_half of its input).
+func TestMLPAllReduce(t *testing.T) {
+	const (
+		world = 2
+		M     = 130 // two activation tiles, the second of 2 rows
+		H, F  = 640, 256
+	)
+	ranks := peerGroup(t, world, 1<<18, time.Minute)
+	r := rand.New(rand.NewPCG(7, 29))
+	anyFormed := false
+	for _, wc := range weightCases {
+		if wc.k != 0 || wc.tall != 0 {
+			continue
+		}
+		t.Run(wc.name, func(t *testing.T) {
+			gu, down := make([][]runtime.Linear, world), make([]runtime.Linear, world)
+			norm := make([]runtime.Vector, world)
+			for q, b := range ranks {
+				gu[q] = uploadWeights(t, b, r, wc, fmt.Sprintf("mlp.gu.r%d.", q), []int{F, F}, H)
+				down[q] = uploadWeights(t, b, r, wc, fmt.Sprintf("mlp.down.r%d.", q), []int{H}, F)[0]
+				var err error
+				if norm[q], err = b.UploadVector("mlp.norm", model.FromFloat32([]int{H}, randVec(r, H, 1))); err != nil {
+					t.Fatal(err)
+				}
+			}
+			x := randVec(r, M*H, 1)
+			want, got := make([]*Buf, world), make([]*Buf, world)
+			defer func() {
+				for q, b := range ranks {
+					b.Sync()
+					if got[q] != nil {
+						b.Free(got[q])
+						b.Free(want[q])
+					}
+					b.FreeLinear(down[q])
+					for _, l := range gu[q] {
+						b.FreeLinear(l)
+					}
+				}
+			}()
+			for q, b := range ranks {
+				want[q], got[q] = upload(b, M, H, x), upload(b, M, H, x)
+				g := b.Alloc(M, F)
+				b.NormSwiGLU(g, want[q], norm[q], nil, 1e-5, gu[q][0], gu[q][1])
+				if q == 0 {
+					b.MatMulAdd(want[q], g, down[q])
+				} else {
+					b.MatMul(want[q], g, down[q])
+				}
+				b.Free(g)
+			}
+			for _, b := range ranks {
+				b.Sync()
+			}
+			for q, b := range ranks {
+				b.AllReducePeer(want[q])
+			}
+			tp, _, _ := ranks[0].tileSender(lin(down[0]), M)
+			sent := make([]bool, world)
+			for q, b := range ranks {
+				before := b.launches
+				var formed bool
+				sent[q], formed = b.mlpSend(got[q], norm[q], nil, 1e-5, gu[q][0], gu[q][1], down[q], q == 0)
+				anyFormed = anyFormed || formed
+				if sent[q] != (tp != "") {
+					t.Fatalf("rank %d: mlpSend = %v, tileSender %q", q, sent[q], tp)
+				}
+				if !sent[q] && b.launches != before {
+					t.Fatalf("rank %d: a refused mlpSend launched %d kernels", q, b.launches-before)
+				}
+			}
+			if !sent[0] {
+				t.Skipf("down's GEMM does not send its tiles here (tileSender %q)", tp)
+			}
+			for _, b := range ranks {
+				b.Sync()
+			}
+			for q, b := range ranks {
+				func() {
+					defer b.enter()()
+					b.allReduceLarge(got[q], true)
+				}()
+			}
+			for q, b := range ranks {
+				if g, w := download(b, got[q]), download(b, want[q]); !slices.Equal(g, w) {
+					t.Errorf("rank %d: MLPAllReduce differs from NormSwiGLU, the product and AllReducePeer (first values %v vs %v)", q, g[:4], w[:4])
+				}
+			}
+		})
+	}
+	if ranks[0].wgmma && !anyFormed && !t.Failed() {
+		t.Error("no case had down read the SwiGLU's fp16 form")
+	}
+	for _, b := range ranks {
+		if err := b.ClosePeerReduce(); err != nil {
+			t.Fatal(err)
 		}
 	}
 }

@@ -121,26 +121,35 @@ func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 	}
 	b.toSplit(s, l.ranges)
 	b.replicate(d)
-	partial := func(r int) {
-		if r == 0 {
-			b.rankFused(r).MatMulAdd(d.parts[r], s.parts[r], l.parts[r])
-		} else {
-			b.ranks[r].MatMul(d.parts[r], s.parts[r], l.parts[r])
-		}
-	}
 	if n := d.rows * d.cols; n > 0 && b.PeerMemory(n) && !b.skipComm {
 		// the ranks may choose differently: the values cross in the same words
-		b.each(func(r int) {
-			if ps, ok := b.peer[r].(PeerSender); ok && ps.MatMulAllReduce(d.parts[r], s.parts[r], l.parts[r], r == 0) {
-				return
-			}
-			partial(r)
-			b.peer[r].AllReducePeer(d.parts[r])
-		})
+		b.each(func(r int) { b.sumPeer(r, d.parts[r], s.parts[r], l.parts[r]) })
 		return
 	}
-	b.each(partial)
+	b.each(func(r int) { b.partial(r, d.parts[r], s.parts[r], l.parts[r]) })
 	b.allReduce(d)
+}
+
+// partial queues rank r's partial product of a row-parallel weight (its
+// piece w, its columns x of the input): dst += x·wᵀ on rank 0 (the
+// residual add), dst = x·wᵀ on the others.
+func (b *Backend) partial(r int, dst, x runtime.Buf, w runtime.Linear) {
+	if r == 0 {
+		b.rankFused(r).MatMulAdd(dst, x, w)
+	} else {
+		b.ranks[r].MatMul(dst, x, w)
+	}
+}
+
+// sumPeer is rank r's share of a row-parallel product over peer memory
+// (rank r's pieces): partial, then summed over the ranks, sent by the
+// product itself where the backend can (PeerSender), else by AllReducePeer.
+func (b *Backend) sumPeer(r int, dst, x runtime.Buf, w runtime.Linear) {
+	if ps, ok := b.peer[r].(PeerSender); ok && ps.MatMulAllReduce(dst, x, w, r == 0) {
+		return
+	}
+	b.partial(r, dst, x, w)
+	b.peer[r].AllReducePeer(dst)
 }
 
 // PeerSender is a PeerRank whose products can send their values straight
@@ -150,6 +159,12 @@ func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 // caller then runs the product and AllReducePeer).
 type PeerSender interface {
 	MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool) bool
+	// MLPAllReduce is MLP's block on x (NormSwiGLU, then down's
+	// product) with down's products summed over the group as
+	// MatMulAllReduce sums them (x's own value kept where add is set), or
+	// false and nothing queued where it cannot (then NormSwiGLU and
+	// MatMulAllReduce).
+	MLPAllReduce(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear, add bool) bool
 }
 
 // RoPEStoreKV implements runtime.Fused: each rank rotates its heads of q
@@ -236,7 +251,30 @@ func (b *Backend) RoPEAttention(dst, q, k, v runtime.Buf, c runtime.KVCache, lay
 }
 
 // MLP implements runtime.Fused: NormSwiGLU, then MatMulAdd (each on the
-// ranks' pieces as above).
+// ranks' pieces as above); over peer memory, with a prefill's rows, each
+// rank runs the block as one call that ends in down's sending product
+// (PeerSender's MLPAllReduce: down reads the SwiGLU in the form the gate
+// and up GEMM writes, without a conversion of its own).
 func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear) {
-	runtime.MLPSeq(b, x, w, bias, eps, gate, up, down)
+	s, gl, ul, dl := bufOf(x), linearOf(gate), linearOf(up), linearOf(down)
+	n := s.rows * s.cols
+	if !b.fused || s.rows <= 1 || gl.split != shard.Column || ul.split != shard.Column || dl.split != shard.Row ||
+		!slices.Equal(gl.ranges, ul.ranges) || !slices.Equal(gl.ranges, dl.ranges) ||
+		s.cols != gl.in || gl.in != ul.in || gl.out != ul.out || dl.in != gl.out || dl.out != s.cols ||
+		!b.PeerMemory(n) || b.skipComm {
+		runtime.MLPSeq(b, x, w, bias, eps, gate, up, down)
+		return
+	}
+	wv, bv := b.replicatedVector("MLP", w, bias)
+	b.replicate(s)
+	b.each(func(r int) {
+		x, wr, br, gate, up, down := s.parts[r], wv.parts[r], bv.part(r), gl.parts[r], ul.parts[r], dl.parts[r]
+		if ps, ok := b.peer[r].(PeerSender); ok && ps.MLPAllReduce(x, wr, br, eps, gate, up, down, r == 0) {
+			return
+		}
+		g := runtime.AllocRaw(b.ranks[r], s.rows, gate.Out())
+		b.rankFused(r).NormSwiGLU(g, x, wr, br, eps, gate, up)
+		b.sumPeer(r, x, g, down)
+		b.ranks[r].Free(g)
+	})
 }

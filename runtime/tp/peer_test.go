@@ -355,3 +355,96 @@ func TestPeerReplicate(t *testing.T) {
 		})
 	}
 }
+
+// fusingPeer is a fake peer-memory rank (fakePeer) that fuses (fusingCPU,
+// over the fakePeer) and sends its MLP's down products to the all-reduce
+// itself (PeerSender's MLPAllReduce: the block's sequence, then
+// AllReducePeer), counted in mlp; refuse makes it decline, as a backend
+// that cannot does. Its MatMulAllReduce always declines.
+type fusingPeer struct {
+	fusingCPU
+	*fakePeer
+	refuse bool
+	mlp    *atomic.Int64
+}
+
+func (f fusingPeer) Sync() {}
+
+func (f fusingPeer) MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool) bool {
+	return false
+}
+
+func (f fusingPeer) MLPAllReduce(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear, add bool) bool {
+	if f.refuse {
+		return false
+	}
+	f.mlp.Add(1)
+	g := f.Alloc(x.Rows(), gate.Out())
+	f.fusingCPU.NormSwiGLU(g, x, w, bias, eps, gate, up)
+	if add {
+		f.fusingCPU.MatMulAdd(x, g, down)
+	} else {
+		f.MatMul(x, g, down)
+	}
+	f.Free(g)
+	f.AllReducePeer(x)
+	return true
+}
+
+// TestPeerMLP: over peer memory the fused TP backend runs a prefill's MLP
+// block on each rank as one call ending in the all-reduce (MLPAllReduce),
+// and the logits equal those of fusing ranks without peer memory bit for
+// bit — also where one rank declines and runs the block's sequence and
+// AllReducePeer itself (the ranks may choose differently). Decode rows keep
+// the sequence (no MLPAllReduce), and greedy decoding gives the
+// reference's ids.
+func TestPeerMLP(t *testing.T) {
+	m := openHF(t, "llama-mini")
+	ref := loadRef(t, "llama-mini")
+	ids := ref.LogitsInputIDs
+	var calls atomic.Int64
+	want := logits(load(t, m, fusingTP(t, m, &calls)), ids)
+	for _, refuse := range []int{-1, 1} {
+		t.Run(fmt.Sprintf("rank-declining=%d", refuse), func(t *testing.T) {
+			var fused, peerCalls, mlp atomic.Int64
+			mem := newMemory()
+			group, _ := NewInProcess(2)
+			ranks := make([]runtime.Backend, 2)
+			for r := range ranks {
+				p := &fakePeer{fakeDevice: fakeDevice{cpu.New(1), mem}, group: group, calls: &peerCalls}
+				ranks[r] = fusingPeer{fusingCPU{p, &fused}, p, r == refuse, &mlp}
+			}
+			ip, _ := NewInProcess(2)
+			be, err := New(m.Config, ranks, fakeComm{ip, mem})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { be.Close() })
+			if err := be.UsePeerMemory(len(ids)*m.Config.Hidden*4, time.Minute); err != nil {
+				t.Fatal(err)
+			}
+			dev := load(t, m, be)
+			if got := logits(dev, ids); !slices.Equal(got, want) {
+				t.Errorf("logits differ from fusing ranks without peer memory by %.3g", maxRel(got, want))
+			}
+			sending := int64(2)
+			if refuse >= 0 {
+				sending = 1
+			}
+			if n := mlp.Load(); n != sending*int64(m.Config.Layers) {
+				t.Errorf("%d MLP blocks sent their down products, want %d (%d layers, %d ranks sending)", n, sending*int64(m.Config.Layers), m.Config.Layers, sending)
+			}
+			mlp.Store(0)
+			gen, err := runtime.Generate(dev, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: 4, EOS: []int{}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if w := ref.GreedyIDs[len(ref.GreedyPromptIDs):][:4]; !slices.Equal(gen, w) {
+				t.Errorf("greedy %v, reference %v", gen, w)
+			}
+			if n, prompts := mlp.Load(), sending*int64(m.Config.Layers); n != prompts {
+				t.Errorf("%d MLP blocks sent while generating, want %d (the prompt's alone, not the decode rows')", n, prompts)
+			}
+		})
+	}
+}
