@@ -1965,6 +1965,15 @@ __device__ __forceinline__ unsigned long long* ar_stage0(unsigned long long area
     return reinterpret_cast<unsigned long long*>(area + ar_stage0_off(stage_off, cap, e, world, sender));
 }
 
+// ar_stage1 is lane 1's stage[e & 1][sender] of floats (stage_off and cap
+// the lane's, in floats: allreduce_peer's layout) in the area at address
+// area, as ar_stage0 is lane 0's of words.
+__device__ __forceinline__ float* ar_stage1(unsigned long long area, long long stage_off, long long cap, unsigned e,
+                                            int world, int sender) {
+    return reinterpret_cast<float*>(reinterpret_cast<char*>(area) + AR_HEADER) + stage_off +
+           ((long long)(e & 1) * world + sender) * cap;
+}
+
 // PeerMirror stores a row-parallel product's values, as they are stored
 // into C, at the same offsets of the tensor-parallel peers' stages d[0..n)
 // (the all-reduce's lane 1: allreduce_peer, whose write phase then has
@@ -1995,8 +2004,7 @@ __device__ __forceinline__ PeerMirror peer_mirror(const char* area, int rank, in
 #pragma unroll 1
     for (int p = 0; p < world && p < AR_MAX_RANKS; p++)
         if (p != rank)
-            m.d[m.n++] = reinterpret_cast<float*>(reinterpret_cast<char*>(areas[p]) + AR_HEADER) + stage_off +
-                         ((long long)(e & 1) * world + rank) * cap;
+            m.d[m.n++] = ar_stage1(areas[p], stage_off, cap, e, world, rank);
     return m;
 }
 
@@ -2946,19 +2954,23 @@ __device__ __forceinline__ void gemm_body(float* __restrict__ C, const float* __
 template <int MI>
 constexpr int gh_bm = 32 * MI;
 #define GH_LD 72  // halfs per smem row (64 + 8 padding)
-#define GH_SMEM (GH_STAGES * (BM + BN) * GH_LD * 2)
+// GH_SMEM_ROWS(bm) and its kin: the bytes for a tile of bm rows of A.
+#define GH_SMEM_ROWS(bm) (GH_STAGES * ((bm) + BN) * GH_LD * 2)
+#define GH_SMEM GH_SMEM_ROWS(BM)
 // gemm_h_q4 keeps a stage's 4-bit weights as they are (BN rows of 8 words,
 // the two 16-byte halves of a row swapped on rows 4-7 of every 8, so that
 // the 8 rows a fragment load touches fall in distinct banks) and each
 // row's {scale, zero} (one group a stage: gs % GH_BK == 0).
-#define GHQ_SMEM (GH_STAGES * (BM * GH_LD * 2 + BN * 32 + BN * 8))
+#define GHQ_SMEM_ROWS(bm) (GH_STAGES * ((bm) * GH_LD * 2 + BN * 32 + BN * 8))
+#define GHQ_SMEM GHQ_SMEM_ROWS(BM)
 // gemm_h_q8 keeps a stage's int8 codes (BN rows of GH_BK bytes, padded to
 // GHQ8_LD) and each row's {scale, zero} (gs % GH_BK == 0, no g_idx).
 #define GHQ8_LD 80
-#define GHQ8_SMEM (GH_STAGES * (BM * GH_LD * 2 + BN * GHQ8_LD + BN * 8))
-#define GH_S_SMEM (GH_STAGES * (32 + BN) * GH_LD * 2)
-#define GHQ_S_SMEM (GH_STAGES * (32 * GH_LD * 2 + BN * 32 + BN * 8))
-#define GHQ8_S_SMEM (GH_STAGES * (32 * GH_LD * 2 + BN * GHQ8_LD + BN * 8))
+#define GHQ8_SMEM_ROWS(bm) (GH_STAGES * ((bm) * GH_LD * 2 + BN * GHQ8_LD + BN * 8))
+#define GHQ8_SMEM GHQ8_SMEM_ROWS(BM)
+#define GH_S_SMEM GH_SMEM_ROWS(32)
+#define GHQ_S_SMEM GHQ_SMEM_ROWS(32)
+#define GHQ8_S_SMEM GHQ8_SMEM_ROWS(32)
 enum { GH_F16 = 0, GH_BF16 = 1, GH_Q4 = 2, GH_Q8 = 3, GH_S8 = 4 };  // GH_S8: gemm_wg_s8 alone
 
 // gather_cols: dst[r][j] = x[r][perm[j]] (the input of an act-order
@@ -4255,10 +4267,10 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
     const long long sync_off = 8 * AR_MAX_RANKS + (long long)lane * AR_LANE_SYNC;  // the lane's flags, in bytes
     const unsigned* flags = reinterpret_cast<const unsigned*>(area + sync_off);
     const unsigned e = ar_call(reinterpret_cast<unsigned*>(area + sync_off) + AR_MAX_RANKS * AR_MAX_BLOCKS);
-    const long long stage0 = stage_off + (long long)(e & 1) * world * cap;  // stage[e & 1] in floats
+    if (sent && lane != 1) __trap();  // only lane 1's senders (gemm_wg_*_tp) write the stage for it
     const long long n4 = n >> 2, step = (long long)gridDim.x * blockDim.x, i0 = (long long)b * blockDim.x + t;
     auto stage_of = [&](int peer, int sender) {  // stage[e & 1][sender] in peer's area
-        return reinterpret_cast<float*>(reinterpret_cast<char*>(areas[peer]) + AR_HEADER) + stage0 + sender * cap;
+        return ar_stage1(areas[peer], stage_off, cap, e, world, sender);
     };
     const float4* x4 = reinterpret_cast<const float4*>(x);
     for (long long i = sent ? n4 : i0; i < n4; i += 4 * step) {
