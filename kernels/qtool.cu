@@ -1415,6 +1415,14 @@ struct AtF32 {
         *reinterpret_cast<float2*>(f + i) = make_float2(a, b);
     }
 };
+// AtF16 is the prefill attention's output rounded to fp16 as to_half rounds
+// it (pack_h2): o's input where o's GEMM takes fp16 (attn_tc_f16_h).
+struct AtF16 {
+    __half* h;
+    __device__ __forceinline__ void put2(size_t i, float a, float b) const {
+        *reinterpret_cast<uint32_t*>(h + i) = pack_h2(a, b);
+    }
+};
 struct AtState {
     float o[16][4];
     float m0, m1, l0, l1;
@@ -1864,6 +1872,17 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_f16_q(int8_t* dq, floa
                                                                 float* part_o, float* part_ml, int* cnt) {
     PDL_ENTRY();
     attn_tc_h_body<128>(QOut{dq, qs, qo}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,
+                        AtSplit{ct, units, part_o, part_ml, cnt});
+}
+// attn_tc_f16_h is attn_tc_f16 for head size 128 with its output written in
+// fp16 (AtF16), the input of an o whose GEMM takes fp16: no fp32 output, no
+// to_half (runtime.Fused's AttentionAdd).
+extern "C" __global__ void __launch_bounds__(128) attn_tc_f16_h(__half* dh, const float* q, const __half* kc,
+                                                                const __half* vc, int T, int heads, int kvHeads,
+                                                                int pos0, float scale, int ct, int units,
+                                                                float* part_o, float* part_ml, int* cnt) {
+    PDL_ENTRY();
+    attn_tc_h_body<128>(AtF16{dh}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,
                         AtSplit{ct, units, part_o, part_ml, cnt});
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const float* q, const int8_t* kc, const int8_t* vc,

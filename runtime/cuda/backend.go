@@ -304,7 +304,7 @@ func kernelNames() []string {
 	names := []string{
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_heads", "add_bias", "add_inplace",
 		"silu_mul", "rope", "rope_table", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8",
-		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_i8",
+		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_f16_h", "attn_tc_i8",
 		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8",
 		"gemm_h_f16_s", "gemm_h_bf16_s", "gemm_h_q4_s", "gemm_h_q8_s", "dequant_h_q4", "dequant_h_q8",
 		"gather_cols", "gather_half", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "sample", "fill_random",
@@ -1158,8 +1158,8 @@ type attnNew struct {
 	layout    model.RopeLayout
 }
 
-// attention is Attention on checked operands. With f an int8 form (where
-// attnQuantOut allows it) the output goes to f, not to d (nil); with nw set
+// attention is Attention on checked operands. With f an int8 or fp16 form
+// (where attnFormOut allows it) the output goes to f, not to d (nil); with nw set
 // (one row, the decode kernel) the kernel rotates q and the row's key,
 // uses the new key and value as the cache will hold them and stores them.
 func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, pos0, heads, kvHeads, headDim int, nw attnNew) {
@@ -1185,8 +1185,11 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 			if kc.quant != 0 {
 				args = append(args, kc.quantArgs(layer)...)
 			}
-		case f.half || !kc.half || kc.quant != 0 || headDim != 128:
+		case !kc.half || kc.quant != 0 || headDim != 128:
 			panic("cuda backend: attention output in a form its kernel does not write")
+		case f.half:
+			name = "attn_tc_f16_h"
+			args = []any{f.p, qb.p, kc.k + off, kc.v + off, T, heads, kvHeads, pos0, scale, ct, units, po, pml, cnt}
 		default:
 			name = "attn_tc_f16_q"
 			args = append(f.args(), qb.p, kc.k+off, kc.v+off, T, heads, kvHeads, pos0, scale, ct, units, po, pml, cnt)
@@ -1258,32 +1261,42 @@ func (b *Backend) clusterAttention(nsplit, headDim int) bool {
 // (kernels/NOTES.md, seventeenth session).
 const attnMaxCluster = 12
 
-// attnQuantOut reports whether the prefill attention of T rows writes its
-// output as the int8 input of o (attn_tc_f16_q: o W8A8 with a static
-// quantizer, an fp16 cache, head size 128).
-func (b *Backend) attnQuantOut(o *Linear, kc *KVCache, T, headDim int) bool {
-	return o.kind == kindW8A8 && !o.dynamic && kc.half && kc.quant == 0 && headDim == 128 && b.attnTC(T, headDim)
+// attnFormOut reports whether the prefill attention of T rows writes its
+// output in the form o's product takes (inputFor), where it has one: the
+// int8 input of a W8A8 o with a static quantizer (attn_tc_f16_q) or the
+// fp16 input of an o whose GEMM takes fp16 (attn_tc_f16_h); both for an
+// fp16 cache and head size 128.
+func (b *Backend) attnFormOut(o *Linear, kc *KVCache, T, headDim int) bool {
+	return kc.half && kc.quant == 0 && headDim == 128 && b.attnTC(T, headDim) && b.formFor(o, T) != formNone
 }
 
 // AttentionAdd implements runtime.Fused: Attention, then o's products
-// added to x; where o is W8A8 with a static quantizer, the prefill
-// attention of an fp16 cache writes o's int8 input itself (attnQuantOut:
-// no fp32 output, no quant_act); elsewhere the sequence
+// added to x; where the prefill attention of an fp16 cache can write o's
+// input in the form o's product takes (attnFormOut: int8 codes for a W8A8
+// o with a static quantizer, fp16 for a GEMM of fp16 inputs) it does, with
+// no fp32 output and no quant_act or to_half; elsewhere the sequence
 // (runtime.AttentionAddSeq).
 func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear) {
 	d, qb, kc, l := buf(x), buf(q), cache(c), lin(o)
-	if !b.attnQuantOut(l, kc, qb.rows, headDim) {
+	if !b.attnFormOut(l, kc, qb.rows, headDim) {
 		runtime.AttentionAddSeq(b, x, q, c, layer, pos0, heads, kvHeads, headDim, o)
 		return
 	}
-	b.checkAttention(qb.rows, qb.cols, qb, kc, layer, pos0, heads, kvHeads, headDim)
-	if l.in != qb.cols || l.out != d.cols || d.rows != qb.rows || d.p == qb.p {
-		panic(fmt.Sprintf("cuda backend: AttentionAdd [%d %d] += attention [%d %d] x o [%d %d]ᵀ", d.rows, d.cols, qb.rows, qb.cols, l.out, l.in))
-	}
 	defer b.enter()()
-	f := b.inputFor(l, qb.rows)
+	b.matmul(d, b.attendFormed(d, qb, kc, layer, pos0, heads, kvHeads, headDim, l), l, false, outAdd)
+}
+
+// attendFormed queues the prefill attention of qb with its output in the
+// form o's product takes (attnFormOut holds) and returns that input
+// (context current; d is the product's output, checked against it).
+func (b *Backend) attendFormed(d, qb *Buf, kc *KVCache, layer, pos0, heads, kvHeads, headDim int, o *Linear) *gemmIn {
+	b.checkAttention(qb.rows, qb.cols, qb, kc, layer, pos0, heads, kvHeads, headDim)
+	if o.in != qb.cols || o.out != d.cols || d.rows != qb.rows || d.p == qb.p {
+		panic(fmt.Sprintf("cuda backend: attention [%d %d] x o [%d %d]ᵀ into [%d %d]", qb.rows, qb.cols, o.out, o.in, d.rows, d.cols))
+	}
+	f := b.inputFor(o, qb.rows)
 	b.attention(nil, f, qb, kc, layer, pos0, heads, kvHeads, headDim, attnNew{})
-	b.matmul(d, f.input(qb.rows, qb.cols), l, false, outAdd)
+	return f.input(qb.rows, qb.cols)
 }
 
 // RoPEAttention implements runtime.Fused: for a decode row with a head size

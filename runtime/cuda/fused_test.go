@@ -433,18 +433,7 @@ func TestMLPDownInput(t *testing.T) {
 	nw, _ := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
 	nb, _ := b.UploadVector("norm_bias", model.FromFloat32([]int{K}, randVec(r, K, 0.1)))
 	uploadCase := func(wc string, n, k int) runtime.Linear {
-		for _, c := range weightCases {
-			if c.name == wc {
-				w, _ := c.make(r, n, k)
-				lw, err := b.UploadLinear(wc, w)
-				if err != nil {
-					t.Fatalf("%s: upload: %v", wc, err)
-				}
-				return lw
-			}
-		}
-		t.Fatalf("no weight case %s", wc)
-		return nil
+		return uploadWeights(t, b, r, weightCaseNamed(t, wc), "", []int{n}, k)[0]
 	}
 	type mlpCase struct {
 		name      string
@@ -498,11 +487,13 @@ func TestMLPDownInput(t *testing.T) {
 
 // TestAttentionAdd checks runtime.Fused's AttentionAdd against the
 // sequence it stands for: the residual equal bit for bit, with one launch
-// fewer (no quant_act) where the prefill attention writes o's W8A8 input
-// itself (attn_tc_f16_q: a static quantizer, an fp16 cache, head size 128,
-// at least attnTCMinRows rows; its query tiles split or not, after a
-// prefix) and the same launches where it does not (a per-token quantizer,
-// an fp32 cache, head size 64, decode rows).
+// fewer where the prefill attention writes o's input in the form o's
+// product takes (an fp16 cache, head size 128, at least attnTCMinRows rows;
+// its query tiles split or not, after a prefix): int8 codes for a W8A8 o
+// with a static quantizer (attn_tc_f16_q: no quant_act), fp16 for an o
+// whose GEMM takes fp16 (attn_tc_f16_h: no to_half), and the same launches
+// where it does not (a per-token quantizer, an fp32 cache, head size 64,
+// decode rows, a GEMV).
 func TestAttentionAdd(t *testing.T) {
 	b := newTestBackend(t)
 	defer func() { b.opt.KVHalf, b.opt.AttnSplit = false, 0 }()
@@ -513,10 +504,20 @@ func TestAttentionAdd(t *testing.T) {
 		for _, half := range []bool{true, false} {
 			b.opt.KVHalf = half
 			c := b.NewKVCache(1, 400, kvHeads*hd)
-			for _, dynamic := range []bool{false, true} {
-				o := uploadW8A8(t, b, r, K, K, dynamic, 0.01)
+			for _, oc := range []struct {
+				name   string
+				upload func() runtime.Linear
+			}{
+				{"w8a8-static", func() runtime.Linear { return uploadW8A8(t, b, r, K, K, false, 0.01) }},
+				{"w8a8-dynamic", func() runtime.Linear { return uploadW8A8(t, b, r, K, K, true, 0.01) }},
+				{"f16", func() runtime.Linear { return uploadWeights(t, b, r, weightCaseNamed(t, "f16"), "o", []int{K}, K)[0] }},
+				{"awq-int4", func() runtime.Linear {
+					return uploadWeights(t, b, r, weightCaseNamed(t, "awq-int4-asym-g128"), "o", []int{K}, K)[0]
+				}},
+			} {
+				o := oc.upload()
 				for _, tc := range []struct{ T, pos0, split int }{{5, 0, 0}, {130, 0, 0}, {130, 0, 1}, {200, 150, 0}, {200, 150, 2}} {
-					name := fmt.Sprintf("hd=%d/half=%v/dynamic=%v/T=%d/pos0=%d/split=%d", hd, half, dynamic, tc.T, tc.pos0, tc.split)
+					name := fmt.Sprintf("hd=%d/half=%v/o=%s/T=%d/pos0=%d/split=%d", hd, half, oc.name, tc.T, tc.pos0, tc.split)
 					t.Run(name, func(t *testing.T) {
 						b.opt.AttnSplit = tc.split
 						kv := upload(b, tc.T, kvHeads*hd, randVec(r, tc.T*kvHeads*hd, 1))
@@ -524,7 +525,8 @@ func TestAttentionAdd(t *testing.T) {
 						b.StoreKV(c, 0, tc.pos0, kv, kv)
 						q := upload(b, tc.T, K, randVec(r, tc.T*K, 1))
 						defer b.Free(q)
-						formed := !dynamic && half && hd == 128 && tc.T >= attnTCMinRows
+						formable := oc.name == "w8a8-static" || oc.name != "w8a8-dynamic" && b.halfGEMM(lin(o), tc.T, false)
+						formed := formable && half && hd == 128 && tc.T >= attnTCMinRows
 						checkFormed(t, b, randVec(r, tc.T*K, 1), tc.T, K, formed, func(x runtime.Buf) {
 							runtime.AttentionAddSeq(b, x, q, c, 0, tc.pos0, heads, kvHeads, hd, o)
 						}, func(x runtime.Buf) {
@@ -532,9 +534,22 @@ func TestAttentionAdd(t *testing.T) {
 						})
 					})
 				}
+				b.FreeLinear(o)
 			}
 		}
 	}
+}
+
+// weightCaseNamed returns the weight case of that name (weightCases).
+func weightCaseNamed(t *testing.T, name string) weightCase {
+	t.Helper()
+	for _, c := range weightCases {
+		if c.name == name {
+			return c
+		}
+	}
+	t.Fatalf("no weight case %q", name)
+	return weightCase{}
 }
 
 // TestRowSums checks the row sums of a decode step (rowsums.go) on the

@@ -868,8 +868,8 @@ func (b *Backend) widened(l *Linear) driver.DevicePtr {
 // the product's GEMM takes, at p instead of floats (p = 0: floats as
 // usual): the int8 codes of a W8A8 weight's static quantizer key (qtool.cu's
 // QOut), or fp16 (half) for a halfGEMM weight without a column order. The
-// SwiGLU of NormSwiGLU's GEMMs takes it (down's input, MLP), and the int8
-// form the prefill attention (o's input, AttentionAdd).
+// SwiGLU of NormSwiGLU's GEMMs takes it (down's input, MLP), and the
+// prefill attention of an fp16 cache (o's input, AttentionAdd).
 type inputForm struct {
 	p    driver.DevicePtr
 	key  actQuant
@@ -886,17 +886,37 @@ func (f inputForm) args() []any {
 }
 
 // inputFor returns the form in which the producer of the M-row input of a
-// product with l may write it (scratch "formed_in"), or none (p = 0): l's
-// int8 codes where l is W8A8 with a static quantizer, fp16 where its GEMM
-// takes fp16 in column order.
+// product with l may write it (scratch "formed_in"), or none (p = 0): see
+// formFor.
 func (b *Backend) inputFor(l *Linear, M int) inputForm {
-	switch {
-	case l.kind == kindW8A8 && !l.dynamic:
+	switch b.formFor(l, M) {
+	case formInt8:
 		return inputForm{p: b.scratchBuf("formed_in", M*l.in), key: l.actQuant()}
-	case l.kind != kindW8A8 && b.halfGEMM(l, M, false) && l.perm == 0:
+	case formHalf:
 		return inputForm{p: b.scratchBuf("formed_in", 2*M*l.in), half: true}
 	}
 	return inputForm{}
+}
+
+// Input forms (formFor).
+const (
+	formNone = iota
+	formInt8 // the int8 codes of a W8A8 weight's static quantizer
+	formHalf // fp16, in column order
+)
+
+// formFor names the form in which a product with l of M input rows takes
+// its input, where the producer may write it so: l's int8 codes where l is
+// W8A8 with a static quantizer, fp16 where its GEMM takes fp16 in column
+// order; formNone otherwise.
+func (b *Backend) formFor(l *Linear, M int) int {
+	switch {
+	case l.kind == kindW8A8 && !l.dynamic:
+		return formInt8
+	case l.kind != kindW8A8 && b.halfGEMM(l, M, false) && l.perm == 0:
+		return formHalf
+	}
+	return formNone
 }
 
 // input is the gemmIn of the product whose M × K input f holds (made by

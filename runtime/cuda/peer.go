@@ -369,6 +369,39 @@ func (b *Backend) MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool
 	return true
 }
 
+// AttentionAllReduce queues AttentionAdd's block (the prefill attention
+// of q, then x·oᵀ) with o's products summed over the peer-memory group as
+// MatMulAllReduce sums them: x becomes (x where add is set) + attention·oᵀ
+// summed over the ranks, the attention written in the form o's GEMM takes
+// (attnFormOut), where both hold: several rows whose o product sends its
+// tiles (tileSender) and a formed input; otherwise it queues nothing and
+// returns false (the caller then runs Attention and MatMulAllReduce).
+func (b *Backend) AttentionAllReduce(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear, add bool) bool {
+	if !b.attentionSend(x, q, c, layer, pos0, heads, kvHeads, headDim, o, add) {
+		return false
+	}
+	defer b.enter()()
+	b.allReduceLarge(buf(x), true)
+	return true
+}
+
+// attentionSend is AttentionAllReduce up to the all-reduce: the attention
+// and o's GEMM sending its tiles (true), or nothing queued (false).
+func (b *Backend) attentionSend(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear, add bool) bool {
+	p, d, qb, kc, l := b.peer, buf(x), buf(q), cache(c), lin(o)
+	if p == nil || !p.connected || qb.rows <= 1 || !b.attnFormOut(l, kc, qb.rows, headDim) {
+		return false
+	}
+	if tp, _, _ := b.tileSender(l, qb.rows); tp == "" {
+		return false
+	}
+	defer b.enter()()
+	if !b.sendTiles(d, b.attendFormed(d, qb, kc, layer, pos0, heads, kvHeads, headDim, l), l, add) {
+		panic("cuda backend: AttentionAllReduce: o's GEMM refused to send after tileSender chose it")
+	}
+	return true
+}
+
 // MLPAllReduce queues MLP's block (NormSwiGLU(g, x, w, bias, eps, gate,
 // up), then x·downᵀ) with down's products summed over the peer-memory group
 // as MatMulAllReduce sums them: x becomes (x where add is set) + g·downᵀ

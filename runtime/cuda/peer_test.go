@@ -518,6 +518,104 @@ func TestMLPAllReduce(t *testing.T) {
 	}
 }
 
+// TestAttentionAllReduce checks a prefill's attention block with o's
+// products sent to the large all-reduce (AttentionAllReduce: attentionSend,
+// then allreduce_peer with sent set) against Attention, o's product and
+// AllReducePeer, bit for bit, on two ranks of one GPU: o of fp16 and of
+// AutoAWQ 4-bit weights, whose input the attention writes in fp16
+// (attn_tc_f16_h), after a prefix and with its query tiles split. Every
+// rank's block is queued and finished before any all-reduce, as in
+// TestMatMulAllReduceTiles.
+func TestAttentionAllReduce(t *testing.T) {
+	const (
+		world          = 2
+		M, H           = 130, 640
+		heads, kvHeads = 2, 1
+		hd             = 128
+		K              = heads * hd // 4 K steps: o's GEMM does not split K (tileSender), as at 512 it would
+	)
+	ranks := peerGroup(t, world, 1<<18, time.Minute)
+	defer func() {
+		for _, b := range ranks {
+			b.opt.KVHalf, b.opt.AttnSplit = false, 0
+		}
+	}()
+	r := rand.New(rand.NewPCG(11, 31))
+	caches := make([]runtime.KVCache, world)
+	for q, b := range ranks {
+		b.opt.KVHalf = true
+		caches[q] = b.NewKVCache(1, 400, kvHeads*hd)
+	}
+	for _, wc := range []string{"f16", "awq-int4-asym-g128"} {
+		for _, tc := range []struct{ pos0, split int }{{0, 0}, {150, 2}} {
+			t.Run(fmt.Sprintf("%s/pos0=%d/split=%d", wc, tc.pos0, tc.split), func(t *testing.T) {
+				ows, qs := make([]runtime.Linear, world), make([]*Buf, world)
+				x := randVec(r, M*H, 1)
+				want, got := make([]*Buf, world), make([]*Buf, world)
+				for q, b := range ranks {
+					b.opt.AttnSplit = tc.split
+					ows[q] = uploadWeights(t, b, r, weightCaseNamed(t, wc), fmt.Sprintf("o.r%d.", q), []int{H}, K)[0]
+					kv := upload(b, tc.pos0+M, kvHeads*hd, randVec(r, (tc.pos0+M)*kvHeads*hd, 1))
+					b.StoreKV(caches[q], 0, 0, kv, kv)
+					b.Free(kv)
+					qs[q] = upload(b, M, K, randVec(r, M*K, 1))
+					want[q], got[q] = upload(b, M, H, x), upload(b, M, H, x)
+				}
+				defer func() {
+					for q, b := range ranks {
+						b.Sync()
+						b.Free(qs[q])
+						b.Free(want[q])
+						b.Free(got[q])
+						b.FreeLinear(ows[q])
+					}
+				}()
+				for q, b := range ranks {
+					a := b.Alloc(M, K)
+					b.Attention(a, qs[q], caches[q], 0, tc.pos0, heads, kvHeads, hd)
+					if q == 0 {
+						b.MatMulAdd(want[q], a, ows[q])
+					} else {
+						b.MatMul(want[q], a, ows[q])
+					}
+					b.Free(a)
+				}
+				for _, b := range ranks {
+					b.Sync()
+				}
+				for q, b := range ranks {
+					b.AllReducePeer(want[q])
+				}
+				for q, b := range ranks {
+					before := b.KernelLaunches()
+					if !b.attentionSend(got[q], qs[q], caches[q], 0, tc.pos0, heads, kvHeads, hd, ows[q], q == 0) {
+						t.Fatalf("rank %d: attentionSend declined (tileSender, attnFormOut)", q)
+					}
+					after := b.KernelLaunches()
+					if after["attn_tc_f16_h"] == before["attn_tc_f16_h"] || after["to_half"] != before["to_half"] {
+						t.Errorf("rank %d: attentionSend did not write o's input in fp16 (attn_tc_f16_h %d, to_half %d launches)", q,
+							after["attn_tc_f16_h"]-before["attn_tc_f16_h"], after["to_half"]-before["to_half"])
+					}
+				}
+				for _, b := range ranks {
+					b.Sync()
+				}
+				for q, b := range ranks {
+					func() {
+						defer b.enter()()
+						b.allReduceLarge(got[q], true)
+					}()
+				}
+				for q, b := range ranks {
+					if g, w := download(b, got[q]), download(b, want[q]); !slices.Equal(g, w) {
+						t.Errorf("rank %d: AttentionAllReduce differs from Attention, the product and AllReducePeer (first values %v vs %v)", q, g[:4], w[:4])
+					}
+				}
+			})
+		}
+	}
+}
+
 func TestPeerReduceErrors(t *testing.T) {
 	b := newTestBackend(t)
 	for _, c := range []struct{ rank, world, cap int }{{0, 1, 16}, {2, 2, 16}, {0, 9, 16}, {0, 2, 0}} {

@@ -165,6 +165,11 @@ type PeerSender interface {
 	// false and nothing queued where it cannot (then NormSwiGLU and
 	// MatMulAllReduce).
 	MLPAllReduce(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear, add bool) bool
+	// AttentionAllReduce is AttentionAdd's block (the attention of q,
+	// then o's product added to x) with o's products summed over the
+	// group likewise, or false and nothing queued where it cannot (then
+	// Attention and MatMulAllReduce).
+	AttentionAllReduce(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear, add bool) bool
 }
 
 // RoPEStoreKV implements runtime.Fused: each rank rotates its heads of q
@@ -227,9 +232,32 @@ func (b *Backend) replicatedVector(op string, w, bias runtime.Vector) (*vector, 
 }
 
 // AttentionAdd implements runtime.Fused: Attention, then MatMulAdd (each
-// on the ranks' pieces as above).
+// on the ranks' pieces as above); over peer memory, with a prefill's rows
+// and o split as the heads are, each rank runs the block as one call that
+// ends in o's sending product (PeerSender's AttentionAllReduce: o reads
+// the attention in the form the attention writes for it, without a
+// conversion of its own).
 func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear) {
-	runtime.AttentionAddSeq(b, x, q, c, layer, pos0, heads, kvHeads, headDim, o)
+	d, s, kc, l := bufOf(x), bufOf(q), cacheOf(c), linearOf(o)
+	n := len(b.ranks)
+	if !b.fused || s.rows <= 1 || l.split != shard.Row || heads%n != 0 || kvHeads%n != 0 ||
+		!slices.Equal(l.ranges, headSplit(s.cols, n)) || l.in != s.cols || l.out != d.cols || d.rows != s.rows ||
+		!b.PeerMemory(d.rows*d.cols) || b.skipComm {
+		runtime.AttentionAddSeq(b, x, q, c, layer, pos0, heads, kvHeads, headDim, o)
+		return
+	}
+	split := b.splitHeads("tp.AttentionAdd", s, heads, kvHeads, headDim)
+	b.replicate(d)
+	b.each(func(r int) {
+		dr, qr, cr, or := d.parts[r], s.parts[r], kc.parts[r], l.parts[r]
+		if ps, ok := b.peer[r].(PeerSender); ok && ps.AttentionAllReduce(dr, qr, cr, layer, pos0, heads/n, kvHeads/n, headDim, or, r == 0) {
+			return
+		}
+		a := runtime.AllocRaw(b.ranks[r], s.rows, split[r][1]-split[r][0])
+		b.ranks[r].Attention(a, qr, cr, layer, pos0, heads/n, kvHeads/n, headDim)
+		b.sumPeer(r, dr, a, or)
+		b.ranks[r].Free(a)
+	})
 }
 
 // RoPEAttention implements runtime.Fused: each rank rotates its heads of q

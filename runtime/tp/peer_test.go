@@ -357,15 +357,15 @@ func TestPeerReplicate(t *testing.T) {
 }
 
 // fusingPeer is a fake peer-memory rank (fakePeer) that fuses (fusingCPU,
-// over the fakePeer) and sends its MLP's down products to the all-reduce
-// itself (PeerSender's MLPAllReduce: the block's sequence, then
-// AllReducePeer), counted in mlp; refuse makes it decline, as a backend
-// that cannot does. Its MatMulAllReduce always declines.
+// over the fakePeer) and sends a block's products to the all-reduce itself
+// (PeerSender's MLPAllReduce and AttentionAllReduce: the block's sequence,
+// then AllReducePeer), counted in blocks; refuse makes it decline, as a
+// backend that cannot does. Its MatMulAllReduce always declines.
 type fusingPeer struct {
 	fusingCPU
 	*fakePeer
 	refuse bool
-	mlp    *atomic.Int64
+	blocks *atomic.Int64
 }
 
 func (f fusingPeer) Sync() {}
@@ -374,31 +374,49 @@ func (f fusingPeer) MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bo
 	return false
 }
 
+// sum is the end of a block: the product of x and w into dst (added where
+// add is set), then AllReducePeer.
+func (f fusingPeer) sum(dst, x runtime.Buf, w runtime.Linear, add bool) {
+	if add {
+		f.fusingCPU.MatMulAdd(dst, x, w)
+	} else {
+		f.MatMul(dst, x, w)
+	}
+	f.AllReducePeer(dst)
+}
+
 func (f fusingPeer) MLPAllReduce(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear, add bool) bool {
 	if f.refuse {
 		return false
 	}
-	f.mlp.Add(1)
+	f.blocks.Add(1)
 	g := f.Alloc(x.Rows(), gate.Out())
 	f.fusingCPU.NormSwiGLU(g, x, w, bias, eps, gate, up)
-	if add {
-		f.fusingCPU.MatMulAdd(x, g, down)
-	} else {
-		f.MatMul(x, g, down)
-	}
+	f.sum(x, g, down, add)
 	f.Free(g)
-	f.AllReducePeer(x)
 	return true
 }
 
-// TestPeerMLP: over peer memory the fused TP backend runs a prefill's MLP
-// block on each rank as one call ending in the all-reduce (MLPAllReduce),
-// and the logits equal those of fusing ranks without peer memory bit for
-// bit — also where one rank declines and runs the block's sequence and
-// AllReducePeer itself (the ranks may choose differently). Decode rows keep
-// the sequence (no MLPAllReduce), and greedy decoding gives the
-// reference's ids.
-func TestPeerMLP(t *testing.T) {
+func (f fusingPeer) AttentionAllReduce(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear, add bool) bool {
+	if f.refuse {
+		return false
+	}
+	f.blocks.Add(1)
+	a := f.Alloc(q.Rows(), q.Cols())
+	f.Attention(a, q, c, layer, pos0, heads, kvHeads, headDim)
+	f.sum(x, a, o, add)
+	f.Free(a)
+	return true
+}
+
+// TestPeerBlocks: over peer memory the fused TP backend runs a prefill's
+// attention and MLP blocks on each rank as one call each that ends in the
+// all-reduce (AttentionAllReduce, MLPAllReduce), and the logits equal
+// those of fusing ranks without peer memory bit for bit — also where one
+// rank declines and runs the blocks' sequences and AllReducePeer itself
+// (the ranks may choose differently). Decode rows keep the sequences, and
+// greedy decoding gives the reference's ids.
+func TestPeerBlocks(t *testing.T) {
 	m := openHF(t, "llama-mini")
 	ref := loadRef(t, "llama-mini")
 	ids := ref.LogitsInputIDs
@@ -406,13 +424,13 @@ func TestPeerMLP(t *testing.T) {
 	want := logits(load(t, m, fusingTP(t, m, &calls)), ids)
 	for _, refuse := range []int{-1, 1} {
 		t.Run(fmt.Sprintf("rank-declining=%d", refuse), func(t *testing.T) {
-			var fused, peerCalls, mlp atomic.Int64
+			var fused, peerCalls, blocks atomic.Int64
 			mem := newMemory()
 			group, _ := NewInProcess(2)
 			ranks := make([]runtime.Backend, 2)
 			for r := range ranks {
 				p := &fakePeer{fakeDevice: fakeDevice{cpu.New(1), mem}, group: group, calls: &peerCalls}
-				ranks[r] = fusingPeer{fusingCPU{p, &fused}, p, r == refuse, &mlp}
+				ranks[r] = fusingPeer{fusingCPU{p, &fused}, p, r == refuse, &blocks}
 			}
 			ip, _ := NewInProcess(2)
 			be, err := New(m.Config, ranks, fakeComm{ip, mem})
@@ -427,14 +445,15 @@ func TestPeerMLP(t *testing.T) {
 			if got := logits(dev, ids); !slices.Equal(got, want) {
 				t.Errorf("logits differ from fusing ranks without peer memory by %.3g", maxRel(got, want))
 			}
-			sending := int64(2)
+			// two blocks a layer on each rank that sends
+			sent := int64(2 * 2 * m.Config.Layers)
 			if refuse >= 0 {
-				sending = 1
+				sent /= 2
 			}
-			if n := mlp.Load(); n != sending*int64(m.Config.Layers) {
-				t.Errorf("%d MLP blocks sent their down products, want %d (%d layers, %d ranks sending)", n, sending*int64(m.Config.Layers), m.Config.Layers, sending)
+			if n := blocks.Load(); n != sent {
+				t.Errorf("%d blocks sent their products, want %d (%d layers)", n, sent, m.Config.Layers)
 			}
-			mlp.Store(0)
+			blocks.Store(0)
 			gen, err := runtime.Generate(dev, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: 4, EOS: []int{}})
 			if err != nil {
 				t.Fatal(err)
@@ -442,8 +461,8 @@ func TestPeerMLP(t *testing.T) {
 			if w := ref.GreedyIDs[len(ref.GreedyPromptIDs):][:4]; !slices.Equal(gen, w) {
 				t.Errorf("greedy %v, reference %v", gen, w)
 			}
-			if n, prompts := mlp.Load(), sending*int64(m.Config.Layers); n != prompts {
-				t.Errorf("%d MLP blocks sent while generating, want %d (the prompt's alone, not the decode rows')", n, prompts)
+			if n := blocks.Load(); n != sent {
+				t.Errorf("%d blocks sent while generating, want %d (the prompt's alone, not the decode rows')", n, sent)
 			}
 		})
 	}
