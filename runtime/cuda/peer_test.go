@@ -41,6 +41,13 @@ func peerGroup(t *testing.T, world, capFloats int, timeout time.Duration) []*Bac
 			t.Fatalf("peerReduceCap = %d, want %d", got, capFloats)
 		}
 	}
+	t.Cleanup(func() { // a test that closes the group itself finds nothing left to close here
+		for r, b := range ranks {
+			if err := b.ClosePeerReduce(); err != nil {
+				t.Errorf("rank %d: ClosePeerReduce: %v", r, err)
+			}
+		}
+	})
 	return ranks
 }
 
@@ -320,20 +327,14 @@ func TestMatMulAllReduceTiles(t *testing.T) {
 						for q, b := range ranks {
 							want[q], got[q] = upload(b, M, N, resid), upload(b, M, N, resid)
 						}
-						product := func(q int, d *Buf) {
-							if q == 0 {
-								ranks[q].MatMulAdd(d, xs[q], ws[q])
-							} else {
-								ranks[q].MatMul(d, xs[q], ws[q])
-							}
-						}
+						partial := func(q int, d *Buf) { product(ranks[q], q, d, xs[q], ws[q]) }
 						syncAll := func() {
 							for _, b := range ranks {
 								b.Sync()
 							}
 						}
 						for q := range ranks {
-							product(q, want[q])
+							partial(q, want[q])
 						}
 						syncAll()
 						for q, b := range ranks {
@@ -349,7 +350,7 @@ func TestMatMulAllReduceTiles(t *testing.T) {
 							sends := make([]bool, world)
 							for q, b := range ranks {
 								if mode == "mixed" && q%2 == 1 {
-									product(q, got[q])
+									partial(q, got[q])
 									continue
 								}
 								before := b.launches
@@ -364,7 +365,7 @@ func TestMatMulAllReduceTiles(t *testing.T) {
 									if b.launches != before {
 										t.Fatalf("rank %d: a refused sendTiles launched %d kernels", q, b.launches-before)
 									}
-									product(q, got[q])
+									partial(q, got[q])
 								}
 							}
 							syncAll()
@@ -460,61 +461,32 @@ func TestMLPAllReduce(t *testing.T) {
 			}()
 			for q, b := range ranks {
 				want[q], got[q] = upload(b, M, H, x), upload(b, M, H, x)
+			}
+			if tp, _, _ := ranks[0].tileSender(lin(down[0]), M); tp == "" {
+				b := ranks[0]
+				before := b.launches
+				if sent, _ := b.mlpSend(got[0], norm[0], nil, 1e-5, gu[0][0], gu[0][1], down[0], true); sent || b.launches != before {
+					t.Fatalf("mlpSend sent or launched %d kernels where down's GEMM does not send (tileSender)", b.launches-before)
+				}
+				t.Skip("down's GEMM does not send its tiles here (tileSender)")
+			}
+			checkSentBlock(t, ranks, want, got, "MLPAllReduce", func(q int) {
+				b := ranks[q]
 				g := b.Alloc(M, F)
 				b.NormSwiGLU(g, want[q], norm[q], nil, 1e-5, gu[q][0], gu[q][1])
-				if q == 0 {
-					b.MatMulAdd(want[q], g, down[q])
-				} else {
-					b.MatMul(want[q], g, down[q])
-				}
+				product(b, q, want[q], g, down[q])
 				b.Free(g)
-			}
-			for _, b := range ranks {
-				b.Sync()
-			}
-			for q, b := range ranks {
-				b.AllReducePeer(want[q])
-			}
-			tp, _, _ := ranks[0].tileSender(lin(down[0]), M)
-			sent := make([]bool, world)
-			for q, b := range ranks {
-				before := b.launches
-				var formed bool
-				sent[q], formed = b.mlpSend(got[q], norm[q], nil, 1e-5, gu[q][0], gu[q][1], down[q], q == 0)
+			}, func(q int) {
+				sent, formed := ranks[q].mlpSend(got[q], norm[q], nil, 1e-5, gu[q][0], gu[q][1], down[q], q == 0)
+				if !sent {
+					t.Fatalf("rank %d: mlpSend declined where tileSender chose a sending GEMM", q)
+				}
 				anyFormed = anyFormed || formed
-				if sent[q] != (tp != "") {
-					t.Fatalf("rank %d: mlpSend = %v, tileSender %q", q, sent[q], tp)
-				}
-				if !sent[q] && b.launches != before {
-					t.Fatalf("rank %d: a refused mlpSend launched %d kernels", q, b.launches-before)
-				}
-			}
-			if !sent[0] {
-				t.Skipf("down's GEMM does not send its tiles here (tileSender %q)", tp)
-			}
-			for _, b := range ranks {
-				b.Sync()
-			}
-			for q, b := range ranks {
-				func() {
-					defer b.enter()()
-					b.allReduceLarge(got[q], true)
-				}()
-			}
-			for q, b := range ranks {
-				if g, w := download(b, got[q]), download(b, want[q]); !slices.Equal(g, w) {
-					t.Errorf("rank %d: MLPAllReduce differs from NormSwiGLU, the product and AllReducePeer (first values %v vs %v)", q, g[:4], w[:4])
-				}
-			}
+			})
 		})
 	}
 	if ranks[0].wgmma && !anyFormed && !t.Failed() {
 		t.Error("no case had down read the SwiGLU's fp16 form")
-	}
-	for _, b := range ranks {
-		if err := b.ClosePeerReduce(); err != nil {
-			t.Fatal(err)
-		}
 	}
 }
 
@@ -570,23 +542,14 @@ func TestAttentionAllReduce(t *testing.T) {
 						b.FreeLinear(ows[q])
 					}
 				}()
-				for q, b := range ranks {
+				checkSentBlock(t, ranks, want, got, "AttentionAllReduce", func(q int) {
+					b := ranks[q]
 					a := b.Alloc(M, K)
 					b.Attention(a, qs[q], caches[q], 0, tc.pos0, heads, kvHeads, hd)
-					if q == 0 {
-						b.MatMulAdd(want[q], a, ows[q])
-					} else {
-						b.MatMul(want[q], a, ows[q])
-					}
+					product(b, q, want[q], a, ows[q])
 					b.Free(a)
-				}
-				for _, b := range ranks {
-					b.Sync()
-				}
-				for q, b := range ranks {
-					b.AllReducePeer(want[q])
-				}
-				for q, b := range ranks {
+				}, func(q int) {
+					b := ranks[q]
 					before := b.KernelLaunches()
 					if !b.attentionSend(got[q], qs[q], caches[q], 0, tc.pos0, heads, kvHeads, hd, ows[q], q == 0) {
 						t.Fatalf("rank %d: attentionSend declined (tileSender, attnFormOut)", q)
@@ -596,22 +559,57 @@ func TestAttentionAllReduce(t *testing.T) {
 						t.Errorf("rank %d: attentionSend did not write o's input in fp16 (attn_tc_f16_h %d, to_half %d launches)", q,
 							after["attn_tc_f16_h"]-before["attn_tc_f16_h"], after["to_half"]-before["to_half"])
 					}
-				}
-				for _, b := range ranks {
-					b.Sync()
-				}
-				for q, b := range ranks {
-					func() {
-						defer b.enter()()
-						b.allReduceLarge(got[q], true)
-					}()
-				}
-				for q, b := range ranks {
-					if g, w := download(b, got[q]), download(b, want[q]); !slices.Equal(g, w) {
-						t.Errorf("rank %d: AttentionAllReduce differs from Attention, the product and AllReducePeer (first values %v vs %v)", q, g[:4], w[:4])
-					}
-				}
+				})
 			})
+		}
+	}
+}
+
+// product queues rank q's partial product of a row-parallel weight w:
+// dst += x·wᵀ on rank 0 (the residual add), dst = x·wᵀ on the others.
+func product(b *Backend, q int, dst, x runtime.Buf, w runtime.Linear) {
+	if q == 0 {
+		b.MatMulAdd(dst, x, w)
+	} else {
+		b.MatMul(dst, x, w)
+	}
+}
+
+// checkSentBlock compares a block whose last product sends its tiles to
+// the large all-reduce with the block's sequence, bit for bit, on every
+// rank: ref(q) queues rank q's sequence into want[q] (its last product
+// added on rank 0, stored on the others: product), send(q) the sending
+// block into got[q]; AllReducePeer sums the first, allreduce_peer with
+// sent set the second. Every rank's products are finished before any
+// all-reduce: on one GPU a rank's waiting all-reduce would keep another
+// rank's GEMM off the multiprocessors.
+func checkSentBlock(t *testing.T, ranks []*Backend, want, got []*Buf, what string, ref, send func(q int)) {
+	t.Helper()
+	syncAll := func() {
+		for _, b := range ranks {
+			b.Sync()
+		}
+	}
+	for q := range ranks {
+		ref(q)
+	}
+	syncAll()
+	for q, b := range ranks {
+		b.AllReducePeer(want[q])
+	}
+	for q := range ranks {
+		send(q)
+	}
+	syncAll()
+	for q, b := range ranks {
+		func() {
+			defer b.enter()()
+			b.allReduceLarge(got[q], true)
+		}()
+	}
+	for q, b := range ranks {
+		if g, w := download(b, got[q]), download(b, want[q]); !slices.Equal(g, w) {
+			t.Errorf("rank %d: %s differs from its sequence and AllReducePeer (first values %v vs %v)", q, what, g[:4], w[:4])
 		}
 	}
 }

@@ -201,14 +201,7 @@ func TestDevicePaths(t *testing.T) {
 				if math.Abs(p2.PPL-p1.PPL) > 1e-9*p1.PPL {
 					t.Errorf("ppl %.9f, in-process TP=2 %.9f", p2.PPL, p1.PPL)
 				}
-				wantIDs := ref.GreedyIDs[len(ref.GreedyPromptIDs):][:8]
-				gen, err := runtime.Generate(dev, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: len(wantIDs), EOS: []int{}})
-				if err != nil {
-					t.Fatal(err)
-				}
-				if !slices.Equal(gen, wantIDs) {
-					t.Errorf("greedy %v, reference %v", gen, wantIDs)
-				}
+				checkGreedy(t, dev, ref, 8)
 			})
 		}
 	}

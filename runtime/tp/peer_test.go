@@ -132,13 +132,7 @@ func TestPeerMemory(t *testing.T) {
 				t.Errorf("%d all-reduces over peer memory, want %v of %d", n, tc.peerCalls, all)
 			}
 			calls.Store(0)
-			gen, err := runtime.Generate(dev, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: 4, EOS: []int{}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if w := ref.GreedyIDs[len(ref.GreedyPromptIDs):][:4]; !slices.Equal(gen, w) {
-				t.Errorf("greedy %v, reference %v", gen, w)
-			}
+			checkGreedy(t, dev, ref, 4)
 			if tc.limit > 0 && calls.Load() == 0 {
 				t.Error("no decode step's all-reduce over peer memory")
 			}
@@ -454,13 +448,7 @@ func TestPeerBlocks(t *testing.T) {
 				t.Errorf("%d blocks sent their products, want %d (%d layers)", n, sent, m.Config.Layers)
 			}
 			blocks.Store(0)
-			gen, err := runtime.Generate(dev, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: 4, EOS: []int{}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if w := ref.GreedyIDs[len(ref.GreedyPromptIDs):][:4]; !slices.Equal(gen, w) {
-				t.Errorf("greedy %v, reference %v", gen, w)
-			}
+			checkGreedy(t, dev, ref, 4)
 			if n := blocks.Load(); n != sent {
 				t.Errorf("%d blocks sent while generating, want %d (the prompt's alone, not the decode rows')", n, sent)
 			}

@@ -31,6 +31,20 @@ type reference struct {
 	GreedyIDs       []int     `json:"greedy_ids"`
 }
 
+// checkGreedy decodes n tokens greedily after ref's prompt with rm and
+// wants ref's ids.
+func checkGreedy(t testing.TB, rm *runtime.Model, ref reference, n int) {
+	t.Helper()
+	want := ref.GreedyIDs[len(ref.GreedyPromptIDs):][:n]
+	gen, err := runtime.Generate(rm, ref.GreedyPromptIDs, runtime.GenOptions{MaxNew: n, EOS: []int{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(gen, want) {
+		t.Errorf("greedy %v, reference %v", gen, want)
+	}
+}
+
 func readJSON(t testing.TB, path string, v any) {
 	t.Helper()
 	data, err := os.ReadFile(path)
