@@ -153,11 +153,12 @@ func (b *Backend) sumPeer(r int, dst, x runtime.Buf, w runtime.Linear) {
 }
 
 // PeerSender is a PeerRank whose products can send their values straight
-// to the all-reduce (the CUDA backend's MatMulAllReduce: a decode row's
-// GEMV, a prefill's Hopper GEMM): dst = x·Wᵀ (dst + x·Wᵀ where add is set)
-// summed over the group, or false and nothing queued where it cannot (the
-// caller then runs the product and AllReducePeer).
+// to the all-reduce (the CUDA backend's: a decode row's GEMV, a prefill's
+// Hopper GEMM), alone or at the end of a block.
 type PeerSender interface {
+	// MatMulAllReduce queues dst = x·Wᵀ (dst + x·Wᵀ where add is set)
+	// summed over the group, or returns false with nothing queued where
+	// it cannot (the caller then runs the product and AllReducePeer).
 	MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool) bool
 	// MLPAllReduce is MLP's block on x (NormSwiGLU, then down's
 	// product) with down's products summed over the group as
@@ -296,13 +297,13 @@ func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, 
 	wv, bv := b.replicatedVector("MLP", w, bias)
 	b.replicate(s)
 	b.each(func(r int) {
-		x, wr, br, gate, up, down := s.parts[r], wv.parts[r], bv.part(r), gl.parts[r], ul.parts[r], dl.parts[r]
-		if ps, ok := b.peer[r].(PeerSender); ok && ps.MLPAllReduce(x, wr, br, eps, gate, up, down, r == 0) {
+		xr, wr, br, gr, ur, dr := s.parts[r], wv.parts[r], bv.part(r), gl.parts[r], ul.parts[r], dl.parts[r]
+		if ps, ok := b.peer[r].(PeerSender); ok && ps.MLPAllReduce(xr, wr, br, eps, gr, ur, dr, r == 0) {
 			return
 		}
-		g := runtime.AllocRaw(b.ranks[r], s.rows, gate.Out())
-		b.rankFused(r).NormSwiGLU(g, x, wr, br, eps, gate, up)
-		b.sumPeer(r, x, g, down)
+		g := runtime.AllocRaw(b.ranks[r], s.rows, gr.Out())
+		b.rankFused(r).NormSwiGLU(g, xr, wr, br, eps, gr, ur)
+		b.sumPeer(r, xr, g, dr)
 		b.ranks[r].Free(g)
 	})
 }
