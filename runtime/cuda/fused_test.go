@@ -493,7 +493,7 @@ func TestMLPDownInput(t *testing.T) {
 // with a static quantizer (attn_tc_f16_q: no quant_act), fp16 for an o
 // whose GEMM takes fp16 (attn_tc_f16_h: no to_half), and the same launches
 // where it does not (a per-token quantizer, an fp32 cache, head size 64,
-// decode rows, a GEMV).
+// rows too few for the tensor-core attention).
 func TestAttentionAdd(t *testing.T) {
 	b := newTestBackend(t)
 	defer func() { b.opt.KVHalf, b.opt.AttnSplit = false, 0 }()

@@ -523,9 +523,9 @@ var tileSendKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_tp", "gemm_w
 	"gemm_wg_q4": "gemm_wg_q4_tp", "gemm_wg_q8": "gemm_wg_q8_tp"}
 
 // sendTiles queues d = x·lᵀ (d + x·lᵀ where add is set), x in's
-// activations (in whichever form in holds), with the Hopper GEMM that sends
-// its tiles to lane 1 (tileSender), or returns false and queues nothing
-// (context current).
+// activations as floats or in their fp16 form (no int8 form: the GEMM
+// takes fp16), with the Hopper GEMM that sends its tiles to lane 1
+// (tileSender), or returns false and queues nothing (context current).
 func (b *Backend) sendTiles(d *Buf, in *gemmIn, l *Linear, add bool) bool {
 	tp, wg, widen := b.tileSender(l, in.x.rows)
 	if tp == "" {

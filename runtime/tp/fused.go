@@ -282,8 +282,9 @@ func (b *Backend) RoPEAttention(dst, q, k, v runtime.Buf, c runtime.KVCache, lay
 // MLP implements runtime.Fused: NormSwiGLU, then MatMulAdd (each on the
 // ranks' pieces as above); over peer memory, with a prefill's rows, each
 // rank runs the block as one call that ends in down's sending product
-// (PeerSender's MLPAllReduce: down reads the SwiGLU in the form the gate
-// and up GEMM writes, without a conversion of its own).
+// (PeerSender's MLPAllReduce: down reads the SwiGLU in the fp16 form the
+// gate and up GEMM writes where that GEMM can, without a conversion of its
+// own).
 func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear) {
 	s, gl, ul, dl := bufOf(x), linearOf(gate), linearOf(up), linearOf(down)
 	n := s.rows * s.cols

@@ -416,7 +416,7 @@ func TestPeerBlocks(t *testing.T) {
 	ids := ref.LogitsInputIDs
 	var calls atomic.Int64
 	want := logits(load(t, m, fusingTP(t, m, &calls)), ids)
-	for _, refuse := range []int{-1, 1} {
+	for _, refuse := range []int{-1, 0, 1} { // rank 0 declining runs the residual add's sequence itself
 		t.Run(fmt.Sprintf("rank-declining=%d", refuse), func(t *testing.T) {
 			var fused, peerCalls, blocks atomic.Int64
 			mem := newMemory()
