@@ -346,12 +346,7 @@ func (b *Backend) MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool
 		return false
 	}
 	if s.rows > 1 {
-		defer b.enter()()
-		if !b.sendTiles(d, &gemmIn{x: s}, l, add) {
-			return false
-		}
-		b.allReduceLarge(d, true)
-		return true
+		return b.sumSent(d, func() bool { return b.sendTiles(d, &gemmIn{x: s}, l, add) })
 	}
 	if d.n() > p.lanes[0].capFloats {
 		return false
@@ -377,22 +372,29 @@ func (b *Backend) MatMulAllReduce(dst, x runtime.Buf, w runtime.Linear, add bool
 // tiles (tileSender) and a formed input; otherwise it queues nothing and
 // returns false (the caller then runs Attention and MatMulAllReduce).
 func (b *Backend) AttentionAllReduce(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear, add bool) bool {
-	if !b.attentionSend(x, q, c, layer, pos0, heads, kvHeads, headDim, o, add) {
+	return b.sumSent(buf(x), func() bool { return b.attentionSend(x, q, c, layer, pos0, heads, kvHeads, headDim, o, add) })
+}
+
+// sumSent queues send, a product (or a block ending in one) whose GEMM
+// sends its tiles into lane 1's stages, and where it did (true) the large
+// all-reduce of d that then only meets and sums; it reports whether.
+func (b *Backend) sumSent(d *Buf, send func() bool) bool {
+	defer b.enter()()
+	if !send() {
 		return false
 	}
-	defer b.enter()()
-	b.allReduceLarge(buf(x), true)
+	b.allReduceLarge(d, true)
 	return true
 }
 
 // attentionSend is AttentionAllReduce up to the all-reduce: the attention
 // and o's GEMM sending its tiles (true), or nothing queued (false).
 func (b *Backend) attentionSend(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear, add bool) bool {
-	p, d, qb, kc, l := b.peer, buf(x), buf(q), cache(c), lin(o)
-	if p == nil || !p.connected || qb.rows <= 1 || !b.attnFormOut(l, kc, qb.rows, headDim) {
+	d, qb, kc, l := buf(x), buf(q), cache(c), lin(o)
+	if qb.rows <= 1 || !b.attnFormOut(l, kc, qb.rows, headDim) {
 		return false
 	}
-	if tp, _, _ := b.tileSender(l, qb.rows); tp == "" {
+	if tp, _, _ := b.tileSender(l, qb.rows); tp == "" { // also no connected group
 		return false
 	}
 	defer b.enter()()
@@ -411,12 +413,10 @@ func (b *Backend) attentionSend(x, q runtime.Buf, c runtime.KVCache, layer, pos0
 // with to_half. Only for several rows whose down product sends its tiles
 // (tileSender); otherwise it queues nothing and returns false.
 func (b *Backend) MLPAllReduce(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear, add bool) bool {
-	if sent, _ := b.mlpSend(x, w, bias, eps, gate, up, down, add); !sent {
-		return false
-	}
-	defer b.enter()()
-	b.allReduceLarge(buf(x), true)
-	return true
+	return b.sumSent(buf(x), func() bool {
+		sent, _ := b.mlpSend(x, w, bias, eps, gate, up, down, add)
+		return sent
+	})
 }
 
 // mlpSend is MLPAllReduce up to the all-reduce: the block with down's GEMM
@@ -425,11 +425,11 @@ func (b *Backend) MLPAllReduce(x runtime.Buf, w, bias runtime.Vector, eps float3
 // before any rank's all-reduce, which on one GPU would spin where the
 // other ranks' GEMMs need the multiprocessors.)
 func (b *Backend) mlpSend(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear, add bool) (sent, formed bool) {
-	p, rows := b.peer, x.Rows()
-	if p == nil || !p.connected || rows <= 1 {
+	rows := x.Rows()
+	if rows <= 1 {
 		return false, false
 	}
-	if tp, _, _ := b.tileSender(lin(down), rows); tp == "" {
+	if tp, _, _ := b.tileSender(lin(down), rows); tp == "" { // also no connected group
 		return false, false
 	}
 	g := b.AllocRaw(rows, gate.Out())
