@@ -341,9 +341,9 @@ func (b *Backend) Close() error {
 // each runs fn for every local rank concurrently and re-raises a rank's
 // panic in the caller: the first rank's to panic, since the others' may
 // only follow from it (rankPanicked aborts an Aborter communicator, where
-// the other ranks may wait for the failed one; the NCCL and socket
-// communicators are none: a rank waiting in NCCL for a failed one still
-// waits, the socket's collectives end at their time-out).
+// the other ranks may wait for the failed one: the in-process and NCCL
+// communicators; the socket's collectives end at their time-out, and the
+// peer-memory kernels at theirs).
 func (b *Backend) each(fn func(r int)) {
 	if len(b.local) == 1 {
 		fn(b.local[0])

@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	goruntime "runtime"
 	"sync"
+	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/ebitengine/purego"
@@ -44,6 +46,7 @@ type NCCL struct {
 	commInitAll          func(comms *uintptr, ndev int32, devlist *int32) int32
 	commInitRankScalable func(comm *uintptr, nranks, myrank, nID int32, ids *UniqueID, config uintptr) int32
 	commDestroy          func(comm uintptr) int32
+	commAbort            func(comm uintptr) int32
 	commCount            func(comm uintptr, n *int32) int32
 	commUserRank         func(comm uintptr, rank *int32) int32
 	allReduce            func(send, recv uintptr, count uint64, dtype, op int32, comm, stream uintptr) int32
@@ -106,6 +109,7 @@ func LoadNCCL() (*NCCL, error) {
 		{&n.commInitAll, "ncclCommInitAll", false},
 		{&n.commInitRankScalable, "ncclCommInitRankScalable", true},
 		{&n.commDestroy, "ncclCommDestroy", false},
+		{&n.commAbort, "ncclCommAbort", true},
 		{&n.commCount, "ncclCommCount", false},
 		{&n.commUserRank, "ncclCommUserRank", false},
 		{&n.allReduce, "ncclAllReduce", false},
@@ -213,6 +217,15 @@ func (n *NCCL) CommInitRank(nranks int, id UniqueID, rank int) (Comm, error) {
 // Destroy frees the communicator.
 func (n *NCCL) Destroy(c Comm) error { return n.check("ncclCommDestroy", n.commDestroy(uintptr(c))) }
 
+// Abort ends the communicator's queued and running operations and frees it
+// (ncclCommAbort; a library without it returns an error and does nothing).
+func (n *NCCL) Abort(c Comm) error {
+	if n.commAbort == nil {
+		return fmt.Errorf("nccl: %s has no ncclCommAbort", n.Path)
+	}
+	return n.check("ncclCommAbort", n.commAbort(uintptr(c)))
+}
+
 // CountAndRank returns the communicator's size and this rank.
 func (n *NCCL) CountAndRank(c Comm) (count, rank int, err error) {
 	var cnt, r int32
@@ -265,6 +278,56 @@ type NCCLCommunicator struct {
 	buf     []driver.DevicePtr
 	size    []uint64
 	retired [][]driver.DevicePtr // per rank: outgrown staging buffers, freed by Close
+
+	// calls is held for reading by every call that names a communicator
+	// (call), for writing by Abort; aborted is set by Abort before it
+	// takes it, so no call starts on an aborted communicator.
+	calls   sync.RWMutex
+	aborted atomic.Bool
+}
+
+var _ Aborter = (*NCCLCommunicator)(nil)
+
+// abortWait bounds how long Abort waits for the NCCL calls in progress
+// (enqueues, which return at once unless NCCL connects ranks lazily and
+// waits for the failed one) before it aborts anyway.
+const abortWait = 2 * time.Second
+
+// Abort implements Aborter: the local ranks' communicators are aborted
+// (ncclCommAbort), which ends their collectives queued or running on the
+// GPUs. Without it a rank that failed before queueing its collective (the
+// ranks of a process queue their own, each from its thread) leaves the
+// others' NCCL kernels waiting for it forever, and with them every later
+// synchronization of those ranks' streams: the failed run would hang
+// instead of ending with the rank's error. Later collectives return
+// ErrAborted, and Close destroys no aborted communicator.
+func (c *NCCLCommunicator) Abort() {
+	if c.aborted.Swap(true) {
+		return
+	}
+	for deadline := time.Now().Add(abortWait); ; time.Sleep(time.Millisecond) {
+		if c.calls.TryLock() {
+			defer c.calls.Unlock()
+			break
+		}
+		if time.Now().After(deadline) {
+			break // a call blocked in NCCL: ncclCommAbort is what ends it
+		}
+	}
+	for _, cm := range c.comms {
+		c.lib.Abort(cm) // nothing to do about an error: the run is failing already
+	}
+}
+
+// call runs fn, which calls NCCL with the communicators, unless Abort has
+// been called (ErrAborted then).
+func (c *NCCLCommunicator) call(fn func() error) error {
+	c.calls.RLock()
+	defer c.calls.RUnlock()
+	if c.aborted.Load() {
+		return ErrAborted
+	}
+	return fn()
 }
 
 var _ Communicator = (*NCCLCommunicator)(nil)
@@ -492,11 +555,17 @@ func (c *NCCLCommunicator) AllReduceSum(rank int, buf []float32) error {
 		if err := c.drv.MemcpyHtoD(d, unsafe.Pointer(&buf[0]), nb); err != nil {
 			return err
 		}
-		if err := c.lib.AllReduceSum(uint64(d), uint64(d), len(buf), c.comms[rank], uintptr(c.streams[rank])); err != nil {
+		err = c.call(func() error {
+			return c.lib.AllReduceSum(uint64(d), uint64(d), len(buf), c.comms[rank], uintptr(c.streams[rank]))
+		})
+		if err != nil {
 			return err
 		}
 		if err := c.drv.StreamSynchronize(c.streams[rank]); err != nil {
 			return err
+		}
+		if c.aborted.Load() { // the sum may have ended unfinished
+			return ErrAborted
 		}
 		return c.drv.MemcpyDtoH(unsafe.Pointer(&buf[0]), d, nb)
 	})
@@ -525,11 +594,17 @@ func (c *NCCLCommunicator) AllGather(rank int, send, recv []float32) error {
 		if err := c.drv.MemcpyHtoD(d, unsafe.Pointer(&send[0]), sb); err != nil {
 			return err
 		}
-		if err := c.lib.AllGather(uint64(d), uint64(d)+sb, len(send), c.comms[rank], uintptr(c.streams[rank])); err != nil {
+		err = c.call(func() error {
+			return c.lib.AllGather(uint64(d), uint64(d)+sb, len(send), c.comms[rank], uintptr(c.streams[rank]))
+		})
+		if err != nil {
 			return err
 		}
 		if err := c.drv.StreamSynchronize(c.streams[rank]); err != nil {
 			return err
+		}
+		if c.aborted.Load() {
+			return ErrAborted
 		}
 		return c.drv.MemcpyDtoH(unsafe.Pointer(&recv[0]), d+driver.DevicePtr(sb), rb)
 	})
@@ -547,8 +622,10 @@ func (c *NCCLCommunicator) AllReduceSumDevice(bufs []uint64, count int, streams 
 	if count == 0 {
 		return nil
 	}
-	return c.group(func(r int) error {
-		return c.lib.AllReduceSum(bufs[r], bufs[r], count, c.comms[r], streams[r])
+	return c.call(func() error {
+		return c.group(func(r int) error {
+			return c.lib.AllReduceSum(bufs[r], bufs[r], count, c.comms[r], streams[r])
+		})
 	})
 }
 
@@ -562,8 +639,10 @@ func (c *NCCLCommunicator) AllGatherDevice(send, recv []uint64, count int, strea
 	if count == 0 {
 		return nil
 	}
-	return c.group(func(r int) error {
-		return c.lib.AllGather(send[r], recv[r], count, c.comms[r], streams[r])
+	return c.call(func() error {
+		return c.group(func(r int) error {
+			return c.lib.AllGather(send[r], recv[r], count, c.comms[r], streams[r])
+		})
 	})
 }
 
@@ -578,7 +657,7 @@ func (c *NCCLCommunicator) AllReduceSumDeviceRank(rank int, buf uint64, count in
 	if count == 0 {
 		return nil
 	}
-	return c.lib.AllReduceSum(buf, buf, count, c.comms[rank], stream)
+	return c.call(func() error { return c.lib.AllReduceSum(buf, buf, count, c.comms[rank], stream) })
 }
 
 // AllGatherDeviceRank implements RankDeviceCommunicator.
@@ -590,7 +669,7 @@ func (c *NCCLCommunicator) AllGatherDeviceRank(rank int, send, recv uint64, coun
 	if count == 0 {
 		return nil
 	}
-	return c.lib.AllGather(send, recv, count, c.comms[rank], stream)
+	return c.call(func() error { return c.lib.AllGather(send, recv, count, c.comms[rank], stream) })
 }
 
 // group issues call(r) for every rank inside ncclGroupStart/End (one
@@ -616,7 +695,7 @@ func (c *NCCLCommunicator) group(call func(r int) error) error {
 }
 
 // Close implements Communicator: it frees the staging buffers, streams and
-// communicators and releases the GPU contexts.
+// communicators (those Abort has not freed) and releases the GPU contexts.
 func (c *NCCLCommunicator) Close() error {
 	var errs []error
 	for r := range c.ctxs {
@@ -636,8 +715,10 @@ func (c *NCCLCommunicator) Close() error {
 		}))
 	}
 	c.streams = nil
-	for _, cm := range c.comms {
-		errs = append(errs, c.lib.Destroy(cm))
+	if !c.aborted.Load() {
+		for _, cm := range c.comms {
+			errs = append(errs, c.lib.Destroy(cm))
+		}
 	}
 	c.comms = nil
 	for _, d := range c.devices {

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 	"unsafe"
 
 	"qtool/runtime"
@@ -287,4 +288,148 @@ func TestNCCLGroupOneThread(t *testing.T) {
 			}
 		}
 	}
+}
+
+// fakeAbortNCCL is a fake library whose collectives and groups record a
+// call on a communicator already aborted (a use after ncclCommAbort freed
+// it), and whose ncclCommAbort and ncclCommDestroy count their calls. A
+// collective on a communicator in block waits until that one is aborted,
+// as a collective would that waits for a failed rank.
+type fakeAbortNCCL struct {
+	mu        sync.Mutex
+	aborts    map[uintptr]int
+	destroyed int
+	misuse    []string
+	block     map[uintptr]chan struct{}
+}
+
+func (f *fakeAbortNCCL) lib() *NCCL {
+	msg := []byte("aborted\x00")
+	f.aborts, f.block = map[uintptr]int{}, map[uintptr]chan struct{}{}
+	use := func(call string, comm uintptr) int32 {
+		f.mu.Lock()
+		if f.aborts[comm] > 0 {
+			f.misuse = append(f.misuse, fmt.Sprintf("%s on communicator %d after its abort", call, comm))
+		}
+		ch := f.block[comm]
+		f.mu.Unlock()
+		if ch != nil {
+			<-ch
+			return 5
+		}
+		goruntime.Gosched()
+		return 0
+	}
+	return &NCCL{
+		groupStart: func() int32 { return 0 },
+		groupEnd:   func() int32 { return 0 },
+		allReduce: func(_, _ uintptr, _ uint64, _, _ int32, comm, _ uintptr) int32 {
+			return use("ncclAllReduce", comm)
+		},
+		allGather: func(_, _ uintptr, _ uint64, _ int32, comm, _ uintptr) int32 {
+			return use("ncclAllGather", comm)
+		},
+		commAbort: func(comm uintptr) int32 {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			f.aborts[comm]++
+			if ch := f.block[comm]; ch != nil {
+				close(ch)
+				delete(f.block, comm)
+			}
+			return 0
+		},
+		commDestroy: func(uintptr) int32 {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			f.destroyed++
+			return 0
+		},
+		getErrorString: func(int32) *byte { return &msg[0] },
+	}
+}
+
+// TestNCCLAbort checks Abort (without a GPU, on a fake library): every
+// local communicator is aborted once however often Abort is called; the
+// collectives running on other goroutines end with ErrAborted and none
+// reaches NCCL with an aborted communicator; Close then destroys none; and
+// a collective blocked inside NCCL (waiting for a failed rank) does not
+// keep Abort from aborting: it waits abortWait at most, and the abort
+// ends the blocked call.
+func TestNCCLAbort(t *testing.T) {
+	t.Run("collectives running", func(t *testing.T) {
+		f := &fakeAbortNCCL{}
+		c := &NCCLCommunicator{lib: f.lib(), world: 2, global: []int{0, 1}, comms: []Comm{11, 12}}
+		errs := make([]error, 6)
+		var wg sync.WaitGroup
+		for g := range errs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					var err error
+					switch g % 3 {
+					case 0:
+						err = c.AllReduceSumDeviceRank(g%2, 0, 8, 0)
+					case 1:
+						err = c.AllReduceSumDevice(make([]uint64, 2), 8, make([]uintptr, 2))
+					default:
+						err = c.AllGatherDevice(make([]uint64, 2), make([]uint64, 2), 8, make([]uintptr, 2))
+					}
+					if err != nil {
+						errs[g] = err
+						return
+					}
+				}
+			}()
+		}
+		time.Sleep(20 * time.Millisecond)
+		c.Abort()
+		c.Abort()
+		wg.Wait()
+		for g, err := range errs {
+			if !errors.Is(err, ErrAborted) {
+				t.Errorf("goroutine %d ended with %v, want ErrAborted", g, err)
+			}
+		}
+		if err := c.AllGatherDeviceRank(1, 0, 0, 8, 0); !errors.Is(err, ErrAborted) {
+			t.Errorf("an all-gather after the abort: %v, want ErrAborted", err)
+		}
+		if err := c.Close(); err != nil {
+			t.Fatal(err)
+		}
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		if f.aborts[11] != 1 || f.aborts[12] != 1 || len(f.aborts) != 2 {
+			t.Errorf("ncclCommAbort calls %v, want one a communicator", f.aborts)
+		}
+		if f.destroyed != 0 {
+			t.Errorf("Close destroyed %d aborted communicators", f.destroyed)
+		}
+		for _, m := range f.misuse {
+			t.Error(m)
+		}
+	})
+	t.Run("a collective blocked in NCCL", func(t *testing.T) {
+		f := &fakeAbortNCCL{}
+		c := &NCCLCommunicator{lib: f.lib(), world: 2, global: []int{0, 1}, comms: []Comm{21, 22}}
+		f.block[21] = make(chan struct{})
+		done := make(chan error)
+		go func() { done <- c.AllReduceSumDeviceRank(0, 0, 8, 0) }()
+		time.Sleep(20 * time.Millisecond)
+		t0 := time.Now()
+		c.Abort()
+		if d := time.Since(t0); d > abortWait+time.Second {
+			t.Errorf("Abort took %v", d)
+		}
+		select {
+		case err := <-done:
+			var ne *NCCLError
+			if !errors.As(err, &ne) {
+				t.Errorf("the blocked all-reduce returned %v, want NCCL's error", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("the blocked all-reduce still waits after the abort")
+		}
+	})
 }
