@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -171,6 +171,16 @@ if has tpctx; then # TP=2 prefill with TP_CTX-token chunks (default 2048), this 
     run "$m-1gpu-ctx" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C --device cuda /tmp/$m
     run "$m-tp2-ctx" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C --device cuda --tp 2 /tmp/$m
     run "$m-tp2-ctx-base" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C --device cuda --tp 2 /tmp/$m
+  done
+fi
+if has tl; then # timelines of a 2 048-token prefill (kernels/exp/timeline.diff applied, AB_PTX="tl=-DQTOOL_TIMELINE"): TP=2 and one GPU
+  for m in ${TL_MODELS:-l7b-awq}; do
+    for v in ${TL_RUNS:-tp2 1gpu}; do
+      rm -f /tmp/tl-$m-$v.*; tp=""; [ "$v" = tp2 ] && tp="--tp 2"
+      run "$m-tl-$v" env QTOOL_TIMELINE=/tmp/tl-$m-$v QTOOL_CUDA_PTX="$OUT/ptx-tl/qtool_sm90.ptx" bin/qtool verify --json \
+        --ppl .devdata/sotu-test.raw --ctx 2048 --max-chunks "${TL_CHUNKS:-2}" --device cuda $tp /tmp/$m
+      python3 kernels/exp/tl_analyze.py /tmp/tl-$m-$v.gpu*.qtl > "$OUT/tl-$m-$v.txt" 2>&1; head -"${TL_LINES:-40}" "$OUT/tl-$m-$v.txt"
+    done
   done
 fi
 if has tp-base; then # the AutoAWQ runs of tp with the previous commit's binary and its embedded PTX

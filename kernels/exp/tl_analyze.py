@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Reads the timeline files of a -DQTOOL_TIMELINE build (kernels/exp/timeline.diff;
+runtime/cuda/timeline.go writes PREFIX.gpuN.qtl at Close) and prints where one
+forward pass's time goes on each GPU and, with two or more files (the ranks of
+a tensor-parallel run), how the ranks meet in the large all-reduces.
+
+    QTOOL_TIMELINE=/tmp/tl QTOOL_CUDA_PTX=.../qtool_sm90.ptx qtool verify --ppl F --ctx 2048 --max-chunks 3 --tp 2 MODEL
+    python3 tl_analyze.py /tmp/tl.gpu0.qtl /tmp/tl.gpu1.qtl [--pass -1]
+
+A record is one block: the kernel's name, %gridid, its linear index and
+multiprocessor, and %globaltimer (ns) when it began, when its wait for the
+kernel before ended (allreduce_peer: when its meeting with the peers ended)
+and when it ended. A launch is the records of one %gridid. The window is one
+forward pass: from the --pass'th launch of an embed_* kernel (default the
+last) to the next one or the end.
+
+Per GPU: each kernel's share of the window (from its launch's first block to
+the next launch's first block, so the shares add up to the window) and its
+span (first block to last block's end). Per large all-reduce
+(allreduce_peer): its wait (first block's start to the last block's meeting
+end) and its sum (the meeting end to its end). Across GPUs, whose clocks
+differ, the k-th all-reduce's meeting ends are taken as simultaneous (their
+median difference aligns the clocks; a meeting ends when the last rank
+arrives), and each all-reduce says which rank arrived last and by how much,
+and what the launch before it (the sending GEMM) took on each rank.
+"""
+import collections
+import statistics
+import struct
+import sys
+
+REC = 64
+
+
+def read(path):
+    with open(path, 'rb') as f:
+        data = f.read()
+    if data[:4] != b'QTL1':
+        sys.exit(f'{path}: not a timeline file')
+    dev, n, counted = struct.unpack_from('<QQQ', data, 4)
+    if counted > n:
+        print(f'{path}: {counted - n} records lost (the buffer held {n}; QTOOL_TIMELINE_RECORDS)', file=sys.stderr)
+    launches = collections.OrderedDict()
+    for i in range(n):
+        w = struct.unpack_from('<8Q', data, 28 + REC * i)
+        name = b''.join(x.to_bytes(8, 'little') for x in w[:3]).rstrip(b'\0').decode('ascii', 'replace')
+        gid, t0, t1, t2 = w[3], w[5], w[6], w[7]
+        l = launches.setdefault(gid, {'name': name, 'blocks': 0, 't0': t0, 't1': 0, 't2': 0, 'first_t1': t1})
+        l['blocks'] += 1
+        l['t0'] = min(l['t0'], t0)
+        l['t1'] = max(l['t1'], t1)
+        l['t2'] = max(l['t2'], t2)
+    return dev, sorted(launches.values(), key=lambda l: l['t0'])
+
+
+def window(ls, which):
+    starts = [i for i, l in enumerate(ls) if l['name'].startswith('embed')]
+    if not starts:
+        return ls
+    i = starts[which]
+    j = next((k for k in starts if k > i), len(ls))
+    return ls[i:j]
+
+
+def us(ns):
+    return ns / 1e3
+
+
+def per_gpu(dev, ls):
+    total = ls[-1]['t2'] - ls[0]['t0']
+    share, span, count = collections.defaultdict(int), collections.defaultdict(int), collections.Counter()
+    for k, l in enumerate(ls):
+        nxt = ls[k + 1]['t0'] if k + 1 < len(ls) else l['t2']
+        share[l['name']] += nxt - l['t0']
+        span[l['name']] += l['t2'] - l['t0']
+        count[l['name']] += 1
+    print(f'GPU {dev}: {len(ls)} launches, {total / 1e6:.3f} ms')
+    for name in sorted(share, key=lambda n: -share[n]):
+        print(f'  {name:24s} {count[name]:5d}x  share {share[name] / 1e6:8.3f} ms  span {span[name] / 1e6:8.3f} ms'
+              f'  ({us(span[name]) / count[name]:7.1f} us a launch)')
+    ar = [l for l in ls if l['name'] == 'allreduce_peer']
+    if ar:
+        wait = [l['t1'] - l['t0'] for l in ar]
+        summ = [l['t2'] - l['t1'] for l in ar]
+        print(f'  allreduce_peer: wait median {us(statistics.median(wait)):.1f} us (max {us(max(wait)):.1f}),'
+              f' sum median {us(statistics.median(summ)):.1f} us; {sum(wait) / 1e6:.3f} ms waiting in all')
+
+
+def across(runs):
+    ars = [[(k, l) for k, l in enumerate(ls) if l['name'] == 'allreduce_peer'] for _, ls in runs]
+    n = min(len(a) for a in ars)
+    if n == 0:
+        return
+    if len({len(a) for a in ars}) > 1:
+        print(f'ranks ran {[len(a) for a in ars]} large all-reduces in the window; pairing the first {n}')
+    off = [statistics.median(a[k][1]['t1'] - ars[0][k][1]['t1'] for k in range(n)) for a in ars]
+    last = collections.Counter()
+    skews, rows = [], []
+    for k in range(n):
+        arrive = [ars[r][k][1]['t0'] - off[r] for r in range(len(runs))]
+        late = max(range(len(runs)), key=lambda r: arrive[r])
+        last[late] += 1
+        skews.append(max(arrive) - min(arrive))
+        gemm = []
+        for r in range(len(runs)):
+            i, _ = ars[r][k]
+            prev = runs[r][1][i - 1] if i > 0 else None
+            gemm.append(f'{prev["name"]} {us(prev["t2"] - prev["t0"]):.1f}' if prev else '-')
+        rows.append((k, late, skews[-1], gemm))
+    print(f'{n} large all-reduces across {len(runs)} ranks: arrival skew median {us(statistics.median(skews)):.1f} us,'
+          f' mean {us(statistics.mean(skews)):.1f}, total {sum(skews) / 1e6:.3f} ms; last to arrive: '
+          + ', '.join(f'rank {r} {c}x' for r, c in sorted(last.items())))
+    for k, late, skew, gemm in rows[:8]:
+        print(f'  #{k}: rank {late} last by {us(skew):.1f} us; before it: ' + ' | '.join(gemm))
+
+
+def main():
+    args = sys.argv[1:]
+    which = -1
+    if '--pass' in args:
+        i = args.index('--pass')
+        which = int(args[i + 1])
+        del args[i:i + 2]
+    if not args:
+        sys.exit(__doc__)
+    runs = []
+    for p in args:
+        dev, ls = read(p)
+        ls = window(ls, which)
+        per_gpu(dev, ls)
+        runs.append((dev, ls))
+    if len(runs) > 1:
+        across(runs)
+
+
+if __name__ == '__main__':
+    main()
