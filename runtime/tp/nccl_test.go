@@ -433,3 +433,57 @@ func TestNCCLAbort(t *testing.T) {
 		}
 	})
 }
+
+// TestNCCLAbortWaiting makes the failure Abort is for on two GPUs: rank 0
+// queues an all-reduce that waits for rank 1, which never queues its own
+// (the rank that failed), so synchronizing rank 0's stream waits; Abort
+// must end that wait, and later collectives return ErrAborted.
+func TestNCCLAbortWaiting(t *testing.T) {
+	devs := ncclDevices(t, 2)
+	if len(devs) < 2 {
+		t.Skip("needs 2 GPUs")
+	}
+	c, err := NewNCCLCommunicator(devs[:2])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.lib.commAbort == nil {
+		c.Close()
+		t.Skipf("%s has no ncclCommAbort", c.lib.Path)
+	}
+	const n = 1 << 20
+	var p driver.DevicePtr
+	err = c.onRank(0, func() error {
+		var err error
+		if p, err = c.drv.MemAlloc(4 * n); err != nil {
+			return err
+		}
+		return c.AllReduceSumDeviceRank(0, uint64(p), n, uintptr(c.streams[0]))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	synced := make(chan error, 1)
+	go func() { synced <- c.onRank(0, func() error { return c.drv.StreamSynchronize(c.streams[0]) }) }()
+	select {
+	case err := <-synced:
+		t.Fatalf("rank 0's all-reduce ended without rank 1 (%v): nothing to abort", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	c.Abort()
+	select {
+	case err := <-synced:
+		t.Logf("rank 0's stream after the abort: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("rank 0's stream still waits 30 s after the abort")
+	}
+	if err := c.AllReduceSumDeviceRank(1, uint64(p), n, uintptr(c.streams[1])); !errors.Is(err, ErrAborted) {
+		t.Errorf("an all-reduce after the abort: %v, want ErrAborted", err)
+	}
+	if err := c.onRank(0, func() error { return c.drv.MemFree(p) }); err != nil {
+		t.Error(err)
+	}
+	if err := c.Close(); err != nil {
+		t.Error(err)
+	}
+}
