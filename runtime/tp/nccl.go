@@ -561,11 +561,8 @@ func (c *NCCLCommunicator) AllReduceSum(rank int, buf []float32) error {
 		if err != nil {
 			return err
 		}
-		if err := c.drv.StreamSynchronize(c.streams[rank]); err != nil {
+		if err := c.settle(rank); err != nil {
 			return err
-		}
-		if c.aborted.Load() { // the sum may have ended unfinished
-			return ErrAborted
 		}
 		return c.drv.MemcpyDtoH(unsafe.Pointer(&buf[0]), d, nb)
 	})
@@ -600,14 +597,24 @@ func (c *NCCLCommunicator) AllGather(rank int, send, recv []float32) error {
 		if err != nil {
 			return err
 		}
-		if err := c.drv.StreamSynchronize(c.streams[rank]); err != nil {
+		if err := c.settle(rank); err != nil {
 			return err
-		}
-		if c.aborted.Load() {
-			return ErrAborted
 		}
 		return c.drv.MemcpyDtoH(unsafe.Pointer(&recv[0]), d+driver.DevicePtr(sb), rb)
 	})
+}
+
+// settle waits for local rank r's staging stream (context current): the
+// host collectives' results are there then, unless Abort ended the
+// collective unfinished (ErrAborted).
+func (c *NCCLCommunicator) settle(r int) error {
+	if err := c.drv.StreamSynchronize(c.streams[r]); err != nil {
+		return err
+	}
+	if c.aborted.Load() {
+		return ErrAborted
+	}
+	return nil
 }
 
 var _ DeviceCommunicator = (*NCCLCommunicator)(nil)

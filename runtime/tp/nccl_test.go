@@ -242,12 +242,7 @@ func TestNCCLGroupOneThread(t *testing.T) {
 		goruntime.Gosched() // give the scheduler a chance to move this goroutine
 		return 0
 	}
-	lib := &NCCL{
-		groupStart: record,
-		groupEnd:   record,
-		allReduce:  func(_, _ uintptr, _ uint64, _, _ int32, _, _ uintptr) int32 { return record() },
-		allGather:  func(_, _ uintptr, _ uint64, _ int32, _, _ uintptr) int32 { return record() },
-	}
+	lib := fakeCollectives(record, func(string, uintptr) int32 { return record() })
 	const ranks = 4
 	c := &NCCLCommunicator{lib: lib, world: ranks, global: []int{0, 1, 2, 3}, comms: make([]Comm, ranks)}
 	stop := make(chan struct{})
@@ -320,32 +315,40 @@ func (f *fakeAbortNCCL) lib() *NCCL {
 		goruntime.Gosched()
 		return 0
 	}
+	lib := fakeCollectives(func() int32 { return 0 }, use)
+	lib.commAbort = func(comm uintptr) int32 {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		f.aborts[comm]++
+		if ch := f.block[comm]; ch != nil {
+			close(ch)
+			delete(f.block, comm)
+		}
+		return 0
+	}
+	lib.commDestroy = func(uintptr) int32 {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		f.destroyed++
+		return 0
+	}
+	lib.getErrorString = func(int32) *byte { return &msg[0] }
+	return lib
+}
+
+// fakeCollectives is a fake library whose ncclGroupStart and ncclGroupEnd
+// call group and whose all-reduce and all-gather call use with the call's
+// name and communicator.
+func fakeCollectives(group func() int32, use func(call string, comm uintptr) int32) *NCCL {
 	return &NCCL{
-		groupStart: func() int32 { return 0 },
-		groupEnd:   func() int32 { return 0 },
+		groupStart: group,
+		groupEnd:   group,
 		allReduce: func(_, _ uintptr, _ uint64, _, _ int32, comm, _ uintptr) int32 {
 			return use("ncclAllReduce", comm)
 		},
 		allGather: func(_, _ uintptr, _ uint64, _ int32, comm, _ uintptr) int32 {
 			return use("ncclAllGather", comm)
 		},
-		commAbort: func(comm uintptr) int32 {
-			f.mu.Lock()
-			defer f.mu.Unlock()
-			f.aborts[comm]++
-			if ch := f.block[comm]; ch != nil {
-				close(ch)
-				delete(f.block, comm)
-			}
-			return 0
-		},
-		commDestroy: func(uintptr) int32 {
-			f.mu.Lock()
-			defer f.mu.Unlock()
-			f.destroyed++
-			return 0
-		},
-		getErrorString: func(int32) *byte { return &msg[0] },
 	}
 }
 
