@@ -16,7 +16,11 @@ last) to the next one or the end.
 
 Per GPU: each kernel's share of the window (from its launch's first block to
 the next launch's first block, so the shares add up to the window) and its
-span (first block to last block's end). Per large all-reduce
+span (first block to last block's end). Then, where the launches repeat
+with a period (the layers), each position of the period: the kernel, its
+median added time (its end less the end of the launch before: with
+programmatic dependent launches a kernel's blocks start early, so this is
+what it adds to the pass), and its blocks' median time from release to end. Per large all-reduce
 (allreduce_peer): its wait (first block's start to the last block's meeting
 end) and its sum (the meeting end to its end). Across GPUs, whose clocks
 differ, the k-th all-reduce's meeting ends are taken as simultaneous (their
@@ -45,8 +49,10 @@ def read(path):
         w = struct.unpack_from('<8Q', data, 28 + REC * i)
         name = b''.join(x.to_bytes(8, 'little') for x in w[:3]).rstrip(b'\0').decode('ascii', 'replace')
         gid, t0, t1, t2 = w[3], w[5], w[6], w[7]
-        l = launches.setdefault(gid, {'name': name, 'blocks': 0, 't0': t0, 't1': 0, 't2': 0, 'first_t1': t1})
+        l = launches.setdefault(gid, {'name': name, 'blocks': 0, 't0': t0, 't1': 0, 't2': 0, 'first_t1': t1,
+                                      'blocks_rel_end': []})
         l['blocks'] += 1
+        l['blocks_rel_end'].append(t2 - max(t0, t1))
         l['t0'] = min(l['t0'], t0)
         l['t1'] = max(l['t1'], t1)
         l['t2'] = max(l['t2'], t2)
@@ -84,6 +90,29 @@ def per_gpu(dev, ls):
         summ = [l['t2'] - l['t1'] for l in ar]
         print(f'  allreduce_peer: wait median {us(statistics.median(wait)):.1f} us (max {us(max(wait)):.1f}),'
               f' sum median {us(statistics.median(summ)):.1f} us; {sum(wait) / 1e6:.3f} ms waiting in all')
+    per_position(ls)
+
+
+def per_position(ls):
+    names = [l['name'] for l in ls]
+    for period in range(4, 40):
+        start = next((i for i in range(len(names) - 2 * period) if names[i:i + period] == names[i + period:i + 2 * period]), None)
+        if start is not None:
+            break
+    else:
+        return
+    reps = (len(ls) - start) // period
+    print(f'  a period of {period} launches from launch {start}, {reps} times (medians):')
+    for j in range(period):
+        added, block = [], []
+        for r in range(reps):
+            k = start + r * period + j
+            if names[k] != names[start + j]:
+                continue
+            added.append(ls[k]['t2'] - ls[k - 1]['t2'])
+            block.append(statistics.median(ls[k]['blocks_rel_end']))
+        print(f'    {j:3d} {names[start + j]:24s} added {us(statistics.median(added)):7.1f} us  sum {sum(added) / 1e6:7.3f} ms'
+              f'  a block {us(statistics.median(block)):6.1f} us  ({ls[start + j]["blocks"]} blocks)')
 
 
 def across(runs):
