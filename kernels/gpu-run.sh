@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tpab tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base)
 set -uo pipefail
@@ -171,6 +171,20 @@ if has tpctx; then # TP=2 prefill with TP_CTX-token chunks (default 2048), this 
     run "$m-1gpu-ctx" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C --device cuda /tmp/$m
     run "$m-tp2-ctx" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C --device cuda --tp 2 /tmp/$m
     run "$m-tp2-ctx-base" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C --device cuda --tp 2 /tmp/$m
+  done
+fi
+if has tpab; then # TP=2 at TP_CTX-token chunks, alternating: this build's PTX, each AB_PTX variant's, the previous commit's binary (TPAB_ROUNDS rounds of AutoAWQ, bf16 in the first)
+  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
+  C="--ctx ${TP_CTX:-2048} --max-chunks ${TP_CHUNKS:-5} --device cuda --tp 2"
+  for r in $(seq "${TPAB_ROUNDS:-2}"); do
+    for m in l7b-awq $([ "$r" = 1 ] && echo l7b); do
+      run "$m-tp2-ab$r" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
+      for v in ${AB_PTX:-}; do
+        run "$m-tp2-${v%%=*}-ab$r" env QTOOL_CUDA_PTX="$OUT/ptx-${v%%=*}/qtool_sm90.ptx" bin/qtool verify --json \
+          --ppl .devdata/sotu-test.raw $C /tmp/$m
+      done
+      run "$m-tp2-base-ab$r" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
+    done
   done
 fi
 if has tl; then # timelines of a 2 048-token prefill (kernels/exp/timeline.diff applied, AB_PTX="tl=-DQTOOL_TIMELINE"): TP=2 and one GPU
