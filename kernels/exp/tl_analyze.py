@@ -16,13 +16,14 @@ last) to the next one or the end.
 
 Per GPU: each kernel's share of the window (from its launch's first block to
 the next launch's first block, so the shares add up to the window) and its
-span (first block to last block's end). Then, where the launches repeat
-with a period (the layers), each position of the period: the kernel, its
-median added time (its end less the end of the launch before: with
-programmatic dependent launches a kernel's blocks start early, so this is
-what it adds to the pass), and its blocks' median time from release to end. Per large all-reduce
+span (first block to last block's end). Per large all-reduce
 (allreduce_peer): its wait (first block's start to the last block's meeting
-end) and its sum (the meeting end to its end). Across GPUs, whose clocks
+end) and its sum (the meeting end to its end). Then, where the launches
+repeat with a period (the layers), each position of the period: the
+kernel, its median added time (its end less the end of the launch before:
+with programmatic dependent launches a kernel's blocks start early, so this
+is what it adds to the pass), and its blocks' median time from release to
+end. Across GPUs, whose clocks
 differ, the k-th all-reduce's meeting ends are taken as simultaneous (their
 median difference aligns the clocks; a meeting ends when the last rank
 arrives), and each all-reduce says which rank arrived last and by how much,
