@@ -328,15 +328,10 @@ func TestMatMulAllReduceTiles(t *testing.T) {
 							want[q], got[q] = upload(b, M, N, resid), upload(b, M, N, resid)
 						}
 						partial := func(q int, d *Buf) { product(ranks[q], q, d, xs[q], ws[q]) }
-						syncAll := func() {
-							for _, b := range ranks {
-								b.Sync()
-							}
-						}
 						for q := range ranks {
 							partial(q, want[q])
 						}
-						syncAll()
+						syncAll(ranks)
 						for q, b := range ranks {
 							b.AllReducePeer(want[q])
 						}
@@ -368,7 +363,7 @@ func TestMatMulAllReduceTiles(t *testing.T) {
 									partial(q, got[q])
 								}
 							}
-							syncAll()
+							syncAll(ranks)
 							for q, b := range ranks {
 								if sends[q] {
 									func() {
@@ -463,14 +458,10 @@ func TestMLPAllReduce(t *testing.T) {
 			for q, b := range ranks {
 				want[q], got[q] = upload(b, M, H, x), upload(b, M, H, x)
 			}
-			if tp, _, _ := ranks[0].tileSender(lin(down[0]), M); tp == "" {
-				b := ranks[0]
-				before := b.launches
-				if sent, _ := b.mlpSend(got[0], norm[0], nil, 1e-5, gu[0][0], gu[0][1], down[0], true); sent || b.launches != before {
-					t.Fatalf("mlpSend sent or launched %d kernels where down's GEMM does not send (tileSender)", b.launches-before)
-				}
-				t.Skip("down's GEMM does not send its tiles here (tileSender)")
-			}
+			requireSender(t, ranks[0], lin(down[0]), M, "mlpSend", func() bool {
+				sent, _ := ranks[0].mlpSend(got[0], norm[0], nil, 1e-5, gu[0][0], gu[0][1], down[0], true)
+				return sent
+			})
 			checkSentBlock(t, ranks, want, got, "MLPAllReduce", func(q int) {
 				b := ranks[q]
 				g := b.Alloc(M, F)
@@ -544,14 +535,9 @@ func TestAttentionAllReduce(t *testing.T) {
 						b.FreeLinear(ows[q])
 					}
 				}()
-				if tp, _, _ := ranks[0].tileSender(lin(ows[0]), M); tp == "" {
-					b := ranks[0]
-					before := b.launches
-					if b.attentionSend(got[0], qs[0], caches[0], 0, tc.pos0, heads, kvHeads, hd, ows[0], true) || b.launches != before {
-						t.Fatalf("attentionSend sent or launched %d kernels where o's GEMM does not send (tileSender)", b.launches-before)
-					}
-					t.Skip("o's GEMM does not send its tiles here (tileSender: no Hopper GEMMs)")
-				}
+				requireSender(t, ranks[0], lin(ows[0]), M, "attentionSend", func() bool {
+					return ranks[0].attentionSend(got[0], qs[0], caches[0], 0, tc.pos0, heads, kvHeads, hd, ows[0], true)
+				})
 				checkSentBlock(t, ranks, want, got, "AttentionAllReduce", func(q int) {
 					b := ranks[q]
 					a := b.Alloc(M, K)
@@ -575,6 +561,28 @@ func TestAttentionAllReduce(t *testing.T) {
 	}
 }
 
+// syncAll waits for every rank's stream.
+func syncAll(ranks []*Backend) {
+	for _, b := range ranks {
+		b.Sync()
+	}
+}
+
+// requireSender skips the test where no Hopper GEMM multiplies M rows by l
+// and sends its tiles (tileSender), after checking that send, a block's
+// sending form on b (what names it), then declines and launches nothing.
+func requireSender(t *testing.T, b *Backend, l *Linear, M int, what string, send func() bool) {
+	t.Helper()
+	if tp, _, _ := b.tileSender(l, M); tp != "" {
+		return
+	}
+	before := b.launches
+	if send() || b.launches != before {
+		t.Fatalf("%s sent or launched %d kernels where its GEMM does not send (tileSender)", what, b.launches-before)
+	}
+	t.Skipf("%s: the GEMM does not send its tiles here (tileSender)", what)
+}
+
 // product queues rank q's partial product of a row-parallel weight w:
 // dst += x·wᵀ on rank 0 (the residual add), dst = x·wᵀ on the others.
 func product(b *Backend, q int, dst, x runtime.Buf, w runtime.Linear) {
@@ -595,22 +603,17 @@ func product(b *Backend, q int, dst, x runtime.Buf, w runtime.Linear) {
 // rank's GEMM off the multiprocessors.
 func checkSentBlock(t *testing.T, ranks []*Backend, want, got []*Buf, what string, ref, send func(q int)) {
 	t.Helper()
-	syncAll := func() {
-		for _, b := range ranks {
-			b.Sync()
-		}
-	}
 	for q := range ranks {
 		ref(q)
 	}
-	syncAll()
+	syncAll(ranks)
 	for q, b := range ranks {
 		b.AllReducePeer(want[q])
 	}
 	for q := range ranks {
 		send(q)
 	}
-	syncAll()
+	syncAll(ranks)
 	for q, b := range ranks {
 		func() {
 			defer b.enter()()
