@@ -394,13 +394,12 @@ func (b *Backend) attentionSend(x, q runtime.Buf, c runtime.KVCache, layer, pos0
 	if qb.rows <= 1 || !b.attnFormOut(l, kc, qb.rows, headDim) {
 		return false
 	}
-	if tp, _, _ := b.tileSender(l, qb.rows); tp == "" { // also no connected group
+	ts := b.tileSender(l, qb.rows)
+	if ts.kernel == "" { // also no connected group
 		return false
 	}
 	defer b.enter()()
-	if !b.sendTiles(d, b.attendFormed(d, qb, kc, layer, pos0, heads, kvHeads, headDim, l), l, add) {
-		panic("cuda backend: AttentionAllReduce: o's GEMM refused to send after tileSender chose it")
-	}
+	b.launchTiles(ts, d, b.attendFormed(d, qb, kc, layer, pos0, heads, kvHeads, headDim, l), l, add)
 	return true
 }
 
@@ -429,7 +428,8 @@ func (b *Backend) mlpSend(x runtime.Buf, w, bias runtime.Vector, eps float32, ga
 	if rows <= 1 {
 		return false, false
 	}
-	if tp, _, _ := b.tileSender(lin(down), rows); tp == "" { // also no connected group
+	ts := b.tileSender(lin(down), rows)
+	if ts.kernel == "" { // also no connected group
 		return false, false
 	}
 	g := b.AllocRaw(rows, gate.Out())
@@ -443,9 +443,7 @@ func (b *Backend) mlpSend(x runtime.Buf, w, bias runtime.Vector, eps float32, ga
 	if formed = b.normSwiGLU(s, segs, w, bias, eps, q); formed {
 		in = q.input(rows, dl.in)
 	}
-	if !b.sendTiles(s, in, dl, add) {
-		panic("cuda backend: MLPAllReduce: down's GEMM refused to send after tileSender chose it")
-	}
+	b.launchTiles(ts, s, in, dl, add)
 	return true, formed
 }
 
@@ -495,26 +493,33 @@ func (b *Backend) gemvOneWave(l *Linear) bool {
 	return (l.out+rows-1)/rows <= b.residentBlocks(name, shm)*b.sms
 }
 
-// tileSender is the Hopper GEMM that multiplies M rows by l's weight and
-// sends its tiles to lane 1 of the peer-memory group (gemm_wg_*_tp), and
-// the weight's kernel as the GEMM reads it: only where the sum goes
-// through lane 1 (more values than lane 0 holds, up to the group's
-// capacity) and the GEMM would not split K (gemmSplits: the splits' sum
-// would have to send instead). "" where there is none.
-func (b *Backend) tileSender(l *Linear, M int) (tp, wg string, widen bool) {
+// tileSend is a Hopper GEMM that sends its tiles to lane 1 of the
+// peer-memory group (gemm_wg_*_tp; kernel "" where there is none), with the
+// weight's kernel as the GEMM reads it (wg) and whether the weight is
+// widened to fp16 first.
+type tileSend struct {
+	kernel, wg string
+	widen      bool
+}
+
+// tileSender is the tileSend that multiplies M rows by l's weight: only
+// where the sum goes through lane 1 (more values than lane 0 holds, up to
+// the group's capacity) and the GEMM would not split K (gemmSplits: the
+// splits' sum would have to send instead); none elsewhere.
+func (b *Backend) tileSender(l *Linear, M int) tileSend {
 	p, n := b.peer, M*l.out
 	if p == nil || !p.connected || n <= p.lanes[0].capFloats || n > p.capFloats || !b.halfGEMM(l, M, false) {
-		return "", "", false
+		return tileSend{}
 	}
 	gh, widen := gemmHKernel(l)
-	wg = b.wgmmaKernel(gh, M)
+	wg := b.wgmmaKernel(gh, M)
 	if tileSendKernels[wg] == "" {
-		return "", "", false
+		return tileSend{}
 	}
 	if b.splits(((M+127)/128)*((l.out+127)/128), (l.in+gemmHBK-1)/gemmHBK, b.sms) != 1 {
-		return "", "", false
+		return tileSend{}
 	}
-	return tileSendKernels[wg], wg, widen
+	return tileSend{tileSendKernels[wg], wg, widen}
 }
 
 // tileSendKernels maps each Hopper GEMM of float activations to its form
@@ -527,25 +532,31 @@ var tileSendKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_tp", "gemm_w
 // takes fp16), with the Hopper GEMM that sends its tiles to lane 1
 // (tileSender), or returns false and queues nothing (context current).
 func (b *Backend) sendTiles(d *Buf, in *gemmIn, l *Linear, add bool) bool {
-	tp, wg, widen := b.tileSender(l, in.x.rows)
-	if tp == "" {
+	s := b.tileSender(l, in.x.rows)
+	if s.kernel == "" {
 		return false
 	}
+	b.launchTiles(s, d, in, l, add)
+	return true
+}
+
+// launchTiles is sendTiles with its GEMM chosen (s: tileSender's for l and
+// in's rows), for a block that chose it before queueing its first launch.
+func (b *Backend) launchTiles(s tileSend, d *Buf, in *gemmIn, l *Linear, add bool) {
 	M, N, K := in.x.rows, l.out, l.in
 	w := l.w
-	if widen {
+	if s.widen {
 		w = b.widened(l)
 	}
 	a16 := b.half(in, l)
-	grid, shm, wmap := b.prepareWG(wg, a16, w, l, M)
-	b.raiseSmem(tp, shm)
+	grid, shm, wmap := b.prepareWG(s.wg, a16, w, l, M)
+	b.raiseSmem(s.kernel, shm)
 	out := outStore
 	if add {
 		out = outAdd
 	}
 	p := b.peer
 	l1 := p.lanes[1]
-	b.launchShm(tp, grid, block384, shm, d.p, b.tmaps[0], wmap, l.sz, M, N, K, max(l.gs, gemmHBK), l.groups, out,
+	b.launchShm(s.kernel, grid, block384, shm, d.p, b.tmaps[0], wmap, l.sz, M, N, K, max(l.gs, gemmHBK), l.groups, out,
 		p.area, p.rank, p.world, int64(l1.stageOff), int64(l1.stride))
-	return true
 }

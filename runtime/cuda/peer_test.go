@@ -320,7 +320,7 @@ func TestMatMulAllReduceTiles(t *testing.T) {
 					xs[q] = upload(b, M, K, randVec(r, M*K, 1))
 				}
 				resid := randVec(r, M*N, 1)
-				tp, _, _ := ranks[0].tileSender(lin(ws[0]), M)
+				tp := ranks[0].tileSender(lin(ws[0]), M).kernel
 				for _, mode := range []string{"all", "mixed"} {
 					t.Run(fmt.Sprintf("world=%d/%s/N=%d/%s", world, wc.name, N, mode), func(t *testing.T) {
 						want, got := make([]*Buf, world), make([]*Buf, world)
@@ -573,7 +573,7 @@ func syncAll(ranks []*Backend) {
 // sending form on b (what names it), then declines and launches nothing.
 func requireSender(t *testing.T, b *Backend, l *Linear, M int, what string, send func() bool) {
 	t.Helper()
-	if tp, _, _ := b.tileSender(l, M); tp != "" {
+	if b.tileSender(l, M).kernel != "" {
 		return
 	}
 	before := b.launches
