@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tpab one2k tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tpab tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
 # TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; RUN_LIMIT: a
@@ -177,11 +177,13 @@ if has tpctx; then # TP=2 prefill with TP_CTX-token chunks (default 2048), this 
     run "$m-tp2-ctx-base" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C --device cuda --tp 2 /tmp/$m
   done
 fi
-if has tpab; then # TP=2 at TP_CTX-token chunks, alternating: this build's PTX, each AB_PTX variant's, the previous commit's binary (TPAB_ROUNDS rounds of AutoAWQ, bf16 in the first; or of TPAB_MODELS)
+if has tpab; then # TP=2 at TP_CTX-token chunks, alternating: this build's PTX, each AB_PTX variant's, the previous commit's binary (TPAB_ROUNDS rounds of AutoAWQ, bf16 in the first; or of TPAB_MODELS); in the first round also one GPU with the previous commit's binary, the ratio's base
   base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
-  C="--ctx ${TP_CTX:-2048} --max-chunks ${TP_CHUNKS:-5} --device cuda --tp 2"
+  C1="--ctx ${TP_CTX:-2048} --max-chunks ${TP_CHUNKS:-5} --device cuda"
+  C="$C1 --tp 2"
   for r in $(seq "${TPAB_ROUNDS:-2}"); do
     for m in ${TPAB_MODELS:-l7b-awq $([ "$r" = 1 ] && echo l7b)}; do
+      [ "$r" = 1 ] && run "$m-1gpu-base" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C1 /tmp/$m
       run "$m-tp2-ab$r" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
       for v in ${AB_PTX:-}; do
         run "$m-tp2-${v%%=*}-ab$r" env QTOOL_CUDA_PTX="$OUT/ptx-${v%%=*}/qtool_sm90.ptx" bin/qtool verify --json \
@@ -189,13 +191,6 @@ if has tpab; then # TP=2 at TP_CTX-token chunks, alternating: this build's PTX, 
       done
       run "$m-tp2-base-ab$r" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
     done
-  done
-fi
-if has one2k; then # one GPU at TP_CTX-token chunks with the previous commit's binary: tpab's ratio in the same call
-  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
-  for m in l7b-awq l7b; do
-    run "$m-1gpu-2k" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw \
-      --ctx "${TP_CTX:-2048}" --max-chunks "${TP_CHUNKS:-5}" --device cuda /tmp/$m
   done
 fi
 if has tl; then # timelines of a 2 048-token prefill (kernels/exp/timeline.diff applied, AB_PTX="tl=-DQTOOL_TIMELINE"): TP=2 and one GPU
