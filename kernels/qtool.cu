@@ -1932,6 +1932,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const f
 #define AR_LANE_SYNC (4 * (AR_MAX_RANKS + 1) * AR_MAX_BLOCKS)  // bytes of a lane's flags and calls
 #define AR_HEADER 16384
 static_assert(8 * AR_MAX_RANKS + AR_LANES * AR_LANE_SYNC <= AR_HEADER, "AR_HEADER");
+// exchange_peer's second meeting (the normed rows gathered) has flags of
+// its own, [AR_MAX_RANKS][AR_MAX_BLOCKS] after the lanes', numbered by lane
+// 1's calls.
+#define AR_GATHER_SYNC (8 * AR_MAX_RANKS + AR_LANES * AR_LANE_SYNC)
 
 __device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
     unsigned v;
@@ -1993,6 +1997,42 @@ __device__ __forceinline__ float* ar_stage1(unsigned long long area, long long s
            ((long long)(e & 1) * world + sender) * cap;
 }
 
+// A sequence-parallel exchange (exchange_peer) splits an M-row matrix by
+// its 128-row tiles: rank r owns tiles [r·T/world, (r+1)·T/world) of the
+// T = ⌈M/128⌉, i.e. rows [128·(r·T/world), 128·((r+1)·T/world)) ∩ [0, M).
+__device__ __forceinline__ int sp_owner(int tile, int T, int world) {
+    int o = 0;
+    while (o + 1 < world && tile >= (o + 1) * T / world) o++;
+    return o;
+}
+__device__ __forceinline__ int sp_row(int r, int M, int world) {
+    return min(M, 128 * (r * ((M + 127) / 128) / world));
+}
+
+// ar_meet is a block's meeting of call e: after the block's writes to the
+// peers (every thread's, before it), thread p ≠ rank makes them visible,
+// tells peer p's block b that this block reached e (its flags at sync_off:
+// flags[s][b], the sender s), and waits until peer p's block b has told
+// it the same, trapping after timeout_ns.
+__device__ __forceinline__ void ar_meet(char* area, long long sync_off, int rank, int world, unsigned e,
+                                        unsigned long long timeout_ns) {
+    const int b = blockIdx.x, t = threadIdx.x;
+    __syncthreads();
+    if (t < world && t != rank) {
+        __threadfence_system();
+        char* peer = reinterpret_cast<char*>(reinterpret_cast<const unsigned long long*>(area)[t]);
+        st_release_sys(reinterpret_cast<unsigned*>(peer + sync_off) + rank * AR_MAX_BLOCKS + b, e);
+        const unsigned* f = reinterpret_cast<const unsigned*>(area + sync_off) + t * AR_MAX_BLOCKS + b;
+        unsigned long long t0 = 0;
+        while ((int)(ld_acquire_sys(f) - e) < 0) {
+            unsigned long long now = global_ns();
+            if (t0 == 0) t0 = now;
+            else if (now - t0 > timeout_ns) __trap();
+        }
+    }
+    __syncthreads();
+}
+
 // PeerMirror stores a row-parallel product's values, as they are stored
 // into C, at the same offsets of the tensor-parallel peers' stages d[0..n)
 // (the all-reduce's lane 1: allreduce_peer, whose write phase then has
@@ -2013,10 +2053,15 @@ struct PeerMirror {
 // the group whose area (this rank's) that is, stage_off and cap the lane's
 // (gemm_wg_*_tp): stage[e & 1][rank] of every peer, e one more than the
 // lane's call counter of block 0.
+// ar_next_call1 is the number of lane 1's next call: one more than block
+// 0's call counter, which no block advances before the caller's grid is done.
+__device__ __forceinline__ unsigned ar_next_call1(const char* area) {
+    const long long sync_off = 8 * AR_MAX_RANKS + AR_LANE_SYNC;  // lane 1's flags, in bytes
+    return __ldcg(reinterpret_cast<const unsigned*>(area + sync_off) + AR_MAX_RANKS * AR_MAX_BLOCKS) + 1;
+}
 __device__ __forceinline__ PeerMirror peer_mirror(const char* area, int rank, int world, long long stage_off,
                                                   long long cap) {
-    const long long sync_off = 8 * AR_MAX_RANKS + AR_LANE_SYNC;  // lane 1's flags, in bytes
-    unsigned e = __ldcg(reinterpret_cast<const unsigned*>(area + sync_off) + AR_MAX_RANKS * AR_MAX_BLOCKS) + 1;
+    unsigned e = ar_next_call1(area);
     const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
     PeerMirror m;
     m.n = 0;
@@ -2043,7 +2088,7 @@ struct ArLane0 {
     long long stage_off, cap;
 };
 #define AR_LANE0 (AR_HEADER - 64)
-static_assert(8 * AR_MAX_RANKS + AR_LANES * AR_LANE_SYNC <= AR_LANE0, "AR_LANE0");
+static_assert(AR_GATHER_SYNC + 4 * AR_MAX_RANKS * AR_MAX_BLOCKS <= AR_LANE0, "AR_LANE0");
 
 // ArSend is what a GEMV thread needs to send value i: the word's high half
 // (e), the offset of stage[e & 1][rank] in every area, and the first two
@@ -3681,13 +3726,23 @@ GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
 // (allreduce_peer's layout; e the call that lane makes next, one more than
 // its block 0's counter, which no block advances before this grid is
 // done), so that allreduce_peer with sent set only exchanges flags and sums.
+// With scatter set (a sequence-parallel exchange, exchange_peer) C and out
+// are ignored: each tile is stored only into stage[e & 1][rank] of lane 1
+// in the area of the rank that owns its rows (sp_owner), this rank's own
+// included, and exchange_peer adds the residual.
 #define GEMM_WG_TP_ENTRY(name, WK)                                                                               \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \
              int M, int N, int K, int gs, int G, int out, const char* area, int rank, int world,                  \
-             long long stage_off, long long cap) {                                                               \
+             long long stage_off, long long cap, int scatter) {                                                  \
         PDL_ENTRY();                                                                                             \
         PeerMirror mir = peer_mirror(area, rank, world, stage_off, cap);                                         \
+        if (scatter) {                                                                                           \
+            int o = sp_owner(blockIdx.x, (M + 127) / 128, world);                                                \
+            C = ar_stage1(reinterpret_cast<const unsigned long long*>(area)[o], stage_off, cap,                  \
+                          ar_next_call1(area), world, rank);                                                     \
+            out = OUT_STORE, mir.n = 0;                                                                          \
+        }                                                                                                        \
         gemm_wg_body<WK>(C, &mapA, &mapW, sz, nullptr, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK, out, mir);       \
     }
 GEMM_WG_TP_ENTRY(gemm_wg_f16_tp, GH_F16)
@@ -4284,7 +4339,6 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
     const int b = blockIdx.x, t = threadIdx.x;
     const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
     const long long sync_off = 8 * AR_MAX_RANKS + (long long)lane * AR_LANE_SYNC;  // the lane's flags, in bytes
-    const unsigned* flags = reinterpret_cast<const unsigned*>(area + sync_off);
     const unsigned e = ar_call(reinterpret_cast<unsigned*>(area + sync_off) + AR_MAX_RANKS * AR_MAX_BLOCKS);
     if (sent && lane != 1) __trap();  // only lane 1's senders (gemm_wg_*_tp) write the stage for it
     const long long n4 = n >> 2, step = (long long)gridDim.x * blockDim.x, i0 = (long long)b * blockDim.x + t;
@@ -4310,20 +4364,7 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
     for (long long i = 4 * n4 + i0; i < n && !sent; i += step)
         for (int p = 0; p < world; p++)
             if (p != rank) stage_of(p, rank)[i] = x[i];
-    __syncthreads();
-    if (t < world && t != rank) {
-        __threadfence_system();
-        char* peer = reinterpret_cast<char*>(areas[t]);
-        st_release_sys(reinterpret_cast<unsigned*>(peer + sync_off) + rank * AR_MAX_BLOCKS + b, e);
-        const unsigned* f = flags + t * AR_MAX_BLOCKS + b;
-        unsigned long long t0 = 0;
-        while ((int)(ld_acquire_sys(f) - e) < 0) {
-            unsigned long long now = global_ns();
-            if (t0 == 0) t0 = now;
-            else if (now - t0 > timeout_ns) __trap();
-        }
-    }
-    __syncthreads();
+    ar_meet(area, sync_off, rank, world, e, timeout_ns);
     // rank r's values: x for this rank, this rank's stage[e & 1][r] for the others
     auto src = [&](int r) -> const float* { return r == rank ? x : stage_of(rank, r); };
     float4* y4 = reinterpret_cast<float4*>(x);
@@ -4352,6 +4393,140 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
         for (int r = 1; r < world; r++) s += __ldcg(src(r) + i);
         x[i] = s;
     }
+}
+
+// exchange_peer is a sequence-parallel exchange of x [M, cols] in lane 1
+// of the group (allreduce_peer's grid, flags and stages): rank r owns the
+// rows of sp_row(r) to sp_row(r + 1), and with
+//   EX_SUM   x holds the residual and the product before (gemm_wg_*_tp
+//            with scatter) has stored each rank's partial sums of a row
+//            into stage[e & 1][rank] of the row's owner: the ranks meet,
+//            and each adds to its own rows of x the ranks' partials in rank
+//            order (x + p₀ + p₁ + …: allreduce_peer's bits where rank 0's
+//            product added x). x then holds the sums at its own rows only.
+//   EX_NORM  as EX_SUM, and then each row's RMSNorm (w, bias, eps: the
+//            bits of rmsnorm with 256 threads) rounded to fp16 into the
+//            gather area [M, cols] at gather_off bytes of every rank's area,
+//            its own included, and the ranks meet again (AR_GATHER_SYNC): on
+//            return every rank's gather area holds the whole normed matrix.
+//   EX_GATHER x holds this rank's own rows (the rest stale): each rank
+//            writes them into every peer's stage[e & 1][rank], the ranks
+//            meet, and each copies the peers' rows into x: every rank then
+//            holds the whole of x.
+// Block b takes rows b, b + grid, … of the rank's own; 256 threads, at most
+// 80 registers (three blocks a multiprocessor: the grids of up to three
+// ranks of one GPU, as the tests run them, resident at once, since a block
+// waits at its meetings for its peers' same block; exchange.go's
+// exchangeResident).
+#define EX_SUM 0
+#define EX_NORM 1
+#define EX_GATHER 2
+extern "C" __global__ void __launch_bounds__(256, 3)
+    exchange_peer(float* __restrict__ x, int M, int cols, int rank, int world, char* __restrict__ area,
+                  long long stage_off, long long cap, unsigned long long timeout_ns, int mode,
+                  const float* __restrict__ w, const float* __restrict__ bias, float eps, long long gather_off) {
+    PDL_ENTRY();
+    constexpr int nt = 256;  // the block (rmsnorm's sums), and the loads' offsets immediates
+    if (blockDim.x != nt) __trap();
+    const int t = threadIdx.x;
+    const unsigned long long* areas = reinterpret_cast<const unsigned long long*>(area);
+    const long long sync_off = 8 * AR_MAX_RANKS + AR_LANE_SYNC;  // lane 1's flags, in bytes
+    const unsigned e = ar_call(reinterpret_cast<unsigned*>(area + sync_off) + AR_MAX_RANKS * AR_MAX_BLOCKS);
+    auto stage_of = [&](int peer, int sender) {  // stage[e & 1][sender] in peer's area
+        return ar_stage1(areas[peer], stage_off, cap, e, world, sender);
+    };
+    const int r0 = sp_row(rank, M, world), r1 = sp_row(rank + 1, M, world);
+    if (mode == EX_GATHER)  // this rank's rows to every peer
+        for (int p = 0; p < world; p++) {
+            if (p == rank) continue;
+            float* d = stage_of(p, rank);
+            for (long long i = (long long)r0 * cols + blockIdx.x * (long long)nt + t; i < (long long)r1 * cols;
+                 i += (long long)gridDim.x * nt)
+                d[i] = x[i];
+        }
+    ar_meet(area, sync_off, rank, world, e, timeout_ns);
+    if (mode == EX_GATHER) {
+        for (int p = 0; p < world; p++) {
+            if (p == rank) continue;
+            const float* src = stage_of(rank, p);
+            int a = sp_row(p, M, world), z = sp_row(p + 1, M, world);
+            for (long long i = (long long)a * cols + blockIdx.x * (long long)nt + t; i < (long long)z * cols;
+                 i += (long long)gridDim.x * nt)
+                x[i] = __ldcg(src + i);
+        }
+        return;
+    }
+    // A row is summed in chunks of RN_REG values a thread (the whole row
+    // where it fits: kept in registers for the norm, as rmsnorm keeps it),
+    // each chunk's loads of the residual and the partials all issued before
+    // its sums (two ranks; more: a round trip a rank): a latency a chunk,
+    // not one a value.
+    __shared__ float sh[32];
+    constexpr int chunk = RN_REG * nt;
+    const bool inreg = cols <= chunk;
+    const float* st0 = stage_of(rank, 0);
+    const float* st1 = stage_of(rank, world > 1 ? 1 : 0);
+    __half* gown = reinterpret_cast<__half*>(area + gather_off);
+    __half* gpeer = reinterpret_cast<__half*>(reinterpret_cast<char*>(areas[world == 2 ? 1 - rank : rank]) + gather_off);
+    for (int r = r0 + blockIdx.x; r < r1; r += gridDim.x) {
+        float* xr = x + (size_t)r * cols;
+        float xv[RN_REG];
+        float ss = 0.f;
+        for (int c0 = 0; c0 < cols; c0 += chunk) {
+            const size_t o = (size_t)r * cols + c0 + t;
+#pragma unroll
+            for (int i = 0; i < RN_REG; i++) xv[i] = c0 + t + i * nt < cols ? xr[c0 + t + i * nt] : 0.f;
+            if (world == 2) {
+                float a[RN_REG], b2[RN_REG];
+#pragma unroll
+                for (int i = 0; i < RN_REG; i++) {
+                    bool in = c0 + t + i * nt < cols;
+                    a[i] = in ? __ldcg(st0 + o + i * nt) : 0.f;
+                    b2[i] = in ? __ldcg(st1 + o + i * nt) : 0.f;
+                }
+#pragma unroll
+                for (int i = 0; i < RN_REG; i++) xv[i] = (xv[i] + a[i]) + b2[i];
+            } else {
+#pragma unroll 1
+                for (int p = 0; p < world; p++) {
+                    const float* sp = stage_of(rank, p);
+                    float a[RN_REG];
+#pragma unroll
+                    for (int i = 0; i < RN_REG; i++) a[i] = c0 + t + i * nt < cols ? __ldcg(sp + o + i * nt) : 0.f;
+#pragma unroll
+                    for (int i = 0; i < RN_REG; i++) xv[i] += a[i];
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < RN_REG; i++) {
+                int c = c0 + t + i * nt;
+                if (c < cols) xr[c] = xv[i], ss += xv[i] * xv[i];
+            }
+        }
+        if (mode != EX_NORM) continue;
+        ss = block_sum(ss, sh);
+        float inv = rsqrtf(ss / (float)cols + eps);
+        auto put = [&](float xc, int c) {  // rmsnorm's rounding, to every rank's gather area
+            float v = __fmul_rn(__fmul_rn(xc, inv), w[c]);
+            __half h = __float2half_rn(bias ? __fadd_rn(v, bias[c]) : v);
+            size_t i = (size_t)r * cols + c;
+            if (world == 2) {
+                gown[i] = h, gpeer[i] = h;
+                return;
+            }
+            for (int p = 0; p < world; p++) reinterpret_cast<__half*>(reinterpret_cast<char*>(areas[p]) + gather_off)[i] = h;
+        };
+        if (inreg) {
+#pragma unroll
+            for (int i = 0; i < RN_REG; i++) {
+                int c = t + i * nt;
+                if (c < cols) put(xv[i], c);
+            }
+        } else {
+            for (int c = t; c < cols; c += nt) put(xr[c], c);
+        }
+    }
+    if (mode == EX_NORM) ar_meet(area, AR_GATHER_SYNC, rank, world, e, timeout_ns);
 }
 
 // ---------------------------------------------------------------------------

@@ -308,7 +308,7 @@ func kernelNames() []string {
 		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8",
 		"gemm_h_f16_s", "gemm_h_bf16_s", "gemm_h_q4_s", "gemm_h_q8_s", "dequant_h_q4", "dequant_h_q8",
 		"gather_cols", "gather_half", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "sample", "fill_random",
-		"allreduce_peer", "allreduce_peer_ll",
+		"allreduce_peer", "allreduce_peer_ll", "exchange_peer",
 	}
 	names = append(names, gemvKernels...)
 	return names

@@ -1451,12 +1451,18 @@ func (b *Backend) NormSwiGLU(dst, x runtime.Buf, w, bias runtime.Vector, eps flo
 // the GEMMs that can write the SwiGLU in q's form instead of into the
 // output (gluPair, w8a8); it reports whether they did.
 func (b *Backend) normSwiGLU(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps float32, q inputForm) bool {
-	d := segs[0].d
 	if b.normStreamed("NormSwiGLU", s, segs, w, bias, eps, gemvSwiGLU) {
 		return false
 	}
-	in := b.normed(s, segs, w, bias, eps)
-	if _, _, ok := b.gemvPlan(segs, s.rows); ok {
+	return b.swiGLUFrom(b.normed(s, segs, w, bias, eps), segs, q)
+}
+
+// swiGLUFrom is normSwiGLU after the norm: segs' products (gate and up)
+// of the normed input in and their SwiGLU, into segs[0].d or in q's form
+// (formed).
+func (b *Backend) swiGLUFrom(in *gemmIn, segs []gemvSeg, q inputForm) (formed bool) {
+	d := segs[0].d
+	if _, _, ok := b.gemvPlan(segs, in.x.rows); ok {
 		u := b.AllocRaw(d.rows, d.cols).(*Buf)
 		segs[1].d = u
 		b.gemv(in.x, segs, gemvEpi{})

@@ -119,11 +119,20 @@ type peerReduce struct {
 	rank, world int
 	capFloats   int
 	lanes       [2]peerLane
-	timeout     time.Duration
-	area        driver.DevicePtr
-	opened      []driver.DevicePtr // other processes' areas, mapped here
-	retained    []driver.Device    // devices whose contexts this one has peer access to
-	connected   bool
+	// gatherOff is where the gather area of a sequence-parallel exchange
+	// (exchange.go: capFloats fp16 values) begins in the area, in bytes;
+	// gathered, the shape the last ExchangeNorm left there
+	gatherOff driver.DevicePtr
+	gathered  [2]int
+	// onDevice is how many of the group's ranks (this one included) run
+	// on this rank's GPU in this process: their kernels of a call share its
+	// multiprocessors, and a call's blocks wait for each other
+	onDevice  int
+	timeout   time.Duration
+	area      driver.DevicePtr
+	opened    []driver.DevicePtr // other processes' areas, mapped here
+	retained  []driver.Device    // devices whose contexts this one has peer access to
+	connected bool
 }
 
 // OpenPeerReduce makes this backend rank of a world-rank group that sums
@@ -155,7 +164,8 @@ func (b *Backend) OpenPeerReduce(rank, world, capFloats int, timeout time.Durati
 			off += 2 * world * l.stride // lane 0 (allreduce_peer_ll): 8 bytes a value
 		}
 	}
-	n := uint64(peerHeader) + 4*uint64(off)
+	p.gatherOff = driver.DevicePtr(peerHeader + 4*off)
+	n := uint64(p.gatherOff) + uint64(2*capFloats+255)&^255
 	area, err := b.drv.MemAlloc(n)
 	if err != nil {
 		return nil, fmt.Errorf("cuda: peer-memory area: %w", err)
@@ -200,13 +210,16 @@ func (b *Backend) ConnectPeerReduce(ends [][]byte) (err error) {
 	}()
 	self := peerEnd{host: hostID(), pid: uint32(os.Getpid())}
 	areas := make([]uint64, peerMaxRanks)
-	smallest := b.sms
+	smallest, onDevice := b.sms, 0
 	for r, raw := range ends {
 		e, err := decodePeerEnd(raw)
 		if err != nil {
 			return fmt.Errorf("rank %d: %w", r, err)
 		}
 		smallest = min(smallest, int(e.sms))
+		if e.host == self.host && e.pid == self.pid && driver.Device(e.device) == b.dev {
+			onDevice++
+		}
 		switch {
 		case r == p.rank:
 			if e.area != uint64(p.area) {
@@ -250,6 +263,7 @@ func (b *Backend) ConnectPeerReduce(ends [][]byte) (err error) {
 	if err := b.drv.MemcpyHtoD(p.area, unsafe.Pointer(&areas[0]), uint64(8*len(areas))); err != nil {
 		return err
 	}
+	p.onDevice = onDevice
 	p.lanes[0].blocks = max(1, min(peerSmallBlocks, smallest))
 	p.lanes[1].blocks = max(1, min(peerLargeBlocks, smallest))
 	// lane 0's shape for the GEMVs that send to it (qtool.cu's ArLane0)
@@ -399,7 +413,7 @@ func (b *Backend) attentionSend(x, q runtime.Buf, c runtime.KVCache, layer, pos0
 		return false
 	}
 	defer b.enter()()
-	b.launchTiles(ts, d, b.attendFormed(d, qb, kc, layer, pos0, heads, kvHeads, headDim, l), l, add)
+	b.launchTiles(ts, d, b.attendFormed(d, qb, kc, layer, pos0, heads, kvHeads, headDim, l), l, add, false)
 	return true
 }
 
@@ -443,7 +457,7 @@ func (b *Backend) mlpSend(x runtime.Buf, w, bias runtime.Vector, eps float32, ga
 	if formed = b.normSwiGLU(s, segs, w, bias, eps, q); formed {
 		in = q.input(rows, dl.in)
 	}
-	b.launchTiles(ts, s, in, dl, add)
+	b.launchTiles(ts, s, in, dl, add, false)
 	return true, formed
 }
 
@@ -536,13 +550,16 @@ func (b *Backend) sendTiles(d *Buf, in *gemmIn, l *Linear, add bool) bool {
 	if s.kernel == "" {
 		return false
 	}
-	b.launchTiles(s, d, in, l, add)
+	b.launchTiles(s, d, in, l, add, false)
 	return true
 }
 
 // launchTiles is sendTiles with its GEMM chosen (s: tileSender's for l and
 // in's rows), for a block that chose it before queueing its first launch.
-func (b *Backend) launchTiles(s tileSend, d *Buf, in *gemmIn, l *Linear, add bool) {
+// With scatter set (a sequence-parallel exchange, exchange.go) d and add
+// are ignored: each tile is stored only into the stage of the rank that
+// owns its rows, this rank's own included.
+func (b *Backend) launchTiles(s tileSend, d *Buf, in *gemmIn, l *Linear, add, scatter bool) {
 	M, N, K := in.x.rows, l.out, l.in
 	w := l.w
 	if s.widen {
@@ -558,5 +575,5 @@ func (b *Backend) launchTiles(s tileSend, d *Buf, in *gemmIn, l *Linear, add boo
 	p := b.peer
 	l1 := p.lanes[1]
 	b.launchShm(s.kernel, grid, block384, shm, d.p, b.tmaps[0], wmap, l.sz, M, N, K, max(l.gs, gemmHBK), l.groups, out,
-		p.area, p.rank, p.world, int64(l1.stageOff), int64(l1.stride))
+		p.area, p.rank, p.world, int64(l1.stageOff), int64(l1.stride), boolInt(scatter))
 }

@@ -103,7 +103,13 @@ type Backend struct {
 	// peerLimit values over peer memory; peerCap is the most it can.
 	peer               []PeerRank
 	peerCap, peerLimit int
-	peerErr            error // why not, after NewGPU or OpenRank
+	// noSeq turns the sequence-parallel exchanges off; seqBuf is the
+	// buffer they left split by rows, if any; seqCalls counts the
+	// operations that took them (seqpar.go)
+	noSeq    bool
+	seqBuf   *Buf
+	seqCalls int
+	peerErr  error // why not, after NewGPU or OpenRank
 }
 
 var _ runtime.Backend = (*Backend)(nil)
@@ -409,6 +415,11 @@ type Buf struct {
 	// raw: made by AllocRaw, its first writer writes it whole, so its
 	// rank buffers need no zeroing
 	raw bool
+	// seq: where a sequence-parallel exchange left it (seqpar.go); be, the
+	// backend whose exchange makes it whole again (bufOf), while it is not
+	// seqWhole
+	seq seqState
+	be  *Backend
 }
 
 // Rows implements runtime.Buf.
@@ -420,7 +431,19 @@ func (x *Buf) Cols() int { return x.cols }
 // Replicated reports whether every rank holds the whole matrix.
 func (x *Buf) Replicated() bool { return x.split == nil }
 
+// bufOf is x as the tensor-parallel buffer it is, made whole first where a
+// sequence-parallel exchange left it split by rows (seqpar.go): every
+// operation but those that take it so sees it whole.
 func bufOf(x runtime.Buf) *Buf {
+	t := rawBuf(x)
+	if t.seq != seqWhole {
+		t.be.settle(t)
+	}
+	return t
+}
+
+// rawBuf is x as the tensor-parallel buffer it is, as it is.
+func rawBuf(x runtime.Buf) *Buf {
 	t, ok := x.(*Buf)
 	if !ok {
 		panic(fmt.Sprintf("tp: buffer of type %T does not belong to the tensor-parallel backend", x))
@@ -611,7 +634,11 @@ func (b *Backend) rankAlloc(t *Buf, r, cols int) runtime.Buf {
 
 // Free implements runtime.Backend.
 func (b *Backend) Free(x runtime.Buf) {
-	t := bufOf(x)
+	t := rawBuf(x)
+	t.seq, t.be = seqWhole, nil // the sums that were due are not wanted
+	if b.seqBuf == t {
+		b.seqBuf = nil
+	}
 	b.release(t)
 }
 
@@ -674,6 +701,7 @@ func (b *Backend) run(d *Buf, split [][2]int, fn func(r int)) {
 // replicate converts t to the replicated layout, all-gathering a split
 // buffer; an unwritten buffer becomes replicated zeros.
 func (b *Backend) replicate(t *Buf) {
+	b.settleSplit(nil)
 	if t.parts == nil {
 		b.layout(t, nil)
 		return

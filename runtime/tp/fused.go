@@ -45,7 +45,7 @@ func (b *Backend) columnLinears(op string, dst []runtime.Buf, x runtime.Buf, ws 
 	if !b.fused || len(dst) != len(ws) {
 		return nil
 	}
-	s := bufOf(x)
+	s := rawBuf(x) // the shape alone
 	ls := make([]*Linear, len(ws))
 	for i, w := range ws {
 		l, d := linearOf(w), bufOf(dst[i])
@@ -80,6 +80,25 @@ func (b *Backend) NormMatMulN(dst []runtime.Buf, x runtime.Buf, w, bias runtime.
 	if ls == nil {
 		runtime.Unfused{Backend: b}.NormMatMulN(dst, x, w, bias, eps, ws)
 		return
+	}
+	if s := rawBuf(x); s.seq == seqSent {
+		gather := func(sc PeerScatterer, r int) bool {
+			wp := make([]runtime.Linear, len(ls))
+			for i, l := range ls {
+				wp[i] = l.parts[r]
+			}
+			return sc.CanGather(wp, s.rows)
+		}
+		if ss := b.scatterAll(b.scatterers(), gather); ss != nil {
+			wv, bv := b.replicatedVector("NormMatMulN", w, bias)
+			b.settleSplit(s)
+			b.fusedColumns(dst, ls, func(r int, parts []runtime.Buf, wp []runtime.Linear) {
+				ss[r].ExchangeNorm(s.parts[r], wv.parts[r], bv.part(r), eps)
+				ss[r].ProductsGathered(parts, wp)
+			})
+			b.leave(s, seqOwned)
+			return
+		}
 	}
 	s := bufOf(x)
 	wv, bv := b.replicatedVector("NormMatMulN", w, bias)
@@ -116,6 +135,7 @@ func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 		runtime.Unfused{Backend: b}.MatMulAdd(dst, x, w)
 		return
 	}
+	b.settleSplit(nil)
 	if s.cols != l.in || d.cols != l.out || d.rows != s.rows {
 		panic(fmt.Sprintf("tp.MatMulAdd: x [%d %d], dst [%d %d], weight %s [%d %d]", s.rows, s.cols, d.rows, d.cols, l.name, l.out, l.in))
 	}
@@ -239,7 +259,7 @@ func (b *Backend) replicatedVector(op string, w, bias runtime.Vector) (*vector, 
 // the attention in the form the attention writes for it, without a
 // conversion of its own).
 func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear) {
-	d, s, kc, l := bufOf(x), bufOf(q), cacheOf(c), linearOf(o)
+	d, s, kc, l := rawBuf(x), bufOf(q), cacheOf(c), linearOf(o)
 	n := len(b.ranks)
 	if !b.fused || s.rows <= 1 || l.split != shard.Row || heads%n != 0 || kvHeads%n != 0 ||
 		!slices.Equal(l.ranges, headSplit(s.cols, n)) || l.in != s.cols || l.out != d.cols || d.rows != s.rows ||
@@ -248,7 +268,18 @@ func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0,
 		return
 	}
 	split := b.splitHeads("tp.AttentionAdd", s, heads, kvHeads, headDim)
-	b.replicate(d)
+	// sequence-parallel: x whole or owned by rows, its partials sent to the rows' owners
+	scatter := func(sc PeerScatterer, r int) bool { return sc.CanScatter(l.parts[r], s.rows) }
+	if ss := b.scatterAll(b.scatterers(), scatter); ss != nil && d.seq != seqSent && d.parts != nil && d.split == nil {
+		b.settleSplit(d)
+		b.each(func(r int) {
+			ss[r].AttentionScatter(d.parts[r], s.parts[r], kc.parts[r], layer, pos0, heads/n, kvHeads/n, headDim, l.parts[r])
+		})
+		b.leave(d, seqSent)
+		return
+	}
+	d = bufOf(x)
+	b.replicate(d) // (settles any other split buffer)
 	b.each(func(r int) {
 		dr, qr, cr, or := d.parts[r], s.parts[r], kc.parts[r], l.parts[r]
 		if ps, ok := b.peer[r].(PeerSender); ok && ps.AttentionAllReduce(dr, qr, cr, layer, pos0, heads/n, kvHeads/n, headDim, or, r == 0) {
@@ -286,7 +317,7 @@ func (b *Backend) RoPEAttention(dst, q, k, v runtime.Buf, c runtime.KVCache, lay
 // gate and up GEMM writes where that GEMM can, without a conversion of its
 // own).
 func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear) {
-	s, gl, ul, dl := bufOf(x), linearOf(gate), linearOf(up), linearOf(down)
+	s, gl, ul, dl := rawBuf(x), linearOf(gate), linearOf(up), linearOf(down)
 	n := s.rows * s.cols
 	if !b.fused || s.rows <= 1 || gl.split != shard.Column || ul.split != shard.Column || dl.split != shard.Row ||
 		!slices.Equal(gl.ranges, ul.ranges) || !slices.Equal(gl.ranges, dl.ranges) ||
@@ -296,6 +327,20 @@ func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, 
 		return
 	}
 	wv, bv := b.replicatedVector("MLP", w, bias)
+	// sequence-parallel: o's partials sent to the rows' owners, down's sent likewise
+	scatter := func(sc PeerScatterer, r int) bool {
+		return sc.CanGather([]runtime.Linear{gl.parts[r], ul.parts[r]}, s.rows) && sc.CanScatter(dl.parts[r], s.rows)
+	}
+	if ss := b.scatterAll(b.scatterers(), scatter); ss != nil && s.seq == seqSent {
+		b.settleSplit(s)
+		b.each(func(r int) {
+			ss[r].ExchangeNorm(s.parts[r], wv.parts[r], bv.part(r), eps)
+			ss[r].MLPScatter(s.parts[r], gl.parts[r], ul.parts[r], dl.parts[r])
+		})
+		b.leave(s, seqSent) // down's partials
+		return
+	}
+	s = bufOf(x)
 	b.replicate(s)
 	b.each(func(r int) {
 		xr, wr, br, gr, ur, dr := s.parts[r], wv.parts[r], bv.part(r), gl.parts[r], ul.parts[r], dl.parts[r]

@@ -86,7 +86,9 @@ func widen(v []float32) []float64 {
 }
 
 // TestCUDATP2 compares TP=2 over two GPUs (in memory and from a shard
-// directory) with one GPU: logits and the perplexity of 4 chunks.
+// directory) with one GPU: logits and the perplexity of 4 chunks; and
+// TP=2's logits of a 600-token prefill with and without the
+// sequence-parallel exchanges, which must be equal.
 func TestCUDATP2(t *testing.T) {
 	needGPUs(t, 2)
 	for _, name := range []string{"llama-mini", "qwen3-mini"} {
@@ -133,6 +135,20 @@ func TestCUDATP2(t *testing.T) {
 				t.Logf("logits with the all-reduces over peer memory vs through NCCL: max rel %.3g", d)
 				if d != 0 {
 					t.Errorf("the all-reduce over peer memory changes the logits by %.3g", d)
+				}
+			}
+			if be.PeerMemoryErr() == nil { // a prefill of more rows than a tile a rank: sequence-parallel exchanges where the products scatter
+				long := ids[:min(len(ids), 600)]
+				calls := be.SequenceParallelCalls()
+				seq := forward(t, rm2, long)
+				calls = be.SequenceParallelCalls() - calls
+				be.SetSequenceParallel(false)
+				ar := forward(t, rm2, long)
+				be.SetSequenceParallel(true)
+				d := maxRel(seq, widen(ar))
+				t.Logf("logits of %d tokens with sequence-parallel exchanges (%d operations) vs all-reduces: max rel %.3g", len(long), calls, d)
+				if d != 0 {
+					t.Errorf("the sequence-parallel exchanges change the logits by %.3g", d)
 				}
 			}
 			V := m.Config.Vocab

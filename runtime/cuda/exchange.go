@@ -1,0 +1,231 @@
+package cuda
+
+import (
+	"fmt"
+
+	"qtool/runtime"
+	"qtool/runtime/cuda/driver"
+)
+
+// Sequence-parallel exchanges (qtool.cu's exchange_peer, Megatron's
+// sequence parallelism for a prefill): between a row-parallel product and
+// the norm after it, the residual of an M-row matrix is split by rows
+// instead of held whole on every rank. Rank r owns the rows of some of the
+// 128-row tiles (ownRows); the product's sending GEMM (gemm_wg_*_tp with
+// scatter) stores each tile only into the stage of the owner of its rows
+// (a reduce-scatter: the owner's share of the bytes stays local, and x is
+// not written); ExchangeNorm then adds each owned row's partials to the
+// residual in rank order (allreduce_peer's bits where rank 0's product
+// added the residual), norms it (rmsnorm's bits) and writes it in fp16
+// into every rank's gather area, which the next column-parallel products
+// read as their input (ProductsGathered, MLPScatter): each rank sums and
+// norms only its rows. ExchangeSum and GatherOwned put the residual whole
+// again where anything else reads it. Every rank must make the same calls
+// in the same order, as for AllReducePeer.
+
+// The exchange's modes (qtool.cu's EX_SUM, EX_NORM, EX_GATHER).
+const (
+	exSum = iota
+	exNorm
+	exGather
+)
+
+// ownRows is the rows [r0, r1) that rank owns of an M-row exchange over
+// world ranks (qtool.cu's sp_row).
+func ownRows(rank, world, M int) (r0, r1 int) {
+	T := (M + 127) / 128
+	row := func(r int) int { return min(M, 128*(r*T/world)) }
+	return row(rank), row(rank + 1)
+}
+
+// CanScatter reports whether a product of rows activation rows by w sends
+// its tiles to their rows' owners (a Hopper GEMM that sends, tileSender),
+// with every rank of the group owning at least one tile, the norm of its
+// output rows would run with exchange_peer's 256 threads (rowBlock: the
+// same bits), and the exchange's blocks of all ranks on this GPU fit on it
+// at once (exchangeResident).
+func (b *Backend) CanScatter(w runtime.Linear, rows int) bool {
+	return b.scatterer(lin(w), rows).kernel != ""
+}
+
+// scatterer is the sending GEMM of a product that scatters (CanScatter),
+// none where it does not.
+func (b *Backend) scatterer(l *Linear, rows int) tileSend {
+	p := b.peer
+	if p == nil || !p.connected || rows <= 128*(p.world-1) || b.rowBlock(rows, l.out) != block256 ||
+		!b.exchangeResident() {
+		return tileSend{}
+	}
+	return b.tileSender(l, rows)
+}
+
+// exchangeResident reports whether the exchange_peer grids of the group's
+// ranks on this GPU can all be resident at once. A block waits at its
+// meetings for the same block of every peer, so a block that could not
+// start until another rank's waiting blocks leave would hang the call
+// (until the timeout's trap). One rank a GPU always fits (the lane's grid
+// is at most the smallest GPU's multiprocessors); several ranks of one
+// GPU, as the tests run them, fit by exchange_peer's launch bounds (three
+// blocks a multiprocessor: up to three ranks).
+func (b *Backend) exchangeResident() bool {
+	p := b.peer
+	return p.onDevice*p.lanes[1].blocks <= b.residentBlocks("exchange_peer", 0)*b.sms
+}
+
+// CanGather reports whether the products ws of rows rows can take their
+// input from the gather area as it stands after ExchangeNorm: fp16, the
+// columns in order, on a GEMM (halfGEMM, as normed writes it), the norm
+// with exchange_peer's 256 threads.
+func (b *Backend) CanGather(ws []runtime.Linear, rows int) bool {
+	p := b.peer
+	if p == nil || !p.connected || len(ws) == 0 || b.rowBlock(rows, ws[0].In()) != block256 {
+		return false
+	}
+	for _, w := range ws {
+		l := lin(w)
+		if l.in != lin(ws[0]).in || rows*l.in > p.capFloats || !b.halfGEMM(l, rows, false) || l.perm != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// ExchangeSum queues x + the ranks' partials (sent by AttentionScatter or
+// MLPScatter) at the rows this rank owns into x; x then holds the sums at
+// those rows only (GatherOwned makes it whole).
+func (b *Backend) ExchangeSum(x runtime.Buf) {
+	defer b.enter()()
+	b.exchange(buf(x), exSum, nil, nil, 0)
+}
+
+// ExchangeNorm is ExchangeSum, then each owned row's RMSNorm(w, bias, eps)
+// rounded to fp16 into every rank's gather area, which on return (on the
+// stream) holds the whole normed matrix on every rank: the input of
+// ProductsGathered and MLPScatter.
+func (b *Backend) ExchangeNorm(x runtime.Buf, w, bias runtime.Vector, eps float32) {
+	if vec(w).n != x.Cols() {
+		panic("cuda backend: ExchangeNorm norm width")
+	}
+	defer b.enter()()
+	b.exchange(buf(x), exNorm, w, bias, eps)
+	b.peer.gathered = [2]int{x.Rows(), x.Cols()}
+}
+
+// GatherOwned queues the exchange that makes x, valid at this rank's rows
+// only, whole on every rank.
+func (b *Backend) GatherOwned(x runtime.Buf) {
+	defer b.enter()()
+	b.exchange(buf(x), exGather, nil, nil, 0)
+}
+
+// exchange launches exchange_peer on x in lane 1 (context current).
+func (b *Backend) exchange(x *Buf, mode int, w, bias runtime.Vector, eps float32) {
+	p := b.peer
+	if p == nil || !p.connected {
+		panic("cuda backend: a sequence-parallel exchange without a connected peer-memory group")
+	}
+	if x.n() > p.capFloats {
+		panic(fmt.Sprintf("cuda backend: exchange of %d values, the group's areas hold %d", x.n(), p.capFloats))
+	}
+	l := p.lanes[1]
+	var nw driver.DevicePtr
+	if w != nil {
+		nw = vec(w).p
+	}
+	b.launch("exchange_peer", g1(l.blocks), block256, x.p, x.rows, x.cols, p.rank, p.world, p.area,
+		int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), mode, nw, vecPtr(bias), eps,
+		int64(p.gatherOff))
+}
+
+// gathered is the input ExchangeNorm left in the gather area: rows × cols
+// in fp16 (it panics where the last ExchangeNorm gathered another shape).
+func (b *Backend) gathered(rows, cols int) *gemmIn {
+	p := b.peer
+	if p.gathered != [2]int{rows, cols} {
+		panic(fmt.Sprintf("cuda backend: products of gathered rows [%d %d], the gather area holds [%d %d]", rows, cols, p.gathered[0], p.gathered[1]))
+	}
+	return &gemmIn{x: &Buf{rows: rows, cols: cols}, a16: p.area + p.gatherOff}
+}
+
+// ProductsGathered queues dst[i] = h·ws[i]ᵀ for the normed input h that
+// ExchangeNorm gathered (CanGather must hold), as MatMulN would from h.
+func (b *Backend) ProductsGathered(dst []runtime.Buf, ws []runtime.Linear) {
+	if len(dst) == 0 {
+		return
+	}
+	rows := dst[0].Rows()
+	if !b.CanGather(ws, rows) {
+		panic("cuda backend: ProductsGathered of products that do not take the gathered input")
+	}
+	in := b.gathered(rows, ws[0].In())
+	segs := gatheredSegs("ProductsGathered", dst, ws, in.x)
+	defer b.enter()()
+	b.matmulN(in, segs)
+}
+
+// gatheredSegs is segments for products of the gathered input h (shape
+// alone, no device buffer).
+func gatheredSegs(op string, dst []runtime.Buf, ws []runtime.Linear, h *Buf) []gemvSeg {
+	if len(dst) != len(ws) {
+		panic(fmt.Sprintf("cuda backend: %s of %d weights into %d outputs", op, len(ws), len(dst)))
+	}
+	segs := make([]gemvSeg, len(ws))
+	for i, w := range ws {
+		d, l := buf(dst[i]), lin(w)
+		if h.cols != l.in || d.cols != l.out || d.rows != h.rows {
+			panic(fmt.Sprintf("cuda backend: %s [%d %d] <- [%d %d] x [%d %d]ᵀ", op, d.rows, d.cols, h.rows, h.cols, l.out, l.in))
+		}
+		segs[i] = gemvSeg{d, l}
+	}
+	return segs
+}
+
+// AttentionScatter queues the prefill attention of q and o's product of
+// it, each tile stored into the stage of the owner of its rows
+// (CanScatter(o) must hold); ExchangeSum or ExchangeNorm then adds the
+// owned rows' partials to x. The attention is written in the form o's GEMM
+// takes where it can (attnFormOut), else in fp32.
+func (b *Backend) AttentionScatter(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear) {
+	d, qb, kc, l := buf(x), buf(q), cache(c), lin(o)
+	ts := b.scatterer(l, qb.rows)
+	if ts.kernel == "" {
+		panic("cuda backend: AttentionScatter of a product that does not scatter")
+	}
+	defer b.enter()()
+	var in *gemmIn
+	if b.attnFormOut(l, kc, qb.rows, headDim) {
+		in = b.attendFormed(d, qb, kc, layer, pos0, heads, kvHeads, headDim, l)
+	} else {
+		a := b.AllocRaw(qb.rows, qb.cols).(*Buf)
+		defer b.Free(a)
+		b.Attention(a, qb, kc, layer, pos0, heads, kvHeads, headDim)
+		in = &gemmIn{x: a}
+	}
+	b.launchTiles(ts, d, in, l, false, true)
+}
+
+// MLPScatter queues the MLP block's products from the normed input that
+// ExchangeNorm gathered (CanGather(gate, up) and CanScatter(down) must
+// hold): gate and up with their SwiGLU, then down's product of it, each
+// tile stored into the stage of the owner of its rows, for the exchange
+// that adds them to x.
+func (b *Backend) MLPScatter(x runtime.Buf, gate, up, down runtime.Linear) {
+	rows := x.Rows()
+	ts := b.scatterer(lin(down), rows)
+	if !b.CanGather([]runtime.Linear{gate, up}, rows) || ts.kernel == "" {
+		panic("cuda backend: MLPScatter of products that do not gather or scatter")
+	}
+	g := b.AllocRaw(rows, gate.Out())
+	defer b.Free(g)
+	h := b.gathered(rows, gate.In())
+	segs := gatheredSegs("MLPScatter", []runtime.Buf{g, g}, []runtime.Linear{gate, up}, h.x)
+	_, dseg := b.segments("MLPScatter", []runtime.Buf{x}, g, []runtime.Linear{down})
+	defer b.enter()()
+	dl := dseg[0].l
+	q := b.inputFor(dl, rows)
+	in := &gemmIn{x: buf(g)}
+	if b.swiGLUFrom(h, segs, q) {
+		in = q.input(rows, dl.in)
+	}
+	b.launchTiles(ts, buf(x), in, dl, false, true)
+}
