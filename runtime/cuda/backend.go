@@ -145,6 +145,9 @@ type Backend struct {
 	sums     rowSums
 	// launched counts the launches of each kernel (KernelLaunches).
 	launched map[string]int
+	// plainNext makes the next launch a plain one, after a kernel whose
+	// blocks wait for other ranks' blocks on this GPU (metPeers)
+	plainNext bool
 	// kt holds the kernel times (Options.KernelTimes).
 	kt kernelTimes
 
@@ -703,7 +706,8 @@ func (b *Backend) launchCluster(name string, grid, block, cluster [3]uint32, shm
 	if timed {
 		start = b.markKernelStart()
 	}
-	dep := b.dependent[name] && !b.opt.NoDependentLaunch
+	dep := b.dependent[name] && !b.opt.NoDependentLaunch && !b.plainNext
+	b.plainNext = false
 	switch {
 	case cluster != [3]uint32{}:
 		b.must(b.drv.LaunchCluster(f, grid, block, cluster, uint32(shm), b.stream, &b.ptrs[0], dep))

@@ -135,6 +135,7 @@ func (b *Backend) exchange(x *Buf, mode int, w, bias runtime.Vector, eps float32
 	b.launch("exchange_peer", g1(l.blocks), block256, x.p, x.rows, x.cols, p.rank, p.world, p.area,
 		int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), mode, nw, vecPtr(bias), eps,
 		int64(p.gatherOff))
+	b.metPeers()
 }
 
 // gathered is the input ExchangeNorm left in the gather area: rows × cols

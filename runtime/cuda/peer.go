@@ -317,6 +317,21 @@ func (b *Backend) allReduceLarge(d *Buf, sent bool) {
 	l := p.lanes[1]
 	b.launch("allreduce_peer", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
 		1, int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), boolInt(sent))
+	b.metPeers()
+}
+
+// metPeers follows the launch of a kernel whose blocks wait for the other
+// ranks' blocks (allreduce_peer, allreduce_peer_ll, exchange_peer). Where
+// other ranks of the group share this GPU (onDevice > 1, as the tests run
+// them), the next kernel is launched the plain way: launched early (a
+// programmatic dependent launch, once every block of the waiting kernel
+// has started), its blocks could take the slots that another rank's
+// waiting blocks still need, and that rank's blocks would never start. A
+// rank alone on its GPU keeps the early launch.
+func (b *Backend) metPeers() {
+	if b.peer.onDevice > 1 {
+		b.plainNext = true
+	}
 }
 
 // allReduceLL launches lane 0's all-reduce of d (allreduce_peer_ll), whose
@@ -330,6 +345,7 @@ func (b *Backend) allReduceLL(d *Buf, sent bool) {
 	}
 	b.launch("allreduce_peer_ll", g1(l.blocks), block256, d.p, int64(d.n()), p.rank, p.world, p.area,
 		int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), yss, boolInt(sent))
+	b.metPeers()
 	b.wroteSums(d, yss, l.blocks)
 }
 

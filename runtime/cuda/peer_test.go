@@ -667,6 +667,48 @@ func TestPeerReduceErrors(t *testing.T) {
 	}
 }
 
+// TestPlainLaunchAfterMeeting checks that on ranks that share a GPU the
+// kernel after one whose blocks wait for the peers' (the large and small
+// all-reduce) is launched the plain way, not early, where its blocks could
+// take the slots another rank's waiting blocks need (metPeers); a rank
+// alone on its GPU keeps the early launch.
+func TestPlainLaunchAfterMeeting(t *testing.T) {
+	ranks := peerGroup(t, 2, 1<<18, time.Minute)
+	if n := ranks[0].peer.onDevice; n != 2 {
+		t.Fatalf("two ranks of one GPU: onDevice %d, want 2", n)
+	}
+	r := rand.New(rand.NewPCG(5, 7))
+	for _, n := range []int{64, 1 << 17} { // the small lane's all-reduce, the large one's
+		xs := make([]*Buf, len(ranks))
+		for q, b := range ranks {
+			xs[q] = upload(b, 1, n, randVec(r, n, 1))
+		}
+		for q, b := range ranks {
+			b.AllReducePeer(xs[q])
+			if !b.plainNext {
+				t.Errorf("%d values, rank %d: the launch after the all-reduce would be an early one", n, q)
+			}
+		}
+		for q, b := range ranks {
+			b.Add(xs[q], xs[q])
+			if b.plainNext {
+				t.Errorf("%d values, rank %d: still plain after the next launch", n, q)
+			}
+		}
+		syncAll(ranks)
+		for q, b := range ranks {
+			b.Free(xs[q])
+		}
+	}
+	b := ranks[0]
+	b.peer.onDevice = 1 // as a rank alone on its GPU would be (no launch follows)
+	b.metPeers()
+	b.peer.onDevice = 2
+	if b.plainNext {
+		t.Error("a rank alone on its GPU: the launch after a meeting would be plain")
+	}
+}
+
 // TestAllReducePeerTimeout: a rank whose peer never takes part fails (its
 // kernel traps after the timeout) instead of hanging. The failure spoils the
 // device context, so it runs in a child process.
