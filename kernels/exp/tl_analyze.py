@@ -2,37 +2,42 @@
 """Reads the timeline files of a -DQTOOL_TIMELINE build (kernels/exp/timeline.diff;
 runtime/cuda/timeline.go writes PREFIX.gpuN.qtl at Close) and prints where one
 forward pass's time goes on each GPU and, with two or more files (the ranks of
-a tensor-parallel run), how the ranks meet in the large all-reduces.
+a tensor-parallel run), how the ranks meet in the kernels that wait for each other (MEETS).
 
     QTOOL_TIMELINE=/tmp/tl QTOOL_CUDA_PTX=.../qtool_sm90.ptx qtool verify --ppl F --ctx 2048 --max-chunks 3 --tp 2 MODEL
     python3 tl_analyze.py /tmp/tl.gpu0.qtl /tmp/tl.gpu1.qtl [--pass -1]
 
 A record is one block: the kernel's name, %gridid, its linear index and
 multiprocessor, and %globaltimer (ns) when it began, when its wait for the
-kernel before ended (allreduce_peer: when its meeting with the peers ended)
+kernel before ended (allreduce_peer, exchange_peer: when their first meeting
+with the peers ended)
 and when it ended. A launch is the records of one %gridid. The window is one
 forward pass: from the --pass'th launch of an embed_* kernel (default the
 last) to the next one or the end.
 
 Per GPU: each kernel's share of the window (from its launch's first block to
 the next launch's first block, so the shares add up to the window) and its
-span (first block to last block's end). Per large all-reduce
-(allreduce_peer): its wait (first block's start to the last block's meeting
-end) and its sum (the meeting end to its end). Then, where the launches
+span (first block to last block's end). Per meeting kernel (MEETS: the
+large all-reduce, the sequence-parallel exchange): its wait (first block's
+start to the last block's meeting end) and the rest (the meeting end to
+its end). Then, where the launches
 repeat with a period (the layers), each position of the period: the
 kernel, its median added time (its end less the end of the launch before:
 with programmatic dependent launches a kernel's blocks start early, so this
 is what it adds to the pass), and its blocks' median time from release to
 end. Across GPUs, whose clocks
-differ, the k-th all-reduce's meeting ends are taken as simultaneous (their
+differ, the k-th meeting kernel's meeting ends are taken as simultaneous (their
 median difference aligns the clocks; a meeting ends when the last rank
-arrives), and each all-reduce says which rank arrived last and by how much,
+arrives), and each says which rank arrived last and by how much,
 and what the launch before it (the sending GEMM) took on each rank.
 """
 import collections
 import statistics
 import struct
 import sys
+
+# the kernels whose blocks meet the peers' (t1: the end of the first meeting)
+MEETS = ('allreduce_peer', 'exchange_peer', 'exchange_peer_shared')
 
 REC = 64
 
@@ -85,12 +90,13 @@ def per_gpu(dev, ls):
     for name in sorted(share, key=lambda n: -share[n]):
         print(f'  {name:24s} {count[name]:5d}x  share {share[name] / 1e6:8.3f} ms  span {span[name] / 1e6:8.3f} ms'
               f'  ({us(span[name]) / count[name]:7.1f} us a launch)')
-    ar = [l for l in ls if l['name'] == 'allreduce_peer']
-    if ar:
-        wait = [l['t1'] - l['t0'] for l in ar]
-        summ = [l['t2'] - l['t1'] for l in ar]
-        print(f'  allreduce_peer: wait median {us(statistics.median(wait)):.1f} us (max {us(max(wait)):.1f}),'
-              f' sum median {us(statistics.median(summ)):.1f} us; {sum(wait) / 1e6:.3f} ms waiting in all')
+    for name in MEETS:
+        ar = [l for l in ls if l['name'] == name]
+        if ar:
+            wait = [l['t1'] - l['t0'] for l in ar]
+            summ = [l['t2'] - l['t1'] for l in ar]
+            print(f'  {name}: wait median {us(statistics.median(wait)):.1f} us (max {us(max(wait)):.1f}),'
+                  f' the rest median {us(statistics.median(summ)):.1f} us; {sum(wait) / 1e6:.3f} ms waiting in all')
     per_position(ls)
 
 
@@ -117,12 +123,12 @@ def per_position(ls):
 
 
 def across(runs):
-    ars = [[(k, l) for k, l in enumerate(ls) if l['name'] == 'allreduce_peer'] for _, ls in runs]
+    ars = [[(k, l) for k, l in enumerate(ls) if l['name'] in MEETS] for _, ls in runs]
     n = min(len(a) for a in ars)
     if n == 0:
         return
     if len({len(a) for a in ars}) > 1:
-        print(f'ranks ran {[len(a) for a in ars]} large all-reduces in the window; pairing the first {n}')
+        print(f'ranks ran {[len(a) for a in ars]} meeting kernels in the window; pairing the first {n}')
     off = [statistics.median(a[k][1]['t1'] - ars[0][k][1]['t1'] for k in range(n)) for a in ars]
     last = collections.Counter()
     skews, rows = [], []
@@ -137,7 +143,7 @@ def across(runs):
             prev = runs[r][1][i - 1] if i > 0 else None
             gemm.append(f'{prev["name"]} {us(prev["t2"] - prev["t0"]):.1f}' if prev else '-')
         rows.append((k, late, skews[-1], gemm))
-    print(f'{n} large all-reduces across {len(runs)} ranks: arrival skew median {us(statistics.median(skews)):.1f} us,'
+    print(f'{n} meeting kernels across {len(runs)} ranks: arrival skew median {us(statistics.median(skews)):.1f} us,'
           f' mean {us(statistics.mean(skews)):.1f}, total {sum(skews) / 1e6:.3f} ms; last to arrive: '
           + ', '.join(f'rank {r} {c}x' for r, c in sorted(last.items())))
     for k, late, skew, gemm in rows[:8]:
