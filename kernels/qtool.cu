@@ -301,6 +301,18 @@ struct QOut {
 // sum of squares, and kept in registers (the same sums in the same order
 // as the loop over longer rows).
 #define RN_REG 16
+// rms_inv is 1/RMS of a row of cols values from each thread's sum of
+// squares ss (summed over the block), and rms_normed value c of the normed
+// row, each product rounded (the same value in every pass): rmsnorm's
+// arithmetic, which exchange_peer's norm shares.
+__device__ __forceinline__ float rms_inv(float ss, int cols, float eps, float* sh) {
+    return rsqrtf(block_sum(ss, sh) / (float)cols + eps);
+}
+__device__ __forceinline__ float rms_normed(float xc, float inv, const float* __restrict__ w,
+                                            const float* __restrict__ bias, int c) {
+    float v = __fmul_rn(__fmul_rn(xc, inv), w[c]);
+    return bias ? __fadd_rn(v, bias[c]) : v;
+}
 extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restrict__ x,
                                    const float* __restrict__ w, const float* __restrict__ bias,
                                    int cols, float eps, __half* __restrict__ dst16, int8_t* __restrict__ dstq,
@@ -324,12 +336,8 @@ extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restr
     } else {
         for (int c = threadIdx.x; c < cols; c += nt) ss += xr[c] * xr[c];
     }
-    ss = block_sum(ss, sh);
-    float inv = rsqrtf(ss / (float)cols + eps);
-    auto normed = [&](float xc, int c) {  // each product rounded: the same value in every pass
-        float v = __fmul_rn(__fmul_rn(xc, inv), w[c]);
-        return bias ? __fadd_rn(v, bias[c]) : v;
-    };
+    const float inv = rms_inv(ss, cols, eps, sh);
+    auto normed = [&](float xc, int c) { return rms_normed(xc, inv, w, bias, c); };
     auto put = [&](float v, int c) {
         size_t i = (size_t)r * cols + c;
         if (dstq)
@@ -4504,11 +4512,9 @@ extern "C" __global__ void __launch_bounds__(256, 3)
             }
         }
         if (mode != EX_NORM) continue;
-        ss = block_sum(ss, sh);
-        float inv = rsqrtf(ss / (float)cols + eps);
-        auto put = [&](float xc, int c) {  // rmsnorm's rounding, to every rank's gather area
-            float v = __fmul_rn(__fmul_rn(xc, inv), w[c]);
-            __half h = __float2half_rn(bias ? __fadd_rn(v, bias[c]) : v);
+        const float inv = rms_inv(ss, cols, eps, sh);
+        auto put = [&](float xc, int c) {  // rmsnorm's value, to every rank's gather area
+            __half h = __float2half_rn(rms_normed(xc, inv, w, bias, c));
             size_t i = (size_t)r * cols + c;
             if (world == 2) {
                 gown[i] = h, gpeer[i] = h;
