@@ -635,10 +635,7 @@ func (b *Backend) rankAlloc(t *Buf, r, cols int) runtime.Buf {
 // Free implements runtime.Backend.
 func (b *Backend) Free(x runtime.Buf) {
 	t := rawBuf(x)
-	t.seq, t.be = seqWhole, nil // the sums that were due are not wanted
-	if b.seqBuf == t {
-		b.seqBuf = nil
-	}
+	b.markWhole(t) // the sums that were due are not wanted
 	b.release(t)
 }
 
@@ -791,6 +788,7 @@ func (b *Backend) toSplit(t *Buf, split [][2]int) {
 
 // allReduce sums the replicated-shape rank buffers of t over the ranks.
 func (b *Backend) allReduce(t *Buf) {
+	b.settleSplit(nil)
 	if b.dcomm != nil {
 		b.allReduceDevice(t)
 		return

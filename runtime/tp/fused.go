@@ -91,7 +91,6 @@ func (b *Backend) NormMatMulN(dst []runtime.Buf, x runtime.Buf, w, bias runtime.
 		}
 		if ss := b.scatterAll(b.scatterers(), gather); ss != nil {
 			wv, bv := b.replicatedVector("NormMatMulN", w, bias)
-			b.settleSplit(s)
 			b.fusedColumns(dst, ls, func(r int, parts []runtime.Buf, wp []runtime.Linear) {
 				ss[r].ExchangeNorm(s.parts[r], wv.parts[r], bv.part(r), eps)
 				ss[r].ProductsGathered(parts, wp)
@@ -135,7 +134,6 @@ func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 		runtime.Unfused{Backend: b}.MatMulAdd(dst, x, w)
 		return
 	}
-	b.settleSplit(nil)
 	if s.cols != l.in || d.cols != l.out || d.rows != s.rows {
 		panic(fmt.Sprintf("tp.MatMulAdd: x [%d %d], dst [%d %d], weight %s [%d %d]", s.rows, s.cols, d.rows, d.cols, l.name, l.out, l.in))
 	}
@@ -332,7 +330,6 @@ func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, 
 		return sc.CanGather([]runtime.Linear{gl.parts[r], ul.parts[r]}, s.rows) && sc.CanScatter(dl.parts[r], s.rows)
 	}
 	if ss := b.scatterAll(b.scatterers(), scatter); ss != nil && s.seq == seqSent {
-		b.settleSplit(s)
 		b.each(func(r int) {
 			ss[r].ExchangeNorm(s.parts[r], wv.parts[r], bv.part(r), eps)
 			ss[r].MLPScatter(s.parts[r], gl.parts[r], ul.parts[r], dl.parts[r])

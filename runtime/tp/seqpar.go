@@ -118,10 +118,7 @@ func (b *Backend) settle(t *Buf) {
 	if st == seqWhole {
 		return
 	}
-	t.seq, t.be = seqWhole, nil
-	if b.seqBuf == t {
-		b.seqBuf = nil
-	}
+	b.markWhole(t)
 	ss := b.exchangers()
 	if ss == nil {
 		panic("tp: a buffer split by rows on a backend without sequence-parallel exchanges")
@@ -134,10 +131,21 @@ func (b *Backend) settle(t *Buf) {
 	})
 }
 
+// markWhole records that t is whole again, its due sums done or not
+// wanted.
+func (b *Backend) markWhole(t *Buf) {
+	t.seq, t.be = seqWhole, nil
+	if b.seqBuf == t {
+		b.seqBuf = nil
+	}
+}
+
 // settleSplit settles the buffer that the exchanges left split by rows (at
-// most one: seqBuf) unless it is keep. Every operation that exchanges over
-// peer memory calls it first: a sent buffer's partials lie in the stages of
-// the next call, which any other exchange would take.
+// most one: seqBuf) unless it is keep. A sent buffer's partials lie in the
+// stages of the group's next call, which any other exchange would take:
+// replicate and allReduce, through which every other exchange over peer
+// memory goes, call it first, and so does an operation that leaves a
+// buffer split.
 func (b *Backend) settleSplit(keep *Buf) {
 	if t := b.seqBuf; t != nil && t != keep {
 		b.settle(t)
@@ -145,7 +153,9 @@ func (b *Backend) settleSplit(keep *Buf) {
 }
 
 // leave records that t is split by rows in state st, for bufOf to settle,
-// and counts the exchange.
+// and counts the exchange. No other buffer is split by then (the caller
+// settled it, settleSplit(t), or t was seqBuf already), so a buffer that is
+// not whole is always seqBuf.
 func (b *Backend) leave(t *Buf, st seqState) {
 	t.seq, t.be, b.seqBuf = st, b, t
 	b.seqCalls++
