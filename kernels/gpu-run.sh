@@ -10,7 +10,8 @@
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
 # TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; RUN_LIMIT: a
-# verify run's; TPAB_MODELS: tpab's checkpoints)
+# verify run's; TPAB_MODELS: tpab's checkpoints; TPAB_BINS: more binaries bin/qtool-NAME
+# (from .devbin/qtool-NAME.xz, a Go-side variant) that tpab times beside bin/qtool)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -36,14 +37,20 @@ for f in .devbin/*.gz .devbin/*.xz; do
   b=$(basename "${f%.*}"); case $f in *.xz) xz -dc "$f" ;; *) gunzip -c "$f" ;; esac > "bin/$b"; chmod +x "bin/$b"
 done
 if has build; then
-  bash kernels/build.sh "$OUT/ptx" > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  ab_builds=()
+  # this build and each AB_PTX variant's (below) at once: nvcc's runs are a few threads each
+  bash kernels/build.sh "$OUT/ptx" > "$OUT/build.log" 2>&1 & main_build=$!
+  for v in ${AB_PTX:-}; do
+    NVCC_FLAGS="${v#*=}" bash kernels/build.sh "$OUT/ptx-${v%%=*}" > "$OUT/build-${v%%=*}.log" 2>&1 &
+    ab_builds+=("$!=${v%%=*}")
+  done
+  wait "$main_build" || { tail -30 "$OUT/build.log"; exit 1; }
   ls -l "$OUT"/ptx/*.ptx | awk '{print $5, $9}'
   export QTOOL_CUDA_PTX="$OUT/ptx/qtool_sm90.ptx" QTOOL_CALIB_PTX="$OUT/ptx/calib_sm90.ptx"
   # AB_PTX="name=-DFLAG ...": more builds of the same source with an experiment's switches, for ab
-  for v in ${AB_PTX:-}; do
-    NVCC_FLAGS="${v#*=}" bash kernels/build.sh "$OUT/ptx-${v%%=*}" > "$OUT/build-${v%%=*}.log" 2>&1 ||
-      { tail -30 "$OUT/build-${v%%=*}.log"; exit 1; }
-    echo "built ${v%%=*} (${v#*=})"
+  for b in "${ab_builds[@]}"; do
+    wait "${b%%=*}" || { tail -30 "$OUT/build-${b#*=}.log"; exit 1; }
+    echo "built ${b#*=}"
   done
 fi
 if has tests; then
@@ -188,6 +195,9 @@ if has tpab; then # TP=2 at TP_CTX-token chunks, alternating: this build's PTX, 
       for v in ${AB_PTX:-}; do
         run "$m-tp2-${v%%=*}-ab$r" env QTOOL_CUDA_PTX="$OUT/ptx-${v%%=*}/qtool_sm90.ptx" bin/qtool verify --json \
           --ppl .devdata/sotu-test.raw $C /tmp/$m
+      done
+      for x in ${TPAB_BINS:-}; do # bin/qtool-NAME: a Go-side variant built here, with this build's PTX
+        run "$m-tp2-$x-ab$r" bin/qtool-$x verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
       done
       run "$m-tp2-base-ab$r" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
     done
