@@ -14,6 +14,7 @@ import (
 // multiplying as its downloaded values do.
 func TestSynthetic(t *testing.T) {
 	b := newTestBackend(t)
+	defer b.enter()() // downloadAs below reads device memory with the driver's own calls
 	const n = 4096
 	fill := func(seed uint64, a float32) []float32 {
 		x := b.Alloc(1, n)
