@@ -304,14 +304,20 @@ struct QOut {
 // rms_inv is 1/RMS of a row of cols values from each thread's sum of
 // squares ss (summed over the block), and rms_normed value c of the normed
 // row, each product rounded (the same value in every pass): rmsnorm's
-// arithmetic, which exchange_peer's norm shares.
+// arithmetic, which exchange_peer's norm shares. rms_scaled is rms_normed
+// of weight wc and, where has_bias, bias bc already loaded (a caller that
+// stores where the compiler cannot rule out w or bias issues the loads of
+// its values first: one round trip, not one a value).
 __device__ __forceinline__ float rms_inv(float ss, int cols, float eps, float* sh) {
     return rsqrtf(block_sum(ss, sh) / (float)cols + eps);
 }
+__device__ __forceinline__ float rms_scaled(float xc, float inv, float wc, bool has_bias, float bc) {
+    float v = __fmul_rn(__fmul_rn(xc, inv), wc);
+    return has_bias ? __fadd_rn(v, bc) : v;
+}
 __device__ __forceinline__ float rms_normed(float xc, float inv, const float* __restrict__ w,
                                             const float* __restrict__ bias, int c) {
-    float v = __fmul_rn(__fmul_rn(xc, inv), w[c]);
-    return bias ? __fadd_rn(v, bias[c]) : v;
+    return rms_scaled(xc, inv, w[c], bias != nullptr, bias ? bias[c] : 0.f);
 }
 extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restrict__ x,
                                    const float* __restrict__ w, const float* __restrict__ bias,
@@ -4421,19 +4427,21 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
 //            writes them into every peer's stage[e & 1][rank], the ranks
 //            meet, and each copies the peers' rows into x: every rank then
 //            holds the whole of x.
-// Block b takes rows b, b + grid, … of the rank's own; 256 threads, at most
-// 80 registers (three blocks a multiprocessor: the grids of up to three
-// ranks of one GPU, as the tests run them, resident at once, since a block
-// waits at its meetings for its peers' same block; exchange.go's
-// exchangeResident).
+// Block b takes rows b, b + grid, … of the rank's own; 256 threads. A
+// block waits at its meetings for its peers' same block, so the grids of
+// the ranks that share a GPU must be resident at once. Two forms of the
+// same body (the same bits): exchange_peer at most 128 registers (two
+// blocks a multiprocessor: two ranks of one GPU; a rank alone on its GPU
+// launches it padded to one a multiprocessor), exchange_peer_shared at
+// most 80 (three: up to three ranks of one GPU, as the tests run them),
+// whose cap costs time (exchange.go's exchangeForm chooses).
 #define EX_SUM 0
 #define EX_NORM 1
 #define EX_GATHER 2
-extern "C" __global__ void __launch_bounds__(256, 3)
-    exchange_peer(float* __restrict__ x, int M, int cols, int rank, int world, char* __restrict__ area,
-                  long long stage_off, long long cap, unsigned long long timeout_ns, int mode,
-                  const float* __restrict__ w, const float* __restrict__ bias, float eps, long long gather_off) {
-    PDL_ENTRY();
+__device__ __forceinline__ void exchange_body(float* __restrict__ x, int M, int cols, int rank, int world,
+                                              char* __restrict__ area, long long stage_off, long long cap,
+                                              unsigned long long timeout_ns, int mode, const float* __restrict__ w,
+                                              const float* __restrict__ bias, float eps, long long gather_off) {
     constexpr int nt = 256;  // the block (rmsnorm's sums), and the loads' offsets immediates
     if (blockDim.x != nt) __trap();
     const int t = threadIdx.x;
@@ -4470,7 +4478,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     // its sums (two ranks; more: a round trip a rank): a latency a chunk,
     // not one a value.
     __shared__ float sh[32];
-    constexpr int chunk = RN_REG * nt;
+    const int chunk = RN_REG * nt;
     const bool inreg = cols <= chunk;
     const float* st0 = stage_of(rank, 0);
     const float* st1 = stage_of(rank, world > 1 ? 1 : 0);
@@ -4513,8 +4521,8 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         }
         if (mode != EX_NORM) continue;
         const float inv = rms_inv(ss, cols, eps, sh);
-        auto put = [&](float xc, int c) {  // rmsnorm's value, to every rank's gather area
-            __half h = __float2half_rn(rms_normed(xc, inv, w, bias, c));
+        auto put = [&](float v, int c) {  // a normed value, to every rank's gather area
+            __half h = __float2half_rn(v);
             size_t i = (size_t)r * cols + c;
             if (world == 2) {
                 gown[i] = h, gpeer[i] = h;
@@ -4522,18 +4530,35 @@ extern "C" __global__ void __launch_bounds__(256, 3)
             }
             for (int p = 0; p < world; p++) reinterpret_cast<__half*>(reinterpret_cast<char*>(areas[p]) + gather_off)[i] = h;
         };
-        if (inreg) {
+        if (inreg) {  // the row's weights (and biases) loaded at once, before the stores
+            float wv[RN_REG], bv[RN_REG];
 #pragma unroll
             for (int i = 0; i < RN_REG; i++) {
                 int c = t + i * nt;
-                if (c < cols) put(xv[i], c);
+                wv[i] = c < cols ? __ldg(w + c) : 0.f;
+                bv[i] = bias && c < cols ? __ldg(bias + c) : 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < RN_REG; i++) {
+                int c = t + i * nt;
+                if (c < cols) put(rms_scaled(xv[i], inv, wv[i], bias != nullptr, bv[i]), c);
             }
         } else {
-            for (int c = t; c < cols; c += nt) put(xr[c], c);
+            for (int c = t; c < cols; c += nt) put(rms_normed(xr[c], inv, w, bias, c), c);
         }
     }
     if (mode == EX_NORM) ar_meet(area, AR_GATHER_SYNC, rank, world, e, timeout_ns);
 }
+#define EXCHANGE_ENTRY(name, BLOCKS)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS)                                                        \
+        name(float* __restrict__ x, int M, int cols, int rank, int world, char* __restrict__ area,                  \
+             long long stage_off, long long cap, unsigned long long timeout_ns, int mode, const float* __restrict__ w, \
+             const float* __restrict__ bias, float eps, long long gather_off) {                                     \
+        PDL_ENTRY();                                                                                                  \
+        exchange_body(x, M, cols, rank, world, area, stage_off, cap, timeout_ns, mode, w, bias, eps, gather_off);   \
+    }
+EXCHANGE_ENTRY(exchange_peer, 2)
+EXCHANGE_ENTRY(exchange_peer_shared, 3)
 
 // ---------------------------------------------------------------------------
 // Synthetic weights for benchmarks, generated in place from a hash.

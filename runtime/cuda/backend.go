@@ -103,6 +103,9 @@ type Backend struct {
 	cc       [2]int
 	opt      Options
 	fn       map[string]driver.Function
+	// smemPerSM and smemOptin are the shared memory bytes of a
+	// multiprocessor and the most one block may take (dynamic included).
+	smemPerSM, smemOptin int
 	// dependent holds the kernels launched as programmatic dependent
 	// launches (see Options.NoDependentLaunch).
 	dependent map[string]bool
@@ -263,8 +266,11 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 			return nil, err
 		}
 	}
-	if b.sms, err = drv.Attribute(b.dev, driver.AttrMultiprocessorCount); err != nil {
-		return nil, err
+	for a, v := range map[int]*int{driver.AttrMultiprocessorCount: &b.sms, driver.AttrMaxSharedPerSM: &b.smemPerSM,
+		driver.AttrMaxSharedPerBlockOptin: &b.smemOptin} {
+		if *v, err = drv.Attribute(b.dev, a); err != nil {
+			return nil, err
+		}
 	}
 	ptx, arch := kernels.PTX(b.cc[0], b.cc[1])
 	if opt.PTXPath != "" {
@@ -311,7 +317,7 @@ func kernelNames() []string {
 		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8",
 		"gemm_h_f16_s", "gemm_h_bf16_s", "gemm_h_q4_s", "gemm_h_q8_s", "dequant_h_q4", "dequant_h_q8",
 		"gather_cols", "gather_half", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "sample", "fill_random",
-		"allreduce_peer", "allreduce_peer_ll", "exchange_peer",
+		"allreduce_peer", "allreduce_peer_ll", "exchange_peer", "exchange_peer_shared",
 	}
 	names = append(names, gemvKernels...)
 	return names

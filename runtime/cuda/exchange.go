@@ -43,7 +43,7 @@ func ownRows(rank, world, M int) (r0, r1 int) {
 // with every rank of the group owning at least one tile, the norm of its
 // output rows would run with exchange_peer's 256 threads (rowBlock: the
 // same bits), and the exchange's blocks of all ranks on this GPU fit on it
-// at once (exchangeResident).
+// at once (exchangeForm).
 func (b *Backend) CanScatter(w runtime.Linear, rows int) bool {
 	return b.scatterer(lin(w), rows).kernel != ""
 }
@@ -53,23 +53,52 @@ func (b *Backend) CanScatter(w runtime.Linear, rows int) bool {
 func (b *Backend) scatterer(l *Linear, rows int) tileSend {
 	p := b.peer
 	if p == nil || !p.connected || rows <= 128*(p.world-1) || b.rowBlock(rows, l.out) != block256 ||
-		!b.exchangeResident() {
+		b.exchangeForm().kernel == "" {
 		return tileSend{}
 	}
 	return b.tileSender(l, rows)
 }
 
-// exchangeResident reports whether the exchange_peer grids of the group's
-// ranks on this GPU can all be resident at once. A block waits at its
-// meetings for the same block of every peer, so a block that could not
-// start until another rank's waiting blocks leave would hang the call
-// (until the timeout's trap). One rank a GPU always fits (the lane's grid
-// is at most the smallest GPU's multiprocessors); several ranks of one
-// GPU, as the tests run them, fit by exchange_peer's launch bounds (three
-// blocks a multiprocessor: up to three ranks).
-func (b *Backend) exchangeResident() bool {
-	p := b.peer
-	return p.onDevice*p.lanes[1].blocks <= b.residentBlocks("exchange_peer", 0)*b.sms
+// exchangeForm is the exchange_peer form a rank launches and its dynamic
+// shared memory (padding only: the kernel uses none); kernel "" where no
+// form fits. A block waits at its meetings for the same block of every
+// peer, so the grids of the group's ranks on this GPU (one for each) must
+// all be resident at once: a block that could not start until another
+// rank's waiting blocks leave would hang the call (until the timeout's
+// trap). The forms, fewest resident blocks and most registers first: a
+// multiprocessor holds two blocks of exchange_peer, three of
+// exchange_peer_shared, whose register cap costs time.
+//   - A rank alone on its GPU (the product's case) takes exchange_peer
+//     padded to one block a multiprocessor: its grid (at most the smallest
+//     GPU's multiprocessors) spreads over them instead of doubling up on
+//     those the product before frees first, where a block's rows would
+//     share one multiprocessor's loads (2xH200: a 2 048-token AutoAWQ
+//     chunk at TP=2 35.0-35.2 ms, unpadded 35.2-35.4).
+//   - Ranks that share a GPU (the tests') take the first form whose grids
+//     all fit unpadded: exchange_peer for two, exchange_peer_shared for
+//     three.
+type exchangeForm struct {
+	kernel string
+	shm    int
+}
+
+// exchangeForm is this rank's form.
+func (b *Backend) exchangeForm() exchangeForm { return b.exchangeFormOn(b.peer.onDevice) }
+
+// exchangeFormOn is exchangeForm with onDevice of the group's ranks on
+// this GPU.
+func (b *Backend) exchangeFormOn(onDevice int) exchangeForm {
+	blocks := b.peer.lanes[1].blocks
+	if pad := b.smemPerSM / 2; onDevice == 1 && blocks <= b.sms && pad <= b.smemOptin &&
+		b.residentBlocks("exchange_peer", pad) == 1 {
+		return exchangeForm{"exchange_peer", pad}
+	}
+	for _, k := range [...]string{"exchange_peer", "exchange_peer_shared"} {
+		if onDevice*blocks <= b.residentBlocks(k, 0)*b.sms {
+			return exchangeForm{k, 0}
+		}
+	}
+	return exchangeForm{}
 }
 
 // CanGather reports whether the products ws of rows rows can take their
@@ -132,7 +161,11 @@ func (b *Backend) exchange(x *Buf, mode int, w, bias runtime.Vector, eps float32
 	if w != nil {
 		nw = vec(w).p
 	}
-	b.launch("exchange_peer", g1(l.blocks), block256, x.p, x.rows, x.cols, p.rank, p.world, p.area,
+	f := b.exchangeForm()
+	if f.kernel == "" {
+		panic("cuda backend: an exchange whose ranks of this GPU cannot all be resident (CanScatter said no)")
+	}
+	b.launchShm(f.kernel, g1(l.blocks), block256, f.shm, x.p, x.rows, x.cols, p.rank, p.world, p.area,
 		int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), mode, nw, vecPtr(bias), eps,
 		int64(p.gatherOff))
 	b.metPeers()

@@ -7,7 +7,6 @@ import (
 	"slices"
 	"testing"
 	"time"
-	"unsafe"
 
 	"github.com/x448/float16"
 
@@ -40,7 +39,8 @@ func TestOwnRows(t *testing.T) {
 }
 
 // TestSeqParallelExchange checks the sequence-parallel exchange on 2 and 3
-// ranks of one GPU against the all-reduce it replaces, bit for bit: every
+// ranks of one GPU (exchange_peer's two forms, exchangeForm) against the
+// all-reduce it replaces, bit for bit: every
 // rank's product scattering its tiles (launchTiles with scatter) and
 // ExchangeNorm give the owned rows of the residual plus the partials in
 // rank order (the product added on rank 0, then AllReducePeer) and, in
@@ -57,6 +57,25 @@ func TestSeqParallelExchange(t *testing.T) {
 		ranks := peerGroup(t, world, 1<<21, time.Minute)
 		if !ranks[0].wgmma {
 			t.Skip("no Hopper GEMMs (wgmma) on this GPU: nothing sends its tiles")
+		}
+		// ranks of one GPU: the first form whose grids all fit (on an H200
+		// exchange_peer for two, exchange_peer_shared for three: the suite
+		// launches both)
+		fits := func(k string) bool {
+			return world*ranks[0].peer.lanes[1].blocks <= ranks[0].residentBlocks(k, 0)*ranks[0].sms
+		}
+		want := "exchange_peer_shared"
+		if fits("exchange_peer") {
+			want = "exchange_peer"
+		}
+		if got := ranks[0].exchangeForm(); got != (exchangeForm{want, 0}) || !fits(got.kernel) {
+			t.Fatalf("%d ranks of one GPU: exchange form %+v, want %q unpadded (the first that fits)", world, got, want)
+		}
+		t.Logf("%d ranks of one GPU: %s", world, want)
+		// a rank alone on its GPU (gputest's ranks launch it): exchange_peer
+		// padded to one block a multiprocessor
+		if f := ranks[0].exchangeFormOn(1); f.kernel != "exchange_peer" || f.shm == 0 || ranks[0].residentBlocks(f.kernel, f.shm) != 1 {
+			t.Fatalf("a rank alone on its GPU: exchange form %+v, want exchange_peer padded to one block a multiprocessor", f)
 		}
 		r := rand.New(rand.NewPCG(uint64(world), 31))
 		// N = 512: a row in registers; 5120: rows of two chunks (a 13B's width)
@@ -138,8 +157,11 @@ func TestSeqParallelExchange(t *testing.T) {
 								t.Fatalf("round %d, rank %d: owned value %d (row %d) = %v, want %v", round, q, i, i/N, g[i], sums[i])
 							}
 						}
-						hs := make([]uint16, M*N)
-						b.must(b.drv.MemcpyDtoH(unsafe.Pointer(&hs[0]), b.peer.area+b.peer.gatherOff, uint64(2*len(hs))))
+						var hs []uint16
+						func() { // the rank's context current on this thread (ranks' goroutines share threads)
+							defer b.enter()()
+							hs = downloadAs[uint16](b, b.peer.area+b.peer.gatherOff, M*N)
+						}()
 						for i, v := range hs {
 							if w := float16.Fromfloat32(normed[i]).Bits(); v != w {
 								t.Fatalf("round %d, rank %d: gathered value %d (row %d) = %#04x, want %#04x (%v)", round, q, i, i/N, v, w, normed[i])

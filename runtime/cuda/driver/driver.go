@@ -50,6 +50,7 @@ type (
 // Device attributes used by qtool (CUdevice_attribute values).
 const (
 	AttrMaxSharedPerBlockOptin = 97
+	AttrMaxSharedPerSM         = 81
 	AttrMultiprocessorCount    = 16
 	AttrComputeMajor           = 75
 	AttrComputeMinor           = 76
