@@ -876,6 +876,7 @@ func TestScratchHeld(t *testing.T) {
 				t.Fatal("growing the area while held freed the old one")
 			}
 			release()
+			defer b.enter()() // release may leave another rank's context current (enter does not restore the one before)
 			areas := len(b.owned)
 			b.scratchBuf("held_test", 16384)
 			// The allocator may hand the freed address out again, so count the areas.
@@ -973,6 +974,7 @@ func TestLogitOps(t *testing.T) {
 // leave it.
 func TestZeroedScratch(t *testing.T) {
 	b := newTestBackend(t)
+	defer b.enter()() // zeroedScratch allocates and sets memory with the context current
 	b.capturing = true
 	p := b.zeroedScratch("test_cnt", 4096)
 	b.capturing = false
