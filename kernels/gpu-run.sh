@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tpab tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
 # TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; RUN_LIMIT: a
@@ -200,6 +200,16 @@ if has tpab; then # TP=2 at TP_CTX-token chunks, alternating: this build's PTX, 
         run "$m-tp2-$x-ab$r" bin/qtool-$x verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
       done
       run "$m-tp2-base-ab$r" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
+    done
+  done
+fi
+if has tpdec; then # TP=2 decode alone (one chunk of perplexity first), alternating this build and the previous commit's binary, TPDEC_ROUNDS rounds of TPDEC_MODELS
+  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
+  D="verify --json --ppl .devdata/sotu-test.raw --max-chunks 1 --prompt The --max-new 256 --device cuda --tp 2"
+  for r in $(seq "${TPDEC_ROUNDS:-2}"); do
+    for m in ${TPDEC_MODELS:-l7b-awq}; do
+      run "$m-tp2dec-ab$r" bin/qtool $D /tmp/$m
+      run "$m-tp2dec-base-ab$r" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base $D /tmp/$m
     done
   done
 fi
