@@ -4433,8 +4433,8 @@ extern "C" __global__ void __launch_bounds__(256) allreduce_peer(float* __restri
 // same body (the same bits): exchange_peer at most 128 registers (two
 // blocks a multiprocessor: two ranks of one GPU; a rank alone on its GPU
 // launches it padded to one a multiprocessor), exchange_peer_shared at
-// most 80 (three: up to three ranks of one GPU, as the tests run them),
-// whose cap costs time (exchange.go's exchangeForm chooses).
+// most 80, with spills (three: up to three ranks of one GPU, as the tests
+// run them); exchange.go's exchangeForm chooses.
 #define EX_SUM 0
 #define EX_NORM 1
 #define EX_GATHER 2

@@ -67,8 +67,9 @@ func (b *Backend) scatterer(l *Linear, rows int) tileSend {
 // rank's waiting blocks leave would hang the call (until the timeout's
 // trap). The forms, fewest resident blocks and most registers first: a
 // multiprocessor holds two blocks of exchange_peer, three of
-// exchange_peer_shared, whose register cap costs time.
-//   - A rank alone on its GPU (the product's case) takes exchange_peer
+// exchange_peer_shared (80 registers, with spills).
+//   - A rank alone on its GPU (the product's case; ranks of other
+//     processes count by the GPU's PCI address, onDevice) takes exchange_peer
 //     padded to one block a multiprocessor: its grid (at most the smallest
 //     GPU's multiprocessors) spreads over them instead of doubling up on
 //     those the product before frees first, where a block's rows would
@@ -88,9 +89,8 @@ func (b *Backend) exchangeForm() exchangeForm { return b.exchangeFormOn(b.peer.o
 // exchangeFormOn is exchangeForm with onDevice of the group's ranks on
 // this GPU.
 func (b *Backend) exchangeFormOn(onDevice int) exchangeForm {
-	blocks := b.peer.lanes[1].blocks
-	if pad := b.smemPerSM / 2; onDevice == 1 && blocks <= b.sms && pad <= b.smemOptin &&
-		b.residentBlocks("exchange_peer", pad) == 1 {
+	blocks := b.peer.lanes[1].blocks // at most the smallest GPU's multiprocessors
+	if pad := b.smemPerSM / 2; onDevice == 1 && pad <= b.smemOptin && b.residentBlocks("exchange_peer", pad) == 1 {
 		return exchangeForm{"exchange_peer", pad}
 	}
 	for _, k := range [...]string{"exchange_peer", "exchange_peer_shared"} {
@@ -147,7 +147,8 @@ func (b *Backend) GatherOwned(x runtime.Buf) {
 	b.exchange(buf(x), exGather, nil, nil, 0)
 }
 
-// exchange launches exchange_peer on x in lane 1 (context current).
+// exchange launches the exchange on x in lane 1, in the form exchangeForm
+// picks (context current).
 func (b *Backend) exchange(x *Buf, mode int, w, bias runtime.Vector, eps float32) {
 	p := b.peer
 	if p == nil || !p.connected {
@@ -165,6 +166,7 @@ func (b *Backend) exchange(x *Buf, mode int, w, bias runtime.Vector, eps float32
 	if f.kernel == "" {
 		panic("cuda backend: an exchange whose ranks of this GPU cannot all be resident (CanScatter said no)")
 	}
+	b.raiseSmem(f.kernel, f.shm)
 	b.launchShm(f.kernel, g1(l.blocks), block256, f.shm, x.p, x.rows, x.cols, p.rank, p.world, p.area,
 		int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), mode, nw, vecPtr(bias), eps,
 		int64(p.gatherOff))

@@ -53,10 +53,10 @@ type peerLane struct {
 }
 
 // peerEndBytes is the size of the end OpenPeerReduce returns.
-const peerEndBytes = 96
+const peerEndBytes = 104
 
-// peerEndMagic begins an end ("qtP2").
-const peerEndMagic = 0x3250_7471
+// peerEndMagic begins an end ("qtP3").
+const peerEndMagic = 0x3350_7471
 
 // peerEnd is a rank's exchange area as the other ranks find it: the machine
 // and process it lives in, its device and address there, its IPC handle
@@ -67,6 +67,7 @@ type peerEnd struct {
 	device int32
 	sms    int32
 	area   uint64
+	gpu    uint64 // the device's PCI address (gpuID): one GPU in every process
 	handle driver.IPCMemHandle
 	ipc    bool // the handle is valid
 }
@@ -80,8 +81,9 @@ func (e *peerEnd) encode() []byte {
 	le.PutUint32(b[12:], uint32(e.sms))
 	le.PutUint64(b[16:], e.area)
 	le.PutUint64(b[24:], e.host)
+	le.PutUint64(b[32:], e.gpu)
 	if e.ipc {
-		copy(b[32:], e.handle.Reserved[:])
+		copy(b[40:], e.handle.Reserved[:])
 	}
 	return b
 }
@@ -92,8 +94,8 @@ func decodePeerEnd(b []byte) (peerEnd, error) {
 		return peerEnd{}, fmt.Errorf("not a peer-memory end (%d bytes)", len(b))
 	}
 	e := peerEnd{pid: le.Uint32(b[4:]), device: int32(le.Uint32(b[8:])), sms: int32(le.Uint32(b[12:])),
-		area: le.Uint64(b[16:]), host: le.Uint64(b[24:])}
-	copy(e.handle.Reserved[:], b[32:])
+		area: le.Uint64(b[16:]), host: le.Uint64(b[24:]), gpu: le.Uint64(b[32:])}
+	copy(e.handle.Reserved[:], b[40:])
 	for _, c := range e.handle.Reserved {
 		e.ipc = e.ipc || c != 0
 	}
@@ -101,6 +103,21 @@ func decodePeerEnd(b []byte) (peerEnd, error) {
 		return peerEnd{}, fmt.Errorf("peer-memory end without an area")
 	}
 	return e, nil
+}
+
+// gpuID is the PCI domain, bus and device of b's GPU: the same GPU gives
+// the same id in every process of a machine, whatever its ordinal there
+// (CUDA_VISIBLE_DEVICES).
+func (b *Backend) gpuID() (uint64, error) {
+	var id uint64
+	for _, a := range []struct{ attr, shift int }{{driver.AttrPCIDomainID, 32}, {driver.AttrPCIBusID, 8}, {driver.AttrPCIDeviceID, 0}} {
+		v, err := b.drv.Attribute(b.dev, a.attr)
+		if err != nil {
+			return 0, err
+		}
+		id |= uint64(v) << a.shift
+	}
+	return id, nil
 }
 
 // hostID tells machines apart: the host name and, on Linux, the boot id.
@@ -125,8 +142,9 @@ type peerReduce struct {
 	gatherOff driver.DevicePtr
 	gathered  [2]int
 	// onDevice is how many of the group's ranks (this one included) run
-	// on this rank's GPU in this process: their kernels of a call share its
-	// multiprocessors, and a call's blocks wait for each other
+	// on this rank's GPU, in any process of the machine (by PCI address):
+	// their kernels of a call share its multiprocessors (under MPS, for
+	// other processes), and a call's blocks wait for each other
 	onDevice  int
 	timeout   time.Duration
 	area      driver.DevicePtr
@@ -154,6 +172,10 @@ func (b *Backend) OpenPeerReduce(rank, world, capFloats int, timeout time.Durati
 		return nil, fmt.Errorf("cuda: OpenPeerReduce during a graph capture")
 	}
 	defer b.enter()()
+	gpu, err := b.gpuID()
+	if err != nil {
+		return nil, fmt.Errorf("cuda: peer-memory area: the GPU's PCI address: %w", err)
+	}
 	p := &peerReduce{rank: rank, world: world, capFloats: capFloats, timeout: timeout}
 	off := 0
 	for i, c := range []int{min(capFloats, peerSmallFloats), capFloats} {
@@ -180,7 +202,7 @@ func (b *Backend) OpenPeerReduce(rank, world, capFloats int, timeout time.Durati
 		return nil, fmt.Errorf("cuda: peer-memory area: %w", err)
 	}
 	b.peer = p
-	e := peerEnd{host: hostID(), pid: uint32(os.Getpid()), device: int32(b.dev), sms: int32(b.sms), area: uint64(area)}
+	e := peerEnd{host: hostID(), pid: uint32(os.Getpid()), device: int32(b.dev), sms: int32(b.sms), area: uint64(area), gpu: gpu}
 	if h, err := b.drv.IPCGetMemHandle(area); err == nil {
 		e.handle, e.ipc = h, true
 	}
@@ -209,6 +231,9 @@ func (b *Backend) ConnectPeerReduce(ends [][]byte) (err error) {
 		}
 	}()
 	self := peerEnd{host: hostID(), pid: uint32(os.Getpid())}
+	if self.gpu, err = b.gpuID(); err != nil {
+		return err
+	}
 	areas := make([]uint64, peerMaxRanks)
 	smallest, onDevice := b.sms, 0
 	for r, raw := range ends {
@@ -217,7 +242,7 @@ func (b *Backend) ConnectPeerReduce(ends [][]byte) (err error) {
 			return fmt.Errorf("rank %d: %w", r, err)
 		}
 		smallest = min(smallest, int(e.sms))
-		if e.host == self.host && e.pid == self.pid && driver.Device(e.device) == b.dev {
+		if e.host == self.host && e.gpu == self.gpu {
 			onDevice++
 		}
 		switch {

@@ -40,6 +40,9 @@ func peerGroup(t *testing.T, world, capFloats int, timeout time.Duration) []*Bac
 		if got := ranks[r].peerReduceCap(); got != capFloats {
 			t.Fatalf("peerReduceCap = %d, want %d", got, capFloats)
 		}
+		if got := ranks[r].peer.onDevice; got != world { // one GPU: its PCI address the same for every rank
+			t.Fatalf("rank %d counts %d ranks on its GPU, want all %d", r, got, world)
+		}
 	}
 	t.Cleanup(func() { // a test that closes the group itself finds nothing left to close here
 		for r, b := range ranks {
@@ -90,6 +93,50 @@ func TestAllReducePeer(t *testing.T) {
 		for _, b := range ranks {
 			if err := b.ClosePeerReduce(); err != nil {
 				t.Fatal(err)
+			}
+		}
+	}
+}
+
+// TestPeerTwoGPUs checks a group of one rank on each of two GPUs (skipped
+// on one): each counts itself alone on its GPU (the PCI addresses differ,
+// gpuID), so a sequence-parallel exchange takes exchange_peer padded to one
+// block a multiprocessor, and the launch after a meeting stays early.
+func TestPeerTwoGPUs(t *testing.T) {
+	if n, err := DeviceCount(); err != nil || n < 2 {
+		t.Skipf("a group over two GPUs needs two (%d, %v)", n, err)
+	}
+	ranks := make([]*Backend, 2)
+	ends := make([][]byte, 2)
+	for r := range ranks {
+		b, err := NewDevice(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			noteTestKernels(b)
+			if err := b.Close(); err != nil {
+				t.Errorf("Close: %v", err)
+			}
+		})
+		ranks[r] = b
+		if ends[r], err = b.OpenPeerReduce(r, 2, 1<<12, time.Minute); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for r, b := range ranks {
+		if err := b.ConnectPeerReduce(ends); err != nil {
+			t.Skipf("rank %d: %v (no peer access between the GPUs)", r, err)
+		}
+		defer b.ClosePeerReduce()
+	}
+	for r, b := range ranks {
+		if b.peer.onDevice != 1 {
+			t.Fatalf("rank %d counts %d ranks on its GPU, want 1", r, b.peer.onDevice)
+		}
+		if b.wgmma {
+			if f := b.exchangeForm(); f.kernel != "exchange_peer" || f.shm == 0 {
+				t.Errorf("rank %d: exchange form %+v, want exchange_peer padded", r, f)
 			}
 		}
 	}
@@ -750,12 +797,12 @@ func firstLine(s, sub string) string {
 // communicator) decodes from any bytes into an end that encodes back to
 // the same bytes, or an error; never a panic. It needs no GPU.
 func FuzzDecodePeerEnd(f *testing.F) {
-	e := peerEnd{host: 0x1234, pid: 77, device: 1, sms: 132, area: 0x7f0000000000, ipc: true}
+	e := peerEnd{host: 0x1234, pid: 77, device: 1, sms: 132, area: 0x7f0000000000, gpu: 0x1b00, ipc: true}
 	e.handle.Reserved[5] = 9
 	f.Add(e.encode())
 	e.ipc, e.handle.Reserved[5] = false, 0
 	f.Add(e.encode())
-	f.Add([]byte("qtP2"))
+	f.Add([]byte("qtP3"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		e, err := decodePeerEnd(b)
 		if err != nil {

@@ -51,6 +51,9 @@ type (
 const (
 	AttrMaxSharedPerBlockOptin = 97
 	AttrMaxSharedPerSM         = 81
+	AttrPCIBusID               = 33
+	AttrPCIDeviceID            = 34
+	AttrPCIDomainID            = 50
 	AttrMultiprocessorCount    = 16
 	AttrComputeMajor           = 75
 	AttrComputeMinor           = 76
