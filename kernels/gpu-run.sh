@@ -11,7 +11,8 @@
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
 # TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; RUN_LIMIT: a
 # verify run's; TPAB_MODELS: tpab's checkpoints; TPAB_BINS: more binaries bin/qtool-NAME
-# (from .devbin/qtool-NAME.xz, a Go-side variant) that tpab times beside bin/qtool)
+# (from .devbin/qtool-NAME.xz, a Go-side variant) that tpab times beside bin/qtool;
+# TPDEC_ROUNDS, TPDEC_MODELS: tpdec's rounds and checkpoints)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -44,7 +45,7 @@ if has build; then
     NVCC_FLAGS="${v#*=}" bash kernels/build.sh "$OUT/ptx-${v%%=*}" > "$OUT/build-${v%%=*}.log" 2>&1 &
     ab_builds+=("$!=${v%%=*}")
   done
-  wait "$main_build" || { tail -30 "$OUT/build.log"; exit 1; }
+  wait "$main_build" || { tail -30 "$OUT/build.log"; wait; exit 1; } # the variants' builds ended too, not half-written
   ls -l "$OUT"/ptx/*.ptx | awk '{print $5, $9}'
   export QTOOL_CUDA_PTX="$OUT/ptx/qtool_sm90.ptx" QTOOL_CALIB_PTX="$OUT/ptx/calib_sm90.ptx"
   # AB_PTX="name=-DFLAG ...": more builds of the same source with an experiment's switches, for ab
