@@ -23,8 +23,10 @@
 // backend launches every kernel whose PTX holds griddepcontrol.wait so that
 // it may start while the kernel ahead of it in the stream is finishing. A
 // kernel therefore waits (pdl_wait) before it touches memory that an earlier
-// kernel writes or reads; only weights, which no kernel writes, may be read
-// before (the GEMV kernels issue their first weight loads that early), and
+// kernel writes or reads; only weights, which no kernel writes (but
+// fill_random's synthetic ones, after which the backend launches the plain
+// way), may be read before (the GEMV kernels issue their first weight loads
+// that early), and
 // what kernels at least two launches back wrote (see pdl_trigger: the
 // decode attention's position and cached keys).
 // pdl_trigger then lets the next kernel launch: once every block of this

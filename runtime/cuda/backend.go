@@ -148,8 +148,9 @@ type Backend struct {
 	sums     rowSums
 	// launched counts the launches of each kernel (KernelLaunches).
 	launched map[string]int
-	// plainNext makes the next launch a plain one, after a kernel whose
-	// blocks wait for other ranks' blocks on this GPU (metPeers)
+	// plainNext makes the next launch a plain one: after a kernel whose
+	// blocks wait for other ranks' blocks on this GPU (metPeers), and after
+	// the kernels that write synthetic weights (uploadSynthetic)
 	plainNext bool
 	// kt holds the kernel times (Options.KernelTimes).
 	kt kernelTimes

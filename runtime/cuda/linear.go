@@ -463,6 +463,9 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 	default:
 		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, bf16, w8a8, w8a16, w8a16-pc, w4a16 or w4a16-act)", name, s.Format)
 	}
+	// A GEMV reads its weights before its programmatic wait (qtool.cu,
+	// pdl_wait): the kernel after the fills starts when they have ended.
+	b.plainNext = true
 	return l, nil
 }
 
