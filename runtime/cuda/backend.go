@@ -267,9 +267,11 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 			return nil, err
 		}
 	}
-	for a, v := range map[int]*int{driver.AttrMultiprocessorCount: &b.sms, driver.AttrMaxSharedPerSM: &b.smemPerSM,
-		driver.AttrMaxSharedPerBlockOptin: &b.smemOptin} {
-		if *v, err = drv.Attribute(b.dev, a); err != nil {
+	for _, a := range []struct {
+		attr int
+		v    *int
+	}{{driver.AttrMultiprocessorCount, &b.sms}, {driver.AttrMaxSharedPerSM, &b.smemPerSM}, {driver.AttrMaxSharedPerBlockOptin, &b.smemOptin}} {
+		if *a.v, err = drv.Attribute(b.dev, a.attr); err != nil {
 			return nil, err
 		}
 	}

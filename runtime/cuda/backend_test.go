@@ -20,7 +20,13 @@ import (
 // newTestBackend opens the GPU or skips the test.
 func newTestBackend(t testing.TB) *Backend {
 	t.Helper()
-	b, err := New()
+	return newTestDevice(t, 0)
+}
+
+// newTestDevice is newTestBackend on GPU d.
+func newTestDevice(t testing.TB, d int) *Backend {
+	t.Helper()
+	b, err := NewDevice(d)
 	if errors.Is(err, ErrNoDriver) {
 		t.Skip("no CUDA driver found: skipping GPU kernel tests")
 	}

@@ -43,7 +43,7 @@ func ownRows(rank, world, M int) (r0, r1 int) {
 // with every rank of the group owning at least one tile, the norm of its
 // output rows would run with exchange_peer's 256 threads (rowBlock: the
 // same bits), and the exchange's blocks of all ranks on this GPU fit on it
-// at once (exchangeForm).
+// at once (exchangeFormOn).
 func (b *Backend) CanScatter(w runtime.Linear, rows int) bool {
 	return b.scatterer(lin(w), rows).kernel != ""
 }
@@ -53,13 +53,13 @@ func (b *Backend) CanScatter(w runtime.Linear, rows int) bool {
 func (b *Backend) scatterer(l *Linear, rows int) tileSend {
 	p := b.peer
 	if p == nil || !p.connected || rows <= 128*(p.world-1) || b.rowBlock(rows, l.out) != block256 ||
-		b.exchangeForm().kernel == "" {
+		p.exchange.kernel == "" {
 		return tileSend{}
 	}
 	return b.tileSender(l, rows)
 }
 
-// exchangeForm is the exchange_peer form a rank launches and its dynamic
+// exchangeForm is an exchange_peer form a rank launches and its dynamic
 // shared memory (padding only: the kernel uses none); kernel "" where no
 // form fits. A block waits at its meetings for the same block of every
 // peer, so the grids of the group's ranks on this GPU (one for each) must
@@ -83,11 +83,8 @@ type exchangeForm struct {
 	shm    int
 }
 
-// exchangeForm is this rank's form.
-func (b *Backend) exchangeForm() exchangeForm { return b.exchangeFormOn(b.peer.onDevice) }
-
-// exchangeFormOn is exchangeForm with onDevice of the group's ranks on
-// this GPU.
+// exchangeFormOn is the form of a rank whose group has onDevice ranks on
+// its GPU (ConnectPeerReduce keeps it in the group's exchange).
 func (b *Backend) exchangeFormOn(onDevice int) exchangeForm {
 	blocks := b.peer.lanes[1].blocks // at most the smallest GPU's multiprocessors
 	if pad := b.smemPerSM / 2; onDevice == 1 && pad <= b.smemOptin && b.residentBlocks("exchange_peer", pad) == 1 {
@@ -147,8 +144,8 @@ func (b *Backend) GatherOwned(x runtime.Buf) {
 	b.exchange(buf(x), exGather, nil, nil, 0)
 }
 
-// exchange launches the exchange on x in lane 1, in the form exchangeForm
-// picks (context current).
+// exchange launches the exchange on x in lane 1, in the group's form
+// (context current).
 func (b *Backend) exchange(x *Buf, mode int, w, bias runtime.Vector, eps float32) {
 	p := b.peer
 	if p == nil || !p.connected {
@@ -162,11 +159,10 @@ func (b *Backend) exchange(x *Buf, mode int, w, bias runtime.Vector, eps float32
 	if w != nil {
 		nw = vec(w).p
 	}
-	f := b.exchangeForm()
+	f := p.exchange
 	if f.kernel == "" {
 		panic("cuda backend: an exchange whose ranks of this GPU cannot all be resident (CanScatter said no)")
 	}
-	b.raiseSmem(f.kernel, f.shm)
 	b.launchShm(f.kernel, g1(l.blocks), block256, f.shm, x.p, x.rows, x.cols, p.rank, p.world, p.area,
 		int64(l.stageOff), int64(l.stride), uint64(p.timeout.Nanoseconds()), mode, nw, vecPtr(bias), eps,
 		int64(p.gatherOff))

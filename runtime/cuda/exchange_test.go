@@ -39,7 +39,7 @@ func TestOwnRows(t *testing.T) {
 }
 
 // TestSeqParallelExchange checks the sequence-parallel exchange on 2 and 3
-// ranks of one GPU (exchange_peer's two forms, exchangeForm) against the
+// ranks of one GPU (exchange_peer's two forms, exchangeFormOn) against the
 // all-reduce it replaces, bit for bit: every
 // rank's product scattering its tiles (launchTiles with scatter) and
 // ExchangeNorm give the owned rows of the residual plus the partials in
@@ -68,7 +68,7 @@ func TestSeqParallelExchange(t *testing.T) {
 		if fits("exchange_peer") {
 			want = "exchange_peer"
 		}
-		if got := ranks[0].exchangeForm(); got != (exchangeForm{want, 0}) || !fits(got.kernel) {
+		if got := ranks[0].peer.exchange; got != (exchangeForm{want, 0}) || !fits(got.kernel) {
 			t.Fatalf("%d ranks of one GPU: exchange form %+v, want %q unpadded (the first that fits)", world, got, want)
 		}
 		t.Logf("%d ranks of one GPU: %s", world, want)

@@ -1748,7 +1748,7 @@ func (b *Backend) gemvAsyncSlots(l *Linear) int {
 // residentBlocks is the blocks of 256 threads of kernel name with shm
 // bytes of dynamic shared memory one multiprocessor holds at once (it
 // raises the kernel's dynamic shared memory limit to shm). It is also
-// called outside a launch (GEMVKernel, exchangeForm); an _n twin's limit
+// called outside a launch (GEMVKernel, exchangeFormOn); an _n twin's limit
 // is raised at its launch (gemv).
 func (b *Backend) residentBlocks(name string, shm int) int {
 	k := residentKey{name, shm}

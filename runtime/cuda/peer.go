@@ -145,7 +145,11 @@ type peerReduce struct {
 	// on this rank's GPU, in any process of the machine (by PCI address):
 	// their kernels of a call share its multiprocessors (under MPS, for
 	// other processes), and a call's blocks wait for each other
-	onDevice  int
+	onDevice int
+	// gpu is this rank's GPU's PCI address (gpuID); exchange, the
+	// exchange_peer form it launches (exchangeFormOn), chosen at connect
+	gpu       uint64
+	exchange  exchangeForm
 	timeout   time.Duration
 	area      driver.DevicePtr
 	opened    []driver.DevicePtr // other processes' areas, mapped here
@@ -176,7 +180,7 @@ func (b *Backend) OpenPeerReduce(rank, world, capFloats int, timeout time.Durati
 	if err != nil {
 		return nil, fmt.Errorf("cuda: peer-memory area: the GPU's PCI address: %w", err)
 	}
-	p := &peerReduce{rank: rank, world: world, capFloats: capFloats, timeout: timeout}
+	p := &peerReduce{rank: rank, world: world, capFloats: capFloats, timeout: timeout, gpu: gpu}
 	off := 0
 	for i, c := range []int{min(capFloats, peerSmallFloats), capFloats} {
 		l := &p.lanes[i]
@@ -230,10 +234,7 @@ func (b *Backend) ConnectPeerReduce(ends [][]byte) (err error) {
 			b.closePeer()
 		}
 	}()
-	self := peerEnd{host: hostID(), pid: uint32(os.Getpid())}
-	if self.gpu, err = b.gpuID(); err != nil {
-		return err
-	}
+	self := peerEnd{host: hostID(), pid: uint32(os.Getpid()), gpu: p.gpu}
 	areas := make([]uint64, peerMaxRanks)
 	smallest, onDevice := b.sms, 0
 	for r, raw := range ends {
@@ -291,6 +292,7 @@ func (b *Backend) ConnectPeerReduce(ends [][]byte) (err error) {
 	p.onDevice = onDevice
 	p.lanes[0].blocks = max(1, min(peerSmallBlocks, smallest))
 	p.lanes[1].blocks = max(1, min(peerLargeBlocks, smallest))
+	p.exchange = b.exchangeFormOn(onDevice) // (residentBlocks raised its padding's limit)
 	// lane 0's shape for the GEMVs that send to it (qtool.cu's ArLane0)
 	l0 := p.lanes[0]
 	desc := [4]int64{int64(p.rank) | int64(p.world)<<32, int64(l0.blocks), int64(l0.stageOff), int64(l0.stride)}

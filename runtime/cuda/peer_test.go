@@ -21,10 +21,18 @@ import (
 // peer-memory group, as ranks 0..world−1 of one process on one device are.
 func peerGroup(t *testing.T, world, capFloats int, timeout time.Duration) []*Backend {
 	t.Helper()
+	return peerGroupOn(t, make([]int, world), capFloats, timeout)
+}
+
+// peerGroupOn is peerGroup with rank r on GPU devices[r]; it skips the test
+// where GPUs of the group cannot reach each other's memory.
+func peerGroupOn(t *testing.T, devices []int, capFloats int, timeout time.Duration) []*Backend {
+	t.Helper()
+	world := len(devices)
 	ranks := make([]*Backend, world)
 	ends := make([][]byte, world)
 	for r := range ranks {
-		ranks[r] = newTestBackend(t)
+		ranks[r] = newTestDevice(t, devices[r])
 		var err error
 		if ends[r], err = ranks[r].OpenPeerReduce(r, world, capFloats, timeout); err != nil {
 			t.Fatal(err)
@@ -35,13 +43,22 @@ func peerGroup(t *testing.T, world, capFloats int, timeout time.Duration) []*Bac
 	}
 	for r := range ranks {
 		if err := ranks[r].ConnectPeerReduce(ends); err != nil {
+			if slices.ContainsFunc(devices, func(d int) bool { return d != devices[r] }) {
+				t.Skipf("rank %d on GPU %d: %v (no peer access between the GPUs)", r, devices[r], err)
+			}
 			t.Fatal(err)
 		}
 		if got := ranks[r].peerReduceCap(); got != capFloats {
 			t.Fatalf("peerReduceCap = %d, want %d", got, capFloats)
 		}
-		if got := ranks[r].peer.onDevice; got != world { // one GPU: its PCI address the same for every rank
-			t.Fatalf("rank %d counts %d ranks on its GPU, want all %d", r, got, world)
+		want := 0 // by the GPUs' PCI addresses: the ranks given the same device
+		for _, d := range devices {
+			if d == devices[r] {
+				want++
+			}
+		}
+		if got := ranks[r].peer.onDevice; got != want {
+			t.Fatalf("rank %d counts %d ranks on its GPU, want %d", r, got, want)
 		}
 	}
 	t.Cleanup(func() { // a test that closes the group itself finds nothing left to close here
@@ -106,36 +123,12 @@ func TestPeerTwoGPUs(t *testing.T) {
 	if n, err := DeviceCount(); err != nil || n < 2 {
 		t.Skipf("a group over two GPUs needs two (%d, %v)", n, err)
 	}
-	ranks := make([]*Backend, 2)
-	ends := make([][]byte, 2)
-	for r := range ranks {
-		b, err := NewDevice(r)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			noteTestKernels(b)
-			if err := b.Close(); err != nil {
-				t.Errorf("Close: %v", err)
-			}
-		})
-		ranks[r] = b
-		if ends[r], err = b.OpenPeerReduce(r, 2, 1<<12, time.Minute); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for r, b := range ranks {
-		if err := b.ConnectPeerReduce(ends); err != nil {
-			t.Skipf("rank %d: %v (no peer access between the GPUs)", r, err)
-		}
-		defer b.ClosePeerReduce()
-	}
-	for r, b := range ranks {
-		if b.peer.onDevice != 1 {
-			t.Fatalf("rank %d counts %d ranks on its GPU, want 1", r, b.peer.onDevice)
+	for r, b := range peerGroupOn(t, []int{0, 1}, 1<<12, time.Minute) { // (it checks onDevice)
+		if b.metPeers(); b.plainNext {
+			t.Errorf("rank %d: the launch after a meeting would be plain", r)
 		}
 		if b.wgmma {
-			if f := b.exchangeForm(); f.kernel != "exchange_peer" || f.shm == 0 {
+			if f := b.peer.exchange; f.kernel != "exchange_peer" || f.shm == 0 {
 				t.Errorf("rank %d: exchange form %+v, want exchange_peer padded", r, f)
 			}
 		}

@@ -267,14 +267,16 @@ func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0,
 	}
 	split := b.splitHeads("tp.AttentionAdd", s, heads, kvHeads, headDim)
 	// sequence-parallel: x whole or owned by rows, its partials sent to the rows' owners
-	scatter := func(sc PeerScatterer, r int) bool { return sc.CanScatter(l.parts[r], s.rows) }
-	if ss := b.scatterAll(b.scatterers(), scatter); ss != nil && d.seq != seqSent && d.parts != nil && d.split == nil {
-		b.settleSplit(d)
-		b.each(func(r int) {
-			ss[r].AttentionScatter(d.parts[r], s.parts[r], kc.parts[r], layer, pos0, heads/n, kvHeads/n, headDim, l.parts[r])
-		})
-		b.leave(d, seqSent)
-		return
+	if d.seq != seqSent && d.parts != nil && d.split == nil {
+		scatter := func(sc PeerScatterer, r int) bool { return sc.CanScatter(l.parts[r], s.rows) }
+		if ss := b.scatterAll(b.scatterers(), scatter); ss != nil {
+			b.settleSplit(d)
+			b.each(func(r int) {
+				ss[r].AttentionScatter(d.parts[r], s.parts[r], kc.parts[r], layer, pos0, heads/n, kvHeads/n, headDim, l.parts[r])
+			})
+			b.leave(d, seqSent)
+			return
+		}
 	}
 	d = bufOf(x)
 	b.replicate(d) // (settles any other split buffer)
@@ -326,16 +328,18 @@ func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, 
 	}
 	wv, bv := b.replicatedVector("MLP", w, bias)
 	// sequence-parallel: o's partials sent to the rows' owners, down's sent likewise
-	scatter := func(sc PeerScatterer, r int) bool {
-		return sc.CanGather([]runtime.Linear{gl.parts[r], ul.parts[r]}, s.rows) && sc.CanScatter(dl.parts[r], s.rows)
-	}
-	if ss := b.scatterAll(b.scatterers(), scatter); ss != nil && s.seq == seqSent {
-		b.each(func(r int) {
-			ss[r].ExchangeNorm(s.parts[r], wv.parts[r], bv.part(r), eps)
-			ss[r].MLPScatter(s.parts[r], gl.parts[r], ul.parts[r], dl.parts[r])
-		})
-		b.leave(s, seqSent) // down's partials
-		return
+	if s.seq == seqSent {
+		scatter := func(sc PeerScatterer, r int) bool {
+			return sc.CanGather([]runtime.Linear{gl.parts[r], ul.parts[r]}, s.rows) && sc.CanScatter(dl.parts[r], s.rows)
+		}
+		if ss := b.scatterAll(b.scatterers(), scatter); ss != nil {
+			b.each(func(r int) {
+				ss[r].ExchangeNorm(s.parts[r], wv.parts[r], bv.part(r), eps)
+				ss[r].MLPScatter(s.parts[r], gl.parts[r], ul.parts[r], dl.parts[r])
+			})
+			b.leave(s, seqSent) // down's partials
+			return
+		}
 	}
 	s = bufOf(x)
 	b.replicate(s)
