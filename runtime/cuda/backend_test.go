@@ -357,6 +357,61 @@ func TestMatMul(t *testing.T) {
 	}
 }
 
+// TestMatMulLargeInputs gives the products an input with a few features
+// of several thousand, as real models' activations have (down's input
+// above all), the rest small: every kernel must stay finite and within its
+// tolerance. The fp16-staged 4-bit GEMVs sum four products x·(u − z) in a
+// half before widening them, which overflows once |x|·|u − z| summed
+// passes 65 504 (one |x| of 4 368 at |u − z| = 15; kernels/NOTES.md,
+// thirty-fourth session).
+func TestMatMulLargeInputs(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(7, 8))
+	for _, wc := range weightCases {
+		switch wc.name {
+		case "f16", "kuiper-int8-sym-g64", "awq-int4-asym-g128", "w4-f32scales-g128", "gptq-int4-actorder-g64",
+			"int4-g48-fallback", "awq-int4-g128-wide", "awq-int4-g128-tall", "awq-int4-g128-taller":
+		default:
+			continue
+		}
+		K := 256
+		if wc.k > 0 {
+			K = wc.k
+		}
+		N := rowsFor(b, wc, 198)
+		w, wf := wc.make(r, N, K)
+		lw, err := b.UploadLinear(wc.name, w)
+		if err != nil {
+			t.Fatalf("%s: upload: %v", wc.name, err)
+		}
+		for _, M := range []int{1, 3, 37} {
+			kernel := "GEMM"
+			if M <= b.opt.GEMVMaxRows {
+				kernel, _ = b.gemvKernel(lin(lw), M, N)
+			}
+			name := fmt.Sprintf("%s/M=%d/%s", wc.name, M, kernel)
+			t.Run(name, func(t *testing.T) {
+				x := randVec(r, M*K, 1)
+				for m := range M { // features 3, K/2 + 1 and K − 5 of every row
+					x[m*K+3], x[m*K+K/2+1], x[m*K+K-5] = 6000, -4500, 3000
+				}
+				want := matmulRef(x, wf, M, N, K)
+				xb := upload(b, M, K, x)
+				y := poisoned(b, M, N)
+				b.MatMul(y, xb, lw)
+				tol := 1e-5 // fp32 GEMV
+				if M > b.opt.GEMVMaxRows || strings.HasPrefix(kernel, "gemv_q4_") {
+					tol = 3e-3 // fp16 operands on the tensor cores / half sums
+				}
+				checkClose(t, name, download(b, y), want, tol)
+				b.Free(xb)
+				b.Free(y)
+			})
+		}
+		b.FreeLinear(lw)
+	}
+}
+
 // TestGEMMRing runs the prefill GEMMs unsplit over more K steps than their
 // rings have stages (gemm_wg_*: 5, gemm_h_*: 3), so that every stage is
 // refilled several times, for each kind of weight they dequantize, with
