@@ -338,23 +338,30 @@ func TestMatMul(t *testing.T) {
 					}
 				}
 				t.Run(name, func(t *testing.T) {
-					x := randVec(r, M*K, 1)
-					want := matmulRef(x, wf, M, N, K)
-					xb := upload(b, M, K, x)
-					y := poisoned(b, M, N)
-					b.MatMul(y, xb, lw)
-					tol := 1e-5 // fp32 GEMV
-					if M > b.opt.GEMVMaxRows || strings.HasPrefix(kernel, "gemv_q4_") {
-						tol = 3e-3 // fp16 operands on the tensor cores / half sums
-					}
-					checkClose(t, name, download(b, y), want, tol)
-					b.Free(xb)
-					b.Free(y)
+					checkMatMul(t, b, name, kernel, lw, wf, randVec(r, M*K, 1), M, N, K)
 				})
 			}
 			b.opt.NoWGMMA = false
 		}
 	}
+}
+
+// checkMatMul multiplies x (M rows of K) by lw (N outputs; wf its values)
+// and checks the result against float64 within the tolerance of kernel
+// (the GEMV's name, or anything else for a GEMM).
+func checkMatMul(t *testing.T, b *Backend, name, kernel string, lw runtime.Linear, wf []float64, x []float32, M, N, K int) {
+	t.Helper()
+	want := matmulRef(x, wf, M, N, K)
+	xb := upload(b, M, K, x)
+	y := poisoned(b, M, N)
+	b.MatMul(y, xb, lw)
+	tol := 1e-5 // fp32 GEMV
+	if M > b.opt.GEMVMaxRows || strings.HasPrefix(kernel, "gemv_q4_") {
+		tol = 3e-3 // fp16 operands on the tensor cores / half sums
+	}
+	checkClose(t, name, download(b, y), want, tol)
+	b.Free(xb)
+	b.Free(y)
 }
 
 // TestMatMulLargeInputs gives the products an input with a few features
@@ -395,17 +402,7 @@ func TestMatMulLargeInputs(t *testing.T) {
 				for m := range M { // features 3, K/2 + 1 and K − 5 of every row
 					x[m*K+3], x[m*K+K/2+1], x[m*K+K-5] = 6000, -4500, 3000
 				}
-				want := matmulRef(x, wf, M, N, K)
-				xb := upload(b, M, K, x)
-				y := poisoned(b, M, N)
-				b.MatMul(y, xb, lw)
-				tol := 1e-5 // fp32 GEMV
-				if M > b.opt.GEMVMaxRows || strings.HasPrefix(kernel, "gemv_q4_") {
-					tol = 3e-3 // fp16 operands on the tensor cores / half sums
-				}
-				checkClose(t, name, download(b, y), want, tol)
-				b.Free(xb)
-				b.Free(y)
+				checkMatMul(t, b, name, kernel, lw, wf, x, M, N, K)
 			})
 		}
 		b.FreeLinear(lw)
