@@ -281,7 +281,7 @@ var weightCases = []weightCase{
 	// act-order rows too wide for gather_half (K > gatherHalfMaxCols: a
 	// 70B's down): gather_cols, then to_half; the GEMV's x too wide to stage
 	{"gptq-int4-actorder-g128-wide-k", 24704, halfScaled(quantCase(4, 128, 1, true)), 0},
-	// x too wide to stage in shared memory (2K > 96 KB): the split-K gemv_q4_sh
+	// x too wide to stage in shared memory (over gemvStreamMaxSmem): the split-K gemv_q4_sh
 	{"awq-int4-g128-huge-k", 49280, halfScaled(quantCase(4, 128, 1, false)), 0},
 	{"w4-f32scales-g128-huge-k", 49280, quantCase(4, 128, 1, false), 0},
 }
@@ -377,7 +377,8 @@ func TestMatMulLargeInputs(t *testing.T) {
 	for _, wc := range weightCases {
 		switch wc.name {
 		case "f16", "kuiper-int8-sym-g64", "awq-int4-asym-g128", "w4-f32scales-g128", "gptq-int4-actorder-g64",
-			"int4-g48-fallback", "awq-int4-g128-wide", "awq-int4-g128-tall", "awq-int4-g128-taller":
+			"awq-int4-g128-wide", "awq-int4-g128-tall", "awq-int4-g128-taller", "gptq-int4-actorder-g128-tall",
+			"awq-int4-g128-huge-k":
 		default:
 			continue
 		}
