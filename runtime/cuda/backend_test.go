@@ -374,14 +374,18 @@ func checkMatMul(t *testing.T, b *Backend, name, kernel string, lw runtime.Linea
 func TestMatMulLargeInputs(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(7, 8))
+	cases := []weightCase{ // and an 8-bit per-channel row as wide as a 14B's down
+		{"w8-perchannel-offset-wide", 14592, quantCase(8, 0, 2, false), 0},
+	}
 	for _, wc := range weightCases {
 		switch wc.name {
 		case "f16", "kuiper-int8-sym-g64", "awq-int4-asym-g128", "w4-f32scales-g128", "gptq-int4-actorder-g64",
 			"awq-int4-g128-wide", "awq-int4-g128-tall", "awq-int4-g128-taller", "gptq-int4-actorder-g128-tall",
 			"awq-int4-g128-huge-k":
-		default:
-			continue
+			cases = append(cases, wc)
 		}
+	}
+	for _, wc := range cases {
 		K := 256
 		if wc.k > 0 {
 			K = wc.k
