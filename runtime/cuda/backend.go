@@ -262,19 +262,13 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 	if err != nil {
 		return nil, err
 	}
-	for i, a := range []int{driver.AttrComputeMajor, driver.AttrComputeMinor} {
-		if b.cc[i], err = drv.Attribute(b.dev, a); err != nil {
-			return nil, err
-		}
+	attrs, err := b.attributes(driver.AttrComputeMajor, driver.AttrComputeMinor, driver.AttrMultiprocessorCount,
+		driver.AttrMaxSharedPerSM, driver.AttrMaxSharedPerBlockOptin)
+	if err != nil {
+		return nil, err
 	}
-	for _, a := range []struct {
-		attr int
-		v    *int
-	}{{driver.AttrMultiprocessorCount, &b.sms}, {driver.AttrMaxSharedPerSM, &b.smemPerSM}, {driver.AttrMaxSharedPerBlockOptin, &b.smemOptin}} {
-		if *a.v, err = drv.Attribute(b.dev, a.attr); err != nil {
-			return nil, err
-		}
-	}
+	b.cc = [2]int{attrs[0], attrs[1]}
+	b.sms, b.smemPerSM, b.smemOptin = attrs[2], attrs[3], attrs[4]
 	ptx, arch := kernels.PTX(b.cc[0], b.cc[1])
 	if opt.PTXPath != "" {
 		if ptx, err = os.ReadFile(opt.PTXPath); err != nil {
@@ -309,6 +303,19 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 	}
 	b.name = fmt.Sprintf("cuda:%s (sm_%d%d, %d SMs, %s PTX)", devName, b.cc[0], b.cc[1], b.sms, arch)
 	return b, nil
+}
+
+// attributes reads the device attributes attrs (CUdevice_attribute
+// values) of b's GPU, in order.
+func (b *Backend) attributes(attrs ...int) ([]int, error) {
+	v := make([]int, len(attrs))
+	for i, a := range attrs {
+		var err error
+		if v[i], err = b.drv.Attribute(b.dev, a); err != nil {
+			return nil, err
+		}
+	}
+	return v, nil
 }
 
 // kernelNames lists every kernel the backend looks up.

@@ -109,15 +109,11 @@ func decodePeerEnd(b []byte) (peerEnd, error) {
 // the same id in every process of a machine, whatever its ordinal there
 // (CUDA_VISIBLE_DEVICES).
 func (b *Backend) gpuID() (uint64, error) {
-	var id uint64
-	for _, a := range []struct{ attr, shift int }{{driver.AttrPCIDomainID, 32}, {driver.AttrPCIBusID, 8}, {driver.AttrPCIDeviceID, 0}} {
-		v, err := b.drv.Attribute(b.dev, a.attr)
-		if err != nil {
-			return 0, err
-		}
-		id |= uint64(v) << a.shift
+	v, err := b.attributes(driver.AttrPCIDomainID, driver.AttrPCIBusID, driver.AttrPCIDeviceID)
+	if err != nil {
+		return 0, err
 	}
-	return id, nil
+	return uint64(v[0])<<32 | uint64(v[1])<<8 | uint64(v[2]), nil
 }
 
 // hostID tells machines apart: the host name and, on Linux, the boot id.
