@@ -37,6 +37,9 @@ for f in .devbin/*.gz .devbin/*.xz; do
   [ -f "$f" ] || continue
   b=$(basename "${f%.*}"); case $f in *.xz) xz -dc "$f" ;; *) gunzip -c "$f" ;; esac > "bin/$b"; chmod +x "bin/$b"
 done
+# the A/B steps' base: the previous commit's binary (bin/qtool where there is none) with its embedded PTX
+base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
+BASE="env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base"
 if has build; then
   ab_builds=()
   # this build and each AB_PTX variant's (below) at once: nvcc's runs are a few threads each
@@ -161,8 +164,7 @@ if has one; then
   for m in l7b-awq l7b; do run "$m-1gpu" $V --device cuda /tmp/$m; done
 fi
 if has one-base; then # the same with the previous commit's binary and its embedded PTX
-  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
-  for m in l7b-awq l7b; do run "$m-1gpu-base" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base ${V#bin/qtool } --device cuda /tmp/$m; done
+  for m in l7b-awq l7b; do run "$m-1gpu-base" $BASE ${V#bin/qtool } --device cuda /tmp/$m; done
 fi
 if has tp; then
   for m in l7b-awq l7b; do
@@ -177,21 +179,19 @@ if has tp; then
   done
 fi
 if has tpctx; then # TP=2 prefill with TP_CTX-token chunks (default 2048), this binary and the previous commit's, both formats
-  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
   for m in l7b-awq l7b; do
     C="--ctx ${TP_CTX:-2048} --max-chunks ${TP_CHUNKS:-5}"
     run "$m-1gpu-ctx" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C --device cuda /tmp/$m
     run "$m-tp2-ctx" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C --device cuda --tp 2 /tmp/$m
-    run "$m-tp2-ctx-base" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C --device cuda --tp 2 /tmp/$m
+    run "$m-tp2-ctx-base" $BASE verify --json --ppl .devdata/sotu-test.raw $C --device cuda --tp 2 /tmp/$m
   done
 fi
 if has tpab; then # TP=2 at TP_CTX-token chunks, alternating: this build's PTX, each AB_PTX variant's, the previous commit's binary (TPAB_ROUNDS rounds of AutoAWQ, bf16 in the first; or of TPAB_MODELS); in the first round also one GPU with the previous commit's binary, the ratio's base
-  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
   C1="--ctx ${TP_CTX:-2048} --max-chunks ${TP_CHUNKS:-5} --device cuda"
   C="$C1 --tp 2"
   for r in $(seq "${TPAB_ROUNDS:-2}"); do
     for m in ${TPAB_MODELS:-l7b-awq $([ "$r" = 1 ] && echo l7b)}; do
-      [ "$r" = 1 ] && run "$m-1gpu-base" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C1 /tmp/$m
+      [ "$r" = 1 ] && run "$m-1gpu-base" $BASE verify --json --ppl .devdata/sotu-test.raw $C1 /tmp/$m
       run "$m-tp2-ab$r" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
       for v in ${AB_PTX:-}; do
         run "$m-tp2-${v%%=*}-ab$r" env QTOOL_CUDA_PTX="$OUT/ptx-${v%%=*}/qtool_sm90.ptx" bin/qtool verify --json \
@@ -200,17 +200,16 @@ if has tpab; then # TP=2 at TP_CTX-token chunks, alternating: this build's PTX, 
       for x in ${TPAB_BINS:-}; do # bin/qtool-NAME: a Go-side variant built here, with this build's PTX
         run "$m-tp2-$x-ab$r" bin/qtool-$x verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
       done
-      run "$m-tp2-base-ab$r" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
+      run "$m-tp2-base-ab$r" $BASE verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
     done
   done
 fi
 if has tpdec; then # TP=2 decode alone (one chunk of perplexity first), alternating this build and the previous commit's binary, TPDEC_ROUNDS rounds of TPDEC_MODELS
-  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
   D="verify --json --ppl .devdata/sotu-test.raw --max-chunks 1 --prompt The --max-new 256 --device cuda --tp 2"
   for r in $(seq "${TPDEC_ROUNDS:-2}"); do
     for m in ${TPDEC_MODELS:-l7b-awq}; do
       run "$m-tp2dec-ab$r" bin/qtool $D /tmp/$m
-      run "$m-tp2dec-base-ab$r" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base $D /tmp/$m
+      run "$m-tp2dec-base-ab$r" $BASE $D /tmp/$m
     done
   done
 fi
@@ -225,8 +224,7 @@ if has tl; then # timelines of a 2 048-token prefill (kernels/exp/timeline.diff 
   done
 fi
 if has tp-base; then # the AutoAWQ runs of tp with the previous commit's binary and its embedded PTX
-  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
-  B="env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base ${V#bin/qtool } --device cuda"
+  B="$BASE ${V#bin/qtool } --device cuda"
   run l7b-awq-1gpu-base $B /tmp/l7b-awq
   run l7b-awq-tp2-base $B --tp 2 /tmp/l7b-awq
   run l7b-awq-tp2-procs-base $B --tp 2 --tp-processes /tmp/l7b-awq
@@ -305,8 +303,7 @@ if has kbench16; then # short prompts: the small-M GEMMs (prefill of 16 tokens)
   grep -E "prefill [0-9]+ tokens|prefill estimate" "$OUT/kbench16.txt"
 fi
 if has kbench-base; then # the same with the previous commit's binary (.devbin/qtool-base.gz, else qtool) and its embedded PTX
-  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
-  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base bench --synthetic llama2-7b --decode 128 ${KBENCH_ARGS:-} > "$OUT/kbench-base.txt" 2>&1
+  lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" $BASE bench --synthetic llama2-7b --decode 128 ${KBENCH_ARGS:-} > "$OUT/kbench-base.txt" 2>&1
   grep -E "gemv|decode|prefill" "$OUT/kbench-base.txt" | head -40
 fi
 if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX built here if build ran) and
@@ -315,7 +312,6 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
   # (and bin/qtool with each AB_PTX build's PTX)
   # (a build whose cuda tests failed or timed out, perhaps hanging, is left out;
   # AB_MODEL, AB_FORMAT, AB_PROMPT, AB_DECODE and AB_ARGS change the bench's shape, format, prompt, steps and flags)
-  base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
   variants=new
   [ "${failed_new:-0}" = 0 ] || { echo "ab: skipped (this build's cuda tests failed)"; variants=""; AB_ROUNDS=0; }
   for v in ${AB_PTX:-}; do
@@ -330,7 +326,7 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
       lim=$(left); [ "$lim" -lt 90 ] && { echo "ab: no time left"; break 3; }
       case $v in
         new) cmd=bin/qtool ;;
-        base) cmd="env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base" ;;
+        base) cmd="$BASE" ;;
         *) cmd="env QTOOL_CUDA_PTX=$OUT/ptx-$v/qtool_sm90.ptx bin/qtool" ;;
       esac
       timeout "$lim" $cmd bench --synthetic "${AB_MODEL:-llama2-7b}" --format "${AB_FORMAT:-w4a16}" --kernels=false \
