@@ -2232,11 +2232,11 @@ __device__ __forceinline__ void q4_dequant_uz(uint32_t w, __half2 z1024, __half2
 }
 
 // q4_dot_staged is Σ x·(u − z) over the 32 codes of a 16-byte chunk of q4
-// words w4, with x the matching 16 half2 in staged form (the high-nibble
-// pairs pre-scaled by 1/16, see stage x in gemvw_body) and z1024 the
-// chunk's half2(1024 + z): a word's 8 products summed in one half2, the
-// four words' sums in fp32. The high nibbles are unpacked as 1024 + 16u
-// without a shift, less half2(1024 + 16z).
+// words w4, with x the matching 16 half2 in staged form (q4_stage_unit)
+// and z1024 the chunk's half2(1024 + z): a word's 8 products summed in one
+// half2 (four a half: at most 4 · 1 024 · 15 < 65 504 for staged values
+// below 1 024), the four words' sums in fp32. The high nibbles are
+// unpacked as 1024 + 16u without a shift, less half2(1024 + 16z).
 __device__ __forceinline__ float q4_dot_staged(const uint32_t (&w4)[4], const __half2* __restrict__ xh, __half2 z1024) {
     constexpr uint32_t LO = 0x000f000fu, HI = 0x00f000f0u;
     // (1024 + z) * 16 - 15360 = 1024 + 16 z, exact in fp16.
@@ -2253,6 +2253,31 @@ __device__ __forceinline__ float q4_dot_staged(const uint32_t (&w4)[4], const __
         p += af.x + af.y;
     }
     return p;
+}
+
+// q4_stage_k is the exponent k ≥ 0 of the power of two 2^k by which the
+// 4-bit GEMVs divide a run of x whose largest |x| is mx before staging it
+// in fp16: 0 below 1 024, else the least k that brings mx below 1 024, so
+// that q4_dot_staged's half sums cannot overflow (real models' activations
+// reach thousands). At most 119 (mx infinite); scaling by it is exact but
+// where a value falls below fp16's normal range.
+__device__ __forceinline__ int q4_stage_k(float mx) { return max(0, ((__float_as_int(mx) >> 23) & 0xff) - 136); }
+// pow2f is 2^k, for k within a float's normal exponents.
+__device__ __forceinline__ float pow2f(int k) { return __int_as_float((127 + k) << 23); }
+// absmax8 is the largest |x| of 8 features a, b (NaN skipped).
+__device__ __forceinline__ float absmax8(float4 a, float4 b) {
+    return fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                 fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+}
+// q4_stage_unit is the staged form of 8 features of x (a, b: in order)
+// divided by 2^k (q4_stage_k): four half2, the odd pairs also by 16 —
+// the odd pairs of a q4 word come out of the LOP3 as 1024 + 16u
+// (q4_dot_staged), so their x is pre-scaled by 1/16 (exact) instead of
+// shifting the word.
+__device__ __forceinline__ uint4 q4_stage_unit(float4 a, float4 b, int k) {
+    float sc = pow2f(-k), sc16 = sc * 0.0625f;
+    return make_uint4(pack_h2(a.x * sc, a.y * sc), pack_h2(a.z * sc16, a.w * sc16), pack_h2(b.x * sc, b.y * sc),
+                      pack_h2(b.z * sc16, b.w * sc16));
 }
 
 template <int F>
@@ -2450,22 +2475,24 @@ __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* _
             float4 v = xs[f ^ ((f >> 3) & 7)];
             xv[4 * j] = v.x; xv[4 * j + 1] = v.y; xv[4 * j + 2] = v.z; xv[4 * j + 3] = v.w;
         }
-        // x as half2 pairs once for all rows; the odd pairs of each word
-        // come out of the LOP3 as 1024 + 16u, so their x is pre-scaled by
-        // 1/16 (exact) instead of shifting the word.
-        __half2 xh[16];
+        // x staged once for all rows, the lane's 32 features by one power
+        // of two (q4_stage_k)
+        float mx = 0.f;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            xh[4 * j] = __floats2half2_rn(xv[8 * j], xv[8 * j + 1]);
-            xh[4 * j + 1] = __floats2half2_rn(xv[8 * j + 2] * 0.0625f, xv[8 * j + 3] * 0.0625f);
-            xh[4 * j + 2] = __floats2half2_rn(xv[8 * j + 4], xv[8 * j + 5]);
-            xh[4 * j + 3] = __floats2half2_rn(xv[8 * j + 6] * 0.0625f, xv[8 * j + 7] * 0.0625f);
-        }
+        for (int j = 0; j < KL; j++) mx = fmaxf(mx, fabsf(xv[j]));
+        int kx = q4_stage_k(mx);
+        uint4 xh4[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            xh4[j] = q4_stage_unit(make_float4(xv[8 * j], xv[8 * j + 1], xv[8 * j + 2], xv[8 * j + 3]),
+                                   make_float4(xv[8 * j + 4], xv[8 * j + 5], xv[8 * j + 6], xv[8 * j + 7]), kx);
+        const __half2* xh = reinterpret_cast<const __half2*>(xh4);
+        float ex = pow2f(kx);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             uint32_t w4[4] = {raw[r].x, raw[r].y, raw[r].z, raw[r].w};
             Q4Group g = q4_group_of(s[r]);
-            acc[r] = g.scale * q4_dot_staged(w4, xh, g.z1024);
+            acc[r] = g.scale * q4_dot_staged(w4, xh, g.z1024) * ex;
         }
     }
 #pragma unroll
@@ -2702,42 +2729,52 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         ss = block_sum(ss, nsh);
         inv = rsqrtf(ss / (float)K + eps);
     }
-    // Stage x row m: unit u = 16 bytes = 8 k of the staged form.
-    constexpr int B = 2;
-    for (int u0 = tid; u0 < nu; u0 += 256 * B) {
-        float4 a[B], b[B];
+    // Stage x row m: unit u = 16 bytes = 8 k of the staged form, every
+    // unit divided by the row's one power of two 2^kx (q4_stage_unit), the
+    // sums multiplied back at the end. kx is 0 (the staged values as they
+    // are) unless some |x| reaches 1 024; then the row is staged again with
+    // the kx its largest value needs (q4_stage_k). stage returns the
+    // largest k the thread's units need; again: the second staging, which
+    // takes an act-order weight's unit orders from permx (the first
+    // staging wrote its units over them).
+    auto stage = [&](int kx, bool again) {
+        int kmax = 0;
+        constexpr int B = 2;
+        for (int u0 = tid; u0 < nu; u0 += 256 * B) {
+            float4 a[B], b[B];
 #pragma unroll
-        for (int i = 0; i < B; i++) {
-            int u = min(u0 + 256 * i, nu - 1);
-            if (permx) {  // act-order weight: stored column k holds feature order[k]
-                // this thread's own copy of the unit's order (zeros past the row:
-                // another thread's unit, maybe staged already)
-                uint4 o = u0 + 256 * i < nu ? xsh[xw_swz(u)] : make_uint4(0, 0, 0, 0);
-                a[i] = make_float4(xraw[o.x & 0xffff], xraw[o.x >> 16], xraw[o.y & 0xffff], xraw[o.y >> 16]);
-                b[i] = make_float4(xraw[o.z & 0xffff], xraw[o.z >> 16], xraw[o.w & 0xffff], xraw[o.w >> 16]);
-            } else {
-                a[i] = *reinterpret_cast<const float4*>(xr + 8 * u);
-                b[i] = *reinterpret_cast<const float4*>(xr + 8 * u + 4);
-                if (nw) {
-                    a[i] = gemv_norm4(a[i], 8 * u, inv, nw, nb);
-                    b[i] = gemv_norm4(b[i], 8 * u + 4, inv, nw, nb);
+            for (int i = 0; i < B; i++) {
+                int u = min(u0 + 256 * i, nu - 1);
+                if (permx) {  // act-order weight: stored column k holds feature order[k]
+                    // this thread's own copy of the unit's order (zeros past the row:
+                    // another thread's unit, maybe staged already)
+                    uint4 o = u0 + 256 * i >= nu ? make_uint4(0, 0, 0, 0) : again ? permx[xw_swz(u)] : xsh[xw_swz(u)];
+                    a[i] = make_float4(xraw[o.x & 0xffff], xraw[o.x >> 16], xraw[o.y & 0xffff], xraw[o.y >> 16]);
+                    b[i] = make_float4(xraw[o.z & 0xffff], xraw[o.z >> 16], xraw[o.w & 0xffff], xraw[o.w >> 16]);
+                } else {
+                    a[i] = *reinterpret_cast<const float4*>(xr + 8 * u);
+                    b[i] = *reinterpret_cast<const float4*>(xr + 8 * u + 4);
+                    if (nw) {
+                        a[i] = gemv_norm4(a[i], 8 * u, inv, nw, nb);
+                        b[i] = gemv_norm4(b[i], 8 * u + 4, inv, nw, nb);
+                    }
                 }
             }
-        }
 #pragma unroll
-        for (int i = 0; i < B; i++) {
-            if (u0 + 256 * i >= nu) continue;
-            __half2 h0 = __floats2half2_rn(a[i].x, a[i].y), h1 = __floats2half2_rn(a[i].z * 0.0625f, a[i].w * 0.0625f);
-            __half2 h2 = __floats2half2_rn(b[i].x, b[i].y), h3 = __floats2half2_rn(b[i].z * 0.0625f, b[i].w * 0.0625f);
-            uint4 v;
-            v.x = *reinterpret_cast<uint32_t*>(&h0);
-            v.y = *reinterpret_cast<uint32_t*>(&h1);
-            v.z = *reinterpret_cast<uint32_t*>(&h2);
-            v.w = *reinterpret_cast<uint32_t*>(&h3);
-            xsh[xw_swz(u0 + 256 * i)] = v;
+            for (int i = 0; i < B; i++) {
+                if (u0 + 256 * i >= nu) continue;
+                kmax = max(kmax, q4_stage_k(absmax8(a[i], b[i])));
+                xsh[xw_swz(u0 + 256 * i)] = q4_stage_unit(a[i], b[i], kx);
+            }
         }
+        return kmax;
+    };
+    int kx = 0, kmax = stage(0, false);
+    if (__syncthreads_or(kmax > 0)) {  // rare: the staged row could overflow q4_dot_staged
+        kx = (int)block_max((float)kmax, nsh);
+        stage(kx, true);
+        __syncthreads();
     }
-    __syncthreads();
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.f;
@@ -2770,9 +2807,11 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     }
     ArSend to;  // its loads issued before the reduction
     if (send && lane < R) to = ar_send_to(send, n0 + lane);
-    // Every lane ends with every row's sum (butterfly reduction).
+    // Every lane ends with every row's sum (butterfly reduction), times
+    // the staging's 2^kx.
+    float ex = pow2f(kx);
 #pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
+    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]) * ex;
     float mine = acc[0], upv = acc[R / 2];
 #pragma unroll
     for (int r = 1; r < R; r++)

@@ -370,7 +370,10 @@ func checkMatMul(t *testing.T, b *Backend, name, kernel string, lw runtime.Linea
 // tolerance. The fp16-staged 4-bit GEMVs sum four products x·(u − z) in a
 // half before widening them, which overflows once |x|·|u − z| summed
 // passes 65 504 (one |x| of 4 368 at |u − z| = 15; kernels/NOTES.md,
-// thirty-fourth session).
+// thirty-fourth session). Their fused norm (NormMatMulN, NormSwiGLU) is
+// given a norm weight of 1 000 on the large features, so that its
+// normalised input is as large: the product of RMSNorm's output checked as
+// the others, the fused ones against it.
 func TestMatMulLargeInputs(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(7, 8))
@@ -396,18 +399,36 @@ func TestMatMulLargeInputs(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: upload: %v", wc.name, err)
 		}
+		nwv := randVec(r, K, 1)
+		nwv[3], nwv[K/2+1], nwv[K-5] = 1000, 1000, 1000
+		nw, err := b.UploadVector(wc.name+".norm", model.FromFloat32([]int{K}, nwv))
+		if err != nil {
+			t.Fatalf("%s: upload norm: %v", wc.name, err)
+		}
 		for _, M := range []int{1, 3, 37} {
 			kernel := "GEMM"
 			if M <= b.opt.GEMVMaxRows {
 				kernel, _ = b.gemvKernel(lin(lw), M, N)
 			}
 			name := fmt.Sprintf("%s/M=%d/%s", wc.name, M, kernel)
+			x := randVec(r, M*K, 1)
+			for m := range M { // features 3, K/2 + 1 and K − 5 of every row
+				x[m*K+3], x[m*K+K/2+1], x[m*K+K-5] = 6000, -4500, 3000
+			}
 			t.Run(name, func(t *testing.T) {
-				x := randVec(r, M*K, 1)
-				for m := range M { // features 3, K/2 + 1 and K − 5 of every row
-					x[m*K+3], x[m*K+K/2+1], x[m*K+K-5] = 6000, -4500, 3000
-				}
 				checkMatMul(t, b, name, kernel, lw, wf, x, M, N, K)
+			})
+			if !strings.HasPrefix(kernel, "gemv_q4_w") {
+				continue
+			}
+			t.Run(name+"/norm", func(t *testing.T) {
+				const eps = 1e-5
+				xb, h := upload(b, M, K, x), poisoned(b, M, K)
+				defer b.Free(xb)
+				defer b.Free(h)
+				b.RMSNorm(h, xb, nw, nil, eps)
+				checkMatMul(t, b, name+"/norm", kernel, lw, wf, download(b, h), M, N, K)
+				checkNormProducts(t, b, xb, h, nw, nil, eps, []runtime.Linear{lw}, lw, lw, 1e-4)
 			})
 		}
 		b.FreeLinear(lw)
