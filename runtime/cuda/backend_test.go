@@ -373,7 +373,11 @@ func checkMatMul(t *testing.T, b *Backend, name, kernel string, lw runtime.Linea
 // thirty-fourth session). Their fused norm (NormMatMulN, NormSwiGLU) is
 // given a norm weight of 1 000 on the large features, so that its
 // normalised input is as large: the product of RMSNorm's output checked as
-// the others, the fused ones against it.
+// the others, the fused ones against it. The other features (and norm
+// weights) reach ±300, so that they carry a share of each output that an
+// error in their staging would show above the tolerance (with features of
+// ±1 the three large ones held all but 1e-3 of it), while four of them
+// times a code cannot overflow a half alone.
 func TestMatMulLargeInputs(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(7, 8))
@@ -399,7 +403,7 @@ func TestMatMulLargeInputs(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: upload: %v", wc.name, err)
 		}
-		nwv := randVec(r, K, 1)
+		nwv := randVec(r, K, 300)
 		nwv[3], nwv[K/2+1], nwv[K-5] = 1000, 1000, 1000
 		nw, err := b.UploadVector(wc.name+".norm", model.FromFloat32([]int{K}, nwv))
 		if err != nil {
@@ -411,7 +415,7 @@ func TestMatMulLargeInputs(t *testing.T) {
 				kernel, _ = b.gemvKernel(lin(lw), M, N)
 			}
 			name := fmt.Sprintf("%s/M=%d/%s", wc.name, M, kernel)
-			x := randVec(r, M*K, 1)
+			x := randVec(r, M*K, 300)
 			for m := range M { // features 3, K/2 + 1 and K − 5 of every row
 				x[m*K+3], x[m*K+K/2+1], x[m*K+K-5] = 6000, -4500, 3000
 			}

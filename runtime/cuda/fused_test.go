@@ -559,8 +559,11 @@ func weightCaseNamed(t *testing.T, name string) weightCase {
 // of the same steps with Options.NoRowSums: the first residual add bit for
 // bit, the normed products within 1e-4 (their sums of squares are added in
 // another order, which can flip the fp16 rounding of a staged input), what
-// follows within 2e-4 and, past a second norm, 5e-4. A write
-// or a launch between producer and consumer, or freeing the buffer,
+// follows within 2e-4 and, past a second norm, 5e-4; also with every
+// product's input reaching thousands (o's input 6 000 and −4 500, the
+// residual 3 000 and its norm weight 1 000 on one feature), where the
+// 4-bit GEMVs stage x a second time, scaled (TestMatMulLargeInputs). A
+// write or a launch between producer and consumer, or freeing the buffer,
 // leaves no sums to read.
 func TestRowSums(t *testing.T) {
 	b := newTestBackend(t)
@@ -592,49 +595,62 @@ func TestRowSums(t *testing.T) {
 		}
 		wo, gate, up, down := upLinear(N, qdim), upLinear(inter, N), upLinear(inter, N), upLinear(N, inter)
 		wq := upLinear(nq, N) // gemv_q4_w4a_n, gemv_q4_w4h_n, gemv_q4_w2h_n (K > 4096)
-		nw, _ := b.UploadVector(fmt.Sprintf("norm%d", N), model.FromFloat32([]int{N}, randVec(r, N, 1)))
+		nwv := randVec(r, N, 1)
+		nw, _ := b.UploadVector(fmt.Sprintf("norm%d", N), model.FromFloat32([]int{N}, nwv))
+		nwv = slices.Clone(nwv) // the large cases' norm: feature 3's weight 1 000
+		nwv[3] = 1000
+		nwLarge, _ := b.UploadVector(fmt.Sprintf("norm%d.large", N), model.FromFloat32([]int{N}, nwv))
 		var nb runtime.Vector
 		if N != 256 {
 			nb, _ = b.UploadVector(fmt.Sprintf("bias%d", N), model.FromFloat32([]int{N}, randVec(r, N, 0.1)))
 		}
 		for _, M := range []int{1, 3} {
-			t.Run(fmt.Sprintf("%s/N=%d/q=%d/M=%d", sh.scales, N, nq, M), func(t *testing.T) {
-				a, res := randVec(r, M*qdim, 1), randVec(r, M*N, 1)
-				// run the steps and return every output; withSums: each
-				// normed GEMV must find its producer's sums
-				run := func(withSums bool) [][]float32 {
-					b.opt.NoRowSums = !withSums
-					defer func() { b.opt.NoRowSums = false }()
-					att, x := upload(b, M, qdim, a), upload(b, M, N, res)
-					g, q := poisoned(b, M, inter), poisoned(b, M, nq)
-					defer func() {
-						for _, f := range []*Buf{att, x, g, q} {
-							b.Free(f)
+			for _, large := range []bool{false, true} {
+				t.Run(fmt.Sprintf("%s/N=%d/q=%d/M=%d/large=%v", sh.scales, N, nq, M, large), func(t *testing.T) {
+					a, res := randVec(r, M*qdim, 1), randVec(r, M*N, 1)
+					norm := nw
+					if large { // every product's input reaches thousands (TestMatMulLargeInputs): the 4-bit GEMVs' second staging
+						for m := range M {
+							a[m*qdim+3], a[m*qdim+qdim/2+1], res[m*N+3] = 6000, -4500, 3000
 						}
-					}()
-					// expect checks what the normed GEMV of x finds and notes
-					// its kernel
-					expect := func(w runtime.Linear, rows int) {
-						if got := b.sumsIn(x).p != 0; got != withSums {
-							t.Errorf("row sums found: %v, want %v", got, withSums)
-						}
-						name, _ := b.gemvKernel(lin(w), M, rows)
-						ran[name+"_n"] = true
+						norm = nwLarge
 					}
-					b.MatMulAdd(x, att, wo)
-					out := [][]float32{download(b, x)}
-					expect(gate, 2*inter)
-					b.NormSwiGLU(g, x, nw, nb, 1e-5, gate, up)
-					b.MatMulAdd(x, g, down)
-					expect(wq, nq)
-					b.NormMatMulN([]runtime.Buf{q}, x, nw, nb, 1e-5, []runtime.Linear{wq})
-					return append(out, download(b, g), download(b, x), download(b, q))
-				}
-				got, want := run(true), run(false)
-				for i, what := range []string{"o", "SwiGLU", "down", "q"} {
-					compare(t, what+" with row sums", got[i], want[i], []float64{0, 1e-4, 2e-4, 5e-4}[i])
-				}
-			})
+					// run the steps and return every output; withSums: each
+					// normed GEMV must find its producer's sums
+					run := func(withSums bool) [][]float32 {
+						b.opt.NoRowSums = !withSums
+						defer func() { b.opt.NoRowSums = false }()
+						att, x := upload(b, M, qdim, a), upload(b, M, N, res)
+						g, q := poisoned(b, M, inter), poisoned(b, M, nq)
+						defer func() {
+							for _, f := range []*Buf{att, x, g, q} {
+								b.Free(f)
+							}
+						}()
+						// expect checks what the normed GEMV of x finds and notes
+						// its kernel
+						expect := func(w runtime.Linear, rows int) {
+							if got := b.sumsIn(x).p != 0; got != withSums {
+								t.Errorf("row sums found: %v, want %v", got, withSums)
+							}
+							name, _ := b.gemvKernel(lin(w), M, rows)
+							ran[name+"_n"] = true
+						}
+						b.MatMulAdd(x, att, wo)
+						out := [][]float32{download(b, x)}
+						expect(gate, 2*inter)
+						b.NormSwiGLU(g, x, norm, nb, 1e-5, gate, up)
+						b.MatMulAdd(x, g, down)
+						expect(wq, nq)
+						b.NormMatMulN([]runtime.Buf{q}, x, norm, nb, 1e-5, []runtime.Linear{wq})
+						return append(out, download(b, g), download(b, x), download(b, q))
+					}
+					got, want := run(true), run(false)
+					for i, what := range []string{"o", "SwiGLU", "down", "q"} {
+						compare(t, what+" with row sums", got[i], want[i], []float64{0, 1e-4, 2e-4, 5e-4}[i])
+					}
+				})
+			}
 		}
 	}
 	for _, k := range gemvKernels {
