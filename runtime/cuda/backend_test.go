@@ -364,6 +364,21 @@ func checkMatMul(t *testing.T, b *Backend, name, kernel string, lw runtime.Linea
 	b.Free(y)
 }
 
+// largeFeatures is the features of a row of cols that the large-input
+// tests give values of several thousand, as real models' largest
+// activations (TestMatMulLargeInputs, TestRowSums).
+func largeFeatures(cols int) [3]int { return [3]int{3, cols/2 + 1, cols - 5} }
+
+// setLargeFeatures sets the large features of each of x's rows (rows ×
+// cols) to 6 000, −4 500 and 3 000.
+func setLargeFeatures(x []float32, rows, cols int) {
+	for m := range rows {
+		for i, c := range largeFeatures(cols) {
+			x[m*cols+c] = [3]float32{6000, -4500, 3000}[i]
+		}
+	}
+}
+
 // TestMatMulLargeInputs gives the products an input with a few features
 // of several thousand, as real models' activations have (down's input
 // above all), the rest small: every kernel must stay finite and within its
@@ -404,7 +419,9 @@ func TestMatMulLargeInputs(t *testing.T) {
 			t.Fatalf("%s: upload: %v", wc.name, err)
 		}
 		nwv := randVec(r, K, 300)
-		nwv[3], nwv[K/2+1], nwv[K-5] = 1000, 1000, 1000
+		for _, c := range largeFeatures(K) {
+			nwv[c] = 1000
+		}
 		nw, err := b.UploadVector(wc.name+".norm", model.FromFloat32([]int{K}, nwv))
 		if err != nil {
 			t.Fatalf("%s: upload norm: %v", wc.name, err)
@@ -416,9 +433,7 @@ func TestMatMulLargeInputs(t *testing.T) {
 			}
 			name := fmt.Sprintf("%s/M=%d/%s", wc.name, M, kernel)
 			x := randVec(r, M*K, 300)
-			for m := range M { // features 3, K/2 + 1 and K − 5 of every row
-				x[m*K+3], x[m*K+K/2+1], x[m*K+K-5] = 6000, -4500, 3000
-			}
+			setLargeFeatures(x, M, K)
 			t.Run(name, func(t *testing.T) {
 				checkMatMul(t, b, name, kernel, lw, wf, x, M, N, K)
 			})

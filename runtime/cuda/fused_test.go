@@ -560,8 +560,8 @@ func weightCaseNamed(t *testing.T, name string) weightCase {
 // bit, the normed products within 1e-4 (their sums of squares are added in
 // another order, which can flip the fp16 rounding of a staged input), what
 // follows within 2e-4 and, past a second norm, 5e-4; also with every
-// product's input reaching thousands (o's input 6 000 and −4 500, the
-// residual 3 000 and its norm weight 1 000 on one feature), where the
+// product's input reaching thousands (o's input and the residual with
+// setLargeFeatures, the norm weight 1 000 on those features), where the
 // 4-bit GEMVs stage x a second time, scaled (TestMatMulLargeInputs). A
 // write or a launch between producer and consumer, or freeing the buffer,
 // leaves no sums to read.
@@ -597,8 +597,10 @@ func TestRowSums(t *testing.T) {
 		wq := upLinear(nq, N) // gemv_q4_w4a_n, gemv_q4_w4h_n, gemv_q4_w2h_n (K > 4096)
 		nwv := randVec(r, N, 1)
 		nw, _ := b.UploadVector(fmt.Sprintf("norm%d", N), model.FromFloat32([]int{N}, nwv))
-		nwv = slices.Clone(nwv) // the large cases' norm: feature 3's weight 1 000
-		nwv[3] = 1000
+		nwv = slices.Clone(nwv) // the large cases' norm: the large features' weights 1 000
+		for _, c := range largeFeatures(N) {
+			nwv[c] = 1000
+		}
 		nwLarge, _ := b.UploadVector(fmt.Sprintf("norm%d.large", N), model.FromFloat32([]int{N}, nwv))
 		var nb runtime.Vector
 		if N != 256 {
@@ -610,9 +612,8 @@ func TestRowSums(t *testing.T) {
 					a, res := randVec(r, M*qdim, 1), randVec(r, M*N, 1)
 					norm := nw
 					if large { // every product's input reaches thousands (TestMatMulLargeInputs): the 4-bit GEMVs' second staging
-						for m := range M {
-							a[m*qdim+3], a[m*qdim+qdim/2+1], res[m*N+3] = 6000, -4500, 3000
-						}
+						setLargeFeatures(a, M, qdim)
+						setLargeFeatures(res, M, N)
 						norm = nwLarge
 					}
 					// run the steps and return every output; withSums: each
