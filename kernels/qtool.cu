@@ -2280,6 +2280,59 @@ __device__ __forceinline__ uint4 q4_stage_unit(float4 a, float4 b, int k) {
                       pack_h2(b.z * sc16, b.w * sc16));
 }
 
+// The 32-row streaming GEMVs (gemv_q4_w4h, gemv_q4_w4a) stage x in 16-bit
+// fixed point and multiply the codes on dp4a: a 32-feature chunk of x is
+// q·s with q = rint(x·32 639 / max|x|) = 256·hi + lo, hi in [−127, 127],
+// lo in [−128, 127] (q4_fx_unit), and a chunk of a row is
+// scale·s·(Σu·q − z·Σq), exact in int32 but for x's rounding (2^-16 of the
+// chunk's largest |x|, where fp16 keeps 2^-11 of each value). Half the
+// fp16 form's instructions a weight, and no overflow to guard against.
+//
+// dp4a_us is c + Σ a_i·b_i over the 4 bytes, a's unsigned and b's signed.
+__device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+// q4_fx_pack is the low bytes of b0..b3 as one word, b0's lowest.
+__device__ __forceinline__ uint32_t q4_fx_pack(int b0, int b1, int b2, int b3) {
+    return __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
+}
+// q4_fx_unit is the fixed-point staged form of 8 features (a, b: in order)
+// of a chunk whose largest |x| is 32 639 / inv: the bytes q4_dot_fx
+// multiplies a q4 word's codes by, {hi of features 0 4 1 5, hi of 2 6 3
+// 7, lo of 0 4 1 5, lo of 2 6 3 7} (w & 0x0f0f0f0f holds codes 0 4 1 5,
+// w & 0xf0f0f0f0 codes 2 6 3 7 times 16: q4Shift); qsum is their Σq.
+__device__ __forceinline__ uint4 q4_fx_unit(float4 a, float4 b, float inv, int& qsum) {
+    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    int h[8], l[8];
+    qsum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        int q = __float2int_rn(v[i] * inv);
+        qsum += q;
+        h[i] = (q + 128) >> 8;
+        l[i] = q - (h[i] << 8);
+    }
+    return make_uint4(q4_fx_pack(h[0], h[4], h[1], h[5]), q4_fx_pack(h[2], h[6], h[3], h[7]),
+                      q4_fx_pack(l[0], l[4], l[1], l[5]), q4_fx_pack(l[2], l[6], l[3], l[7]));
+}
+// q4_dot_fx is 16·Σu·q over the 32 codes of a 16-byte chunk of q4 words w4
+// and the chunk's four staged units xv (q4_fx_unit), exact in int32 (at
+// most 2^28 in magnitude).
+__device__ __forceinline__ int q4_dot_fx(const uint32_t (&w4)[4], const uint4 (&xv)[4]) {
+    int ah = 0, bh = 0, al = 0, bl = 0;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        uint32_t t = w4[q] & 0x0f0f0f0fu, t16 = w4[q] & 0xf0f0f0f0u;
+        ah = dp4a_us(t, xv[q].x, ah);
+        bh = dp4a_us(t16, xv[q].y, bh);
+        al = dp4a_us(t, xv[q].z, al);
+        bl = dp4a_us(t16, xv[q].w, bl);
+    }
+    return (ah << 12) + (bh << 8) + (al << 4) + bl;
+}
+
 template <int F>
 __device__ __forceinline__ float gw_dot(const uint32_t* raw, const float* xv, float xs, float2 s) {
     if (F == GF32) {
@@ -2534,9 +2587,12 @@ GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 // Streaming GEMV for 4-bit weights (the dispatcher's q4 GEMV: gemv_q4_w4h
 // or gemv_q4_w4a up to K = 4096, gemv_q4_w2h beyond), M rows of x
 // (grid.y). A block of 8 warps stages its activation row once in dynamic
-// shared memory as fp16 half2 pairs (the high-nibble pairs pre-scaled by
-// 1/16 as in gemv_q4_sh), 16-byte units swizzled so that each lane's four
-// 16-byte reads are bank-conflict free. A warp owns R rows and every chunk
+// shared memory: R = 2 (gemv_q4_w2h) as fp16 half2 pairs (the high-nibble
+// pairs pre-scaled by 1/16 as in gemv_q4_sh), R = 4 in fixed point for
+// dp4a (FX: q4_fx_unit; on the 16-row kernel, whose blocks each stage the
+// whole row for fewer rows, that staging cost more than the products
+// saved: 4096×14336 at 49 % of copy against 62 %), 16-byte units
+// swizzled so that each lane's four 16-byte reads are bank-conflict free. A warp owns R rows and every chunk
 // of 32 lanes x 16 bytes (1024 k). Weights and their {scale, zero} go
 // through a ring of D chunks: D*R 16-byte loads per lane are in flight
 // while one chunk is computed, and the chunk's slot is refilled right
@@ -2573,7 +2629,8 @@ GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 // Args (x, xss, nss, permx, K, gs, G, nw, nb, eps, mode, yss, send, GEMV_SEGS);
 // grid (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/(8R)) (GEMV_SWIGLU: nb0 =
 // ceil(N_0/(4R)), one segment), block 256, dynamic shared memory 2 bytes a
-// feature for the staged x (6 with permx), with ASYNC then at a 16-byte
+// feature for the staged x (6 with permx), with FX then 8 bytes a
+// 32-feature chunk (its {s/16, 16·Σq}), with ASYNC then at a 16-byte
 // boundary the ring: D·R·256 16-byte weight slots and as many {scale,
 // zero} slots (4 bytes in the half form HS, else 8; Q4Group).
 // The register ring's loads keep the default L2 policy: with evict-first
@@ -2638,7 +2695,11 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // that copied them), not in registers
     uint4 buf[ASYNC ? 1 : D][R];
     SG sb[ASYNC ? 1 : D][R];
-    unsigned char* rw = reinterpret_cast<unsigned char*>(xsh) + (((permx ? 6 : 2) * K + 15) & ~15);
+    // FX (the 32-row kernels): x in fixed point (q4_fx_unit), each
+    // 32-feature chunk's {s/16, 16·Σq} after the staged row (and xraw)
+    constexpr bool FX = R == 4;
+    float2* cst = reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(xsh) + (permx ? 6 : 2) * K);
+    unsigned char* rw = reinterpret_cast<unsigned char*>(xsh) + (((permx ? 6 : 2) * K + (FX ? K / 4 : 0) + 15) & ~15);
     auto wslot = [&](int d, int r) { return reinterpret_cast<uint4*>(rw) + (d * R + r) * 256 + tid; };
     auto sslot = [&](int d, int r) { return reinterpret_cast<SG*>(rw + D * R * 256 * 16) + (d * R + r) * 256 + tid; };
     uint64_t pol = l2_evict_first();
@@ -2729,14 +2790,15 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         ss = block_sum(ss, nsh);
         inv = rsqrtf(ss / (float)K + eps);
     }
-    // Stage x row m: unit u = 16 bytes = 8 k of the staged form, every
-    // unit divided by the row's one power of two 2^kx (q4_stage_unit), the
-    // sums multiplied back at the end. kx is 0 (the staged values as they
-    // are) unless some |x| reaches 1 024; then the row is staged again with
-    // the kx its largest value needs (q4_stage_k). stage returns the
-    // largest k the thread's units need; again: the second staging, which
-    // takes an act-order weight's unit orders from permx (the first
-    // staging wrote its units over them).
+    // Stage x row m: unit u = 16 bytes = 8 k of the staged form. FX: each
+    // 32-feature chunk in fixed point by its own scale (q4_fx_unit), in one
+    // pass. Otherwise every unit divided by the row's one power of two 2^kx
+    // (q4_stage_unit), the sums multiplied back at the end. kx is 0 (the
+    // staged values as they are) unless some |x| reaches 1 024; then the
+    // row is staged again with the kx its largest value needs
+    // (q4_stage_k). stage returns the largest k the thread's units need;
+    // again: the second staging, which takes an act-order weight's unit
+    // orders from permx (the first staging wrote its units over them).
     auto stage = [&](int kx, bool again) {
         int kmax = 0;
         constexpr int B = 2;
@@ -2763,14 +2825,35 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
 #pragma unroll
             for (int i = 0; i < B; i++) {
                 if (u0 + 256 * i >= nu) continue;
-                kmax = max(kmax, q4_stage_k(absmax8(a[i], b[i])));
-                xsh[xw_swz(u0 + 256 * i)] = q4_stage_unit(a[i], b[i], kx);
+                if constexpr (FX) {
+                    // a chunk's 4 units are staged by 4 neighbouring lanes (alike here)
+                    unsigned gm = 0xfu << (lane & ~3);
+                    uint32_t mb = 0;  // the chunk's largest |x| as bits: NaN above Inf above the rest
+                    float v8[8] = {a[i].x, a[i].y, a[i].z, a[i].w, b[i].x, b[i].y, b[i].z, b[i].w};
+#pragma unroll
+                    for (int e = 0; e < 8; e++) mb = max(mb, __float_as_uint(v8[e]) & 0x7fffffffu);
+                    mb = max(mb, __shfl_xor_sync(gm, mb, 1));
+                    mb = max(mb, __shfl_xor_sync(gm, mb, 2));
+                    float mx = __uint_as_float(mb);
+                    // non-finite x: q 0 and s non-finite, so is the row's sum
+                    float inv = mx >= 1e-30f && mx <= 3e38f ? 32639.f / mx : 0.f;
+                    int qs;
+                    uint4 v = q4_fx_unit(a[i], b[i], inv, qs);
+                    qs += __shfl_xor_sync(gm, qs, 1);
+                    qs += __shfl_xor_sync(gm, qs, 2);
+                    int u = u0 + 256 * i;
+                    if ((lane & 3) == 0) cst[u >> 2] = make_float2(mx * (1.f / (16.f * 32639.f)), __int_as_float(16 * qs));
+                    xsh[xw_swz(u)] = v;
+                } else {
+                    kmax = max(kmax, q4_stage_k(absmax8(a[i], b[i])));
+                    xsh[xw_swz(u0 + 256 * i)] = q4_stage_unit(a[i], b[i], kx);
+                }
             }
         }
         return kmax;
     };
     int kx = 0, kmax = stage(0, false);
-    if (__syncthreads_or(kmax > 0)) {  // rare: the staged row could overflow q4_dot_staged
+    if (__syncthreads_or(kmax > 0)) {  // (never with FX)  // rare: the staged row could overflow q4_dot_staged
         kx = (int)block_max((float)kmax, nsh);
         stage(kx, true);
         __syncthreads();
@@ -2789,13 +2872,20 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                 uint4 xv[4];
 #pragma unroll
                 for (int q = 0; q < 4; q++) xv[q] = xsh[xw_swz(u0 + q)];
+                float2 cs = FX ? cst[j * 32 + lane] : float2{};
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     uint4 wv = ASYNC ? *wslot(d, r) : buf[ASYNC ? 0 : d][r];
                     Q4Group sv = q4_group_of(ASYNC ? *sslot(d, r) : sb[ASYNC ? 0 : d][r]);
                     uint32_t w4[4] = {wv.x, wv.y, wv.z, wv.w};
-                    float p = q4_dot_staged(w4, reinterpret_cast<const __half2*>(xv), sv.z1024);
-                    acc[r] = fmaf(sv.scale, p, acc[r]);
+                    if constexpr (FX) {
+                        int z = (int)__half_as_ushort(__low2half(sv.z1024)) - 0x6400;  // 1024 + z's bits
+                        int p = q4_dot_fx(w4, xv) - z * __float_as_int(cs.y);
+                        acc[r] = fmaf(sv.scale * cs.x, (float)p, acc[r]);
+                    } else {
+                        float p = q4_dot_staged(w4, reinterpret_cast<const __half2*>(xv), sv.z1024);
+                        acc[r] = fmaf(sv.scale, p, acc[r]);
+                    }
                 }
             }
             // Refill this slot with the chunk D further on.

@@ -1728,15 +1728,29 @@ func gemvStreamRows(name string) int {
 const gemvAsyncRing = 2 * 4 * 256 * (16 + 4)
 
 // streamSmem is the dynamic shared memory of streaming GEMV name (or its
-// _n twin) on l's weight: the staged x (gemvStream), and gemv_q4_w4a's
-// ring after it at a 16-byte boundary.
+// _n twin) on l's weight: the staged x (gemvStream), for the 32-row
+// kernels (gemv_q4_w4h, gemv_q4_w4a: x in fixed point) 8 bytes a
+// 32-feature chunk of its scales and sums after it, and gemv_q4_w4a's ring
+// after those at a 16-byte boundary.
 func streamSmem(name string, l *Linear) int {
 	shm, _ := gemvStream(l)
+	if q4FixedPoint(name) {
+		shm += l.in / 4
+	}
 	if strings.HasPrefix(name, "gemv_q4_w4a") {
 		shm = (shm+15)&^15 + gemvAsyncRing
 	}
 	return shm
 }
+
+// q4FixedPoint reports whether 4-bit GEMV kernel name (or its _n twin)
+// stages x in 16-bit fixed point and multiplies on dp4a — the 32-row
+// streaming kernels, gemv_q4_w4h and gemv_q4_w4a — rather than in fp16
+// (gemv_q4_w2h, gemv_q4_sh). The two forms' results differ by the fp16
+// form's rounding (TestMatMul: relative errors 1e-5 against 3e-4 to 5e-4),
+// so a product gives the same bits through MatMul and MatMulN only where
+// both launches run the same form.
+func q4FixedPoint(name string) bool { return strings.HasPrefix(name, "gemv_q4_w4") }
 
 // gemvAsyncSlots is the blocks of gemv_q4_w4a on l's weight one
 // multiprocessor holds at once (registers allow three; the shared memory
