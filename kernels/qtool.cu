@@ -2592,9 +2592,9 @@ GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 // dp4a (FX: q4_fx_unit; on the 16-row kernel, whose blocks each stage the
 // whole row for fewer rows, that staging cost more than the products
 // saved: 4096×14336 at 49 % of copy against 62 %), 16-byte units
-// swizzled so that each lane's four 16-byte reads are bank-conflict free. A warp owns R rows and every chunk
-// of 32 lanes x 16 bytes (1024 k). Weights and their {scale, zero} go
-// through a ring of D chunks: D*R 16-byte loads per lane are in flight
+// swizzled so that each lane's four 16-byte reads are bank-conflict free.
+// A warp owns R rows and every chunk of 32 lanes x 16 bytes (1024 k).
+// Weights and their {scale, zero} go through a ring of D chunks: D*R 16-byte loads per lane are in flight
 // while one chunk is computed, and the chunk's slot is refilled right
 // after. The ring is in registers (ld.global.nc, L1 no-allocate), or with
 // ASYNC (gemv_q4_w4a) in dynamic shared memory after x, each thread's own
@@ -2842,7 +2842,8 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                     qs += __shfl_xor_sync(gm, qs, 1);
                     qs += __shfl_xor_sync(gm, qs, 2);
                     int u = u0 + 256 * i;
-                    if ((lane & 3) == 0) cst[u >> 2] = make_float2(mx * (1.f / (16.f * 32639.f)), __int_as_float(16 * qs));
+                    if ((lane & 3) == 0)
+                        cst[u >> 2] = make_float2(mx * (1.f / (16.f * 32639.f)), __int_as_float(16 * qs));
                     xsh[xw_swz(u)] = v;
                 } else {
                     kmax = max(kmax, q4_stage_k(absmax8(a[i], b[i])));
@@ -2853,7 +2854,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         return kmax;
     };
     int kx = 0, kmax = stage(0, false);
-    if (__syncthreads_or(kmax > 0)) {  // (never with FX)  // rare: the staged row could overflow q4_dot_staged
+    if (__syncthreads_or(kmax > 0)) {  // rare, never with FX: the staged row could overflow q4_dot_staged
         kx = (int)block_max((float)kmax, nsh);
         stage(kx, true);
         __syncthreads();
