@@ -88,14 +88,29 @@ func launchedBy(b *Backend, f func()) map[string]bool {
 	return launched
 }
 
-// arithTol is the tolerance between the outputs of two launches that ran
-// the kernels ka and kb: tol, or at least q4MixedTol where one of them ran
-// a fixed-point 4-bit GEMV and the other did not.
-func arithTol(ka, kb map[string]bool, tol float64) float64 {
+// oneLaunch is the kernel that computes every product of ws at M rows in
+// one launch (MatMulN, NormMatMulN, NormSwiGLU: gemvPlan), or nil where
+// they run one at a time, each as MatMul runs it.
+func oneLaunch(b *Backend, ws []runtime.Linear, M int) map[string]bool {
+	segs := make([]gemvSeg, len(ws))
+	for i, w := range ws {
+		segs[i].l = lin(w)
+	}
+	if name, _, one := b.gemvPlan(segs, M); one {
+		return map[string]bool{name: true}
+	}
+	return nil
+}
+
+// arithTol is the tolerance between a product of the fused launch that
+// ran kernel fused (oneLaunch; nil: the product ran as MatMul runs it) and
+// the same product by the kernels alone: tol, or at least q4MixedTol where
+// one of them is a fixed-point 4-bit GEMV and the other is not.
+func arithTol(fused, alone map[string]bool, tol float64) float64 {
 	fixed := func(ks map[string]bool) bool {
 		return slices.ContainsFunc(slices.Collect(maps.Keys(ks)), q4FixedPoint)
 	}
-	if fixed(ka) != fixed(kb) {
+	if fused != nil && fixed(fused) != fixed(alone) {
 		return max(tol, q4MixedTol)
 	}
 	return tol
@@ -115,12 +130,13 @@ func checkMatMulN(t *testing.T, b *Backend, r *rand.Rand, M, K int, outs []int, 
 		defer b.Free(dst[i])
 	}
 	launched := launchedBy(b, func() { b.MatMulN(dst, xb, ws) })
+	fused := oneLaunch(b, ws, M)
 	for i := range dst {
 		want := poisoned(b, M, outs[i])
 		alone := launchedBy(b, func() { b.MatMul(want, xb, ws[i]) })
 		g, w := download(b, dst[i]), download(b, want)
-		if tol := arithTol(launched, alone, 0); tol > 0 {
-			compare(t, fmt.Sprintf("weight %d: MatMulN %v against MatMul %v", i, slices.Sorted(maps.Keys(launched)), slices.Sorted(maps.Keys(alone))), g, w, tol)
+		if tol := arithTol(fused, alone, 0); tol > 0 {
+			compare(t, fmt.Sprintf("weight %d: MatMulN %v against MatMul %v", i, slices.Sorted(maps.Keys(fused)), slices.Sorted(maps.Keys(alone))), g, w, tol)
 		} else if !slices.Equal(g, w) {
 			t.Errorf("weight %d: MatMulN differs from MatMul (first values %v vs %v)", i, g[:4], w[:4])
 		}
@@ -192,7 +208,9 @@ func TestMatMulNHopper(t *testing.T) {
 // Hopper GEMMs with the same in their epilogues, the norm written in fp16).
 // The residual add and the GEMMs' epilogues are exact; the streaming
 // kernel's fused norm sums its squares in another order, so its results may
-// differ in the last bits of fp16 inputs.
+// differ in the last bits of its staged inputs; and where the one launch
+// runs a fixed-point 4-bit GEMV and a weight alone an fp16-staged one (or
+// the other way), within q4MixedTol (arithTol).
 func TestFusedLinearSteps(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(25, 26))
@@ -291,7 +309,8 @@ func checkNormProducts(t *testing.T, b *Backend, x, h *Buf, nw, nb runtime.Vecto
 		free = append(free, d, r)
 		alone[i] = launchedBy(b, func() { b.MatMul(r, h, w) })
 	}
-	fused := launchedBy(b, func() { b.NormMatMulN(dst, x, nw, nb, eps, mm) })
+	b.NormMatMulN(dst, x, nw, nb, eps, mm)
+	fused := oneLaunch(b, mm, M)
 	n := lin(gate).out
 	g, u, sw := poisoned(b, M, n), poisoned(b, M, n), poisoned(b, M, n)
 	free = append(free, g, u, sw)
@@ -300,7 +319,8 @@ func checkNormProducts(t *testing.T, b *Backend, x, h *Buf, nw, nb runtime.Vecto
 		b.MatMul(u, h, up)
 	})
 	b.SiLUMul(g, g, u)
-	swiglu := launchedBy(b, func() { b.NormSwiGLU(sw, x, nw, nb, eps, gate, up) })
+	b.NormSwiGLU(sw, x, nw, nb, eps, gate, up)
+	swiglu := oneLaunch(b, []runtime.Linear{gate, up}, M)
 	for i := range mm {
 		compare(t, fmt.Sprintf("NormMatMulN weight %d", i), download(b, dst[i]), download(b, want[i]), arithTol(fused, alone[i], tol))
 	}
@@ -591,11 +611,12 @@ func weightCaseNamed(t *testing.T, name string) weightCase {
 // producer wrote and run the _n kernel, and the results must equal those
 // of the same steps with Options.NoRowSums: the first residual add bit for
 // bit, the normed products within 1e-4 (their sums of squares are added in
-// another order, which can flip the fp16 rounding of a staged input), what
+// another order, which can flip the rounding of a staged input), what
 // follows within 2e-4 and, past a second norm, 5e-4; also with every
 // product's input reaching thousands (o's input and the residual with
 // setLargeFeatures, the norm weight 1 000 on those features), where the
-// 4-bit GEMVs stage x a second time, scaled (TestMatMulLargeInputs). A
+// fp16-staged 4-bit GEMVs stage x a second time, scaled
+// (TestMatMulLargeInputs), and the fixed-point ones scale each chunk. A
 // write or a launch between producer and consumer, or freeing the buffer,
 // leaves no sums to read.
 func TestRowSums(t *testing.T) {
@@ -644,7 +665,7 @@ func TestRowSums(t *testing.T) {
 				t.Run(fmt.Sprintf("%s/N=%d/q=%d/M=%d/large=%v", sh.scales, N, nq, M, large), func(t *testing.T) {
 					a, res := randVec(r, M*qdim, 1), randVec(r, M*N, 1)
 					norm := nw
-					if large { // every product's input reaches thousands (TestMatMulLargeInputs): the 4-bit GEMVs' second staging
+					if large { // every product's input reaches thousands (TestMatMulLargeInputs): the fp16-staged 4-bit GEMVs' second staging
 						setLargeFeatures(a, M, qdim)
 						setLargeFeatures(res, M, N)
 						norm = nwLarge
