@@ -2595,9 +2595,9 @@ GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 // saved: 4096×14336 at 49 % of copy against 62 %), 16-byte units
 // swizzled so that each lane's four 16-byte reads are bank-conflict free.
 // A warp owns R rows and every chunk of 32 lanes x 16 bytes (1024 k).
-// Weights and their {scale, zero} go through a ring of D chunks: D*R 16-byte loads per lane are in flight
-// while one chunk is computed, and the chunk's slot is refilled right
-// after. The ring is in registers (ld.global.nc, L1 no-allocate), or with
+// Weights and their {scale, zero} go through a ring of D chunks: D*R
+// 16-byte loads per lane are in flight while one chunk is computed, and
+// the chunk's slot is refilled right after. The ring is in registers (ld.global.nc, L1 no-allocate), or with
 // ASYNC (gemv_q4_w4a) in dynamic shared memory after x, each thread's own
 // slots filled by cp.async (L2 evict-first, one commit group a chunk) and
 // read back by that thread alone: no barrier, and registers enough for

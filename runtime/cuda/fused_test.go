@@ -77,10 +77,10 @@ const q4MixedTol = 2e-3
 
 // launchedBy runs f and returns the kernels it launched.
 func launchedBy(b *Backend, f func()) map[string]bool {
-	before := maps.Clone(b.launched)
+	before := b.KernelLaunches()
 	f()
 	launched := map[string]bool{}
-	for k, n := range b.launched {
+	for k, n := range b.KernelLaunches() {
 		if n > before[k] {
 			launched[k] = true
 		}
@@ -89,28 +89,25 @@ func launchedBy(b *Backend, f func()) map[string]bool {
 }
 
 // oneLaunch is the kernel that computes every product of ws at M rows in
-// one launch (MatMulN, NormMatMulN, NormSwiGLU: gemvPlan), or nil where
+// one launch (MatMulN, NormMatMulN, NormSwiGLU: gemvPlan), or "" where
 // they run one at a time, each as MatMul runs it.
-func oneLaunch(b *Backend, ws []runtime.Linear, M int) map[string]bool {
+func oneLaunch(b *Backend, ws []runtime.Linear, M int) string {
 	segs := make([]gemvSeg, len(ws))
 	for i, w := range ws {
 		segs[i].l = lin(w)
 	}
 	if name, _, one := b.gemvPlan(segs, M); one {
-		return map[string]bool{name: true}
+		return name
 	}
-	return nil
+	return ""
 }
 
-// arithTol is the tolerance between a product of the fused launch that
-// ran kernel fused (oneLaunch; nil: the product ran as MatMul runs it) and
-// the same product by the kernels alone: tol, or at least q4MixedTol where
-// one of them is a fixed-point 4-bit GEMV and the other is not.
-func arithTol(fused, alone map[string]bool, tol float64) float64 {
-	fixed := func(ks map[string]bool) bool {
-		return slices.ContainsFunc(slices.Collect(maps.Keys(ks)), q4FixedPoint)
-	}
-	if fused != nil && fixed(fused) != fixed(alone) {
+// arithTol is the tolerance between a product of the one launch of kernel
+// fused (oneLaunch; "": the product ran as MatMul runs it) and the same
+// product by the kernels alone: tol, or at least q4MixedTol where one of
+// them is a fixed-point 4-bit GEMV and the other is not.
+func arithTol(fused string, alone map[string]bool, tol float64) float64 {
+	if fused != "" && q4FixedPoint(fused) != slices.ContainsFunc(slices.Collect(maps.Keys(alone)), q4FixedPoint) {
 		return max(tol, q4MixedTol)
 	}
 	return tol
@@ -136,7 +133,7 @@ func checkMatMulN(t *testing.T, b *Backend, r *rand.Rand, M, K int, outs []int, 
 		alone := launchedBy(b, func() { b.MatMul(want, xb, ws[i]) })
 		g, w := download(b, dst[i]), download(b, want)
 		if tol := arithTol(fused, alone, 0); tol > 0 {
-			compare(t, fmt.Sprintf("weight %d: MatMulN %v against MatMul %v", i, slices.Sorted(maps.Keys(fused)), slices.Sorted(maps.Keys(alone))), g, w, tol)
+			compare(t, fmt.Sprintf("weight %d: MatMulN (%s) against MatMul %v", i, fused, slices.Sorted(maps.Keys(alone))), g, w, tol)
 		} else if !slices.Equal(g, w) {
 			t.Errorf("weight %d: MatMulN differs from MatMul (first values %v vs %v)", i, g[:4], w[:4])
 		}

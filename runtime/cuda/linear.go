@@ -1816,7 +1816,8 @@ const gemvStreamRowsTag = 1 << 29
 //	               streamable
 //
 // The streaming kernels but the _s32 twins read the scales' half form
-// (Linear.szh). A streaming kernel with a norm whose input's sums of
+// (Linear.szh). The 32-row ones (gemv_q4_w4a, gemv_q4_w4h) stage x in
+// fixed point and multiply on dp4a, the others in fp16 (q4FixedPoint). A streaming kernel with a norm whose input's sums of
 // squares the previous launch wrote (rowsums.go) runs as its _n twin. The
 // fp32 scales (msmodelslim W4A16, FP32Scales) keep to one kernel: the
 // wider kernels' twins would add ~430 KB of PTX an architecture for a
