@@ -2282,8 +2282,8 @@ __device__ __forceinline__ uint4 q4_stage_unit(float4 a, float4 b, int k) {
 
 // The 32-row streaming GEMVs (gemv_q4_w4h, gemv_q4_w4a) stage x in 16-bit
 // fixed point and multiply the codes on dp4a: a 32-feature chunk of x is
-// q·s with q = rint(x·32 639 / max|x|) = 256·hi + lo, hi in [−127, 127],
-// lo in [−128, 127] (q4_fx_unit), and a chunk of a row is
+// q·s with q = rint(x·32 767 / max|x|) = 256·hi + lo, hi in [−128, 127],
+// lo in [0, 255] (q4_fx_unit), and a chunk of a row is
 // scale·s·(Σu·q − z·Σq), exact in int32 but for x's rounding (2^-16 of the
 // chunk's largest |x|, where fp16 keeps 2^-11 of each value). gemv_q4_w4h's
 // main loop has 61 % of the fp16 form's instructions (nvcc 11.8), and
@@ -2295,43 +2295,53 @@ __device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
     asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
-// q4_fx_pack is the low bytes of b0..b3 as one word, b0's lowest.
-__device__ __forceinline__ uint32_t q4_fx_pack(int b0, int b1, int b2, int b3) {
-    return __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
+// dp4a_uu is c + Σ a_i·b_i over the 4 bytes, both unsigned.
+__device__ __forceinline__ uint32_t dp4a_uu(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+// fmax_nan is the larger of a and b, NaN where either is.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+    float d;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
 }
 // q4_fx_unit is the fixed-point staged form of 8 features (a, b: in order)
-// of a chunk whose largest |x| is 32 639 / inv: the bytes q4_dot_fx
-// multiplies a q4 word's codes by, {hi of features 0 4 1 5, hi of 2 6 3
-// 7, lo of 0 4 1 5, lo of 2 6 3 7} (w & 0x0f0f0f0f holds codes 0 4 1 5,
-// w & 0xf0f0f0f0 codes 2 6 3 7 times 16: q4Shift); qsum is their Σq.
+// of a chunk whose largest |x| is 32 767 / inv: q = rint(x·inv) = 256·hi +
+// lo with hi = q >> 8 (signed) and lo = q & 255 (unsigned), as the bytes
+// q4_dot_fx multiplies a q4 word's codes by, {hi of features 0 4 1 5, hi
+// of 2 6 3 7, lo of 0 4 1 5, lo of 2 6 3 7} (w & 0x0f0f0f0f holds codes
+// 0 4 1 5, w & 0xf0f0f0f0 codes 2 6 3 7 times 16: q4Shift); qsum is their
+// Σq. x·inv + 1.5·2^23 rounds to a float whose bits are 0x4b400000 + q,
+// so the bytes are taken straight from the floats and Σq from their bits.
 __device__ __forceinline__ uint4 q4_fx_unit(float4 a, float4 b, float inv, int& qsum) {
-    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    int h[8], l[8];
-    qsum = 0;
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    uint32_t f[8];
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        int q = __float2int_rn(v[i] * inv);
-        qsum += q;
-        h[i] = (q + 128) >> 8;
-        l[i] = q - (h[i] << 8);
-    }
-    return make_uint4(q4_fx_pack(h[0], h[4], h[1], h[5]), q4_fx_pack(h[2], h[6], h[3], h[7]),
-                      q4_fx_pack(l[0], l[4], l[1], l[5]), q4_fx_pack(l[2], l[6], l[3], l[7]));
+    for (int i = 0; i < 8; i++) f[i] = __float_as_uint(fmaf(v[i], inv, 12582912.f));
+    qsum = (int)(f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7] - 8u * 0x4b400000u);
+    // {q's low byte, high byte} of two features a word, then the words' hi and lo bytes
+    uint32_t p04 = __byte_perm(f[0], f[4], 0x5410), p15 = __byte_perm(f[1], f[5], 0x5410);
+    uint32_t p26 = __byte_perm(f[2], f[6], 0x5410), p37 = __byte_perm(f[3], f[7], 0x5410);
+    return make_uint4(__byte_perm(p04, p15, 0x7531), __byte_perm(p26, p37, 0x7531), __byte_perm(p04, p15, 0x6420),
+                      __byte_perm(p26, p37, 0x6420));
 }
 // q4_dot_fx is 16·Σu·q over the 32 codes of a 16-byte chunk of q4 words w4
 // and the chunk's four staged units xv (q4_fx_unit), exact in int32 (at
 // most 2^28 in magnitude).
 __device__ __forceinline__ int q4_dot_fx(const uint32_t (&w4)[4], const uint4 (&xv)[4]) {
-    int ah = 0, bh = 0, al = 0, bl = 0;
+    int ah = 0, bh = 0;
+    uint32_t al = 0, bl = 0;
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         uint32_t t = w4[q] & 0x0f0f0f0fu, t16 = w4[q] & 0xf0f0f0f0u;
         ah = dp4a_us(t, xv[q].x, ah);
         bh = dp4a_us(t16, xv[q].y, bh);
-        al = dp4a_us(t, xv[q].z, al);
-        bl = dp4a_us(t16, xv[q].w, bl);
+        al = dp4a_uu(t, xv[q].z, al);
+        bl = dp4a_uu(t16, xv[q].w, bl);
     }
-    return (ah << 12) + (bh << 8) + (al << 4) + bl;
+    return (ah << 12) + (bh << 8) + (int)((al << 4) + bl);
 }
 
 template <int F>
@@ -2829,22 +2839,21 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                 if constexpr (FX) {
                     // a chunk's 4 units are staged by 4 neighbouring lanes (alike here)
                     unsigned gm = 0xfu << (lane & ~3);
-                    uint32_t mb = 0;  // the chunk's largest |x| as bits: NaN above Inf above the rest
-                    float v8[8] = {a[i].x, a[i].y, a[i].z, a[i].w, b[i].x, b[i].y, b[i].z, b[i].w};
-#pragma unroll
-                    for (int e = 0; e < 8; e++) mb = max(mb, __float_as_uint(v8[e]) & 0x7fffffffu);
-                    mb = max(mb, __shfl_xor_sync(gm, mb, 1));
-                    mb = max(mb, __shfl_xor_sync(gm, mb, 2));
-                    float mx = __uint_as_float(mb);
-                    // non-finite x: q 0, s and the row's sum non-finite (finite chunks above 3e38 are dropped: mend)
-                    float qinv = mx >= 1e-30f && mx <= 3e38f ? 32639.f / mx : 0.f;
+                    // the chunk's largest |x|, NaN where one is
+                    float mx = fmax_nan(fmax_nan(fmax_nan(fabsf(a[i].x), fabsf(a[i].y)), fmax_nan(fabsf(a[i].z), fabsf(a[i].w))),
+                                        fmax_nan(fmax_nan(fabsf(b[i].x), fabsf(b[i].y)), fmax_nan(fabsf(b[i].z), fabsf(b[i].w))));
+                    mx = fmax_nan(mx, __shfl_xor_sync(gm, mx, 1));
+                    mx = fmax_nan(mx, __shfl_xor_sync(gm, mx, 2));
+                    // non-finite x: s non-finite, so is the row's sum (q is then any bits);
+                    // 32 767 / FLT_MAX (3.4e38) is a normal float, and x·qinv rounds within ±32 767
+                    float qinv = mx >= 1e-30f && mx <= 3.40282347e38f ? 32767.f / mx : 0.f;
                     int qs;
                     uint4 v = q4_fx_unit(a[i], b[i], qinv, qs);
                     qs += __shfl_xor_sync(gm, qs, 1);
                     qs += __shfl_xor_sync(gm, qs, 2);
                     int u = u0 + 256 * i;
                     if ((lane & 3) == 0)
-                        cst[u >> 2] = make_float2(mx * (1.f / (16.f * 32639.f)), __int_as_float(16 * qs));
+                        cst[u >> 2] = make_float2(mx * (1.f / (16.f * 32767.f)), __int_as_float(16 * qs));
                     xsh[xw_swz(u)] = v;
                 } else {
                     kmax = max(kmax, q4_stage_k(absmax8(a[i], b[i])));
@@ -2855,7 +2864,9 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         return kmax;
     };
     int kx = 0, kmax = stage(0, false);
-    if (__syncthreads_or(kmax > 0)) {  // rare, never with FX: the staged row could overflow q4_dot_staged
+    if constexpr (FX) {
+        __syncthreads();
+    } else if (__syncthreads_or(kmax > 0)) {  // rare: the staged row could overflow q4_dot_staged
         kx = (int)block_max((float)kmax, nsh);
         stage(kx, true);
         __syncthreads();

@@ -1698,7 +1698,8 @@ func gemvStream(l *Linear) (shm int, ok bool) {
 	if l.perm != 0 {
 		shm += 4 * l.in
 	}
-	ok = l.kind == kindQ4 && l.gidx == 0 && l.in%32 == 0 && l.gs%32 == 0 && shm <= gemvStreamMaxSmem
+	// the fixed-point kernels' chunk figures after the row (streamSmem) within the bound too
+	ok = l.kind == kindQ4 && l.gidx == 0 && l.in%32 == 0 && l.gs%32 == 0 && shm+l.in/4 <= gemvStreamMaxSmem
 	return shm, ok
 }
 
