@@ -2344,6 +2344,35 @@ __device__ __forceinline__ int q4_dot_fx(const uint32_t (&w4)[4], const uint4 (&
     return (ah << 12) + (bh << 8) + (int)((al << 4) + bl);
 }
 
+// The 8-bit streaming GEMVs (gemv_q8_w2h, gemv_q8_w4h: gemvw_body with
+// Q8; W8A16 weights of K ≤ 4096) stage x in the same 16-bit fixed point,
+// a scale per 16 features (a lane's chunk), the bytes of 8 features in
+// their order: {hi 0-3, hi 4-7, lo 0-3, lo 4-7} (q8_fx_unit; hi signed, lo
+// unsigned, as q4_fx_unit's); a lane's 16 int8 codes times them is
+// q8_dot_fx16, exact in int32 (at most 2^27).
+__device__ __forceinline__ uint4 q8_fx_unit(float4 a, float4 b, float inv, int& qsum) {
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    uint32_t f[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = __float_as_uint(fmaf(v[i], inv, 12582912.f));
+    qsum = (int)(f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7] - 8u * 0x4b400000u);
+    uint32_t p01 = __byte_perm(f[0], f[1], 0x5410), p23 = __byte_perm(f[2], f[3], 0x5410);
+    uint32_t p45 = __byte_perm(f[4], f[5], 0x5410), p67 = __byte_perm(f[6], f[7], 0x5410);
+    return make_uint4(__byte_perm(p01, p23, 0x7531), __byte_perm(p45, p67, 0x7531), __byte_perm(p01, p23, 0x6420),
+                      __byte_perm(p45, p67, 0x6420));
+}
+__device__ __forceinline__ int q8_dot_fx16(const uint32_t (&w4)[4], const uint4* xv) {
+    int ah = 0, al = 0;
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        ah = __dp4a((int)w4[2 * q], (int)xv[q].x, ah);
+        ah = __dp4a((int)w4[2 * q + 1], (int)xv[q].y, ah);
+        al = dp4a_us(xv[q].z, w4[2 * q], al);  // lo unsigned, the codes signed
+        al = dp4a_us(xv[q].w, w4[2 * q + 1], al);
+    }
+    return (ah << 8) + al;
+}
+
 template <int F>
 __device__ __forceinline__ float gw_dot(const uint32_t* raw, const float* xv, float xs, float2 s) {
     if (F == GF32) {
@@ -2486,7 +2515,6 @@ GEMV_ENTRY(gemv_f32_r4u1, GF32, 4, 1)
 GEMV_ENTRY(gemv_f16_r4u2, GF16, 4, 2)
 GEMV_ENTRY(gemv_bf16_r4u2, GBF16, 4, 2)
 GEMV_ENTRY(gemv_q8_r4u1, GQ8, 4, 1)
-GEMV_ENTRY(gemv_q8_r8u1, GQ8, 8, 1)
 
 // Split-K GEMV for 4-bit weights (the streaming kernels' fallback: a g_idx,
 // or a width or group size they do not take). A block covers 64 output rows
@@ -2596,15 +2624,16 @@ GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 
 // ---------------------------------------------------------------------------
 // Streaming GEMV for 4-bit weights (the dispatcher's q4 GEMV: gemv_q4_w4h
-// or gemv_q4_w4a up to K = 4096, gemv_q4_w2h beyond), M rows of x
+// or gemv_q4_w4a up to K = 4096, gemv_q4_w2h beyond) and, with Q8, for
+// 8-bit ones up to K = 4096 (gemv_q8_w4h, gemv_q8_w2h), M rows of x
 // (grid.y). A block of 8 warps stages its activation row once in dynamic
 // shared memory: R = 2 (gemv_q4_w2h) as fp16 half2 pairs (the high-nibble
 // pairs pre-scaled by 1/16 as in gemv_q4_sh), R = 4 in fixed point for
 // dp4a (FX: q4_fx_unit; on the 16-row kernel, whose blocks each stage the
 // whole row for fewer rows, that staging cost more than the products
-// saved: 4096×14336 at 49 % of copy against 62 %), 16-byte units
+// saved: 4096×14336 at 49–50 % of copy against 60–62 %; Q8 always), 16-byte units
 // swizzled so that each lane's four 16-byte reads are bank-conflict free.
-// A warp owns R rows and every chunk of 32 lanes x 16 bytes (1024 k).
+// A warp owns R rows and every chunk of 32 lanes x 16 bytes (1024 k, 512 with Q8).
 // Weights and their {scale, zero} go through a ring of D chunks: D*R
 // 16-byte loads per lane are in flight while one chunk is computed, and
 // the chunk's slot is refilled right after. The ring is in registers (ld.global.nc, L1 no-allocate), or with
@@ -2640,8 +2669,8 @@ GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 // Args (x, xss, nss, permx, K, gs, G, nw, nb, eps, mode, yss, send, GEMV_SEGS);
 // grid (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/(8R)) (GEMV_SWIGLU: nb0 =
 // ceil(N_0/(4R)), one segment), block 256, dynamic shared memory 2 bytes a
-// feature for the staged x (6 with permx), with FX then 8 bytes a
-// 32-feature chunk (its {s/16, 16·Σq}), with ASYNC then at a 16-byte
+// feature for the staged x (6 with permx), with FX then 8 bytes a chunk
+// of 32 features (4-bit: {s/16, 16·Σq}) or 16 (Q8: {s, Σq}), with ASYNC then at a 16-byte
 // boundary the ring: D·R·256 16-byte weight slots and as many {scale,
 // zero} slots (4 bytes in the half form HS, else 8; Q4Group).
 // The register ring's loads keep the default L2 policy: with evict-first
@@ -2673,7 +2702,9 @@ __device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const f
 // squares of its row in nss parts (xss; see yss), so the block takes 1/rms
 // from them instead of reading the whole row once more before staging it.
 // HS: the scales are in the half form (Q4Group), one word a group.
-template <int R, int D, bool SUMS, bool ASYNC, bool HS>
+// Q8: W holds int8 codes (a lane's 16 bytes are 16 k, not 32) and sz
+// {scale, zero} floats; x in fixed point (FX), the ring in registers.
+template <int R, int D, bool SUMS, bool ASYNC, bool HS, bool Q8>
 __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x,
                                            const float* __restrict__ xss, int nss, const void* __restrict__ W,
                                            const void* __restrict__ sz, const void* __restrict__ Wu,
@@ -2681,7 +2712,10 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                                            const float* __restrict__ nw, const float* __restrict__ nb, float eps,
                                            int mode, const uint4* __restrict__ permx, float* __restrict__ yss,
                                            char* __restrict__ send) {
-    constexpr int KC = 32 * 32;  // k per chunk: 32 lanes x 32 k
+    static_assert(!Q8 || (!HS && !ASYNC), "the 8-bit streaming GEMV takes {scale, zero} floats, its ring in registers");
+    constexpr int LK = Q8 ? 16 : 32;  // k a lane's 16 bytes of a row hold
+    constexpr int KC = 32 * LK;       // k per chunk: 32 lanes x LK k
+    constexpr int CU = LK / 8;        // staged units a lane's chunk (and an x scale) covers
     extern __shared__ uint4 xsh[];
     __shared__ float nsh[32];
     int m = blockIdx.y;
@@ -2690,7 +2724,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // rows of this warp: R of W, or R/2 of W (gate) and the same R/2 of Wu (up)
     int n0 = swiglu ? (bx * 8 + warp) * (R / 2) : (bx * 8 + warp) * R;
     int nch = (K + KC - 1) / KC;
-    int upr = K / 32;  // 16-byte units per weight row
+    int upr = K / LK;  // 16-byte units per weight row
     using SG = typename std::conditional<HS, uint32_t, float2>::type;  // a group's {scale, zero}
     const uint4* wrow[R];
     const SG* srow[R];
@@ -2706,11 +2740,13 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // that copied them), not in registers
     uint4 buf[ASYNC ? 1 : D][R];
     SG sb[ASYNC ? 1 : D][R];
-    // FX (the 32-row kernels): x in fixed point (q4_fx_unit), each
-    // 32-feature chunk's {s/16, 16·Σq} after the staged row (and xraw)
-    constexpr bool FX = R == 4;
+    // FX (the 32-row 4-bit kernels, the 8-bit ones): x in fixed point
+    // (q4_fx_unit, q8_fx_unit), each chunk's figures after the staged row
+    // (and xraw): {s/16, 16·Σq} a 32-feature chunk (4-bit), {s, Σq} a
+    // 16-feature one (8-bit). gemv_q4_w2h stays in fp16 (above).
+    constexpr bool FX = Q8 || R == 4;
     float2* cst = reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(xsh) + (permx ? 6 : 2) * K);
-    unsigned char* rw = reinterpret_cast<unsigned char*>(xsh) + (((permx ? 6 : 2) * K + (FX ? K / 4 : 0) + 15) & ~15);
+    unsigned char* rw = reinterpret_cast<unsigned char*>(xsh) + (((permx ? 6 : 2) * K + (FX ? (Q8 ? K / 2 : K / 4) : 0) + 15) & ~15);
     auto wslot = [&](int d, int r) { return reinterpret_cast<uint4*>(rw) + (d * R + r) * 256 + tid; };
     auto sslot = [&](int d, int r) { return reinterpret_cast<SG*>(rw + D * R * 256 * 16) + (d * R + r) * 256 + tid; };
     uint64_t pol = l2_evict_first();
@@ -2734,7 +2770,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     }
 #pragma unroll
     for (int d = 0; d < D; d++) {
-        int k = d * KC + lane * 32;
+        int k = d * KC + lane * LK;
         if (d < nch && k < K) fetch(d, d, k);
         if constexpr (ASYNC) cp_async_commit();
     }
@@ -2837,23 +2873,27 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             for (int i = 0; i < B; i++) {
                 if (u0 + 256 * i >= nu) continue;
                 if constexpr (FX) {
-                    // a chunk's 4 units are staged by 4 neighbouring lanes (alike here)
-                    unsigned gm = 0xfu << (lane & ~3);
+                    // a chunk's CU units are staged by CU neighbouring lanes (alike here)
+                    unsigned gm = ((1u << CU) - 1) << (lane & ~(CU - 1));
                     // the chunk's largest |x|, NaN where one is
                     float mx = fmax_nan(fmax_nan(fmax_nan(fabsf(a[i].x), fabsf(a[i].y)), fmax_nan(fabsf(a[i].z), fabsf(a[i].w))),
                                         fmax_nan(fmax_nan(fabsf(b[i].x), fabsf(b[i].y)), fmax_nan(fabsf(b[i].z), fabsf(b[i].w))));
                     mx = fmax_nan(mx, __shfl_xor_sync(gm, mx, 1));
-                    mx = fmax_nan(mx, __shfl_xor_sync(gm, mx, 2));
+                    if constexpr (CU == 4) mx = fmax_nan(mx, __shfl_xor_sync(gm, mx, 2));
                     // non-finite x: s non-finite, so is the row's sum (q is then any bits);
                     // 32 767 / FLT_MAX (3.4e38) is a normal float, and x·qinv rounds within ±32 767
                     float qinv = mx >= 1e-30f && mx <= 3.40282347e38f ? 32767.f / mx : 0.f;
                     int qs;
-                    uint4 v = q4_fx_unit(a[i], b[i], qinv, qs);
+                    uint4 v = Q8 ? q8_fx_unit(a[i], b[i], qinv, qs) : q4_fx_unit(a[i], b[i], qinv, qs);
                     qs += __shfl_xor_sync(gm, qs, 1);
-                    qs += __shfl_xor_sync(gm, qs, 2);
+                    if constexpr (CU == 4) qs += __shfl_xor_sync(gm, qs, 2);
                     int u = u0 + 256 * i;
-                    if ((lane & 3) == 0)
-                        cst[u >> 2] = make_float2(mx * (1.f / (16.f * 32767.f)), __int_as_float(16 * qs));
+                    if ((lane & (CU - 1)) == 0) {
+                        if constexpr (Q8)
+                            cst[u / CU] = make_float2(mx * (1.f / 32767.f), (float)qs);
+                        else
+                            cst[u >> 2] = make_float2(mx * (1.f / (16.f * 32767.f)), __int_as_float(16 * qs));
+                    }
                     xsh[xw_swz(u)] = v;
                 } else {
                     kmax = max(kmax, q4_stage_k(absmax8(a[i], b[i])));
@@ -2878,20 +2918,24 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
 #pragma unroll
         for (int d = 0; d < D; d++) {
             int j = j0 + d;
-            int k = j * KC + lane * 32;
+            int k = j * KC + lane * LK;
             if constexpr (ASYNC) asm volatile("cp.async.wait_group %0;\n" ::"n"(D - 1) : "memory");
             if (j < nch && k < K) {
-                int u0 = (j * 32 + lane) * 4;
+                int u0 = (j * 32 + lane) * CU;
                 uint4 xv[4];
 #pragma unroll
-                for (int q = 0; q < 4; q++) xv[q] = xsh[xw_swz(u0 + q)];
+                for (int q = 0; q < CU; q++) xv[q] = xsh[xw_swz(u0 + q)];
                 float2 cs = FX ? cst[j * 32 + lane] : float2{};
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     uint4 wv = ASYNC ? *wslot(d, r) : buf[ASYNC ? 0 : d][r];
-                    Q4Group sv = q4_group_of(ASYNC ? *sslot(d, r) : sb[ASYNC ? 0 : d][r]);
+                    SG g = ASYNC ? *sslot(d, r) : sb[ASYNC ? 0 : d][r];
+                    Q4Group sv = q4_group_of(g);
                     uint32_t w4[4] = {wv.x, wv.y, wv.z, wv.w};
-                    if constexpr (FX) {
+                    if constexpr (Q8) {  // g: {scale, zero}
+                        float p = (float)q8_dot_fx16(w4, xv);
+                        acc[r] = fmaf(g.x * cs.x, fmaf(-g.y, cs.y, p), acc[r]);
+                    } else if constexpr (FX) {
                         int z = (int)__half_as_ushort(__low2half(sv.z1024)) - 0x6400;  // 1024 + z's bits
                         int p = q4_dot_fx(w4, xv) - z * __float_as_int(cs.y);
                         acc[r] = fmaf(sv.scale * cs.x, (float)p, acc[r]);
@@ -2903,7 +2947,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             }
             // Refill this slot with the chunk D further on.
             int jn = j + D;
-            int kn = jn * KC + lane * 32;
+            int kn = jn * KC + lane * LK;
             if (jn < nch && kn < K) fetch(d, jn, kn);
             if constexpr (ASYNC) cp_async_commit();
         }
@@ -2943,26 +2987,29 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     }
 }
 
-// The kernels take the scales' half form (Q4Group); fp32 scales, a rarer
+// The 4-bit kernels take the scales' half form (Q4Group); fp32 scales, a rarer
 // form (msmodelslim W4A16, FP32Scales), run gemv_q4_w2h's _s32 twins.
 // Every segment of a launch has the same form.
-#define GEMVW_ENTRY(name, R, D, SUMS, MINB, ASYNC, HS)                                                              \
+#define GEMVW_ENTRY(name, R, D, SUMS, MINB, ASYNC, HS, Q8)                                                          \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         name(const float* x, const float* xss, int nss, const uint4* permx, int K, int gs, int G, const float* nw,   \
              const float* nb, float eps, int mode, float* yss, char* send, GEMV_SEGS) {                              \
         int bx = blockIdx.x;                                                                                         \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
-        gemvw_body<R, D, SUMS, ASYNC, HS>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps,      \
+        gemvw_body<R, D, SUMS, ASYNC, HS, Q8>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps,  \
                                           mode, permx, yss, send);                                                   \
     }
-GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2, false, true)
-GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2, false, true)
-GEMVW_ENTRY(gemv_q4_w2h_n, 2, 4, true, 2, false, true)
-GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2, false, true)
-GEMVW_ENTRY(gemv_q4_w4a, 4, 2, false, 3, true, true)
-GEMVW_ENTRY(gemv_q4_w4a_n, 4, 2, true, 3, true, true)
-GEMVW_ENTRY(gemv_q4_w2h_s32, 2, 4, false, 2, false, false)
-GEMVW_ENTRY(gemv_q4_w2h_s32_n, 2, 4, true, 2, false, false)
+GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2, false, true, false)
+GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2, false, true, false)
+GEMVW_ENTRY(gemv_q4_w2h_n, 2, 4, true, 2, false, true, false)
+GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2, false, true, false)
+GEMVW_ENTRY(gemv_q4_w4a, 4, 2, false, 3, true, true, false)
+GEMVW_ENTRY(gemv_q4_w4a_n, 4, 2, true, 3, true, true, false)
+GEMVW_ENTRY(gemv_q4_w2h_s32, 2, 4, false, 2, false, false, false)
+GEMVW_ENTRY(gemv_q4_w2h_s32_n, 2, 4, true, 2, false, false, false)
+// the 8-bit weights' ({scale, zero} floats a group; 16 k a lane's 16 bytes)
+GEMVW_ENTRY(gemv_q8_w2h, 2, 4, false, 2, false, false, true)
+GEMVW_ENTRY(gemv_q8_w4h, 4, 2, false, 2, false, false, true)
 
 // ---------------------------------------------------------------------------
 // Tensor-core GEMM: C[M, N] = A[M, K] (fp32, rounded to fp16) · W[N, K]ᵀ with

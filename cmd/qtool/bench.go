@@ -396,7 +396,8 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 	res.Linears = append(res.Linears, benchLinear(b, "lm_head", head.(*cuda.Linear), nil, prompt, copyGBs)...)
 	b.FreeLinear(head)
 	res.WeightBytes = weightBytes
-	streaming := strings.HasPrefix(b.GEMVKernel(rm.Linear(0, model.Q), 1), "gemv_q4_w")
+	qk := b.GEMVKernel(rm.Linear(0, model.Q), 1)
+	streaming := strings.HasPrefix(qk, "gemv_q4_w") || strings.HasPrefix(qk, "gemv_q8_w")
 	other, err := stepBreakdown(b, m, cfg, 1, prompt+steps/2, streaming, out)
 	if err != nil {
 		return res, err

@@ -265,7 +265,7 @@ var weightCases = []weightCase{
 	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false), 0},
 	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false), 0},
 	{"w8-g128-offset", 0, quantCase(8, 128, 2, false), 0},
-	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64}, // ≥ 64 rows a multiprocessor: gemv_q8_r8u1
+	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64}, // ≥ 40 rows a multiprocessor: gemv_q8_w4h
 	// 4-bit weights with fp16 scales (the checkpoints' form: the GEMVs
 	// read the scales' half form) and with fp32 scales (msmodelslim
 	// W4A16, FP32Scales: the _s32 GEMV)
@@ -361,7 +361,7 @@ func checkMatMul(t *testing.T, b *Backend, name, kernel string, lw runtime.Linea
 	b.MatMul(y, xb, lw)
 	tol := 1e-5 // fp32 GEMV
 	switch {
-	case M <= b.opt.GEMVMaxRows && q4FixedPoint(kernel):
+	case M <= b.opt.GEMVMaxRows && gemvFixedPoint(kernel):
 		tol = 2e-4 // x in 16-bit fixed point a chunk (measured up to 6.8e-5 here, with large inputs)
 	case M > b.opt.GEMVMaxRows || strings.HasPrefix(kernel, "gemv_q4_"):
 		tol = 3e-3 // fp16 operands on the tensor cores / half sums

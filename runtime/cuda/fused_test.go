@@ -105,9 +105,9 @@ func oneLaunch(b *Backend, ws []runtime.Linear, M int) string {
 // arithTol is the tolerance between a product of the one launch of kernel
 // fused (oneLaunch; "": the product ran as MatMul runs it) and the same
 // product by the kernels alone: tol, or at least q4MixedTol where one of
-// them is a fixed-point 4-bit GEMV and the other is not.
+// them is a fixed-point GEMV and the other is not.
 func arithTol(fused string, alone map[string]bool, tol float64) float64 {
-	if fused != "" && q4FixedPoint(fused) != slices.ContainsFunc(slices.Collect(maps.Keys(alone)), q4FixedPoint) {
+	if fused != "" && gemvFixedPoint(fused) != slices.ContainsFunc(slices.Collect(maps.Keys(alone)), gemvFixedPoint) {
 		return max(tol, q4MixedTol)
 	}
 	return tol

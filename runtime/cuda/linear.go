@@ -1627,7 +1627,7 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	rows, shm := gemvShape(name, R, l)
 	var in rowSums // x's sums of squares from its producer (rowsums.go)
 	if R == gemvStreamRowsTag {
-		if in = b.sumsIn(s); in.p != 0 && epi.nw != 0 && l.perm == 0 {
+		if in = b.sumsIn(s); in.p != 0 && epi.nw != 0 && l.perm == 0 && l.kind == kindQ4 { // (no 8-bit _n twins)
 			name += "_n"
 		} else {
 			in = rowSums{}
@@ -1689,17 +1689,21 @@ func (b *Backend) raiseSmem(name string, shm int) {
 // (gemvStream); wider inputs take the split-K gemv_q4_sh.
 const gemvStreamMaxSmem = 96 << 10
 
-// gemvStream reports the streaming 4-bit GEMV's dynamic shared memory (the
+// gemvStream reports the streaming GEMV's dynamic shared memory (the
 // staged activation row: 2 bytes a feature, 6 with a column order to gather
-// by) and whether it can run l: no g_idx, width and group size multiples of
-// 32, the row within gemvStreamMaxSmem.
+// by) and whether it can run l: 4 or 8 bits, no g_idx, width and group
+// size multiples of 32, the row and the fixed-point kernels' chunk figures
+// (streamSmem) within gemvStreamMaxSmem.
 func gemvStream(l *Linear) (shm int, ok bool) {
 	shm = 2 * l.in
 	if l.perm != 0 {
 		shm += 4 * l.in
 	}
-	// the fixed-point kernels' chunk figures after the row (streamSmem) within the bound too
-	ok = l.kind == kindQ4 && l.gidx == 0 && l.in%32 == 0 && l.gs%32 == 0 && shm+l.in/4 <= gemvStreamMaxSmem
+	fx := l.in / 4 // the chunk figures: 8 bytes a 32 features (4-bit), a 16 (8-bit)
+	if l.kind == kindQ8 {
+		fx = l.in / 2
+	}
+	ok = (l.kind == kindQ4 || l.kind == kindQ8) && l.gidx == 0 && l.in%32 == 0 && l.gs%32 == 0 && shm+fx <= gemvStreamMaxSmem
 	return shm, ok
 }
 
@@ -1714,10 +1718,10 @@ func gemvShape(name string, R int, l *Linear) (rows, shm int) {
 }
 
 // gemvStreamRows is the rows per block of a streaming GEMV kernel: 8 warps
-// × 4 rows for gemv_q4_w4h and gemv_q4_w4a (and their _n twins), × 2 for
-// gemv_q4_w2h (and its twins).
+// × 4 rows for gemv_q4_w4h, gemv_q4_w4a (and their _n twins) and
+// gemv_q8_w4h, × 2 for gemv_q4_w2h (and its twins) and gemv_q8_w2h.
 func gemvStreamRows(name string) int {
-	if strings.HasPrefix(name, "gemv_q4_w4") {
+	if strings.HasPrefix(name, "gemv_q4_w4") || strings.HasPrefix(name, "gemv_q8_w4") {
 		return 32
 	}
 	return 16
@@ -1729,13 +1733,16 @@ func gemvStreamRows(name string) int {
 const gemvAsyncRing = 2 * 4 * 256 * (16 + 4)
 
 // streamSmem is the dynamic shared memory of streaming GEMV name (or its
-// _n twin) on l's weight: the staged x (gemvStream), for the 32-row
-// kernels (gemv_q4_w4h, gemv_q4_w4a: x in fixed point) 8 bytes a
-// 32-feature chunk of its scales and sums after it, and gemv_q4_w4a's ring
-// after those at a 16-byte boundary.
+// _n twin) on l's weight: the staged x (gemvStream); for the fixed-point
+// kernels (gemvFixedPoint) 8 bytes of scale and sum after it a chunk of 32
+// features (4-bit) or 16 (8-bit); gemv_q4_w4a's ring after those at a
+// 16-byte boundary.
 func streamSmem(name string, l *Linear) int {
 	shm, _ := gemvStream(l)
-	if q4FixedPoint(name) {
+	switch {
+	case strings.HasPrefix(name, "gemv_q8_w"):
+		shm += l.in / 2
+	case q4FixedPoint(name):
 		shm += l.in / 4
 	}
 	if strings.HasPrefix(name, "gemv_q4_w4a") {
@@ -1752,6 +1759,13 @@ func streamSmem(name string, l *Linear) int {
 // so a product gives the same bits through MatMul and MatMulN only where
 // both launches run the same form.
 func q4FixedPoint(name string) bool { return strings.HasPrefix(name, "gemv_q4_w4") }
+
+// gemvFixedPoint reports whether GEMV kernel name stages x in 16-bit fixed
+// point and multiplies on dp4a: q4FixedPoint's, and the 8-bit streaming
+// kernels (gemv_q8_w4h, gemv_q8_w2h).
+func gemvFixedPoint(name string) bool {
+	return q4FixedPoint(name) || strings.HasPrefix(name, "gemv_q8_w")
+}
 
 // gemvAsyncSlots is the blocks of gemv_q4_w4a on l's weight one
 // multiprocessor holds at once (registers allow three; the shared memory
@@ -1803,9 +1817,10 @@ const gemvStreamRowsTag = 1 << 29
 //	weight         rule                                        kernel          launch
 //	f32            always                                      gemv_f32_r4u1   4 rows a block
 //	f16, bf16      always                                      gemv_*_r4u2     4 rows a block
-//	q8             K ≤ 4096, ≥ 64 rows a multiprocessor         gemv_q8_r8u1    8 rows a block
-//	               in the launch
-//	q8             otherwise                                   gemv_q8_r4u1    4 rows a block
+//	q8             streamable (gemvStream), K ≤ 4096,          gemv_q8_w4h     32 rows a block, x staged
+//	               ≥ 40 rows a multiprocessor in the launch                    in fixed point
+//	q8             streamable, K ≤ 4096                        gemv_q8_w2h     16 rows a block, the same
+//	q8             otherwise (K > 4096, g_idx, width or group) gemv_q8_r4u1    4 rows a block
 //	q4             streamable (gemvStream), K ≤ 4096,          gemv_q4_w4a     32 rows a block, x staged,
 //	               ≥ 40 rows a multiprocessor in the launch,                   the ring in shared memory
 //	               waves as full at 3 blocks a multiprocessor
@@ -1817,13 +1832,14 @@ const gemvStreamRowsTag = 1 << 29
 //	               streamable
 //
 // The streaming kernels but the _s32 twins read the scales' half form
-// (Linear.szh). The 32-row ones (gemv_q4_w4a, gemv_q4_w4h) stage x in
-// fixed point and multiply on dp4a, the others in fp16 (q4FixedPoint). A streaming kernel with a norm whose input's sums of
+// (Linear.szh). The 8-bit ones and the 32-row 4-bit ones (gemv_q4_w4a,
+// gemv_q4_w4h) stage x in fixed point and multiply on dp4a, the others in
+// fp16 (gemvFixedPoint). A streaming kernel with a norm whose input's sums of
 // squares the previous launch wrote (rowsums.go) runs as its _n twin. The
 // fp32 scales (msmodelslim W4A16, FP32Scales) keep to one kernel: the
 // wider kernels' twins would add ~430 KB of PTX an architecture for a
 // rarer form.
-var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q8_r8u1", "gemv_q4_w4h", "gemv_q4_w2h",
+var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q8_w4h", "gemv_q8_w2h", "gemv_q4_w4h", "gemv_q4_w2h",
 	"gemv_q4_w4a", "gemv_q4_w4h_n", "gemv_q4_w2h_n", "gemv_q4_w4a_n", "gemv_q4_w2h_s32", "gemv_q4_w2h_s32_n", "gemv_q4_sh"}
 
 // GEMVKernel names the GEMV kernel a product of M activation rows with w
@@ -1849,11 +1865,14 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 	case kindBF16:
 		return "gemv_bf16_r4u2", 4
 	case kindQ8:
-		// 8 rows a block halve the block reduction's share at K = 4096 and
-		// win with many rows, lose with few or a long K (kernels/NOTES.md,
-		// twenty-fifth and twenty-sixth sessions)
-		if l.in <= 4096 && rows >= 64*b.sms {
-			return "gemv_q8_r8u1", 8
+		// the streaming kernels with gemv_q4's rows rule, up to K = 4096:
+		// on a longer row gemv_q8_r4u1's loads kept more bytes in flight
+		// than gemv_q8_w2h's ring (kernels/NOTES.md, thirty-seventh session)
+		if _, ok := gemvStream(l); ok && l.in <= 4096 {
+			if rows >= 40*b.sms {
+				return "gemv_q8_w4h", gemvStreamRowsTag
+			}
+			return "gemv_q8_w2h", gemvStreamRowsTag
 		}
 		return "gemv_q8_r4u1", 4
 	case kindQ4:
