@@ -399,7 +399,8 @@ func setLargeFeatures(x []float32, rows, cols int) {
 // weights) reach ±300, so that they carry a share of each output that an
 // error in their staging would show above the tolerance (with features of
 // ±1 the three large ones held all but 1e-3 of it), while four of them
-// times a code cannot overflow a half alone.
+// times a code cannot overflow a half alone. The fixed-point GEMVs (the
+// 32-row 4-bit and the 8-bit streaming ones) get the same norm check.
 func TestMatMulLargeInputs(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(7, 8))
@@ -410,7 +411,7 @@ func TestMatMulLargeInputs(t *testing.T) {
 		switch wc.name {
 		case "f16", "kuiper-int8-sym-g64", "awq-int4-asym-g128", "w4-f32scales-g128", "gptq-int4-actorder-g64",
 			"awq-int4-g128-wide", "awq-int4-g128-tall", "awq-int4-g128-taller", "gptq-int4-actorder-g128-tall",
-			"awq-int4-g128-huge-k":
+			"awq-int4-g128-huge-k", "w8-g128-offset-tall":
 			cases = append(cases, wc)
 		}
 	}
@@ -444,7 +445,7 @@ func TestMatMulLargeInputs(t *testing.T) {
 			t.Run(name, func(t *testing.T) {
 				checkMatMul(t, b, name, kernel, lw, wf, x, M, N, K)
 			})
-			if !strings.HasPrefix(kernel, "gemv_q4_w") {
+			if !strings.HasPrefix(kernel, "gemv_q4_w") && !strings.HasPrefix(kernel, "gemv_q8_w") {
 				continue
 			}
 			t.Run(name+"/norm", func(t *testing.T) {

@@ -1692,18 +1692,15 @@ const gemvStreamMaxSmem = 96 << 10
 // gemvStream reports the streaming GEMV's dynamic shared memory (the
 // staged activation row: 2 bytes a feature, 6 with a column order to gather
 // by) and whether it can run l: 4 or 8 bits, no g_idx, width and group
-// size multiples of 32, the row and the fixed-point kernels' chunk figures
-// (streamSmem) within gemvStreamMaxSmem.
+// size multiples of 32, the row within gemvStreamMaxSmem. (The fixed-point
+// kernels' chunk figures and gemv_q4_w4a's ring come on top, streamSmem;
+// those kernels run K ≤ 4096 alone, 49 KB at most.)
 func gemvStream(l *Linear) (shm int, ok bool) {
 	shm = 2 * l.in
 	if l.perm != 0 {
 		shm += 4 * l.in
 	}
-	fx := l.in / 4 // the chunk figures: 8 bytes a 32 features (4-bit), a 16 (8-bit)
-	if l.kind == kindQ8 {
-		fx = l.in / 2
-	}
-	ok = (l.kind == kindQ4 || l.kind == kindQ8) && l.gidx == 0 && l.in%32 == 0 && l.gs%32 == 0 && shm+fx <= gemvStreamMaxSmem
+	ok = (l.kind == kindQ4 || l.kind == kindQ8) && l.gidx == 0 && l.in%32 == 0 && l.gs%32 == 0 && shm <= gemvStreamMaxSmem
 	return shm, ok
 }
 
