@@ -2283,7 +2283,7 @@ __device__ __forceinline__ uint4 q4_stage_unit(float4 a, float4 b, int k) {
 // The 32-row streaming GEMVs (gemv_q4_w4h, gemv_q4_w4a) stage x in 16-bit
 // fixed point and multiply the codes on dp4a: a 32-feature chunk of x is
 // q·s with q = rint(x·32 767 / max|x|) = 256·hi + lo, hi in [−128, 127],
-// lo in [0, 255] (q4_fx_unit), and a chunk of a row is
+// lo in [0, 255] (fx_unit), and a chunk of a row is
 // scale·s·(Σu·q − z·Σq), exact in int32 but for x's rounding (2^-16 of the
 // chunk's largest |x|, where fp16 keeps 2^-11 of each value). gemv_q4_w4h's
 // main loop has 61 % of the fp16 form's instructions (nvcc 11.8), and
@@ -2307,28 +2307,32 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
     asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
     return d;
 }
-// q4_fx_unit is the fixed-point staged form of 8 features (a, b: in order)
+// fx_unit is the fixed-point staged form of 8 features (a, b: in order)
 // of a chunk whose largest |x| is 32 767 / inv: q = rint(x·inv) = 256·hi +
 // lo with hi = q >> 8 (signed) and lo = q & 255 (unsigned), as the bytes
-// q4_dot_fx multiplies a q4 word's codes by, {hi of features 0 4 1 5, hi
-// of 2 6 3 7, lo of 0 4 1 5, lo of 2 6 3 7} (w & 0x0f0f0f0f holds codes
-// 0 4 1 5, w & 0xf0f0f0f0 codes 2 6 3 7 times 16: q4Shift); qsum is their
-// Σq. x·inv + 1.5·2^23 rounds to a float whose bits are 0x4b400000 + q,
-// so the bytes are taken straight from the floats and Σq from their bits.
-__device__ __forceinline__ uint4 q4_fx_unit(float4 a, float4 b, float inv, int& qsum) {
+// the dot multiplies the codes by; qsum is their Σq. x·inv + 1.5·2^23
+// rounds to a float whose bits are 0x4b400000 + q, so the bytes are taken
+// straight from the floats and Σq from their bits. The words hold {hi of
+// features o0-o3, hi of o4-o7, lo of o0-o3, lo of o4-o7}: for q4_dot_fx
+// (Q8 false) o = 0 4 1 5 2 6 3 7 (w & 0x0f0f0f0f holds codes 0 4 1 5,
+// w & 0xf0f0f0f0 codes 2 6 3 7 times 16: q4Shift), for q8_dot_fx16 the
+// features in order.
+template <bool Q8>
+__device__ __forceinline__ uint4 fx_unit(float4 a, float4 b, float inv, int& qsum) {
     const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    constexpr int o[8] = {0, Q8 ? 1 : 4, Q8 ? 2 : 1, Q8 ? 3 : 5, Q8 ? 4 : 2, Q8 ? 5 : 6, Q8 ? 6 : 3, 7};
     uint32_t f[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) f[i] = __float_as_uint(fmaf(v[i], inv, 12582912.f));
     qsum = (int)(f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7] - 8u * 0x4b400000u);
     // {q's low byte, high byte} of two features a word, then the words' hi and lo bytes
-    uint32_t p04 = __byte_perm(f[0], f[4], 0x5410), p15 = __byte_perm(f[1], f[5], 0x5410);
-    uint32_t p26 = __byte_perm(f[2], f[6], 0x5410), p37 = __byte_perm(f[3], f[7], 0x5410);
-    return make_uint4(__byte_perm(p04, p15, 0x7531), __byte_perm(p26, p37, 0x7531), __byte_perm(p04, p15, 0x6420),
-                      __byte_perm(p26, p37, 0x6420));
+    uint32_t p0 = __byte_perm(f[o[0]], f[o[1]], 0x5410), p1 = __byte_perm(f[o[2]], f[o[3]], 0x5410);
+    uint32_t p2 = __byte_perm(f[o[4]], f[o[5]], 0x5410), p3 = __byte_perm(f[o[6]], f[o[7]], 0x5410);
+    return make_uint4(__byte_perm(p0, p1, 0x7531), __byte_perm(p2, p3, 0x7531), __byte_perm(p0, p1, 0x6420),
+                      __byte_perm(p2, p3, 0x6420));
 }
 // q4_dot_fx is 16·Σu·q over the 32 codes of a 16-byte chunk of q4 words w4
-// and the chunk's four staged units xv (q4_fx_unit), exact in int32 (at
+// and the chunk's four staged units xv (fx_unit<false>), exact in int32 (at
 // most 2^28 in magnitude).
 __device__ __forceinline__ int q4_dot_fx(const uint32_t (&w4)[4], const uint4 (&xv)[4]) {
     int ah = 0, bh = 0;
@@ -2347,20 +2351,8 @@ __device__ __forceinline__ int q4_dot_fx(const uint32_t (&w4)[4], const uint4 (&
 // The 8-bit streaming GEMVs (gemv_q8_w2h, gemv_q8_w4h: gemvw_body with
 // Q8; W8A16 weights of K ≤ 4096) stage x in the same 16-bit fixed point,
 // a scale per 16 features (a lane's chunk), the bytes of 8 features in
-// their order: {hi 0-3, hi 4-7, lo 0-3, lo 4-7} (q8_fx_unit; hi signed, lo
-// unsigned, as q4_fx_unit's); a lane's 16 int8 codes times them is
+// their order (fx_unit<true>); a lane's 16 int8 codes times them is
 // q8_dot_fx16, exact in int32 (at most 2^27).
-__device__ __forceinline__ uint4 q8_fx_unit(float4 a, float4 b, float inv, int& qsum) {
-    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    uint32_t f[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) f[i] = __float_as_uint(fmaf(v[i], inv, 12582912.f));
-    qsum = (int)(f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7] - 8u * 0x4b400000u);
-    uint32_t p01 = __byte_perm(f[0], f[1], 0x5410), p23 = __byte_perm(f[2], f[3], 0x5410);
-    uint32_t p45 = __byte_perm(f[4], f[5], 0x5410), p67 = __byte_perm(f[6], f[7], 0x5410);
-    return make_uint4(__byte_perm(p01, p23, 0x7531), __byte_perm(p45, p67, 0x7531), __byte_perm(p01, p23, 0x6420),
-                      __byte_perm(p45, p67, 0x6420));
-}
 __device__ __forceinline__ int q8_dot_fx16(const uint32_t (&w4)[4], const uint4* xv) {
     int ah = 0, al = 0;
 #pragma unroll
@@ -2629,7 +2621,7 @@ GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 // (grid.y). A block of 8 warps stages its activation row once in dynamic
 // shared memory: R = 2 (gemv_q4_w2h) as fp16 half2 pairs (the high-nibble
 // pairs pre-scaled by 1/16 as in gemv_q4_sh), R = 4 in fixed point for
-// dp4a (FX: q4_fx_unit; on the 16-row kernel, whose blocks each stage the
+// dp4a (FX: fx_unit; on the 16-row kernel, whose blocks each stage the
 // whole row for fewer rows, that staging cost more than the products
 // saved: 4096×14336 at 49–50 % of copy against 60–62 %; Q8 always), 16-byte units
 // swizzled so that each lane's four 16-byte reads are bank-conflict free.
@@ -2741,7 +2733,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     uint4 buf[ASYNC ? 1 : D][R];
     SG sb[ASYNC ? 1 : D][R];
     // FX (the 32-row 4-bit kernels, the 8-bit ones): x in fixed point
-    // (q4_fx_unit, q8_fx_unit), each chunk's figures after the staged row
+    // (fx_unit), each chunk's figures after the staged row
     // (and xraw): {s/16, 16·Σq} a 32-feature chunk (4-bit), {s, Σq} a
     // 16-feature one (8-bit). gemv_q4_w2h stays in fp16 (above).
     constexpr bool FX = Q8 || R == 4;
@@ -2838,7 +2830,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         inv = rsqrtf(ss / (float)K + eps);
     }
     // Stage x row m: unit u = 16 bytes = 8 k of the staged form. FX: each
-    // 32-feature chunk in fixed point by its own scale (q4_fx_unit), in one
+    // 32-feature chunk in fixed point by its own scale (fx_unit), in one
     // pass. Otherwise every unit divided by the row's one power of two 2^kx
     // (q4_stage_unit), the sums multiplied back at the end. kx is 0 (the
     // staged values as they are) unless some |x| reaches 1 024; then the
@@ -2884,7 +2876,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                     // 32 767 / FLT_MAX (3.4e38) is a normal float, and x·qinv rounds within ±32 767
                     float qinv = mx >= 1e-30f && mx <= 3.40282347e38f ? 32767.f / mx : 0.f;
                     int qs;
-                    uint4 v = Q8 ? q8_fx_unit(a[i], b[i], qinv, qs) : q4_fx_unit(a[i], b[i], qinv, qs);
+                    uint4 v = fx_unit<Q8>(a[i], b[i], qinv, qs);
                     qs += __shfl_xor_sync(gm, qs, 1);
                     if constexpr (CU == 4) qs += __shfl_xor_sync(gm, qs, 2);
                     int u = u0 + 256 * i;
