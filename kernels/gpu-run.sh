@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
 # TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; TESTSKIP: tests
@@ -58,6 +58,14 @@ if has build; then
     wait "${b%%=*}" || { tail -30 "$OUT/build-${b#*=}.log"; exit 1; }
     echo "built ${b#*=}"
   done
+fi
+if has fixtures; then # TestFixtures' quantized models, written here from testdata by this qtool (no carry)
+  fx=/tmp/gpu-fixtures; rm -rf "$fx"; mkdir -p "$fx"
+  { bin/qtool export --hf testdata/llama-mini --q8 "$fx/llama-mini.q8.bin" -q &&
+    bin/qtool quantize --hf testdata/llama-mini --bits 8 --sym --group 128 --format msmodelslim -o "$fx/llama-mini-w8a16-g128" -q &&
+    bin/qtool quantize --hf testdata/llama-mini --bits 8 --sym --group 0 --format msmodelslim -o "$fx/llama-mini-w8a16-perchannel" -q &&
+    bin/qtool quantize --hf testdata/qwen3-mini --bits 4 --group 128 --format ak48 --qtool-only -o "$fx/qwen3-mini.ak48.bin" -q
+  } > "$OUT/fixtures.log" 2>&1 && export QTOOL_GPU_FIXTURES=$fx || { echo "fixtures: not written"; tail -5 "$OUT/fixtures.log"; }
 fi
 if has tests; then
   for t in ${TESTS:-cuda kld gputest}; do
