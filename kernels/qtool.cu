@@ -2318,13 +2318,13 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
 // w & 0xf0f0f0f0 codes 2 6 3 7 times 16: q4Shift), for q8_dot_fx16 the
 // features in order.
 template <bool Q8>
-__device__ __forceinline__ uint4 fx_unit(float4 a, float4 b, float inv, int& qsum) {
+__device__ __forceinline__ uint4 fx_unit(float4 a, float4 b, float inv, uint32_t& qsum) {
     const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     constexpr int o[8] = {0, Q8 ? 1 : 4, Q8 ? 2 : 1, Q8 ? 3 : 5, Q8 ? 4 : 2, Q8 ? 5 : 6, Q8 ? 6 : 3, 7};
     uint32_t f[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) f[i] = __float_as_uint(fmaf(v[i], inv, 12582912.f));
-    qsum = (int)(f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7] - 8u * 0x4b400000u);
+    qsum = f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7] - 8u * 0x4b400000u;  // Σq in two's complement
     // {q's low byte, high byte} of two features a word, then the words' hi and lo bytes
     uint32_t p0 = __byte_perm(f[o[0]], f[o[1]], 0x5410), p1 = __byte_perm(f[o[2]], f[o[3]], 0x5410);
     uint32_t p2 = __byte_perm(f[o[4]], f[o[5]], 0x5410), p3 = __byte_perm(f[o[6]], f[o[7]], 0x5410);
@@ -2345,7 +2345,7 @@ __device__ __forceinline__ int q4_dot_fx(const uint32_t (&w4)[4], const uint4 (&
         al = dp4a_uu(t, xv[q].z, al);
         bl = dp4a_uu(t16, xv[q].w, bl);
     }
-    return (ah << 12) + (bh << 8) + (int)((al << 4) + bl);
+    return ah * 4096 + bh * 256 + (int)((al << 4) + bl);
 }
 
 // The 8-bit streaming GEMVs (gemv_q8_w2h, gemv_q8_w4h: gemvw_body with
@@ -2362,7 +2362,7 @@ __device__ __forceinline__ int q8_dot_fx16(const uint32_t (&w4)[4], const uint4*
         al = dp4a_us(xv[q].z, w4[2 * q], al);  // lo unsigned, the codes signed
         al = dp4a_us(xv[q].w, w4[2 * q + 1], al);
     }
-    return (ah << 8) + al;
+    return ah * 256 + al;
 }
 
 template <int F>
@@ -2617,8 +2617,8 @@ GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 // ---------------------------------------------------------------------------
 // Streaming GEMV for 4-bit weights (the dispatcher's q4 GEMV: gemv_q4_w4h
 // or gemv_q4_w4a up to K = 4096, gemv_q4_w2h beyond) and, with Q8, for
-// 8-bit ones up to K = 4096 (gemv_q8_w4h, gemv_q8_w2h), M rows of x
-// (grid.y). A block of 8 warps stages its activation row once in dynamic
+// 8-bit ones up to K = 4096 (gemv_q8_w4h or gemv_q8_w4a, gemv_q8_w2h), M
+// rows of x (grid.y). A block of 8 warps stages its activation row once in dynamic
 // shared memory: R = 2 (gemv_q4_w2h) as fp16 half2 pairs (the high-nibble
 // pairs pre-scaled by 1/16 as in gemv_q4_sh), R = 4 in fixed point for
 // dp4a (FX: fx_unit; on the 16-row kernel, whose blocks each stage the
@@ -2629,7 +2629,7 @@ GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 // Weights and their {scale, zero} go through a ring of D chunks: D*R
 // 16-byte loads per lane are in flight while one chunk is computed, and
 // the chunk's slot is refilled right after. The ring is in registers (ld.global.nc, L1 no-allocate), or with
-// ASYNC (gemv_q4_w4a) in dynamic shared memory after x, each thread's own
+// ASYNC (gemv_q4_w4a, gemv_q8_w4a) in dynamic shared memory after x, each thread's own
 // slots filled by cp.async (L2 evict-first, one commit group a chunk) and
 // read back by that thread alone: no barrier, and registers enough for
 // three blocks a multiprocessor instead of two. The weight loads of the
@@ -2695,7 +2695,7 @@ __device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const f
 // from them instead of reading the whole row once more before staging it.
 // HS: the scales are in the half form (Q4Group), one word a group.
 // Q8: W holds int8 codes (a lane's 16 bytes are 16 k, not 32) and sz
-// {scale, zero} floats; x in fixed point (FX), the ring in registers.
+// {scale, zero} floats; x in fixed point (FX).
 template <int R, int D, bool SUMS, bool ASYNC, bool HS, bool Q8>
 __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x,
                                            const float* __restrict__ xss, int nss, const void* __restrict__ W,
@@ -2704,7 +2704,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                                            const float* __restrict__ nw, const float* __restrict__ nb, float eps,
                                            int mode, const uint4* __restrict__ permx, float* __restrict__ yss,
                                            char* __restrict__ send) {
-    static_assert(!Q8 || (!HS && !ASYNC), "the 8-bit streaming GEMV takes {scale, zero} floats, its ring in registers");
+    static_assert(!Q8 || !HS, "the 8-bit streaming GEMV takes {scale, zero} floats");
     constexpr int LK = Q8 ? 16 : 32;  // k a lane's 16 bytes of a row hold
     constexpr int KC = 32 * LK;       // k per chunk: 32 lanes x LK k
     constexpr int CU = LK / 8;        // staged units a lane's chunk (and an x scale) covers
@@ -2875,16 +2875,16 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                     // non-finite x: s non-finite, so is the row's sum (q is then any bits);
                     // 32 767 / FLT_MAX (3.4e38) is a normal float, and x·qinv rounds within ±32 767
                     float qinv = mx >= 1e-30f && mx <= 3.40282347e38f ? 32767.f / mx : 0.f;
-                    int qs;
+                    uint32_t qs;  // Σq of the chunk, two's complement (any bits where x is not finite)
                     uint4 v = fx_unit<Q8>(a[i], b[i], qinv, qs);
                     qs += __shfl_xor_sync(gm, qs, 1);
                     if constexpr (CU == 4) qs += __shfl_xor_sync(gm, qs, 2);
                     int u = u0 + 256 * i;
                     if ((lane & (CU - 1)) == 0) {
                         if constexpr (Q8)
-                            cst[u / CU] = make_float2(mx * (1.f / 32767.f), (float)qs);
+                            cst[u / CU] = make_float2(mx * (1.f / 32767.f), (float)(int)qs);
                         else
-                            cst[u >> 2] = make_float2(mx * (1.f / (16.f * 32767.f)), __int_as_float(16 * qs));
+                            cst[u >> 2] = make_float2(mx * (1.f / (16.f * 32767.f)), __uint_as_float(16u * qs));
                     }
                     xsh[xw_swz(u)] = v;
                 } else {
@@ -3002,6 +3002,9 @@ GEMVW_ENTRY(gemv_q4_w2h_s32_n, 2, 4, true, 2, false, false, false)
 // the 8-bit weights' ({scale, zero} floats a group; 16 k a lane's 16 bytes)
 GEMVW_ENTRY(gemv_q8_w2h, 2, 4, false, 2, false, false, true)
 GEMVW_ENTRY(gemv_q8_w4h, 4, 2, false, 2, false, false, true)
+// gemv_q8_w4a: grouped weights alone; on per-channel ones (the same
+// {scale, zero} every chunk) it was slower than gemv_q8_w4h
+GEMVW_ENTRY(gemv_q8_w4a, 4, 2, false, 3, true, false, true)
 
 // ---------------------------------------------------------------------------
 // Tensor-core GEMM: C[M, N] = A[M, K] (fp32, rounded to fp16) · W[N, K]ᵀ with

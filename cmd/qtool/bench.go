@@ -105,7 +105,7 @@ type modelResult struct {
 	// DecodeGraphNoSumsTok is DecodeGraphTok with every normed streaming
 	// GEMV summing its input's squares itself (cuda.Options.NoRowSums).
 	DecodeGraphNoSumsTok float64 `json:"decode_graph_no_row_sums_tok_s"`
-	// DecodeGraphNoAsyncTok is DecodeGraphTok with the 4-bit GEMVs'
+	// DecodeGraphNoAsyncTok is DecodeGraphTok with the 4- and 8-bit GEMVs'
 	// rings in registers everywhere (cuda.Options.NoAsyncGEMV).
 	DecodeGraphNoAsyncTok float64 `json:"decode_graph_no_async_gemv_tok_s"`
 	// DecodeGraphNoClusterTok is DecodeGraphTok with the decode attention's

@@ -70,8 +70,9 @@ type Options struct {
 	// w8a8_mma) where the Hopper ones (gemm_wg_*) would run (for
 	// comparisons, like NoDependentLaunch).
 	NoWGMMA bool
-	// NoAsyncGEMV keeps the 4-bit decode products on gemv_q4_w4h where
-	// gemv_q4_w4a (the ring in shared memory) would run (for comparisons,
+	// NoAsyncGEMV keeps the 4- and 8-bit decode products on gemv_q4_w4h and
+	// gemv_q8_w4h where gemv_q4_w4a or gemv_q8_w4a (the ring in shared
+	// memory) would run (for comparisons,
 	// like NoDependentLaunch).
 	NoAsyncGEMV bool
 	// NoClusterAttention runs the decode attention's splits as independent

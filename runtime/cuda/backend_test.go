@@ -265,7 +265,9 @@ var weightCases = []weightCase{
 	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false), 0},
 	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false), 0},
 	{"w8-g128-offset", 0, quantCase(8, 128, 2, false), 0},
-	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64}, // ≥ 40 rows a multiprocessor: gemv_q8_w4h
+	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64},     // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q8_w4a
+	{"w8-g128-offset-taller", 0, quantCase(8, 128, 2, false), 112},  // waves fuller at two blocks a multiprocessor: gemv_q8_w4h
+	{"w8-perchannel-offset-tall", 0, quantCase(8, 0, 2, false), 64}, // per-channel {scale, zero}: gemv_q8_w4h
 	// 4-bit weights with fp16 scales (the checkpoints' form: the GEMVs
 	// read the scales' half form) and with fp32 scales (msmodelslim
 	// W4A16, FP32Scales: the _s32 GEMV)
@@ -278,6 +280,7 @@ var weightCases = []weightCase{
 	{"int4-g48-fallback", 384, quantCase(4, 48, 1, false), 0},
 	{"awq-int4-g128-splitk", 2560, halfScaled(quantCase(4, 128, 1, false)), 0},
 	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false), 0},
+	{"w8-g128-offset-long", 5120, quantCase(8, 128, 2, false), 0},             // K > 4096: gemv_q8_r4u1
 	{"awq-int4-g128-wide", 4608, halfScaled(quantCase(4, 128, 1, false)), 0},  // K > 4096: gemv_q4_w2h
 	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},    // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a
 	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), 112}, // waves fuller at two blocks a multiprocessor: gemv_q4_w4h

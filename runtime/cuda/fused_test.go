@@ -1035,8 +1035,9 @@ func TestStagedOrder(t *testing.T) {
 	}
 }
 
-// TestAsyncGEMV checks gemv_q4_w4a (the ring in shared memory) against
-// gemv_q4_w4h (Options.NoAsyncGEMV) on the decode steps that run it: a
+// TestAsyncGEMV checks gemv_q4_w4a and gemv_q8_w4a (the ring in shared
+// memory) against gemv_q4_w4h and gemv_q8_w4h (Options.NoAsyncGEMV) on the
+// decode steps that run them: a
 // product, q/k/v with the norm (three segments), gate/up with the norm and
 // SwiGLU, and a normed product after a residual add that wrote its row
 // sums. Each lane computes the same chunks in the same order in both, so
@@ -1047,7 +1048,7 @@ func TestAsyncGEMV(t *testing.T) {
 	r := rand.New(rand.NewPCG(41, 42))
 	for _, wc := range weightCases {
 		switch wc.name {
-		case "awq-int4-g128-tall", "gptq-int4-actorder-g128-tall":
+		case "awq-int4-g128-tall", "gptq-int4-actorder-g128-tall", "w8-g128-offset-tall":
 		default:
 			continue
 		}
@@ -1089,10 +1090,11 @@ func TestAsyncGEMV(t *testing.T) {
 					b.NormMatMulN([]runtime.Buf{y[0], y[1], y[2]}, rb, nw, nil, 1e-5, ws[:3])
 					return append(out, download(b, rb), download(b, y[0]), download(b, y[1]), download(b, y[2]))
 				}
-				launched := b.launched["gemv_q4_w4a"] + b.launched["gemv_q4_w4a_n"]
+				asyncRuns := func() int { return b.launched["gemv_q4_w4a"] + b.launched["gemv_q4_w4a_n"] + b.launched["gemv_q8_w4a"] }
+				before := asyncRuns()
 				got := run(false)
-				if b.launched["gemv_q4_w4a"]+b.launched["gemv_q4_w4a_n"] == launched {
-					t.Fatalf("gemv_q4_w4a did not run")
+				if asyncRuns() == before {
+					t.Fatalf("no gemv_q4_w4a or gemv_q8_w4a ran")
 				}
 				want := run(true)
 				for i, what := range []string{"MatMul", "q", "k", "v", "SwiGLU", "residual add", "q after the add", "k after the add", "v after the add"} {

@@ -1715,8 +1715,8 @@ func gemvShape(name string, R int, l *Linear) (rows, shm int) {
 }
 
 // gemvStreamRows is the rows per block of a streaming GEMV kernel: 8 warps
-// × 4 rows for gemv_q4_w4h, gemv_q4_w4a (and their _n twins) and
-// gemv_q8_w4h, × 2 for gemv_q4_w2h (and its twins) and gemv_q8_w2h.
+// × 4 rows for gemv_q4_w4h, gemv_q4_w4a (and their _n twins), gemv_q8_w4h
+// and gemv_q8_w4a, × 2 for gemv_q4_w2h (and its twins) and gemv_q8_w2h.
 func gemvStreamRows(name string) int {
 	if strings.HasPrefix(name, "gemv_q4_w4") || strings.HasPrefix(name, "gemv_q8_w4") {
 		return 32
@@ -1724,16 +1724,29 @@ func gemvStreamRows(name string) int {
 	return 16
 }
 
-// gemvAsyncRing is the bytes of gemv_q4_w4a's ring in shared memory: 2
-// chunks × 4 rows × 256 threads of a 16-byte weight slot and a 4-byte
-// {scale, zero} slot (the half form, Linear.szh).
-const gemvAsyncRing = 2 * 4 * 256 * (16 + 4)
+// gemvAsyncRing is the bytes of the ring in shared memory of gemv_q4_w4a
+// or gemv_q8_w4a (name, or its _n twin): 8 slots a thread (2 chunks × 4
+// rows) × 256 threads of a 16-byte weight slot and a {scale, zero} slot, 4
+// bytes in the half form (Linear.szh) of the 4-bit kernel, 8 for the 8-bit
+// one.
+func gemvAsyncRing(name string) int {
+	if strings.HasPrefix(name, "gemv_q8_") {
+		return 2 * 4 * 256 * (16 + 8)
+	}
+	return 2 * 4 * 256 * (16 + 4)
+}
+
+// gemvAsync reports whether streaming GEMV name (or its _n twin) keeps its
+// ring in shared memory.
+func gemvAsync(name string) bool {
+	return strings.HasPrefix(name, "gemv_q4_w4a") || strings.HasPrefix(name, "gemv_q8_w4a")
+}
 
 // streamSmem is the dynamic shared memory of streaming GEMV name (or its
 // _n twin) on l's weight: the staged x (gemvStream); for the fixed-point
 // kernels (gemvFixedPoint) 8 bytes of scale and sum after it a chunk of 32
-// features (4-bit) or 16 (8-bit); gemv_q4_w4a's ring after those at a
-// 16-byte boundary.
+// features (4-bit) or 16 (8-bit); the ring of gemv_q4_w4a or gemv_q8_w4a
+// (gemvAsyncRing) after those at a 16-byte boundary.
 func streamSmem(name string, l *Linear) int {
 	shm, _ := gemvStream(l)
 	switch {
@@ -1742,8 +1755,8 @@ func streamSmem(name string, l *Linear) int {
 	case q4FixedPoint(name):
 		shm += l.in / 4
 	}
-	if strings.HasPrefix(name, "gemv_q4_w4a") {
-		shm = (shm+15)&^15 + gemvAsyncRing
+	if gemvAsync(name) {
+		shm = (shm+15)&^15 + gemvAsyncRing(name)
 	}
 	return shm
 }
@@ -1759,16 +1772,24 @@ func q4FixedPoint(name string) bool { return strings.HasPrefix(name, "gemv_q4_w4
 
 // gemvFixedPoint reports whether GEMV kernel name stages x in 16-bit fixed
 // point and multiplies on dp4a: q4FixedPoint's, and the 8-bit streaming
-// kernels (gemv_q8_w4h, gemv_q8_w2h).
+// kernels (gemv_q8_w4a, gemv_q8_w4h, gemv_q8_w2h).
 func gemvFixedPoint(name string) bool {
 	return q4FixedPoint(name) || strings.HasPrefix(name, "gemv_q8_w")
 }
 
-// gemvAsyncSlots is the blocks of gemv_q4_w4a on l's weight one
-// multiprocessor holds at once (registers allow three; the shared memory
-// decides).
-func (b *Backend) gemvAsyncSlots(l *Linear) int {
-	return b.residentBlocks("gemv_q4_w4a", streamSmem("gemv_q4_w4a", l))
+// gemvWide picks the 32-row streaming kernel of l's kind for a launch of
+// blocks: async (the ring in shared memory: registers allow three blocks a
+// multiprocessor, the shared memory decides) where its waves are as full
+// as those of reg (the ring in registers, two blocks), else reg (and
+// always with Options.NoAsyncGEMV).
+func (b *Backend) gemvWide(l *Linear, blocks int, async, reg string) string {
+	if b.opt.NoAsyncGEMV {
+		return reg
+	}
+	if slots := b.residentBlocks(async, streamSmem(async, l)); slots > 2 && waveFill(blocks, slots*b.sms) >= waveFill(blocks, 2*b.sms) {
+		return async
+	}
+	return reg
 }
 
 // residentBlocks is the blocks of 256 threads of kernel name with shm
@@ -1814,8 +1835,12 @@ const gemvStreamRowsTag = 1 << 29
 //	weight         rule                                        kernel          launch
 //	f32            always                                      gemv_f32_r4u1   4 rows a block
 //	f16, bf16      always                                      gemv_*_r4u2     4 rows a block
-//	q8             streamable (gemvStream), K ≤ 4096,          gemv_q8_w4h     32 rows a block, x staged
-//	               ≥ 40 rows a multiprocessor in the launch                    in fixed point
+//	q8             streamable (gemvStream), K ≤ 4096,          gemv_q8_w4a     32 rows a block, x staged
+//	               ≥ 40 rows a multiprocessor in the launch,                   in fixed point, the ring
+//	               groups of part of a row, waves as full                      in shared memory
+//	               at 3 blocks a multiprocessor as at 2
+//	q8             the same, per-channel or waves fuller at 2  gemv_q8_w4h     32 rows a block, the same,
+//	                                                                           the ring in registers
 //	q8             streamable, K ≤ 4096                        gemv_q8_w2h     16 rows a block, the same
 //	q8             otherwise (K > 4096, g_idx, width or group) gemv_q8_r4u1    4 rows a block
 //	q4             streamable (gemvStream), K ≤ 4096,          gemv_q4_w4a     32 rows a block, x staged,
@@ -1836,7 +1861,7 @@ const gemvStreamRowsTag = 1 << 29
 // fp32 scales (msmodelslim W4A16, FP32Scales) keep to one kernel: the
 // wider kernels' twins would add ~430 KB of PTX an architecture for a
 // rarer form.
-var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q8_w4h", "gemv_q8_w2h", "gemv_q4_w4h", "gemv_q4_w2h",
+var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q8_w4a", "gemv_q8_w4h", "gemv_q8_w2h", "gemv_q4_w4h", "gemv_q4_w2h",
 	"gemv_q4_w4a", "gemv_q4_w4h_n", "gemv_q4_w2h_n", "gemv_q4_w4a_n", "gemv_q4_w2h_s32", "gemv_q4_w2h_s32_n", "gemv_q4_sh"}
 
 // GEMVKernel names the GEMV kernel a product of M activation rows with w
@@ -1867,7 +1892,13 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 		// than gemv_q8_w2h's ring (kernels/NOTES.md, thirty-seventh session)
 		if _, ok := gemvStream(l); ok && l.in <= 4096 {
 			if rows >= 40*b.sms {
-				return "gemv_q8_w4h", gemvStreamRowsTag
+				// per-channel {scale, zero} (one group a row) read on
+				// gemv_q8_w4a at 51 % of copy against gemv_q8_w4h's 63 %
+				// (11008×4096; kernels/NOTES.md, thirty-eighth session)
+				if l.groups == 1 {
+					return "gemv_q8_w4h", gemvStreamRowsTag
+				}
+				return b.gemvWide(l, M*((rows+31)/32), "gemv_q8_w4a", "gemv_q8_w4h"), gemvStreamRowsTag
 			}
 			return "gemv_q8_w2h", gemvStreamRowsTag
 		}
@@ -1884,16 +1915,7 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 		// decodes faster on them than on gemv_q4_w2h (kernels/NOTES.md,
 		// twenty-eighth session)
 		if l.in <= 4096 && rows >= 40*b.sms {
-			if b.opt.NoAsyncGEMV {
-				return "gemv_q4_w4h", gemvStreamRowsTag
-			}
-			// The ring in shared memory runs three blocks a multiprocessor:
-			// taken where its waves are as full as the register ring's
-			blocks := M * ((rows + 31) / 32)
-			if slots := b.gemvAsyncSlots(l); slots > 2 && waveFill(blocks, slots*b.sms) >= waveFill(blocks, 2*b.sms) {
-				return "gemv_q4_w4a", gemvStreamRowsTag
-			}
-			return "gemv_q4_w4h", gemvStreamRowsTag
+			return b.gemvWide(l, M*((rows+31)/32), "gemv_q4_w4a", "gemv_q4_w4h"), gemvStreamRowsTag
 		}
 		return "gemv_q4_w2h", gemvStreamRowsTag
 	}
