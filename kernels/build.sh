@@ -4,7 +4,9 @@
 # records each source's SHA-256 in the first line of its PTX files
 # (kernels_test.go checks it). Usage:
 # kernels/build.sh [OUTDIR] (default: kernels/). Also writes the ptxas
-# resource report (registers, shared memory, spills) to OUTDIR/ptxas.txt.
+# resource report (registers, shared memory, spills) to OUTDIR/ptxas.txt,
+# and fails when the sm_90a SASS has a cp.async through uniform registers
+# that nothing writes (sass_check.py; OUTDIR/sass-check-*.txt).
 # The nvcc runs go in parallel. NVCC_FLAGS adds flags to every nvcc run (an
 # experiment's -D switches; the committed PTX is built without).
 set -euo pipefail
@@ -22,6 +24,13 @@ for src in qtool calib; do
 done
 for p in "${pids[@]}"; do
   wait "$p" || { cat "$tmp"/ptxas-*.txt; exit 1; }
+done
+# ptxas has emitted cp.async copies through uniform registers it never set
+# (an illegal instruction at run time): refuse such a build before writing its PTX (sass_check.py)
+for src in qtool calib; do
+  cuobjdump -sass "$tmp/${src}90.cubin" > "$tmp/${src}90.sass"
+  python3 "$here/sass_check.py" "$tmp/${src}90.sass" > "$out/sass-check-$src.txt" ||
+    { cat "$out/sass-check-$src.txt"; echo "build.sh: $src: ptxas wrote cp.async through unset uniform registers" >&2; exit 1; }
 done
 for src in qtool calib; do
   h=$(sha256sum "$here/$src.cu" | cut -d' ' -f1)
