@@ -33,7 +33,7 @@ func benchCommand() *cli.Command {
 			"--synthetic llama2-7b a random-weight model of that shape is generated on the GPU in each --format.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "synthetic", Usage: "random-weight model of this shape: llama2-7b, llama2-7b-tp2 (one rank's share at --tp 2), llama3-8b, tiny (none: kernels only)"},
-			&cli.StringFlag{Name: "format", Value: "w4a16,w8a16,fp16", Usage: "formats of the synthetic model (comma-separated: w4a16, w4a16-act (GPTQ act-order), w8a16, w8a16-pc (per-channel), w8a8 (static int8 activations), fp16, bf16)"},
+			&cli.StringFlag{Name: "format", Value: "w4a16,w8a16,fp16", Usage: "formats of the synthetic model (comma-separated: w4a16, w4a16-pc (per-channel), w4a16-act (GPTQ act-order), w8a16, w8a16-pc (per-channel), w8a8 (static int8 activations), fp16, bf16)"},
 			&cli.IntFlag{Name: "prompt", Value: 512, Usage: "prefill length"},
 			&cli.IntFlag{Name: "decode", Value: 128, Usage: "decode steps"},
 			&cli.StringFlag{Name: "kv-cache", Value: "fp16", Usage: "KV cache element type: fp16 (verify's default on CUDA) or fp32"},
@@ -245,7 +245,7 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 	for _, sh := range benchShapes {
 		N, K := sh[0], sh[1]
 		var f16Rate float64
-		for _, f := range []string{"fp16", "bf16", "w8a8", "w8a16", "w8a16-pc", "w4a16", "w4a16-act"} {
+		for _, f := range []string{"fp16", "bf16", "w8a8", "w8a16", "w8a16-pc", "w4a16", "w4a16-pc", "w4a16-act"} {
 			spec := cuda.Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: seed}
 			w, err := b.UploadLinear("bench", &spec)
 			if err != nil {

@@ -147,9 +147,10 @@ func lin(w runtime.Linear) *Linear {
 // "fp16", "bf16", "w8a8" (int8 weights, static int8 activations:
 // SmoothQuant, msmodelslim W8A8), "w8a16" (int8, per-group: GPTQ 8-bit,
 // Kuiper int8), "w8a16-pc" (int8, one group a row: msmodelslim W8A16),
-// "w4a16" (4-bit, per-group, with zeros: AutoAWQ, ak48) or "w4a16-act"
-// (w4a16 in a random act-order: GPTQ desc_act); vectors (1-D) are 1 ± 0.1
-// noise whatever the format.
+// "w4a16" (4-bit, per-group, with zeros: AutoAWQ, ak48), "w4a16-pc"
+// (4-bit, one group a row: GPTQ group_size -1) or "w4a16-act" (w4a16 in a
+// random act-order: GPTQ desc_act); vectors (1-D) are 1 ± 0.1 noise
+// whatever the format.
 type Synthetic struct {
 	Format    string
 	Dims      []int
@@ -438,7 +439,11 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		l.sz = b.alloc(8 * out * G)
 		b.fill(l.sz, out*G, s.Seed+1, 4, a/128)
 		l.bytes = int64(n + 8*out*G)
-	case "w4a16", "q4", "w4a16-act":
+	case "w4a16", "q4", "w4a16-act", "w4a16-pc":
+		if s.Format == "w4a16-pc" {
+			gs, G = in, 1
+			l.gs, l.groups = gs, G
+		}
 		if gs%32 != 0 || in%32 != 0 {
 			return nil, fmt.Errorf("cuda: synthetic %s: 4-bit needs group size and width multiples of 32", name)
 		}
@@ -461,7 +466,7 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 			l.bytes += permBytes(in)
 		}
 	default:
-		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, bf16, w8a8, w8a16, w8a16-pc, w4a16 or w4a16-act)", name, s.Format)
+		return nil, fmt.Errorf("cuda: synthetic %s: format %q (want fp16, bf16, w8a8, w8a16, w8a16-pc, w4a16, w4a16-pc or w4a16-act)", name, s.Format)
 	}
 	// A GEMV reads its weights before its programmatic wait (qtool.cu,
 	// pdl_wait): the kernel after the fills starts when they have ended.

@@ -111,6 +111,11 @@ func TestSynthetic(t *testing.T) {
 		}
 		inRange("w8a16 scale", []float64{float64(p[0])}, a/128, 2*a/128)
 	}
+	for _, f := range []string{"w4a16-pc", "w8a16-pc"} { // one group a row
+		if l := synth(f); l.groups != 1 || l.gs != in {
+			t.Errorf("%s: %d groups of %d columns, want 1 of %d", f, l.groups, l.gs, in)
+		}
+	}
 	ls8 := synth("w8a8")
 	deq := make([]float64, out)
 	for i, v := range downloadAs[float32](b, ls8.deq, out) {
