@@ -5,8 +5,10 @@
 # (kernels_test.go checks it). Usage:
 # kernels/build.sh [OUTDIR] (default: kernels/). Also writes the ptxas
 # resource report (registers, shared memory, spills) to OUTDIR/ptxas.txt,
-# and fails when the sm_90a SASS has a cp.async through uniform registers
-# that nothing writes (sass_check.py; OUTDIR/sass-check-*.txt).
+# and fails when the sm_90 SASS (qtool's sm_90a, calib's sm_90) of this
+# machine's ptxas has a cp.async through uniform registers that nothing
+# writes (sass_check.py; OUTDIR/sass-check-*.txt). The driver compiles the
+# PTX again when qtool loads it; this vets the build machine's compiler.
 # The nvcc runs go in parallel. NVCC_FLAGS adds flags to every nvcc run (an
 # experiment's -D switches; the committed PTX is built without).
 set -euo pipefail
@@ -14,6 +16,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here}
 mkdir -p "$out"
 tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
 pids=()
 for src in qtool calib; do
   # qtool's Hopper PTX is arch-specific (sm_90a: wgmma); calib's stays sm_90
@@ -29,8 +32,13 @@ done
 # (an illegal instruction at run time): refuse such a build before writing its PTX (sass_check.py)
 for src in qtool calib; do
   cuobjdump -sass "$tmp/${src}90.cubin" > "$tmp/${src}90.sass"
-  python3 "$here/sass_check.py" "$tmp/${src}90.sass" > "$out/sass-check-$src.txt" ||
-    { cat "$out/sass-check-$src.txt"; echo "build.sh: $src: ptxas wrote cp.async through unset uniform registers" >&2; exit 1; }
+  expect=""; [ $src = qtool ] && expect=--expect-copies # qtool's ring GEMVs copy; calib's kernels may not
+  rc=0; python3 "$here/sass_check.py" $expect "$tmp/${src}90.sass" > "$out/sass-check-$src.txt" || rc=$?
+  case $rc in
+    0) ;;
+    1) cat "$out/sass-check-$src.txt"; echo "build.sh: $src: ptxas wrote cp.async through unset uniform registers" >&2; exit 1 ;;
+    *) cat "$out/sass-check-$src.txt"; echo "build.sh: $src: sass_check.py failed (exit $rc)" >&2; exit 1 ;;
+  esac
 done
 for src in qtool calib; do
   h=$(sha256sum "$here/$src.cu" | cut -d' ' -f1)
@@ -40,4 +48,3 @@ for src in qtool calib; do
   echo "built $out/${src}_sm80.ptx $out/${src}_sm90.ptx (source $h)"
 done
 cat "$tmp"/ptxas-*.txt > "$out/ptxas.txt"
-rm -rf "$tmp"

@@ -126,7 +126,9 @@ type weightCase struct {
 	k    int // input features this case needs (0: default)
 	make func(r *rand.Rand, n, k int) (model.Tensor, []float64)
 	// tall: rows a multiprocessor added (rowsFor) for the wide streaming
-	// GEMVs (64: gemv_q4_w4a's waves the fuller; 112: gemv_q4_w4h's)
+	// GEMVs (at M = 1, 64: the shared-memory ring's waves the fuller,
+	// gemv_q4_w4a or gemv_q8_w4a; 112: the register ring's, gemv_q4_w4h or
+	// gemv_q8_w4h; at M = 3 the other way round)
 	tall int
 }
 
@@ -265,8 +267,8 @@ var weightCases = []weightCase{
 	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false), 0},
 	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false), 0},
 	{"w8-g128-offset", 0, quantCase(8, 128, 2, false), 0},
-	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64},     // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q8_w4a
-	{"w8-g128-offset-taller", 0, quantCase(8, 128, 2, false), 112},  // waves fuller at two blocks a multiprocessor: gemv_q8_w4h
+	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64},     // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q8_w4a at M = 1
+	{"w8-g128-offset-taller", 0, quantCase(8, 128, 2, false), 112},  // waves fuller at two blocks a multiprocessor: gemv_q8_w4h at M = 1
 	{"w8-perchannel-offset-tall", 0, quantCase(8, 0, 2, false), 64}, // per-channel {scale, zero}: gemv_q8_w4h
 	// 4-bit weights with fp16 scales (the checkpoints' form: the GEMVs
 	// read the scales' half form) and with fp32 scales (msmodelslim
@@ -282,8 +284,8 @@ var weightCases = []weightCase{
 	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false), 0},
 	{"w8-g128-offset-long", 5120, quantCase(8, 128, 2, false), 0},             // K > 4096: gemv_q8_r4u1
 	{"awq-int4-g128-wide", 4608, halfScaled(quantCase(4, 128, 1, false)), 0},  // K > 4096: gemv_q4_w2h
-	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},    // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a
-	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), 112}, // waves fuller at two blocks a multiprocessor: gemv_q4_w4h
+	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},    // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a at M = 1
+	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), 112}, // waves fuller at two blocks a multiprocessor: gemv_q4_w4h at M = 1
 	{"gptq-int4-actorder-g128-tall", 0, halfScaled(quantCase(4, 128, 1, true)), 64},
 	// act-order rows too wide for gather_half (K > gatherHalfMaxCols: a
 	// 70B's down): gather_cols, then to_half; the GEMV's x too wide to stage

@@ -398,6 +398,9 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 	if gs <= 0 {
 		gs = 128
 	}
+	if s.Format == "w8a16-pc" || s.Format == "w4a16-pc" { // one group a row
+		gs = in
+	}
 	if in%gs != 0 {
 		return nil, fmt.Errorf("cuda: synthetic %s: group %d does not divide %d", name, gs, in)
 	}
@@ -429,10 +432,6 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		b.fill(l.deq, out, s.Seed+1, 2, a/8192)
 		l.bytes = int64(n + 8*out)
 	case "w8a16", "q8", "w8a16-pc":
-		if s.Format == "w8a16-pc" {
-			gs, G = in, 1
-			l.gs, l.groups = gs, G
-		}
 		l.kind = kindQ8
 		l.w = b.alloc(n)
 		b.fill(l.w, n/4, s.Seed, 0, 0)
@@ -440,10 +439,6 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		b.fill(l.sz, out*G, s.Seed+1, 4, a/128)
 		l.bytes = int64(n + 8*out*G)
 	case "w4a16", "q4", "w4a16-act", "w4a16-pc":
-		if s.Format == "w4a16-pc" {
-			gs, G = in, 1
-			l.gs, l.groups = gs, G
-		}
 		if gs%32 != 0 || in%32 != 0 {
 			return nil, fmt.Errorf("cuda: synthetic %s: 4-bit needs group size and width multiples of 32", name)
 		}
@@ -1698,8 +1693,9 @@ const gemvStreamMaxSmem = 96 << 10
 // staged activation row: 2 bytes a feature, 6 with a column order to gather
 // by) and whether it can run l: 4 or 8 bits, no g_idx, width and group
 // size multiples of 32, the row within gemvStreamMaxSmem. (The fixed-point
-// kernels' chunk figures and gemv_q4_w4a's ring come on top, streamSmem;
-// those kernels run K ≤ 4096 alone, 49 KB at most.)
+// kernels' chunk figures and the rings of gemv_q4_w4a and gemv_q8_w4a come
+// on top, streamSmem; those kernels run K ≤ 4096 alone, 66 560 bytes at
+// most: gemv_q4_w4a with a column order.)
 func gemvStream(l *Linear) (shm int, ok bool) {
 	shm = 2 * l.in
 	if l.perm != 0 {

@@ -111,9 +111,12 @@ func TestSynthetic(t *testing.T) {
 		}
 		inRange("w8a16 scale", []float64{float64(p[0])}, a/128, 2*a/128)
 	}
-	for _, f := range []string{"w4a16-pc", "w8a16-pc"} { // one group a row
-		if l := synth(f); l.groups != 1 || l.gs != in {
-			t.Errorf("%s: %d groups of %d columns, want 1 of %d", f, l.groups, l.gs, in)
+	for _, c := range []struct {
+		format string
+		bytes  int64 // the codes and one group's figures a row
+	}{{"w4a16-pc", out*in/2 + 12*out}, {"w8a16-pc", out*in + 8*out}} {
+		if l := synth(c.format); l.groups != 1 || l.gs != in || l.bytes != c.bytes {
+			t.Errorf("%s: %d groups of %d columns, %d bytes; want 1 of %d, %d bytes", c.format, l.groups, l.gs, l.bytes, in, c.bytes)
 		}
 	}
 	ls8 := synth("w8a8")
