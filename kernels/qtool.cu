@@ -2264,10 +2264,18 @@ __device__ __forceinline__ float q4_dot_staged(const uint32_t (&w4)[4], const __
 __device__ __forceinline__ int q4_stage_k(float mx) { return max(0, ((__float_as_int(mx) >> 23) & 0xff) - 136); }
 // pow2f is 2^k, for k within a float's normal exponents.
 __device__ __forceinline__ float pow2f(int k) { return __int_as_float((127 + k) << 23); }
-// absmax8 is the largest |x| of 8 features a, b (NaN skipped).
+// fmax_nan is the larger of a and b, NaN where either is.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+    float d;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+// absmax8 is the largest |x| of 8 features a, b: NaN skipped, or with KEEP_NAN
+// NaN where one is.
+template <bool KEEP_NAN = false>
 __device__ __forceinline__ float absmax8(float4 a, float4 b) {
-    return fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
-                 fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+    auto mx = [](float p, float q) { return KEEP_NAN ? fmax_nan(p, q) : fmaxf(p, q); };
+    return mx(mx(mx(fabsf(a.x), fabsf(a.y)), mx(fabsf(a.z), fabsf(a.w))), mx(mx(fabsf(b.x), fabsf(b.y)), mx(fabsf(b.z), fabsf(b.w))));
 }
 // q4_stage_unit is the staged form of 8 features of x (a, b: in order)
 // divided by 2^k (q4_stage_k): four half2, the odd pairs also by 16 —
@@ -2299,12 +2307,6 @@ __device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
 __device__ __forceinline__ uint32_t dp4a_uu(uint32_t a, uint32_t b, uint32_t c) {
     uint32_t d;
     asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-// fmax_nan is the larger of a and b, NaN where either is.
-__device__ __forceinline__ float fmax_nan(float a, float b) {
-    float d;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
     return d;
 }
 // fx_unit is the fixed-point staged form of 8 features (a, b: in order)
@@ -2348,7 +2350,7 @@ __device__ __forceinline__ int q4_dot_fx(const uint32_t (&w4)[4], const uint4 (&
     return ah * 4096 + bh * 256 + (int)((al << 4) + bl);
 }
 
-// The 8-bit streaming GEMVs (gemv_q8_w2h, gemv_q8_w4h: gemvw_body with
+// The 8-bit streaming GEMVs (gemv_q8_w2h, gemv_q8_w4h, gemv_q8_w4a: gemvw_body with
 // Q8; W8A16 weights of K ≤ 4096) stage x in the same 16-bit fixed point,
 // a scale per 16 features (a lane's chunk), the bytes of 8 features in
 // their order (fx_unit<true>); a lane's 16 int8 codes times them is
@@ -2868,8 +2870,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                     // a chunk's CU units are staged by CU neighbouring lanes (alike here)
                     unsigned gm = ((1u << CU) - 1) << (lane & ~(CU - 1));
                     // the chunk's largest |x|, NaN where one is
-                    float mx = fmax_nan(fmax_nan(fmax_nan(fabsf(a[i].x), fabsf(a[i].y)), fmax_nan(fabsf(a[i].z), fabsf(a[i].w))),
-                                        fmax_nan(fmax_nan(fabsf(b[i].x), fabsf(b[i].y)), fmax_nan(fabsf(b[i].z), fabsf(b[i].w))));
+                    float mx = absmax8<true>(a[i], b[i]);
                     mx = fmax_nan(mx, __shfl_xor_sync(gm, mx, 1));
                     if constexpr (CU == 4) mx = fmax_nan(mx, __shfl_xor_sync(gm, mx, 2));
                     // non-finite x: s non-finite, so is the row's sum (q is then any bits);
