@@ -396,8 +396,7 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 	res.Linears = append(res.Linears, benchLinear(b, "lm_head", head.(*cuda.Linear), nil, prompt, copyGBs)...)
 	b.FreeLinear(head)
 	res.WeightBytes = weightBytes
-	qk := b.GEMVKernel(rm.Linear(0, model.Q), 1)
-	streaming := strings.HasPrefix(qk, "gemv_q4_w") || strings.HasPrefix(qk, "gemv_q8_w")
+	streaming := cuda.StreamingGEMV(b.GEMVKernel(rm.Linear(0, model.Q), 1))
 	other, err := stepBreakdown(b, m, cfg, 1, prompt+steps/2, streaming, out)
 	if err != nil {
 		return res, err
@@ -613,7 +612,7 @@ func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 in
 		times int
 		f     func()
 	}
-	// With the streaming 4-bit GEMV a decode step's norms, SwiGLU and
+	// With a streaming GEMV a decode step's norms, SwiGLU and
 	// residual adds run inside the matrix products (runtime.Fused); the
 	// other GEMVs fuse the adds, the GEMMs (prefill) the adds and the
 	// SwiGLU.

@@ -1132,6 +1132,55 @@ func TestPoolReuse(t *testing.T) {
 
 // TestKernelNamesInPTX checks (without a GPU) that every kernel the backend
 // looks up is in both embedded PTX files.
+// TestStreamKernels checks the streaming GEMVs' table against the kernel
+// list and the shared memory of gemvw_body's layout (qtool.cu: the staged
+// row, the fixed-point chunk figures, the ring at a 16-byte boundary) at
+// K = 4096, the largest the ring kernels run.
+func TestStreamKernels(t *testing.T) {
+	listed := map[string]bool{}
+	for _, k := range gemvKernels {
+		listed[k] = true
+	}
+	for name, k := range streamKernels {
+		if !listed[name] {
+			t.Errorf("%s: in streamKernels, not in gemvKernels", name)
+		}
+		if listed[name+"_n"] != k.sumsTwin {
+			t.Errorf("%s: sumsTwin %v, gemvKernels has its _n twin: %v", name, k.sumsTwin, listed[name+"_n"])
+		}
+	}
+	for _, name := range gemvKernels {
+		if strings.HasPrefix(name, "gemv_q4_w") || strings.HasPrefix(name, "gemv_q8_w") {
+			if !StreamingGEMV(name) {
+				t.Errorf("%s: a streaming kernel's name, not in streamKernels", name)
+			}
+		}
+	}
+	for _, c := range []struct {
+		name  string
+		l     Linear
+		rows  int
+		smem  int
+		fixed bool
+	}{
+		{"gemv_q4_w2h", Linear{kind: kindQ4, in: 4096, gs: 128}, 16, 8192, false},
+		{"gemv_q4_w4h_n", Linear{kind: kindQ4, in: 4096, gs: 128}, 32, 8192 + 1024, true},
+		{"gemv_q4_w4a", Linear{kind: kindQ4, in: 4096, gs: 128, perm: 1}, 32, 6*4096 + 1024 + 40960, true},
+		{"gemv_q8_w2h", Linear{kind: kindQ8, in: 4096, gs: 128}, 16, 8192 + 2048, true},
+		{"gemv_q8_w4a", Linear{kind: kindQ8, in: 4096, gs: 128}, 32, 8192 + 2048 + 49152, true},
+		{"gemv_q8_w4a", Linear{kind: kindQ8, in: 4064, gs: 32}, 32, (2*4064+4064/2+15)&^15 + 49152, true},
+	} {
+		rows, smem := gemvShape(c.name, gemvStreamRowsTag, &c.l)
+		if rows != c.rows || smem != c.smem || gemvFixedPoint(c.name) != c.fixed {
+			t.Errorf("%s at K = %d: %d rows, %d bytes, fixed point %v; want %d, %d, %v",
+				c.name, c.l.in, rows, smem, gemvFixedPoint(c.name), c.rows, c.smem, c.fixed)
+		}
+	}
+	if StreamingGEMV("gemv_q8_r4u1") || StreamingGEMV("gemv_q4_sh") || gemvFixedPoint("gemv_q8_r4u1") {
+		t.Error("gemv_q8_r4u1 or gemv_q4_sh taken for a streaming kernel")
+	}
+}
+
 func TestKernelNamesInPTX(t *testing.T) {
 	entry := regexp.MustCompile(`\.entry ([A-Za-z0-9_]+)\(`)
 	for _, cc := range [][2]int{{8, 0}, {9, 0}} {

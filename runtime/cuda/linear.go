@@ -1627,7 +1627,7 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	rows, shm := gemvShape(name, R, l)
 	var in rowSums // x's sums of squares from its producer (rowsums.go)
 	if R == gemvStreamRowsTag {
-		if in = b.sumsIn(s); in.p != 0 && epi.nw != 0 && l.perm == 0 && l.kind == kindQ4 { // (no 8-bit _n twins)
+		if in = b.sumsIn(s); in.p != 0 && epi.nw != 0 && l.perm == 0 && streamKernels[name].sumsTwin {
 			name += "_n"
 		} else {
 			in = rowSums{}
@@ -1712,70 +1712,81 @@ func gemvShape(name string, R int, l *Linear) (rows, shm int) {
 	if R != gemvStreamRowsTag {
 		return R, 0
 	}
-	return gemvStreamRows(name), streamSmem(name, l)
+	k, _ := streamKernelOf(name)
+	return k.rows, streamSmem(name, l)
 }
 
-// gemvStreamRows is the rows per block of a streaming GEMV kernel: 8 warps
-// × 4 rows for gemv_q4_w4h, gemv_q4_w4a (and their _n twins), gemv_q8_w4h
-// and gemv_q8_w4a, × 2 for gemv_q4_w2h (and its twins) and gemv_q8_w2h.
-func gemvStreamRows(name string) int {
-	if strings.HasPrefix(name, "gemv_q4_w4") || strings.HasPrefix(name, "gemv_q8_w4") {
-		return 32
-	}
-	return 16
+// streamKernel is what launching and choosing a streaming GEMV kernel
+// (qtool.cu's GEMVW_ENTRY instances of gemvw_body) needs to know of it.
+type streamKernel struct {
+	rows int // output rows a block: 8 warps × R
+	// chunk: the features one {scale, Σq} of the staged x covers where x is
+	// staged in 16-bit fixed point and multiplied on dp4a (fx_unit: 32 for
+	// the 4-bit kernels, 16 for the 8-bit ones); 0 where x is staged in
+	// fp16
+	chunk int
+	// ring: the bytes of its ring in shared memory (ASYNC: D·R·256 slots a
+	// block of a 16-byte weight word and its {scale, zero}, 4 bytes in the
+	// half form Linear.szh, 8 as floats); 0 where the ring is in registers
+	ring int
+	// sumsTwin: it has an _n twin that takes its input's sums of squares
+	// from the producer (rowsums.go)
+	sumsTwin bool
 }
 
-// gemvAsyncRing is the bytes of the ring in shared memory of gemv_q4_w4a
-// or gemv_q8_w4a (name, or its _n twin): 8 slots a thread (2 chunks × 4
-// rows) × 256 threads of a 16-byte weight slot and a {scale, zero} slot, 4
-// bytes in the half form (Linear.szh) of the 4-bit kernel, 8 for the 8-bit
-// one.
-func gemvAsyncRing(name string) int {
-	if strings.HasPrefix(name, "gemv_q8_") {
-		return 2 * 4 * 256 * (16 + 8)
-	}
-	return 2 * 4 * 256 * (16 + 4)
+// streamKernels are the streaming GEMV kernels by name (their _n twins
+// under their own).
+var streamKernels = map[string]streamKernel{
+	"gemv_q4_w2h":     {rows: 16, sumsTwin: true},
+	"gemv_q4_w2h_s32": {rows: 16, sumsTwin: true},
+	"gemv_q4_w4h":     {rows: 32, chunk: 32, sumsTwin: true},
+	"gemv_q4_w4a":     {rows: 32, chunk: 32, ring: 2 * 4 * 256 * (16 + 4), sumsTwin: true},
+	"gemv_q8_w2h":     {rows: 16, chunk: 16},
+	"gemv_q8_w4h":     {rows: 32, chunk: 16},
+	"gemv_q8_w4a":     {rows: 32, chunk: 16, ring: 2 * 4 * 256 * (16 + 8)},
 }
 
-// gemvAsync reports whether streaming GEMV name (or its _n twin) keeps its
-// ring in shared memory.
-func gemvAsync(name string) bool {
-	return strings.HasPrefix(name, "gemv_q4_w4a") || strings.HasPrefix(name, "gemv_q8_w4a")
+// streamKernelOf is streaming GEMV kernel name's entry (an _n twin's its
+// base's); ok is false for the other GEMV kernels.
+func streamKernelOf(name string) (k streamKernel, ok bool) {
+	k, ok = streamKernels[strings.TrimSuffix(name, "_n")]
+	return k, ok
+}
+
+// StreamingGEMV reports whether GEMV kernel name (GEMVKernel's answer) is a
+// streaming one: those run the norm before a product and the SwiGLU after
+// gate/up inside the product (runtime.Fused), the others beside it.
+func StreamingGEMV(name string) bool {
+	_, ok := streamKernelOf(name)
+	return ok
 }
 
 // streamSmem is the dynamic shared memory of streaming GEMV name (or its
-// _n twin) on l's weight: the staged x (gemvStream); for the fixed-point
-// kernels (gemvFixedPoint) 8 bytes of scale and sum after it a chunk of 32
-// features (4-bit) or 16 (8-bit); the ring of gemv_q4_w4a or gemv_q8_w4a
-// (gemvAsyncRing) after those at a 16-byte boundary.
+// _n twin) on l's weight: the staged x (gemvStream); where x is in fixed
+// point 8 bytes of scale and sum after it a chunk (streamKernel.chunk); the
+// ring in shared memory, if any, after those at a 16-byte boundary.
 func streamSmem(name string, l *Linear) int {
+	k, _ := streamKernelOf(name)
 	shm, _ := gemvStream(l)
-	switch {
-	case strings.HasPrefix(name, "gemv_q8_w"):
-		shm += l.in / 2
-	case q4FixedPoint(name):
-		shm += l.in / 4
+	if k.chunk != 0 {
+		shm += 8 * l.in / k.chunk
 	}
-	if gemvAsync(name) {
-		shm = (shm+15)&^15 + gemvAsyncRing(name)
+	if k.ring != 0 {
+		shm = (shm+15)&^15 + k.ring
 	}
 	return shm
 }
 
-// q4FixedPoint reports whether 4-bit GEMV kernel name (or its _n twin)
-// stages x in 16-bit fixed point and multiplies on dp4a — the 32-row
-// streaming kernels, gemv_q4_w4h and gemv_q4_w4a — rather than in fp16
-// (gemv_q4_w2h, gemv_q4_sh). The two forms' results differ by the fp16
-// form's rounding (TestMatMul: relative errors 1e-5 against 3e-4 to 5e-4),
-// so a product gives the same bits through MatMul and MatMulN only where
-// both launches run the same form.
-func q4FixedPoint(name string) bool { return strings.HasPrefix(name, "gemv_q4_w4") }
-
 // gemvFixedPoint reports whether GEMV kernel name stages x in 16-bit fixed
-// point and multiplies on dp4a: q4FixedPoint's, and the 8-bit streaming
-// kernels (gemv_q8_w4a, gemv_q8_w4h, gemv_q8_w2h).
+// point and multiplies on dp4a (streamKernel.chunk: the 32-row 4-bit
+// kernels and the 8-bit streaming ones) rather than in fp16 (gemv_q4_w2h,
+// gemv_q4_sh) or fp32. The forms' results differ by the fp16 form's
+// rounding (TestMatMul: relative errors 1e-5 against 3e-4 to 5e-4), so a
+// product gives the same bits through MatMul and MatMulN only where both
+// launches run the same form.
 func gemvFixedPoint(name string) bool {
-	return q4FixedPoint(name) || strings.HasPrefix(name, "gemv_q8_w")
+	k, _ := streamKernelOf(name)
+	return k.chunk != 0
 }
 
 // gemvWide picks the 32-row streaming kernel of l's kind for a launch of
@@ -1826,7 +1837,7 @@ func waveFill(blocks, slots int) float64 {
 }
 
 // gemvStreamRowsTag is gemvKernel's rows-per-block answer for the streaming
-// kernels (their rows per block come from gemvStreamRows).
+// kernels (their rows per block come from streamKernels).
 const gemvStreamRowsTag = 1 << 29
 
 // gemvKernels are the GEMV kernels the dispatcher selects (gemvKernel), the
