@@ -450,7 +450,7 @@ func TestMatMulLargeInputs(t *testing.T) {
 			t.Run(name, func(t *testing.T) {
 				checkMatMul(t, b, name, kernel, lw, wf, x, M, N, K)
 			})
-			if !strings.HasPrefix(kernel, "gemv_q4_w") && !strings.HasPrefix(kernel, "gemv_q8_w") {
+			if !StreamingGEMV(kernel) { // the kernels that fuse the norm
 				continue
 			}
 			t.Run(name+"/norm", func(t *testing.T) {
@@ -1130,8 +1130,6 @@ func TestPoolReuse(t *testing.T) {
 	}
 }
 
-// TestKernelNamesInPTX checks (without a GPU) that every kernel the backend
-// looks up is in both embedded PTX files.
 // TestStreamKernels checks the streaming GEMVs' table against the kernel
 // list and the shared memory of gemvw_body's layout (qtool.cu: the staged
 // row, the fixed-point chunk figures, the ring at a 16-byte boundary) at
@@ -1181,6 +1179,8 @@ func TestStreamKernels(t *testing.T) {
 	}
 }
 
+// TestKernelNamesInPTX checks (without a GPU) that every kernel the backend
+// looks up is in both embedded PTX files.
 func TestKernelNamesInPTX(t *testing.T) {
 	entry := regexp.MustCompile(`\.entry ([A-Za-z0-9_]+)\(`)
 	for _, cc := range [][2]int{{8, 0}, {9, 0}} {
