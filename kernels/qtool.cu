@@ -173,16 +173,13 @@ __device__ __forceinline__ float2 ldg_once_f2(const float2* g, uint64_t pol) {
     asm volatile("ld.global.nc.L2::cache_hint.v2.f32 {%0, %1}, [%2], %3;" : "=f"(v.x), "=f"(v.y) : "l"(g), "l"(pol));
     return v;
 }
-__device__ __forceinline__ void cp_async16_once(void* s, const void* g, uint64_t pol) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+__device__ __forceinline__ void cp_async16_once_at(uint32_t a, const void* g, uint64_t pol) {
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(a), "l"(g), "l"(pol) : "memory");
 }
-__device__ __forceinline__ void cp_async4_once(void* s, const void* g, uint64_t pol) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+__device__ __forceinline__ void cp_async4_once_at(uint32_t a, const void* g, uint64_t pol) {
     asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, %2;\n" ::"r"(a), "l"(g), "l"(pol) : "memory");
 }
-__device__ __forceinline__ void cp_async8_once(void* s, const void* g, uint64_t pol) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(s);
+__device__ __forceinline__ void cp_async8_once_at(uint32_t a, const void* g, uint64_t pol) {
     asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2;\n" ::"r"(a), "l"(g), "l"(pol) : "memory");
 }
 // ldmatrix_x4 loads four 8 × 8 fp16 matrices, lanes 8i..8i+7 addressing
@@ -2698,7 +2695,12 @@ __device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const f
 // HS: the scales are in the half form (Q4Group), one word a group.
 // Q8: W holds int8 codes (a lane's 16 bytes are 16 k, not 32) and sz
 // {scale, zero} floats; x in fixed point (FX).
-template <int R, int D, bool SUMS, bool ASYNC, bool HS, bool Q8>
+// PC (ASYNC alone): one group a row (per-channel scales, G = 1), its scale
+// copied into the ring once, with the first chunk, and read from that slot
+// for every chunk. Copied with every chunk, the 32 lanes' copies of one
+// address held the ring of gemv_q8_w4a at 51 % of copy and gemv_q4_w4a's at
+// 45 % on 11008×4096 (kernels/NOTES.md, thirty-ninth session).
+template <int R, int D, bool SUMS, bool ASYNC, bool HS, bool Q8, bool PC>
 __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x,
                                            const float* __restrict__ xss, int nss, const void* __restrict__ W,
                                            const void* __restrict__ sz, const void* __restrict__ Wu,
@@ -2707,6 +2709,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                                            int mode, const uint4* __restrict__ permx, float* __restrict__ yss,
                                            char* __restrict__ send) {
     static_assert(!Q8 || !HS, "the 8-bit streaming GEMV takes {scale, zero} floats");
+    static_assert(!PC || ASYNC, "the per-channel form copies its scale into the shared-memory ring");
     constexpr int LK = Q8 ? 16 : 32;  // k a lane's 16 bytes of a row hold
     constexpr int KC = 32 * LK;       // k per chunk: 32 lanes x LK k
     constexpr int CU = LK / 8;        // staged units a lane's chunk (and an x scale) covers
@@ -2744,13 +2747,34 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     auto wslot = [&](int d, int r) { return reinterpret_cast<uint4*>(rw) + (d * R + r) * 256 + tid; };
     auto sslot = [&](int d, int r) { return reinterpret_cast<SG*>(rw + D * R * 256 * 16) + (d * R + r) * 256 + tid; };
     uint64_t pol = l2_evict_first();
+    // ASYNC: this thread's first weight and scale slots as shared addresses,
+    // passed through the slots themselves (a volatile store and load), so
+    // that ptxas addresses every copy from a register holding the whole
+    // address. Without it ptxas (nvcc 13.0 for gemv_q8_w2a, 11.8 for
+    // gemv_q8_w4a too) addressed the ring's refills through a uniform
+    // register it never set: an illegal instruction (kernels/NOTES.md,
+    // thirty-eighth session; build.sh's sass_check.py refuses such a build).
+    uint32_t wa0 = 0, sa0 = 0;
+    if constexpr (ASYNC) {
+        volatile uint32_t* pw = reinterpret_cast<volatile uint32_t*>(wslot(0, 0));
+        volatile uint32_t* ps = reinterpret_cast<volatile uint32_t*>(sslot(0, 0));
+        *pw = (uint32_t)__cvta_generic_to_shared(wslot(0, 0));
+        *ps = (uint32_t)__cvta_generic_to_shared(sslot(0, 0));
+        wa0 = *pw;
+        sa0 = *ps;
+    }
     auto fetch = [&](int d, int j, int k) {
 #pragma unroll
         for (int r = 0; r < R; r++) {
             if constexpr (ASYNC) {
-                cp_async16_once(wslot(d, r), wrow[r] + j * 32, pol);
-                if constexpr (HS) cp_async4_once(sslot(d, r), srow[r] + k / gs, pol);
-                else cp_async8_once(sslot(d, r), srow[r] + k / gs, pol);
+                int slot = (d * R + r) * 256;  // the thread's slot of chunk d, row r, less tid
+                cp_async16_once_at(wa0 + slot * 16, wrow[r] + j * 32, pol);
+                if (PC && j > 0) {  // PC: the row's scale is in slot 0 (chunk 0's) already
+                } else if constexpr (HS) {
+                    cp_async4_once_at(sa0 + slot * 4, srow[r] + k / gs, pol);
+                } else {
+                    cp_async8_once_at(sa0 + slot * 8, srow[r] + k / gs, pol);
+                }
             } else {
                 buf[d][r] = ldg_stream(wrow[r] + j * 32);
                 sb[d][r] = __ldg(srow[r] + k / gs);
@@ -2922,7 +2946,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     uint4 wv = ASYNC ? *wslot(d, r) : buf[ASYNC ? 0 : d][r];
-                    SG g = ASYNC ? *sslot(d, r) : sb[ASYNC ? 0 : d][r];
+                    SG g = ASYNC ? *sslot(PC ? 0 : d, r) : sb[ASYNC ? 0 : d][r];
                     Q4Group sv = q4_group_of(g);
                     uint32_t w4[4] = {wv.x, wv.y, wv.z, wv.w};
                     if constexpr (Q8) {  // g: {scale, zero}
@@ -2983,29 +3007,32 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
 // The 4-bit kernels take the scales' half form (Q4Group); fp32 scales, a rarer
 // form (msmodelslim W4A16, FP32Scales), run gemv_q4_w2h's _s32 twins.
 // Every segment of a launch has the same form.
-#define GEMVW_ENTRY(name, R, D, SUMS, MINB, ASYNC, HS, Q8)                                                          \
+#define GEMVW_ENTRY(name, R, D, SUMS, MINB, ASYNC, HS, Q8, PC)                                                      \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         name(const float* x, const float* xss, int nss, const uint4* permx, int K, int gs, int G, const float* nw,   \
              const float* nb, float eps, int mode, float* yss, char* send, GEMV_SEGS) {                              \
         int bx = blockIdx.x;                                                                                         \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
-        gemvw_body<R, D, SUMS, ASYNC, HS, Q8>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb, eps,  \
-                                          mode, permx, yss, send);                                                   \
+        gemvw_body<R, D, SUMS, ASYNC, HS, Q8, PC>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb,   \
+                                              eps, mode, permx, yss, send);                                          \
     }
-GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2, false, true, false)
-GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2, false, true, false)
-GEMVW_ENTRY(gemv_q4_w2h_n, 2, 4, true, 2, false, true, false)
-GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2, false, true, false)
-GEMVW_ENTRY(gemv_q4_w4a, 4, 2, false, 3, true, true, false)
-GEMVW_ENTRY(gemv_q4_w4a_n, 4, 2, true, 3, true, true, false)
-GEMVW_ENTRY(gemv_q4_w2h_s32, 2, 4, false, 2, false, false, false)
-GEMVW_ENTRY(gemv_q4_w2h_s32_n, 2, 4, true, 2, false, false, false)
+GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2, false, true, false, false)
+GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2, false, true, false, false)
+GEMVW_ENTRY(gemv_q4_w2h_n, 2, 4, true, 2, false, true, false, false)
+GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2, false, true, false, false)
+GEMVW_ENTRY(gemv_q4_w4a, 4, 2, false, 3, true, true, false, false)
+GEMVW_ENTRY(gemv_q4_w4a_n, 4, 2, true, 3, true, true, false, false)
+// per-channel 4-bit weights (GPTQ's group_size -1)
+GEMVW_ENTRY(gemv_q4_w4a_pc, 4, 2, false, 3, true, true, false, true)
+GEMVW_ENTRY(gemv_q4_w4a_pc_n, 4, 2, true, 3, true, true, false, true)
+GEMVW_ENTRY(gemv_q4_w2h_s32, 2, 4, false, 2, false, false, false, false)
+GEMVW_ENTRY(gemv_q4_w2h_s32_n, 2, 4, true, 2, false, false, false, false)
 // the 8-bit weights' ({scale, zero} floats a group; 16 k a lane's 16 bytes)
-GEMVW_ENTRY(gemv_q8_w2h, 2, 4, false, 2, false, false, true)
-GEMVW_ENTRY(gemv_q8_w4h, 4, 2, false, 2, false, false, true)
-// gemv_q8_w4a: grouped weights alone; on per-channel ones (the same
-// {scale, zero} every chunk) it was slower than gemv_q8_w4h
-GEMVW_ENTRY(gemv_q8_w4a, 4, 2, false, 3, true, false, true)
+GEMVW_ENTRY(gemv_q8_w2h, 2, 4, false, 2, false, false, true, false)
+GEMVW_ENTRY(gemv_q8_w4h, 4, 2, false, 2, false, false, true, false)
+GEMVW_ENTRY(gemv_q8_w4a, 4, 2, false, 3, true, false, true, false)
+// per-channel 8-bit weights (msmodelslim W8A16's default)
+GEMVW_ENTRY(gemv_q8_w4a_pc, 4, 2, false, 3, true, false, true, true)
 
 // ---------------------------------------------------------------------------
 // Tensor-core GEMM: C[M, N] = A[M, K] (fp32, rounded to fp16) · W[N, K]ᵀ with

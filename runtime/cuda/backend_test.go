@@ -269,7 +269,7 @@ var weightCases = []weightCase{
 	{"w8-g128-offset", 0, quantCase(8, 128, 2, false), 0},
 	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64},     // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q8_w4a at M = 1
 	{"w8-g128-offset-taller", 0, quantCase(8, 128, 2, false), 112},  // waves fuller at two blocks a multiprocessor: gemv_q8_w4h at M = 1
-	{"w8-perchannel-offset-tall", 0, quantCase(8, 0, 2, false), 64}, // per-channel {scale, zero}: gemv_q8_w4h
+	{"w8-perchannel-offset-tall", 0, quantCase(8, 0, 2, false), 64}, // per-channel {scale, zero}: gemv_q8_w4a_pc
 	// 4-bit weights with fp16 scales (the checkpoints' form: the GEMVs
 	// read the scales' half form) and with fp32 scales (msmodelslim
 	// W4A16, FP32Scales: the _s32 GEMV)
@@ -287,6 +287,7 @@ var weightCases = []weightCase{
 	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},    // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a at M = 1
 	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), 112}, // waves fuller at two blocks a multiprocessor: gemv_q4_w4h at M = 1
 	{"gptq-int4-actorder-g128-tall", 0, halfScaled(quantCase(4, 128, 1, true)), 64},
+	{"gptq-int4-perchannel-tall", 0, halfScaled(quantCase(4, 0, 1, false)), 64}, // one group a row (group_size -1): gemv_q4_w4a_pc
 	// act-order rows too wide for gather_half (K > gatherHalfMaxCols: a
 	// 70B's down): gather_cols, then to_half; the GEMV's x too wide to stage
 	{"gptq-int4-actorder-g128-wide-k", 24704, halfScaled(quantCase(4, 128, 1, true)), 0},
@@ -1167,6 +1168,8 @@ func TestStreamKernels(t *testing.T) {
 		{"gemv_q8_w2h", Linear{kind: kindQ8, in: 4096, gs: 128}, 16, 8192 + 2048, true},
 		{"gemv_q8_w4a", Linear{kind: kindQ8, in: 4096, gs: 128}, 32, 8192 + 2048 + 49152, true},
 		{"gemv_q8_w4a", Linear{kind: kindQ8, in: 4064, gs: 32}, 32, (2*4064+4064/2+15)&^15 + 49152, true},
+		{"gemv_q4_w4a_pc_n", Linear{kind: kindQ4, in: 4096, gs: 4096, groups: 1}, 32, 8192 + 1024 + 40960, true},
+		{"gemv_q8_w4a_pc", Linear{kind: kindQ8, in: 4096, gs: 4096, groups: 1}, 32, 8192 + 2048 + 49152, true},
 	} {
 		rows, smem := gemvShape(c.name, gemvStreamRowsTag, &c.l)
 		if rows != c.rows || smem != c.smem || gemvFixedPoint(c.name) != c.fixed {
@@ -1176,6 +1179,22 @@ func TestStreamKernels(t *testing.T) {
 	}
 	if StreamingGEMV("gemv_q8_r4u1") || StreamingGEMV("gemv_q4_sh") || gemvFixedPoint("gemv_q8_r4u1") {
 		t.Error("gemv_q8_r4u1 or gemv_q4_sh taken for a streaming kernel")
+	}
+	// the ring kernels' per-channel forms, where one group spans the row
+	for _, c := range []struct {
+		name   string
+		groups int
+		want   string
+	}{
+		{"gemv_q4_w4a", 32, "gemv_q4_w4a"},
+		{"gemv_q4_w4a", 1, "gemv_q4_w4a_pc"},
+		{"gemv_q8_w4a", 1, "gemv_q8_w4a_pc"},
+		{"gemv_q8_w4a", 2, "gemv_q8_w4a"},
+	} {
+		got := asyncKernel(c.name, &Linear{groups: c.groups})
+		if k, ok := streamKernels[got]; got != c.want || !ok || k.ring == 0 {
+			t.Errorf("asyncKernel(%s, %d groups) = %s (a ring kernel: %v); want %s", c.name, c.groups, got, ok && k.ring != 0, c.want)
+		}
 	}
 }
 

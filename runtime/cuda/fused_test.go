@@ -636,17 +636,20 @@ func TestRowSums(t *testing.T) {
 	}
 	ran := map[string]bool{}
 	shapes := []struct {
-		scales string // the scales' form: the half form (Linear.szh) or fp32
+		scales string // the scales' form: the half form (Linear.szh), that of one group a row, or fp32
 		N, nq  int    // the hidden size, q's rows
-	}{{"half", 256, tall}, {"half", 256, taller}, {"half", tall, 256}, {"s32", 256, tall}}
+	}{{"half", 256, tall}, {"half", 256, taller}, {"half", tall, 256}, {"half-pc", 256, tall}, {"s32", 256, tall}}
 	for _, sh := range shapes {
 		N, nq := sh.N, sh.nq
 		q4 = quantCase(4, 128, 1, false)
-		if sh.scales == "half" {
+		if sh.scales == "half-pc" {
+			q4 = quantCase(4, 0, 1, false)
+		}
+		if sh.scales != "s32" {
 			q4 = halfScaled(q4)
 		}
 		wo, gate, up, down := upLinear(N, qdim), upLinear(inter, N), upLinear(inter, N), upLinear(N, inter)
-		wq := upLinear(nq, N) // gemv_q4_w4a_n, gemv_q4_w4h_n, gemv_q4_w2h_n (K > 4096)
+		wq := upLinear(nq, N) // gemv_q4_w4a_n (_pc_n), gemv_q4_w4h_n, gemv_q4_w2h_n (K > 4096)
 		nwv := randVec(r, N, 1)
 		nw, _ := b.UploadVector(fmt.Sprintf("norm%d", N), model.FromFloat32([]int{N}, nwv))
 		nwv = slices.Clone(nwv) // the large cases' norm: the large features' weights 1 000
@@ -1035,8 +1038,9 @@ func TestStagedOrder(t *testing.T) {
 	}
 }
 
-// TestAsyncGEMV checks gemv_q4_w4a and gemv_q8_w4a (the ring in shared
-// memory) against gemv_q4_w4h and gemv_q8_w4h (Options.NoAsyncGEMV) on the
+// TestAsyncGEMV checks gemv_q4_w4a and gemv_q8_w4a and their _pc forms
+// (the ring in shared memory) against gemv_q4_w4h and gemv_q8_w4h
+// (Options.NoAsyncGEMV) on the
 // decode steps that run them: a
 // product, q/k/v with the norm (three segments), gate/up with the norm and
 // SwiGLU, and a normed product after a residual add that wrote its row
@@ -1048,7 +1052,8 @@ func TestAsyncGEMV(t *testing.T) {
 	r := rand.New(rand.NewPCG(41, 42))
 	for _, wc := range weightCases {
 		switch wc.name {
-		case "awq-int4-g128-tall", "gptq-int4-actorder-g128-tall", "w8-g128-offset-tall":
+		case "awq-int4-g128-tall", "gptq-int4-actorder-g128-tall", "w8-g128-offset-tall",
+			"gptq-int4-perchannel-tall", "w8-perchannel-offset-tall": // the last two: the _pc forms
 		default:
 			continue
 		}
