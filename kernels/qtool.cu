@@ -2695,9 +2695,9 @@ __device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const f
 // HS: the scales are in the half form (Q4Group), one word a group.
 // Q8: W holds int8 codes (a lane's 16 bytes are 16 k, not 32) and sz
 // {scale, zero} floats; x in fixed point (FX).
-// PC (ASYNC alone): one group a row (per-channel scales, G = 1), its scale
-// copied into the ring once, with the first chunk, and read from that slot
-// for every chunk. Copied with every chunk, the 32 lanes' copies of one
+// PC: one group a row (per-channel scales, G = 1), its scale loaded once,
+// with the first chunk (ASYNC: into that chunk's slot, read from there for
+// every chunk; otherwise into one register a row). Copied with every chunk, the 32 lanes' copies of one
 // address held the ring of gemv_q8_w4a at 51 % of copy and gemv_q4_w4a's at
 // 45 % on 11008×4096 (kernels/NOTES.md, thirty-ninth session).
 template <int R, int D, bool SUMS, bool ASYNC, bool HS, bool Q8, bool PC>
@@ -2709,7 +2709,6 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                                            int mode, const uint4* __restrict__ permx, float* __restrict__ yss,
                                            char* __restrict__ send) {
     static_assert(!Q8 || !HS, "the 8-bit streaming GEMV takes {scale, zero} floats");
-    static_assert(!PC || ASYNC, "the per-channel form copies its scale into the shared-memory ring");
     constexpr int LK = Q8 ? 16 : 32;  // k a lane's 16 bytes of a row hold
     constexpr int KC = 32 * LK;       // k per chunk: 32 lanes x LK k
     constexpr int CU = LK / 8;        // staged units a lane's chunk (and an x scale) covers
@@ -2736,7 +2735,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // slots: cp.async, one commit group a chunk, read back by the thread
     // that copied them), not in registers
     uint4 buf[ASYNC ? 1 : D][R];
-    SG sb[ASYNC ? 1 : D][R];
+    SG sb[ASYNC || PC ? 1 : D][R];
     // FX (the 32-row 4-bit kernels, the 8-bit ones): x in fixed point
     // (fx_unit), each chunk's figures after the staged row
     // (and xraw): {s/16, 16·Σq} a 32-feature chunk (4-bit), {s, Σq} a
@@ -2777,7 +2776,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                 }
             } else {
                 buf[d][r] = ldg_stream(wrow[r] + j * 32);
-                sb[d][r] = __ldg(srow[r] + k / gs);
+                if (!PC || j == 0) sb[PC ? 0 : d][r] = __ldg(srow[r] + k / gs);
             }
         }
     };
@@ -2946,7 +2945,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     uint4 wv = ASYNC ? *wslot(d, r) : buf[ASYNC ? 0 : d][r];
-                    SG g = ASYNC ? *sslot(PC ? 0 : d, r) : sb[ASYNC ? 0 : d][r];
+                    SG g = ASYNC ? *sslot(PC ? 0 : d, r) : sb[ASYNC || PC ? 0 : d][r];
                     Q4Group sv = q4_group_of(g);
                     uint32_t w4[4] = {wv.x, wv.y, wv.z, wv.w};
                     if constexpr (Q8) {  // g: {scale, zero}
@@ -3022,16 +3021,23 @@ GEMVW_ENTRY(gemv_q4_w2h_n, 2, 4, true, 2, false, true, false, false)
 GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2, false, true, false, false)
 GEMVW_ENTRY(gemv_q4_w4a, 4, 2, false, 3, true, true, false, false)
 GEMVW_ENTRY(gemv_q4_w4a_n, 4, 2, true, 3, true, true, false, false)
-// per-channel 4-bit weights (GPTQ's group_size -1)
+// the per-channel forms (PC: one group a row), 4-bit (GPTQ's group_size -1)
+// and 8-bit (msmodelslim W8A16's default): the ring in shared memory's
 GEMVW_ENTRY(gemv_q4_w4a_pc, 4, 2, false, 3, true, true, false, true)
 GEMVW_ENTRY(gemv_q4_w4a_pc_n, 4, 2, true, 3, true, true, false, true)
+// the register rings'
+GEMVW_ENTRY(gemv_q4_w2h_pc, 2, 4, false, 2, false, true, false, true)
+GEMVW_ENTRY(gemv_q4_w4h_pc, 4, 2, false, 2, false, true, false, true)
+GEMVW_ENTRY(gemv_q4_w2h_pc_n, 2, 4, true, 2, false, true, false, true)
+GEMVW_ENTRY(gemv_q4_w4h_pc_n, 4, 2, true, 2, false, true, false, true)
+GEMVW_ENTRY(gemv_q8_w2h_pc, 2, 4, false, 2, false, false, true, true)
+GEMVW_ENTRY(gemv_q8_w4h_pc, 4, 2, false, 2, false, false, true, true)
 GEMVW_ENTRY(gemv_q4_w2h_s32, 2, 4, false, 2, false, false, false, false)
 GEMVW_ENTRY(gemv_q4_w2h_s32_n, 2, 4, true, 2, false, false, false, false)
 // the 8-bit weights' ({scale, zero} floats a group; 16 k a lane's 16 bytes)
 GEMVW_ENTRY(gemv_q8_w2h, 2, 4, false, 2, false, false, true, false)
 GEMVW_ENTRY(gemv_q8_w4h, 4, 2, false, 2, false, false, true, false)
 GEMVW_ENTRY(gemv_q8_w4a, 4, 2, false, 3, true, false, true, false)
-// per-channel 8-bit weights (msmodelslim W8A16's default)
 GEMVW_ENTRY(gemv_q8_w4a_pc, 4, 2, false, 3, true, false, true, true)
 
 // ---------------------------------------------------------------------------

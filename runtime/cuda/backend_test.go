@@ -265,11 +265,12 @@ var weightCases = []weightCase{
 	{"f16-splitk", 1024, denseCase(model.F16), 0},
 	{"bf16-splitk", 1024, denseCase(model.BF16), 0},
 	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false), 0},
-	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false), 0},
+	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false), 0}, // one group a row: gemv_q8_w2h_pc
 	{"w8-g128-offset", 0, quantCase(8, 128, 2, false), 0},
-	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64},     // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q8_w4a at M = 1
-	{"w8-g128-offset-taller", 0, quantCase(8, 128, 2, false), 112},  // waves fuller at two blocks a multiprocessor: gemv_q8_w4h at M = 1
-	{"w8-perchannel-offset-tall", 0, quantCase(8, 0, 2, false), 64}, // per-channel {scale, zero}: gemv_q8_w4a_pc
+	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64},        // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q8_w4a at M = 1
+	{"w8-g128-offset-taller", 0, quantCase(8, 128, 2, false), 112},     // waves fuller at two blocks a multiprocessor: gemv_q8_w4h at M = 1
+	{"w8-perchannel-offset-tall", 0, quantCase(8, 0, 2, false), 64},    // per-channel {scale, zero}: gemv_q8_w4a_pc
+	{"w8-perchannel-offset-taller", 0, quantCase(8, 0, 2, false), 112}, // gemv_q8_w4h_pc
 	// 4-bit weights with fp16 scales (the checkpoints' form: the GEMVs
 	// read the scales' half form) and with fp32 scales (msmodelslim
 	// W4A16, FP32Scales: the _s32 GEMV)
@@ -287,7 +288,9 @@ var weightCases = []weightCase{
 	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},    // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a at M = 1
 	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), 112}, // waves fuller at two blocks a multiprocessor: gemv_q4_w4h at M = 1
 	{"gptq-int4-actorder-g128-tall", 0, halfScaled(quantCase(4, 128, 1, true)), 64},
-	{"gptq-int4-perchannel-tall", 0, halfScaled(quantCase(4, 0, 1, false)), 64}, // one group a row (group_size -1): gemv_q4_w4a_pc
+	{"gptq-int4-perchannel", 0, halfScaled(quantCase(4, 0, 1, false)), 0},          // one group a row (group_size -1): gemv_q4_w2h_pc
+	{"gptq-int4-perchannel-tall", 0, halfScaled(quantCase(4, 0, 1, false)), 64},    // gemv_q4_w4a_pc
+	{"gptq-int4-perchannel-taller", 0, halfScaled(quantCase(4, 0, 1, false)), 112}, // gemv_q4_w4h_pc
 	// act-order rows too wide for gather_half (K > gatherHalfMaxCols: a
 	// 70B's down): gather_cols, then to_half; the GEMV's x too wide to stage
 	{"gptq-int4-actorder-g128-wide-k", 24704, halfScaled(quantCase(4, 128, 1, true)), 0},
@@ -1180,7 +1183,8 @@ func TestStreamKernels(t *testing.T) {
 	if StreamingGEMV("gemv_q8_r4u1") || StreamingGEMV("gemv_q4_sh") || gemvFixedPoint("gemv_q8_r4u1") {
 		t.Error("gemv_q8_r4u1 or gemv_q4_sh taken for a streaming kernel")
 	}
-	// the ring kernels' per-channel forms, where one group spans the row
+	// the per-channel forms, where one group spans the row: each the
+	// shape of the kernel it stands for
 	for _, c := range []struct {
 		name   string
 		groups int
@@ -1188,12 +1192,17 @@ func TestStreamKernels(t *testing.T) {
 	}{
 		{"gemv_q4_w4a", 32, "gemv_q4_w4a"},
 		{"gemv_q4_w4a", 1, "gemv_q4_w4a_pc"},
+		{"gemv_q4_w4h", 1, "gemv_q4_w4h_pc"},
+		{"gemv_q4_w2h", 1, "gemv_q4_w2h_pc"},
+		{"gemv_q4_w2h_s32", 1, "gemv_q4_w2h_s32"}, // fp32 scales: no _pc form
 		{"gemv_q8_w4a", 1, "gemv_q8_w4a_pc"},
+		{"gemv_q8_w4h", 1, "gemv_q8_w4h_pc"},
+		{"gemv_q8_w2h", 1, "gemv_q8_w2h_pc"},
 		{"gemv_q8_w4a", 2, "gemv_q8_w4a"},
 	} {
-		got := asyncKernel(c.name, &Linear{groups: c.groups})
-		if k, ok := streamKernels[got]; got != c.want || !ok || k.ring == 0 {
-			t.Errorf("asyncKernel(%s, %d groups) = %s (a ring kernel: %v); want %s", c.name, c.groups, got, ok && k.ring != 0, c.want)
+		got := perChannelForm(c.name, &Linear{groups: c.groups})
+		if got != c.want || streamKernels[got] != streamKernels[c.name] {
+			t.Errorf("perChannelForm(%s, %d groups) = %s (%+v); want %s (%+v)", c.name, c.groups, got, streamKernels[got], c.want, streamKernels[c.name])
 		}
 	}
 }

@@ -638,7 +638,7 @@ func TestRowSums(t *testing.T) {
 	shapes := []struct {
 		scales string // the scales' form: the half form (Linear.szh), that of one group a row, or fp32
 		N, nq  int    // the hidden size, q's rows
-	}{{"half", 256, tall}, {"half", 256, taller}, {"half", tall, 256}, {"half-pc", 256, tall}, {"s32", 256, tall}}
+	}{{"half", 256, tall}, {"half", 256, taller}, {"half", tall, 256}, {"half-pc", 256, tall}, {"half-pc", 256, taller}, {"s32", 256, tall}}
 	for _, sh := range shapes {
 		N, nq := sh.N, sh.nq
 		q4 = quantCase(4, 128, 1, false)

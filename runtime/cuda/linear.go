@@ -1744,9 +1744,13 @@ var streamKernels = map[string]streamKernel{
 	"gemv_q8_w2h":     {rows: 16, chunk: 16},
 	"gemv_q8_w4h":     {rows: 32, chunk: 16},
 	"gemv_q8_w4a":     {rows: 32, chunk: 16, ring: 2 * 4 * 256 * (16 + 8)},
-	// the _pc forms: one group a row, its scale copied once (asyncKernel)
+	// the _pc forms: one group a row, its scale loaded once (perChannelForm)
 	"gemv_q4_w4a_pc": {rows: 32, chunk: 32, ring: 2 * 4 * 256 * (16 + 4), sumsTwin: true},
 	"gemv_q8_w4a_pc": {rows: 32, chunk: 16, ring: 2 * 4 * 256 * (16 + 8)},
+	"gemv_q4_w2h_pc": {rows: 16, sumsTwin: true},
+	"gemv_q4_w4h_pc": {rows: 32, chunk: 32, sumsTwin: true},
+	"gemv_q8_w2h_pc": {rows: 16, chunk: 16},
+	"gemv_q8_w4h_pc": {rows: 32, chunk: 16},
 }
 
 // streamKernelOf is streaming GEMV kernel name's entry (an _n twin's its
@@ -1851,16 +1855,16 @@ const gemvStreamRowsTag = 1 << 29
 //	f32            always                                      gemv_f32_r4u1   4 rows a block
 //	f16, bf16      always                                      gemv_*_r4u2     4 rows a block
 //	q8             streamable (gemvStream), K ≤ 4096,          gemv_q8_w4a     32 rows a block, x staged
-//	               ≥ 40 rows a multiprocessor in the launch,   (_pc: one       in fixed point, the ring
-//	               waves as full at 3 blocks a multiprocessor  group a row)    in shared memory
+//	               ≥ 40 rows a multiprocessor in the launch,                   in fixed point, the ring
+//	               waves as full at 3 blocks a multiprocessor                  in shared memory
 //	               as at 2 (waveFill)
 //	q8             the same, waves fuller at 2                 gemv_q8_w4h     32 rows a block, the same,
 //	                                                                           the ring in registers
 //	q8             streamable, K ≤ 4096                        gemv_q8_w2h     16 rows a block, the same
 //	q8             otherwise (K > 4096, g_idx, width or group) gemv_q8_r4u1    4 rows a block
 //	q4             streamable (gemvStream), K ≤ 4096,          gemv_q4_w4a     32 rows a block, x staged,
-//	               ≥ 40 rows a multiprocessor in the launch,   (_pc: one       the ring in shared memory
-//	               waves as full at 3 blocks a multiprocessor  group a row)
+//	               ≥ 40 rows a multiprocessor in the launch,                   the ring in shared memory
+//	               waves as full at 3 blocks a multiprocessor
 //	               as at 2 (waveFill)
 //	q4             the same, waves fuller at 2                 gemv_q4_w4h     32 rows a block, x staged
 //	q4             other streamable                            gemv_q4_w2h     16 rows a block, x staged
@@ -1868,16 +1872,21 @@ const gemvStreamRowsTag = 1 << 29
 //	q4             fp32 scales (no Linear.szh), otherwise      gemv_q4_w2h_s32 16 rows a block, x staged
 //	               streamable
 //
-// The streaming kernels but the _s32 twins read the scales' half form
-// (Linear.szh). The 8-bit ones and the 32-row 4-bit ones (gemv_q4_w4a and
-// its _pc form, gemv_q4_w4h) stage x in fixed point and multiply on dp4a, the others in
+// Where a weight has one group a row (per-channel scales), each streaming
+// kernel above runs as its _pc form (perChannelForm), which loads the row's
+// {scale, zero} once. The streaming kernels but the _s32 twins read the
+// scales' half form (Linear.szh). The 8-bit ones and the 32-row 4-bit ones
+// (gemv_q4_w4a, gemv_q4_w4h) stage x in fixed point and multiply on dp4a, the others in
 // fp16 (gemvFixedPoint). A streaming kernel with a norm whose input's sums of
 // squares the previous launch wrote (rowsums.go) runs as its _n twin. The
 // fp32 scales (msmodelslim W4A16, FP32Scales) keep to one kernel: the
 // wider kernels' twins would add ~430 KB of PTX an architecture for a
 // rarer form.
-var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1", "gemv_q8_w4a", "gemv_q8_w4a_pc", "gemv_q8_w4h", "gemv_q8_w2h", "gemv_q4_w4h", "gemv_q4_w2h",
-	"gemv_q4_w4a", "gemv_q4_w4a_pc", "gemv_q4_w4h_n", "gemv_q4_w2h_n", "gemv_q4_w4a_n", "gemv_q4_w4a_pc_n", "gemv_q4_w2h_s32", "gemv_q4_w2h_s32_n", "gemv_q4_sh"}
+var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1",
+	"gemv_q8_w4a", "gemv_q8_w4h", "gemv_q8_w2h", "gemv_q8_w4a_pc", "gemv_q8_w4h_pc", "gemv_q8_w2h_pc",
+	"gemv_q4_w4a", "gemv_q4_w4h", "gemv_q4_w2h", "gemv_q4_w4a_n", "gemv_q4_w4h_n", "gemv_q4_w2h_n",
+	"gemv_q4_w4a_pc", "gemv_q4_w4h_pc", "gemv_q4_w2h_pc", "gemv_q4_w4a_pc_n", "gemv_q4_w4h_pc_n", "gemv_q4_w2h_pc_n",
+	"gemv_q4_w2h_s32", "gemv_q4_w2h_s32_n", "gemv_q4_sh"}
 
 // GEMVKernel names the GEMV kernel a product of M activation rows with w
 // runs (see gemvKernels), for reports.
@@ -1907,9 +1916,9 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 		// than gemv_q8_w2h's ring (kernels/NOTES.md, thirty-seventh session)
 		if _, ok := gemvStream(l); ok && l.in <= 4096 {
 			if rows >= 40*b.sms {
-				return b.gemvWide(l, M*((rows+31)/32), asyncKernel("gemv_q8_w4a", l), "gemv_q8_w4h"), gemvStreamRowsTag
+				return b.gemvWide(l, M*((rows+31)/32), perChannelForm("gemv_q8_w4a", l), perChannelForm("gemv_q8_w4h", l)), gemvStreamRowsTag
 			}
-			return "gemv_q8_w2h", gemvStreamRowsTag
+			return perChannelForm("gemv_q8_w2h", l), gemvStreamRowsTag
 		}
 		return "gemv_q8_r4u1", 4
 	case kindQ4:
@@ -1924,20 +1933,22 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 		// decodes faster on them than on gemv_q4_w2h (kernels/NOTES.md,
 		// twenty-eighth session)
 		if l.in <= 4096 && rows >= 40*b.sms {
-			return b.gemvWide(l, M*((rows+31)/32), asyncKernel("gemv_q4_w4a", l), "gemv_q4_w4h"), gemvStreamRowsTag
+			return b.gemvWide(l, M*((rows+31)/32), perChannelForm("gemv_q4_w4a", l), perChannelForm("gemv_q4_w4h", l)), gemvStreamRowsTag
 		}
-		return "gemv_q4_w2h", gemvStreamRowsTag
+		return perChannelForm("gemv_q4_w2h", l), gemvStreamRowsTag
 	}
 	panic(fmt.Sprintf("cuda backend: no GEMV for weight kind %d", l.kind))
 }
 
-// asyncKernel is the form of streaming kernel name (its ring in shared
-// memory) for l's scales: its _pc twin where l has one group a row (that
-// copies the row's {scale, zero} into the ring once, not with every chunk:
-// on gemv_q8_w4a per-channel weights read at 51 % of copy, on its _pc
-// twin at 82 %; kernels/NOTES.md, thirty-ninth session).
-func asyncKernel(name string, l *Linear) string {
-	if l.groups == 1 {
+// perChannelForm is streaming kernel name's _pc form where l has one group a
+// row (per-channel scales), else name. The _pc forms load a row's {scale,
+// zero} once, not with every chunk: with every chunk, the 32 lanes' loads
+// of one address held per-channel weights at 51 % of copy on gemv_q8_w4a
+// and 45 % on gemv_q4_w4a (11008×4096), against 81–82 % and 71 % on their
+// _pc forms, and 54–75 % on the register-ring kernels against 62–81 %
+// (kernels/NOTES.md, thirty-ninth session).
+func perChannelForm(name string, l *Linear) string {
+	if _, ok := streamKernels[name+"_pc"]; ok && l.groups == 1 {
 		return name + "_pc"
 	}
 	return name

@@ -230,7 +230,8 @@ func TestMatMulAllReduce(t *testing.T) {
 			switch wc.name {
 			case "bf16": // 4 rows a block, at most 8 blocks a multiprocessor: several waves
 				shapes = append(shapes, shape{wc, 4*8*ranks[0].sms + 6})
-			case "awq-int4-g128-tall", "w8-g128-offset-tall": // one wave of gemv_q4_w4h / gemv_q8_w4h (two blocks of 32 rows a multiprocessor)
+			case "awq-int4-g128-tall", "w8-g128-offset-tall", "gptq-int4-perchannel-tall", "w8-perchannel-offset-tall":
+				// one wave of gemv_q4_w4h, gemv_q8_w4h and their _pc forms (two blocks of 32 rows a multiprocessor)
 				shapes = append(shapes, shape{wc, 64 * ranks[0].sms})
 			}
 		}
