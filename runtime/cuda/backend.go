@@ -71,8 +71,9 @@ type Options struct {
 	// comparisons, like NoDependentLaunch).
 	NoWGMMA bool
 	// NoAsyncGEMV keeps the 4- and 8-bit decode products on gemv_q4_w4h and
-	// gemv_q8_w4h where gemv_q4_w4a or gemv_q8_w4a (the ring in shared
-	// memory) would run (for comparisons, like NoDependentLaunch).
+	// gemv_q8_w4h (or their _pc forms) where gemv_q4_w4a or gemv_q8_w4a (the
+	// ring in shared memory) would run (for comparisons, like
+	// NoDependentLaunch).
 	NoAsyncGEMV bool
 	// NoClusterAttention runs the decode attention's splits as independent
 	// blocks merged through global memory (attention*), not as one cluster

@@ -10,8 +10,8 @@ import "qtool/runtime/cuda/driver"
 // on a tensor-parallel rank, the all-reduce of their partial sums
 // (AllReducePeer's allreduce_peer_ll), already hold its values, so they
 // also write its sums of squares, one part a block, and the normed GEMV
-// that reads the row next (gemv_q4_w4h_n, gemv_q4_w2h_n, gemv_q4_w4a_n)
-// adds the parts instead.
+// that reads the row next (gemv_q4_w4h_n, gemv_q4_w2h_n, gemv_q4_w4a_n and
+// their _pc forms) adds the parts instead.
 //
 // The parts are used only by the launch right after the one that wrote
 // them, and only for the buffer they describe: every launch counts
