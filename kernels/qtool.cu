@@ -2697,9 +2697,10 @@ __device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const f
 // {scale, zero} floats; x in fixed point (FX).
 // PC: one group a row (per-channel scales, G = 1), its scale loaded once,
 // with the first chunk (ASYNC: into that chunk's slot, read from there for
-// every chunk; otherwise into one register a row). Copied with every chunk, the 32 lanes' copies of one
-// address held the ring of gemv_q8_w4a at 51 % of copy and gemv_q4_w4a's at
-// 45 % on 11008×4096 (kernels/NOTES.md, thirty-ninth session).
+// every chunk; otherwise into one register a row). Loaded with every chunk,
+// the 32 lanes' copies of one address held gemv_q8_w4a at 51 % of copy and
+// gemv_q4_w4a at 45 % on 11008×4096 (kernels/NOTES.md, thirty-ninth
+// session).
 template <int R, int D, bool SUMS, bool ASYNC, bool HS, bool Q8, bool PC>
 __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x,
                                            const float* __restrict__ xss, int nss, const void* __restrict__ W,
@@ -3022,10 +3023,10 @@ GEMVW_ENTRY(gemv_q4_w4h_n, 4, 2, true, 2, false, true, false, false)
 GEMVW_ENTRY(gemv_q4_w4a, 4, 2, false, 3, true, true, false, false)
 GEMVW_ENTRY(gemv_q4_w4a_n, 4, 2, true, 3, true, true, false, false)
 // the per-channel forms (PC: one group a row), 4-bit (GPTQ's group_size -1)
-// and 8-bit (msmodelslim W8A16's default): the ring in shared memory's
+// and 8-bit (msmodelslim W8A16's default); with the ring in shared memory
 GEMVW_ENTRY(gemv_q4_w4a_pc, 4, 2, false, 3, true, true, false, true)
 GEMVW_ENTRY(gemv_q4_w4a_pc_n, 4, 2, true, 3, true, true, false, true)
-// the register rings'
+// with the ring in registers
 GEMVW_ENTRY(gemv_q4_w2h_pc, 2, 4, false, 2, false, true, false, true)
 GEMVW_ENTRY(gemv_q4_w4h_pc, 4, 2, false, 2, false, true, false, true)
 GEMVW_ENTRY(gemv_q4_w2h_pc_n, 2, 4, true, 2, false, true, false, true)

@@ -1039,9 +1039,8 @@ func TestStagedOrder(t *testing.T) {
 }
 
 // TestAsyncGEMV checks gemv_q4_w4a and gemv_q8_w4a and their _pc forms
-// (the ring in shared memory) against gemv_q4_w4h and gemv_q8_w4h
-// (Options.NoAsyncGEMV) on the
-// decode steps that run them: a
+// (the ring in shared memory) against gemv_q4_w4h and gemv_q8_w4h and
+// theirs (Options.NoAsyncGEMV) on the decode steps that run them: a
 // product, q/k/v with the norm (three segments), gate/up with the norm and
 // SwiGLU, and a normed product after a residual add that wrote its row
 // sums. Each lane computes the same chunks in the same order in both, so

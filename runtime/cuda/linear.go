@@ -1873,12 +1873,13 @@ const gemvStreamRowsTag = 1 << 29
 //	               streamable
 //
 // Where a weight has one group a row (per-channel scales), each streaming
-// kernel above runs as its _pc form (perChannelForm), which loads the row's
-// {scale, zero} once. The streaming kernels but the _s32 twins read the
-// scales' half form (Linear.szh). The 8-bit ones and the 32-row 4-bit ones
-// (gemv_q4_w4a, gemv_q4_w4h) stage x in fixed point and multiply on dp4a, the others in
-// fp16 (gemvFixedPoint). A streaming kernel with a norm whose input's sums of
-// squares the previous launch wrote (rowsums.go) runs as its _n twin. The
+// kernel above but gemv_q4_w2h_s32 runs as its _pc form (perChannelForm),
+// which loads the row's {scale, zero} once. The streaming kernels but the
+// _s32 twins read the scales' half form (Linear.szh). The 8-bit ones and
+// the 32-row 4-bit ones (gemv_q4_w4a, gemv_q4_w4h) stage x in fixed point
+// and multiply on dp4a, the others in fp16 (gemvFixedPoint). A streaming
+// kernel with a norm whose input's sums of squares the previous launch
+// wrote (rowsums.go) runs as its _n twin. The
 // fp32 scales (msmodelslim W4A16, FP32Scales) keep to one kernel: the
 // wider kernels' twins would add ~430 KB of PTX an architecture for a
 // rarer form.
