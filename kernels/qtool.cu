@@ -2347,8 +2347,8 @@ __device__ __forceinline__ int q4_dot_fx(const uint32_t (&w4)[4], const uint4 (&
     return ah * 4096 + bh * 256 + (int)((al << 4) + bl);
 }
 
-// The 8-bit streaming GEMVs (gemv_q8_w2h, gemv_q8_w4h, gemv_q8_w4a: gemvw_body with
-// Q8; W8A16 weights of K ≤ 4096) stage x in the same 16-bit fixed point,
+// The 8-bit streaming GEMVs (gemv_q8_w2h, gemv_q8_w4h, gemv_q8_w4a and their
+// _pc forms: gemvw_body with Q8; W8A16 weights of K ≤ 4096) stage x in the same 16-bit fixed point,
 // a scale per 16 features (a lane's chunk), the bytes of 8 features in
 // their order (fx_unit<true>); a lane's 16 int8 codes times them is
 // q8_dot_fx16, exact in int32 (at most 2^27).
@@ -2652,7 +2652,8 @@ GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 //     and the same R/2 up rows;
 //   - yss set (GEMV_ADD, one segment): each block also writes the sum of
 //     the squares of its rows of y, yss[m·gridDim.x + block], for the _n
-//     kernel (gemv_q4_w4h_n, gemv_q4_w2h_n) that normalises y next: it
+//     kernel (gemv_q4_w4a_n, gemv_q4_w4h_n, gemv_q4_w2h_n and their _pc
+//     forms) that normalises y next: it
 //     takes 1/rms from those parts (xss, nss a row) instead of a pass over
 //     the row and a block reduction before its staging;
 //   - send set (M = 1, one segment, no yss): y is an all-reduce's summand,
@@ -2697,7 +2698,7 @@ __device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const f
 // {scale, zero} floats; x in fixed point (FX).
 // PC: one group a row (per-channel scales, G = 1), its scale loaded once,
 // with the first chunk (ASYNC: into that chunk's slot, read from there for
-// every chunk; otherwise into one register a row). Loaded with every chunk,
+// every chunk; otherwise into registers, the row's group). Loaded with every chunk,
 // the 32 lanes' copies of one address held gemv_q8_w4a at 51 % of copy and
 // gemv_q4_w4a at 45 % on 11008×4096 (kernels/NOTES.md, thirty-ninth
 // session).

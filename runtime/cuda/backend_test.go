@@ -359,6 +359,48 @@ func TestMatMul(t *testing.T) {
 	}
 }
 
+// TestPerChannelGEMV checks every _pc GEMV form (one group a row: the
+// row's {scale, zero} loaded with the first chunk, read for every chunk)
+// against float64 on rows of several chunks, the last one partial, their
+// count not a multiple of a ring's depth (K = 2080: three chunks of 4-bit
+// codes, five of 8-bit ones), at M = 1 and 3; weightCases' per-channel
+// cases have one chunk (K = 256).
+func TestPerChannelGEMV(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(61, 62))
+	const K = 2080
+	ran := map[string]bool{}
+	for _, wc := range []weightCase{
+		{"int4-perchannel", K, halfScaled(quantCase(4, 0, 1, false)), 0},
+		{"int4-perchannel-tall", K, halfScaled(quantCase(4, 0, 1, false)), 64},
+		{"int4-perchannel-taller", K, halfScaled(quantCase(4, 0, 1, false)), 112},
+		{"int8-perchannel", K, quantCase(8, 0, 2, false), 0},
+		{"int8-perchannel-tall", K, quantCase(8, 0, 2, false), 64},
+		{"int8-perchannel-taller", K, quantCase(8, 0, 2, false), 112},
+	} {
+		N := rowsFor(b, wc, 198)
+		w, wf := wc.make(r, N, K)
+		lw, err := b.UploadLinear(wc.name, w)
+		if err != nil {
+			t.Fatalf("%s: upload: %v", wc.name, err)
+		}
+		for _, M := range []int{1, 3} {
+			kernel, _ := b.gemvKernel(lin(lw), M, N)
+			ran[kernel] = true
+			name := fmt.Sprintf("%s/M=%d/%s", wc.name, M, kernel)
+			t.Run(name, func(t *testing.T) {
+				checkMatMul(t, b, name, kernel, lw, wf, randVec(r, M*K, 1), M, N, K)
+			})
+		}
+		b.FreeLinear(lw)
+	}
+	for _, k := range gemvKernels {
+		if strings.HasSuffix(k, "_pc") && !ran[k] {
+			t.Errorf("no case runs %s", k)
+		}
+	}
+}
+
 // checkMatMul multiplies x (M rows of K) by lw (N outputs; wf its values)
 // and checks the result against float64 within the tolerance of kernel
 // (the GEMV's name, or anything else for a GEMM).

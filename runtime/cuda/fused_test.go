@@ -636,9 +636,9 @@ func TestRowSums(t *testing.T) {
 	}
 	ran := map[string]bool{}
 	shapes := []struct {
-		scales string // the scales' form: the half form (Linear.szh), that of one group a row, or fp32
+		scales string // the scales' form: the half form (Linear.szh), that of one group a row (rows of several chunks), or fp32
 		N, nq  int    // the hidden size, q's rows
-	}{{"half", 256, tall}, {"half", 256, taller}, {"half", tall, 256}, {"half-pc", 256, tall}, {"half-pc", 256, taller}, {"s32", 256, tall}}
+	}{{"half", 256, tall}, {"half", 256, taller}, {"half", tall, 256}, {"half-pc", 2080, tall}, {"half-pc", 2080, taller}, {"s32", 256, tall}}
 	for _, sh := range shapes {
 		N, nq := sh.N, sh.nq
 		q4 = quantCase(4, 128, 1, false)
@@ -1056,7 +1056,10 @@ func TestAsyncGEMV(t *testing.T) {
 		default:
 			continue
 		}
-		const K = 256
+		K := 256
+		if strings.Contains(wc.name, "perchannel") {
+			K = 2080 // the _pc forms over several chunks, the last one partial (TestPerChannelGEMV)
+		}
 		Ms := []int{1, 3}
 		if strings.Contains(wc.name, "actorder") {
 			Ms = Ms[:1] // each weight its own column order: one launch a weight, q alone at M = 1

@@ -1693,9 +1693,9 @@ const gemvStreamMaxSmem = 96 << 10
 // staged activation row: 2 bytes a feature, 6 with a column order to gather
 // by) and whether it can run l: 4 or 8 bits, no g_idx, width and group
 // size multiples of 32, the row within gemvStreamMaxSmem. (The fixed-point
-// kernels' chunk figures and the rings of gemv_q4_w4a and gemv_q8_w4a come
-// on top, streamSmem; those kernels run K ≤ 4096 alone, 66 560 bytes at
-// most: gemv_q4_w4a with a column order.)
+// kernels' chunk figures and the rings of gemv_q4_w4a and gemv_q8_w4a and
+// their _pc forms come on top, streamSmem; those kernels run K ≤ 4096
+// alone, 66 560 bytes at most: gemv_q4_w4a with a column order.)
 func gemvStream(l *Linear) (shm int, ok bool) {
 	shm = 2 * l.in
 	if l.perm != 0 {
@@ -1874,15 +1874,15 @@ const gemvStreamRowsTag = 1 << 29
 //
 // Where a weight has one group a row (per-channel scales), each streaming
 // kernel above but gemv_q4_w2h_s32 runs as its _pc form (perChannelForm),
-// which loads the row's {scale, zero} once. The streaming kernels but the
-// _s32 twins read the scales' half form (Linear.szh). The 8-bit ones and
-// the 32-row 4-bit ones (gemv_q4_w4a, gemv_q4_w4h) stage x in fixed point
-// and multiply on dp4a, the others in fp16 (gemvFixedPoint). A streaming
+// which loads the row's {scale, zero} once. The 4-bit streaming kernels
+// but the _s32 twins read the scales' half form (Linear.szh), the 8-bit
+// ones {scale, zero} floats (Linear.sz). The 8-bit ones and the 32-row
+// 4-bit ones (gemv_q4_w4a, gemv_q4_w4h) stage x in fixed point and
+// multiply on dp4a, the others in fp16 (gemvFixedPoint). A streaming
 // kernel with a norm whose input's sums of squares the previous launch
-// wrote (rowsums.go) runs as its _n twin. The
-// fp32 scales (msmodelslim W4A16, FP32Scales) keep to one kernel: the
-// wider kernels' twins would add ~430 KB of PTX an architecture for a
-// rarer form.
+// wrote (rowsums.go) runs as its _n twin. The fp32 scales (msmodelslim
+// W4A16, FP32Scales) keep to one kernel: the wider kernels' twins would
+// add ~430 KB of PTX an architecture for a rarer form.
 var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "gemv_q8_r4u1",
 	"gemv_q8_w4a", "gemv_q8_w4h", "gemv_q8_w2h", "gemv_q8_w4a_pc", "gemv_q8_w4h_pc", "gemv_q8_w2h_pc",
 	"gemv_q4_w4a", "gemv_q4_w4h", "gemv_q4_w2h", "gemv_q4_w4a_n", "gemv_q4_w4h_n", "gemv_q4_w2h_n",
