@@ -1192,6 +1192,10 @@ func TestStreamKernels(t *testing.T) {
 		if listed[name+"_n"] != k.sumsTwin {
 			t.Errorf("%s: sumsTwin %v, gemvKernels has its _n twin: %v", name, k.sumsTwin, listed[name+"_n"])
 		}
+		if listed[name+"_pc"] != k.pcForm || listed[name+"_pc_n"] != (k.pcForm && k.sumsTwin) {
+			t.Errorf("%s: pcForm %v, sumsTwin %v; gemvKernels has its _pc form: %v, that form's _n twin: %v",
+				name, k.pcForm, k.sumsTwin, listed[name+"_pc"], listed[name+"_pc_n"])
+		}
 	}
 	for _, name := range gemvKernels {
 		if strings.HasPrefix(name, "gemv_q4_w") || strings.HasPrefix(name, "gemv_q8_w") {
@@ -1243,8 +1247,9 @@ func TestStreamKernels(t *testing.T) {
 		{"gemv_q8_w4a", 2, "gemv_q8_w4a"},
 	} {
 		got := perChannelForm(c.name, &Linear{groups: c.groups})
-		if got != c.want || streamKernels[got] != streamKernels[c.name] {
-			t.Errorf("perChannelForm(%s, %d groups) = %s (%+v); want %s (%+v)", c.name, c.groups, got, streamKernels[got], c.want, streamKernels[c.name])
+		gk, _ := streamKernelOf(got)
+		if wk := streamKernels[c.name]; got != c.want || gk != wk {
+			t.Errorf("perChannelForm(%s, %d groups) = %s (%+v); want %s (%+v)", c.name, c.groups, got, gk, c.want, wk)
 		}
 	}
 }

@@ -1627,7 +1627,8 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	rows, shm := gemvShape(name, R, l)
 	var in rowSums // x's sums of squares from its producer (rowsums.go)
 	if R == gemvStreamRowsTag {
-		if in = b.sumsIn(s); in.p != 0 && epi.nw != 0 && l.perm == 0 && streamKernels[name].sumsTwin {
+		k, _ := streamKernelOf(name)
+		if in = b.sumsIn(s); in.p != 0 && epi.nw != 0 && l.perm == 0 && k.sumsTwin {
 			name += "_n"
 		} else {
 			in = rowSums{}
@@ -1732,31 +1733,27 @@ type streamKernel struct {
 	// sumsTwin: it has an _n twin that takes its input's sums of squares
 	// from the producer (rowsums.go)
 	sumsTwin bool
+	// pcForm: it has a _pc form for weights of one group a row, of the same
+	// shape, with its own _n twin where it has one (perChannelForm)
+	pcForm bool
 }
 
-// streamKernels are the streaming GEMV kernels by name (their _n twins
-// under their own).
+// streamKernels are the streaming GEMV kernels by name (their _pc forms
+// and _n twins under their own).
 var streamKernels = map[string]streamKernel{
-	"gemv_q4_w2h":     {rows: 16, sumsTwin: true},
+	"gemv_q4_w2h":     {rows: 16, sumsTwin: true, pcForm: true},
 	"gemv_q4_w2h_s32": {rows: 16, sumsTwin: true},
-	"gemv_q4_w4h":     {rows: 32, chunk: 32, sumsTwin: true},
-	"gemv_q4_w4a":     {rows: 32, chunk: 32, ring: 2 * 4 * 256 * (16 + 4), sumsTwin: true},
-	"gemv_q8_w2h":     {rows: 16, chunk: 16},
-	"gemv_q8_w4h":     {rows: 32, chunk: 16},
-	"gemv_q8_w4a":     {rows: 32, chunk: 16, ring: 2 * 4 * 256 * (16 + 8)},
-	// the _pc forms: one group a row, its scale loaded once (perChannelForm)
-	"gemv_q4_w4a_pc": {rows: 32, chunk: 32, ring: 2 * 4 * 256 * (16 + 4), sumsTwin: true},
-	"gemv_q8_w4a_pc": {rows: 32, chunk: 16, ring: 2 * 4 * 256 * (16 + 8)},
-	"gemv_q4_w2h_pc": {rows: 16, sumsTwin: true},
-	"gemv_q4_w4h_pc": {rows: 32, chunk: 32, sumsTwin: true},
-	"gemv_q8_w2h_pc": {rows: 16, chunk: 16},
-	"gemv_q8_w4h_pc": {rows: 32, chunk: 16},
+	"gemv_q4_w4h":     {rows: 32, chunk: 32, sumsTwin: true, pcForm: true},
+	"gemv_q4_w4a":     {rows: 32, chunk: 32, ring: 2 * 4 * 256 * (16 + 4), sumsTwin: true, pcForm: true},
+	"gemv_q8_w2h":     {rows: 16, chunk: 16, pcForm: true},
+	"gemv_q8_w4h":     {rows: 32, chunk: 16, pcForm: true},
+	"gemv_q8_w4a":     {rows: 32, chunk: 16, ring: 2 * 4 * 256 * (16 + 8), pcForm: true},
 }
 
-// streamKernelOf is streaming GEMV kernel name's entry (an _n twin's its
-// base's); ok is false for the other GEMV kernels.
+// streamKernelOf is streaming GEMV kernel name's entry (a _pc form's or an
+// _n twin's its base's); ok is false for the other GEMV kernels.
 func streamKernelOf(name string) (k streamKernel, ok bool) {
-	k, ok = streamKernels[strings.TrimSuffix(name, "_n")]
+	k, ok = streamKernels[strings.TrimSuffix(strings.TrimSuffix(name, "_n"), "_pc")]
 	return k, ok
 }
 
@@ -1912,14 +1909,11 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 	case kindBF16:
 		return "gemv_bf16_r4u2", 4
 	case kindQ8:
-		// the streaming kernels with gemv_q4's rows rule, up to K = 4096:
-		// on a longer row gemv_q8_r4u1's loads kept more bytes in flight
-		// than gemv_q8_w2h's ring (kernels/NOTES.md, thirty-seventh session)
+		// the streaming kernels up to K = 4096: on a longer row
+		// gemv_q8_r4u1's loads kept more bytes in flight than gemv_q8_w2h's
+		// ring (kernels/NOTES.md, thirty-seventh session)
 		if _, ok := gemvStream(l); ok && l.in <= 4096 {
-			if rows >= 40*b.sms {
-				return b.gemvWide(l, M*((rows+31)/32), perChannelForm("gemv_q8_w4a", l), perChannelForm("gemv_q8_w4h", l)), gemvStreamRowsTag
-			}
-			return perChannelForm("gemv_q8_w2h", l), gemvStreamRowsTag
+			return b.gemvStreaming(l, M, rows, "gemv_q8_w4a", "gemv_q8_w4h", "gemv_q8_w2h"), gemvStreamRowsTag
 		}
 		return "gemv_q8_r4u1", 4
 	case kindQ4:
@@ -1929,16 +1923,23 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 		if l.szh == 0 {
 			return "gemv_q4_w2h_s32", gemvStreamRowsTag
 		}
-		// two blocks of 32 rows a multiprocessor from 40 rows a
-		// multiprocessor in the launch: a TP=2 rank's q/k/v (6 144 rows)
-		// decodes faster on them than on gemv_q4_w2h (kernels/NOTES.md,
-		// twenty-eighth session)
-		if l.in <= 4096 && rows >= 40*b.sms {
-			return b.gemvWide(l, M*((rows+31)/32), perChannelForm("gemv_q4_w4a", l), perChannelForm("gemv_q4_w4h", l)), gemvStreamRowsTag
-		}
-		return perChannelForm("gemv_q4_w2h", l), gemvStreamRowsTag
+		return b.gemvStreaming(l, M, rows, "gemv_q4_w4a", "gemv_q4_w4h", "gemv_q4_w2h"), gemvStreamRowsTag
 	}
 	panic(fmt.Sprintf("cuda backend: no GEMV for weight kind %d", l.kind))
+}
+
+// gemvStreaming picks one of l's kind's streaming kernels for a launch of
+// rows output rows of l (with the rows of the weights it shares the launch
+// with), in the form for l's scales (perChannelForm): a 32-row one (async,
+// the ring in shared memory, or reg, in registers: gemvWide) up to K = 4096
+// from 40 rows a multiprocessor, else the 16-row one, narrow. (A TP=2
+// rank's q/k/v, 6 144 rows, decodes faster on the 32-row kernels than on
+// the 16-row one: kernels/NOTES.md, twenty-eighth session.)
+func (b *Backend) gemvStreaming(l *Linear, M, rows int, async, reg, narrow string) string {
+	if l.in <= 4096 && rows >= 40*b.sms {
+		return b.gemvWide(l, M*((rows+31)/32), perChannelForm(async, l), perChannelForm(reg, l))
+	}
+	return perChannelForm(narrow, l)
 }
 
 // perChannelForm is streaming kernel name's _pc form where l has one group a
@@ -1949,7 +1950,7 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 // _pc forms, and 54–75 % on the register-ring kernels against 62–81 %
 // (kernels/NOTES.md, thirty-ninth session).
 func perChannelForm(name string, l *Linear) string {
-	if _, ok := streamKernels[name+"_pc"]; ok && l.groups == 1 {
+	if streamKernels[name].pcForm && l.groups == 1 {
 		return name + "_pc"
 	}
 	return name
