@@ -2764,13 +2764,24 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         wa0 = *pw;
         sa0 = *ps;
     }
+    // LEAD (the 8-bit grouped ring): where the groups tile a chunk (gs
+    // divides KC), a group's lanes are the same every chunk, so the group's
+    // first lane alone copies its scale and the others read that lane's
+    // slot, lead lanes back (a __syncwarp after the wait, one before the
+    // refill). gemv_q8_w4a at 11008×4096: 74 → 82 % of copy; the 4-bit
+    // ring (4 lanes a group, not 8) lost 75 → 67 % so (kernels/NOTES.md,
+    // fortieth session).
+    constexpr bool LEAD = ASYNC && Q8 && !PC;
+    const int lead = LEAD && KC % gs == 0 ? (lane * LK) % gs / LK : 0;
     auto fetch = [&](int d, int j, int k) {
 #pragma unroll
         for (int r = 0; r < R; r++) {
             if constexpr (ASYNC) {
                 int slot = (d * R + r) * 256;  // the thread's slot of chunk d, row r, less tid
                 cp_async16_once_at(wa0 + slot * 16, wrow[r] + j * 32, pol);
-                if (PC && j > 0) {  // PC: the row's scale is in slot 0 (chunk 0's) already
+                if ((PC && j > 0) || lead > 0) {
+                    // PC: the row's scale is in slot 0 (chunk 0's) already;
+                    // LEAD: the group's first lane copies it
                 } else if constexpr (HS) {
                     cp_async4_once_at(sa0 + slot * 4, srow[r] + k / gs, pol);
                 } else {
@@ -2938,6 +2949,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             int j = j0 + d;
             int k = j * KC + lane * LK;
             if constexpr (ASYNC) asm volatile("cp.async.wait_group %0;\n" ::"n"(D - 1) : "memory");
+            if constexpr (LEAD) __syncwarp();  // the group's first lane's copy, seen by the others
             if (j < nch && k < K) {
                 int u0 = (j * 32 + lane) * CU;
                 uint4 xv[4];
@@ -2947,7 +2959,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     uint4 wv = ASYNC ? *wslot(d, r) : buf[ASYNC ? 0 : d][r];
-                    SG g = ASYNC ? *sslot(PC ? 0 : d, r) : sb[ASYNC || PC ? 0 : d][r];
+                    SG g = ASYNC ? *(sslot(PC ? 0 : d, r) - lead) : sb[ASYNC || PC ? 0 : d][r];
                     Q4Group sv = q4_group_of(g);
                     uint32_t w4[4] = {wv.x, wv.y, wv.z, wv.w};
                     if constexpr (Q8) {  // g: {scale, zero}
@@ -2964,6 +2976,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                 }
             }
             // Refill this slot with the chunk D further on.
+            if constexpr (LEAD) __syncwarp();  // every lane has read the group's slot
             int jn = j + D;
             int kn = jn * KC + lane * LK;
             if (jn < nch && kn < K) fetch(d, jn, kn);
