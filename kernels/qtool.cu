@@ -2735,7 +2735,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     }
     // ASYNC: the ring is in shared memory after x (each thread's own
     // slots: cp.async, one commit group a chunk, read back by the thread
-    // that copied them), not in registers
+    // that copied them, but LEAD's scales, below), not in registers
     uint4 buf[ASYNC ? 1 : D][R];
     SG sb[ASYNC || PC ? 1 : D][R];
     // FX (the 32-row 4-bit kernels, the 8-bit ones): x in fixed point
@@ -2768,9 +2768,9 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // divides KC), a group's lanes are the same every chunk, so the group's
     // first lane alone copies its scale and the others read that lane's
     // slot, lead lanes back (a __syncwarp after the wait, one before the
-    // refill). gemv_q8_w4a at 11008×4096: 74 → 82 % of copy; the 4-bit
-    // ring (4 lanes a group, not 8) lost 75 → 67 % so (kernels/NOTES.md,
-    // fortieth session).
+    // refill). gemv_q8_w4a at 11008×4096 (g128: 8 lanes a group): 74 → 82 %
+    // of copy; the 4-bit ring (g128: 4 lanes a group) lost 75 → 67 % so
+    // (kernels/NOTES.md, fortieth session).
     constexpr bool LEAD = ASYNC && Q8 && !PC;
     const int lead = LEAD && KC % gs == 0 ? (lane * LK) % gs / LK : 0;
     auto fetch = [&](int d, int j, int k) {
@@ -2975,8 +2975,8 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                     }
                 }
             }
-            // Refill this slot with the chunk D further on.
             if constexpr (LEAD) __syncwarp();  // every lane has read the group's slot
+            // Refill this slot with the chunk D further on.
             int jn = j + D;
             int kn = jn * KC + lane * LK;
             if (jn < nch && kn < K) fetch(d, jn, kn);

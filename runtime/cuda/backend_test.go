@@ -401,6 +401,45 @@ func TestPerChannelGEMV(t *testing.T) {
 	}
 }
 
+// TestGroupedRingGEMV checks the 32-row 8-bit streaming GEMVs on grouped
+// weights against float64 over rows of several chunks (512 features),
+// the last one partial where the group size allows: the ring in shared
+// memory (gemv_q8_w4a, at 64 rows a multiprocessor; where the groups tile
+// a chunk a group's first lane alone copies its scale, LEAD in qtool.cu)
+// and in registers (gemv_q8_w4h, at 112), every group size that tiles a
+// chunk and one that does not (160), at M = 1 and 3. weightCases' grouped
+// tall cases have one chunk (K = 256).
+func TestGroupedRingGEMV(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(63, 64))
+	ran := map[string]bool{}
+	for _, gk := range []struct{ gs, k int }{{32, 4064}, {64, 2112}, {128, 2176}, {256, 2304}, {512, 2560}, {160, 2080}} {
+		for _, tall := range []int{64, 112} {
+			wc := weightCase{fmt.Sprintf("w8-g%d-k%d-tall%d", gk.gs, gk.k, tall), gk.k, quantCase(8, gk.gs, 2, false), tall}
+			N, K := rowsFor(b, wc, 198), gk.k
+			w, wf := wc.make(r, N, K)
+			lw, err := b.UploadLinear(wc.name, w)
+			if err != nil {
+				t.Fatalf("%s: upload: %v", wc.name, err)
+			}
+			for _, M := range []int{1, 3} {
+				kernel, _ := b.gemvKernel(lin(lw), M, N)
+				ran[kernel] = true
+				name := fmt.Sprintf("%s/M=%d/%s", wc.name, M, kernel)
+				t.Run(name, func(t *testing.T) {
+					checkMatMul(t, b, name, kernel, lw, wf, randVec(r, M*K, 1), M, N, K)
+				})
+			}
+			b.FreeLinear(lw)
+		}
+	}
+	for _, k := range []string{"gemv_q8_w4a", "gemv_q8_w4h"} {
+		if !ran[k] && !t.Failed() {
+			t.Errorf("no case runs %s", k)
+		}
+	}
+}
+
 // checkMatMul multiplies x (M rows of K) by lw (N outputs; wf its values)
 // and checks the result against float64 within the tolerance of kernel
 // (the GEMV's name, or anything else for a GEMM).

@@ -1045,18 +1045,30 @@ func TestStagedOrder(t *testing.T) {
 // SwiGLU, and a normed product after a residual add that wrote its row
 // sums. Each lane computes the same chunks in the same order in both, so
 // the results must agree bit for bit (partial blocks, groups of 32, a
-// column order).
+// column order; 8-bit rows of several chunks with groups of 32, 128 and
+// 160 features, whose scales gemv_q8_w4a's lanes share or do not).
 func TestAsyncGEMV(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(41, 42))
+	var cases []weightCase
 	for _, wc := range weightCases {
 		switch wc.name {
 		case "awq-int4-g128-tall", "gptq-int4-actorder-g128-tall", "w8-g128-offset-tall",
 			"gptq-int4-perchannel-tall", "w8-perchannel-offset-tall": // the last two: the _pc forms
-		default:
-			continue
+			cases = append(cases, wc)
 		}
+	}
+	// the 8-bit grouped ring over several chunks, the last one partial:
+	// groups that tile a chunk (a group's first lane copies its scale,
+	// LEAD in qtool.cu; 32 and 128 features) and groups that do not (160)
+	cases = append(cases, weightCase{"w8-g32-offset-tall-k4064", 4064, quantCase(8, 32, 2, false), 64},
+		weightCase{"w8-g128-offset-tall-k2176", 2176, quantCase(8, 128, 2, false), 64},
+		weightCase{"w8-g160-offset-tall-k2080", 2080, quantCase(8, 160, 2, false), 64})
+	for _, wc := range cases {
 		K := 256
+		if wc.k > 0 {
+			K = wc.k
+		}
 		if strings.Contains(wc.name, "perchannel") {
 			K = 2080 // the _pc forms over several chunks, the last one partial (TestPerChannelGEMV)
 		}
