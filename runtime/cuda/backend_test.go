@@ -378,21 +378,7 @@ func TestPerChannelGEMV(t *testing.T) {
 		{"int8-perchannel-tall", K, quantCase(8, 0, 2, false), 64},
 		{"int8-perchannel-taller", K, quantCase(8, 0, 2, false), 112},
 	} {
-		N := rowsFor(b, wc, 198)
-		w, wf := wc.make(r, N, K)
-		lw, err := b.UploadLinear(wc.name, w)
-		if err != nil {
-			t.Fatalf("%s: upload: %v", wc.name, err)
-		}
-		for _, M := range []int{1, 3} {
-			kernel, _ := b.gemvKernel(lin(lw), M, N)
-			ran[kernel] = true
-			name := fmt.Sprintf("%s/M=%d/%s", wc.name, M, kernel)
-			t.Run(name, func(t *testing.T) {
-				checkMatMul(t, b, name, kernel, lw, wf, randVec(r, M*K, 1), M, N, K)
-			})
-		}
-		b.FreeLinear(lw)
+		checkGEMVCase(t, b, r, wc, K, ran)
 	}
 	for _, k := range gemvKernels {
 		if strings.HasSuffix(k, "_pc") && !ran[k] {
@@ -416,27 +402,35 @@ func TestGroupedRingGEMV(t *testing.T) {
 	for _, gk := range []struct{ gs, k int }{{32, 4064}, {64, 2112}, {128, 2176}, {256, 2304}, {512, 2560}, {160, 2080}} {
 		for _, tall := range []int{64, 112} {
 			wc := weightCase{fmt.Sprintf("w8-g%d-k%d-tall%d", gk.gs, gk.k, tall), gk.k, quantCase(8, gk.gs, 2, false), tall}
-			N, K := rowsFor(b, wc, 198), gk.k
-			w, wf := wc.make(r, N, K)
-			lw, err := b.UploadLinear(wc.name, w)
-			if err != nil {
-				t.Fatalf("%s: upload: %v", wc.name, err)
-			}
-			for _, M := range []int{1, 3} {
-				kernel, _ := b.gemvKernel(lin(lw), M, N)
-				ran[kernel] = true
-				name := fmt.Sprintf("%s/M=%d/%s", wc.name, M, kernel)
-				t.Run(name, func(t *testing.T) {
-					checkMatMul(t, b, name, kernel, lw, wf, randVec(r, M*K, 1), M, N, K)
-				})
-			}
-			b.FreeLinear(lw)
+			checkGEMVCase(t, b, r, wc, gk.k, ran)
 		}
 	}
 	for _, k := range []string{"gemv_q8_w4a", "gemv_q8_w4h"} {
 		if !ran[k] && !t.Failed() {
 			t.Errorf("no case runs %s", k)
 		}
+	}
+}
+
+// checkGEMVCase uploads a weight of case wc (rowsFor's rows of K), checks
+// its products at M = 1 and 3 against float64 (checkMatMul) and notes the
+// GEMV kernels they ran in ran.
+func checkGEMVCase(t *testing.T, b *Backend, r *rand.Rand, wc weightCase, K int, ran map[string]bool) {
+	t.Helper()
+	N := rowsFor(b, wc, 198)
+	w, wf := wc.make(r, N, K)
+	lw, err := b.UploadLinear(wc.name, w)
+	if err != nil {
+		t.Fatalf("%s: upload: %v", wc.name, err)
+	}
+	defer b.FreeLinear(lw)
+	for _, M := range []int{1, 3} {
+		kernel, _ := b.gemvKernel(lin(lw), M, N)
+		ran[kernel] = true
+		name := fmt.Sprintf("%s/M=%d/%s", wc.name, M, kernel)
+		t.Run(name, func(t *testing.T) {
+			checkMatMul(t, b, name, kernel, lw, wf, randVec(r, M*K, 1), M, N, K)
+		})
 	}
 }
 
