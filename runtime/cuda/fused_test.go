@@ -1053,8 +1053,10 @@ func TestAsyncGEMV(t *testing.T) {
 	var cases []weightCase
 	for _, wc := range weightCases {
 		switch wc.name {
-		case "awq-int4-g128-tall", "gptq-int4-actorder-g128-tall", "w8-g128-offset-tall",
-			"gptq-int4-perchannel-tall", "w8-perchannel-offset-tall": // the last two: the _pc forms
+		case "awq-int4-g128-tall", "gptq-int4-actorder-g128-tall", "w8-g128-offset-tall":
+			cases = append(cases, wc)
+		case "gptq-int4-perchannel-tall", "w8-perchannel-offset-tall":
+			wc.k = 2080 // the _pc forms over several chunks, the last one partial (TestPerChannelGEMV)
 			cases = append(cases, wc)
 		}
 	}
@@ -1068,9 +1070,6 @@ func TestAsyncGEMV(t *testing.T) {
 		K := 256
 		if wc.k > 0 {
 			K = wc.k
-		}
-		if strings.Contains(wc.name, "perchannel") {
-			K = 2080 // the _pc forms over several chunks, the last one partial (TestPerChannelGEMV)
 		}
 		Ms := []int{1, 3}
 		if strings.Contains(wc.name, "actorder") {
