@@ -2702,15 +2702,22 @@ __device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const f
 // the 32 lanes' copies of one address held gemv_q8_w4a at 51 % of copy and
 // gemv_q4_w4a at 45 % on 11008×4096 (kernels/NOTES.md, thirty-ninth
 // session).
-template <int R, int D, bool SUMS, bool ASYNC, bool HS, bool Q8, bool PC>
+// SPLIT: a split form (_k, GEMVW_SPLIT_ENTRY): grid.z blocks share a block
+// of rows, each taking a run of the row's chunks; the last to finish adds
+// their parts (part, cnt) and runs the epilogue. Only the 8-bit register
+// ring has split forms: split, the 8-bit ring in shared memory and the
+// 4-bit kernels read fewer bytes a second than the unsplit kernels
+// (kernels/NOTES.md, forty-first session).
+template <int R, int D, bool SUMS, bool ASYNC, bool HS, bool Q8, bool PC, bool SPLIT>
 __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x,
                                            const float* __restrict__ xss, int nss, const void* __restrict__ W,
                                            const void* __restrict__ sz, const void* __restrict__ Wu,
                                            const void* __restrict__ szu, int N, int K, int gs, int G, int bx,
                                            const float* __restrict__ nw, const float* __restrict__ nb, float eps,
                                            int mode, const uint4* __restrict__ permx, float* __restrict__ yss,
-                                           char* __restrict__ send) {
+                                           char* __restrict__ send, float* __restrict__ part, int* __restrict__ cnt) {
     static_assert(!Q8 || !HS, "the 8-bit streaming GEMV takes {scale, zero} floats");
+    static_assert(!SPLIT || (!SUMS && Q8 && !ASYNC), "the split forms: the 8-bit register ring's, no _n twins");
     constexpr int LK = Q8 ? 16 : 32;  // k a lane's 16 bytes of a row hold
     constexpr int KC = 32 * LK;       // k per chunk: 32 lanes x LK k
     constexpr int CU = LK / 8;        // staged units a lane's chunk (and an x scale) covers
@@ -2722,6 +2729,13 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // rows of this warp: R of W, or R/2 of W (gate) and the same R/2 of Wu (up)
     int n0 = swiglu ? (bx * 8 + warp) * (R / 2) : (bx * 8 + warp) * R;
     int nch = (K + KC - 1) / KC;
+    // SPLIT: this block's run of chunks, [jb, je), the grid.z-th part of
+    // the row (cps chunks); the staged x holds that run alone, KL features
+    // of shared memory
+    const int cps = SPLIT ? (nch + (int)gridDim.z - 1) / (int)gridDim.z : nch;
+    const int jb = SPLIT ? (int)blockIdx.z * cps : 0;
+    const int je = SPLIT ? min(nch, jb + cps) : nch;
+    const int KL = SPLIT ? min(K, cps * KC) : K;
     int upr = K / LK;  // 16-byte units per weight row
     using SG = typename std::conditional<HS, uint32_t, float2>::type;  // a group's {scale, zero}
     const uint4* wrow[R];
@@ -2743,8 +2757,9 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // (and xraw): {s/16, 16·Σq} a 32-feature chunk (4-bit), {s, Σq} a
     // 16-feature one (8-bit). gemv_q4_w2h stays in fp16 (above).
     constexpr bool FX = Q8 || R == 4;
-    float2* cst = reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(xsh) + (permx ? 6 : 2) * K);
-    unsigned char* rw = reinterpret_cast<unsigned char*>(xsh) + (((permx ? 6 : 2) * K + (FX ? (Q8 ? K / 2 : K / 4) : 0) + 15) & ~15);
+    const int xend = SPLIT ? 2 * KL : (permx ? 6 : 2) * K;  // the bytes of the staged x (and its copy)
+    float2* cst = reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(xsh) + xend);
+    unsigned char* rw = reinterpret_cast<unsigned char*>(xsh) + ((xend + (FX ? (Q8 ? KL / 2 : KL / 4) : 0) + 15) & ~15);
     auto wslot = [&](int d, int r) { return reinterpret_cast<uint4*>(rw) + (d * R + r) * 256 + tid; };
     auto sslot = [&](int d, int r) { return reinterpret_cast<SG*>(rw + D * R * 256 * 16) + (d * R + r) * 256 + tid; };
     uint64_t pol = l2_evict_first();
@@ -2779,7 +2794,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             if constexpr (ASYNC) {
                 int slot = (d * R + r) * 256;  // the thread's slot of chunk d, row r, less tid
                 cp_async16_once_at(wa0 + slot * 16, wrow[r] + j * 32, pol);
-                if ((PC && j > 0) || lead > 0) {
+                if ((PC && j > jb) || lead > 0) {
                     // PC: the row's scale is in slot 0 (chunk 0's) already;
                     // LEAD: the group's first lane copies it
                 } else if constexpr (HS) {
@@ -2789,7 +2804,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                 }
             } else {
                 buf[d][r] = ldg_stream(wrow[r] + j * 32);
-                if (!PC || j == 0) sb[PC ? 0 : d][r] = __ldg(srow[r] + k / gs);
+                if (!PC || j == jb) sb[PC ? 0 : d][r] = __ldg(srow[r] + k / gs);
             }
         }
     };
@@ -2800,8 +2815,8 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     }
 #pragma unroll
     for (int d = 0; d < D; d++) {
-        int k = d * KC + lane * LK;
-        if (d < nch && k < K) fetch(d, d, k);
+        int k = (jb + d) * KC + lane * LK;
+        if (jb + d < je && k < K) fetch(d, jb + d, k);
         if constexpr (ASYNC) cp_async_commit();
     }
     // The weights are in flight: now wait for the kernel that writes x.
@@ -2876,18 +2891,21 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // (q4_stage_k). stage returns the largest k the thread's units need;
     // again: the second staging, which takes an act-order weight's unit
     // orders from permx (the first staging wrote its units over them).
+    // SPLIT: the units of this block's run alone, [ub, ue), staged from
+    // the run's start (the chunk figures likewise)
+    const int ub = jb * 32 * CU, ue = SPLIT ? min(nu, je * 32 * CU) : nu;
     auto stage = [&](int kx, bool again) {
         int kmax = 0;
         constexpr int B = 2;
-        for (int u0 = tid; u0 < nu; u0 += 256 * B) {
+        for (int u0 = ub + tid; u0 < ue; u0 += 256 * B) {
             float4 a[B], b[B];
 #pragma unroll
             for (int i = 0; i < B; i++) {
-                int u = min(u0 + 256 * i, nu - 1);
+                int u = min(u0 + 256 * i, ue - 1);
                 if (permx) {  // act-order weight: stored column k holds feature order[k]
                     // this thread's own copy of the unit's order (zeros past the row:
                     // another thread's unit, maybe staged already)
-                    uint4 o = u0 + 256 * i >= nu ? make_uint4(0, 0, 0, 0) : again ? permx[xw_swz(u)] : xsh[xw_swz(u)];
+                    uint4 o = u0 + 256 * i >= ue ? make_uint4(0, 0, 0, 0) : again ? permx[xw_swz(u)] : xsh[xw_swz(u)];
                     a[i] = make_float4(xraw[o.x & 0xffff], xraw[o.x >> 16], xraw[o.y & 0xffff], xraw[o.y >> 16]);
                     b[i] = make_float4(xraw[o.z & 0xffff], xraw[o.z >> 16], xraw[o.w & 0xffff], xraw[o.w >> 16]);
                 } else {
@@ -2901,7 +2919,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             }
 #pragma unroll
             for (int i = 0; i < B; i++) {
-                if (u0 + 256 * i >= nu) continue;
+                if (u0 + 256 * i >= ue) continue;
                 if constexpr (FX) {
                     // a chunk's CU units are staged by CU neighbouring lanes (alike here)
                     unsigned gm = ((1u << CU) - 1) << (lane & ~(CU - 1));
@@ -2916,7 +2934,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                     uint4 v = fx_unit<Q8>(a[i], b[i], qinv, qs);
                     qs += __shfl_xor_sync(gm, qs, 1);
                     if constexpr (CU == 4) qs += __shfl_xor_sync(gm, qs, 2);
-                    int u = u0 + 256 * i;
+                    int u = u0 + 256 * i - ub;
                     if ((lane & (CU - 1)) == 0) {
                         if constexpr (Q8)
                             cst[u / CU] = make_float2(mx * (1.f / 32767.f), (float)(int)qs);
@@ -2926,7 +2944,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                     xsh[xw_swz(u)] = v;
                 } else {
                     kmax = max(kmax, q4_stage_k(absmax8(a[i], b[i])));
-                    xsh[xw_swz(u0 + 256 * i)] = q4_stage_unit(a[i], b[i], kx);
+                    xsh[xw_swz(u0 + 256 * i - ub)] = q4_stage_unit(a[i], b[i], kx);
                 }
             }
         }
@@ -2943,19 +2961,19 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.f;
-    for (int j0 = 0; j0 < nch; j0 += D) {
+    for (int j0 = jb; j0 < je; j0 += D) {
 #pragma unroll
         for (int d = 0; d < D; d++) {
             int j = j0 + d;
             int k = j * KC + lane * LK;
             if constexpr (ASYNC) asm volatile("cp.async.wait_group %0;\n" ::"n"(D - 1) : "memory");
             if constexpr (LEAD) __syncwarp();  // the group's first lane's copy, seen by the others
-            if (j < nch && k < K) {
-                int u0 = (j * 32 + lane) * CU;
+            if (j < je && k < K) {
+                int u0 = ((j - jb) * 32 + lane) * CU;
                 uint4 xv[4];
 #pragma unroll
                 for (int q = 0; q < CU; q++) xv[q] = xsh[xw_swz(u0 + q)];
-                float2 cs = FX ? cst[j * 32 + lane] : float2{};
+                float2 cs = FX ? cst[(j - jb) * 32 + lane] : float2{};
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     uint4 wv = ASYNC ? *wslot(d, r) : buf[ASYNC ? 0 : d][r];
@@ -2979,7 +2997,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             // Refill this slot with the chunk D further on.
             int jn = j + D;
             int kn = jn * KC + lane * LK;
-            if (jn < nch && kn < K) fetch(d, jn, kn);
+            if (jn < je && kn < K) fetch(d, jn, kn);
             if constexpr (ASYNC) cp_async_commit();
         }
     }
@@ -2997,6 +3015,31 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
 #pragma unroll
     for (int r = 1; r < R / 2; r++)
         if (lane == r) upv = acc[r + R / 2];
+    if constexpr (SPLIT) {
+        // Each of the grid.z blocks of these rows stores its part of their
+        // sums (part: grid.z × M × gridDim.x × 8R floats); the last to
+        // finish (cnt, one counter a block of rows, left zero again) adds
+        // the parts in z order, so the result does not depend on which
+        // finished last, and goes on with the epilogue.
+        __shared__ int lastsh;
+        const size_t pz = (size_t)gridDim.y * gridDim.x * (8 * R);
+        const size_t pi = ((size_t)m * gridDim.x + blockIdx.x) * (8 * R) + warp * R + lane;
+        if (lane < R) part[blockIdx.z * pz + pi] = mine;
+        __threadfence();
+        __syncthreads();
+        const int ci = m * gridDim.x + blockIdx.x;
+        if (tid == 0) lastsh = atomicAdd(&cnt[ci], 1) == (int)gridDim.z - 1;
+        __syncthreads();
+        if (!lastsh) return;
+        __threadfence();
+        if (lane < R) {
+            float v = 0.f;
+            for (int z = 0; z < (int)gridDim.z; z++) v += __ldcg(part + z * pz + pi);
+            mine = v;
+        }
+        upv = __shfl_down_sync(0xffffffffu, mine, R / 2);  // GEMV_SWIGLU: lane r's up row is lane r + R/2's
+        if (tid == 0) cnt[ci] = 0;
+    }
     float* yp = y + (size_t)m * N + n0 + lane;
     if (swiglu) {
         if (lane < R / 2 && n0 + lane < N) *yp = silu_times(mine, upv);
@@ -3027,8 +3070,20 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
              const float* nb, float eps, int mode, float* yss, char* send, GEMV_SEGS) {                              \
         int bx = blockIdx.x;                                                                                         \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
-        gemvw_body<R, D, SUMS, ASYNC, HS, Q8, PC>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw, nb,   \
-                                              eps, mode, permx, yss, send);                                          \
+        gemvw_body<R, D, SUMS, ASYNC, HS, Q8, PC, false>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw,  \
+                                                     nb, eps, mode, permx, yss, send, nullptr, nullptr);             \
+    }
+// The split forms (_k, gemvw_body's SPLIT) of gemv_q8_w4h and its _pc form,
+// for rows longer than 4 096 features: part and cnt after send, grid.z the
+// blocks a block of rows is split into.
+#define GEMVW_SPLIT_ENTRY(name, PC)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                             \
+        name(const float* x, const float* xss, int nss, const uint4* permx, int K, int gs, int G, const float* nw,   \
+             const float* nb, float eps, int mode, float* yss, char* send, float* part, int* cnt, GEMV_SEGS) {        \
+        int bx = blockIdx.x;                                                                                         \
+        GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
+        gemvw_body<4, 2, false, false, false, true, PC, true>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G,  \
+                                                          bx, nw, nb, eps, mode, permx, yss, send, part, cnt);       \
     }
 GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2, false, true, false, false)
 GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2, false, true, false, false)
@@ -3054,6 +3109,8 @@ GEMVW_ENTRY(gemv_q8_w2h, 2, 4, false, 2, false, false, true, false)
 GEMVW_ENTRY(gemv_q8_w4h, 4, 2, false, 2, false, false, true, false)
 GEMVW_ENTRY(gemv_q8_w4a, 4, 2, false, 3, true, false, true, false)
 GEMVW_ENTRY(gemv_q8_w4a_pc, 4, 2, false, 3, true, false, true, true)
+GEMVW_SPLIT_ENTRY(gemv_q8_w4h_k, false)
+GEMVW_SPLIT_ENTRY(gemv_q8_w4h_pc_k, true)
 
 // ---------------------------------------------------------------------------
 // Tensor-core GEMM: C[M, N] = A[M, K] (fp32, rounded to fp16) · W[N, K]ᵀ with

@@ -283,7 +283,7 @@ var weightCases = []weightCase{
 	{"int4-g48-fallback", 384, quantCase(4, 48, 1, false), 0},
 	{"awq-int4-g128-splitk", 2560, halfScaled(quantCase(4, 128, 1, false)), 0},
 	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false), 0},
-	{"w8-g128-offset-long", 5120, quantCase(8, 128, 2, false), 0},             // K > 4096: gemv_q8_r4u1
+	{"w8-g128-offset-long", 5120, quantCase(8, 128, 2, false), 0},             // K > 4096: gemv_q8_w4h_k, split along K
 	{"awq-int4-g128-wide", 4608, halfScaled(quantCase(4, 128, 1, false)), 0},  // K > 4096: gemv_q4_w2h
 	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},    // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a at M = 1
 	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), 112}, // waves fuller at two blocks a multiprocessor: gemv_q4_w4h at M = 1
@@ -305,7 +305,7 @@ func TestMatMul(t *testing.T) {
 	ran := map[string]bool{} // the GEMV kernels the cases reached
 	defer func() {
 		for _, k := range gemvKernels {
-			if !ran[k] && !strings.HasSuffix(k, "_n") && !t.Failed() { // _n: TestRowSums
+			if !ran[k] && !strings.HasSuffix(k, "_n") && !strings.HasSuffix(k, "_k") && !t.Failed() { // _n: TestRowSums; _k: TestSplitGEMV
 				t.Errorf("no case runs the shipped GEMV kernel %s", k)
 			}
 		}
@@ -431,6 +431,101 @@ func checkGEMVCase(t *testing.T, b *Backend, r *rand.Rand, wc weightCase, K int,
 		t.Run(name, func(t *testing.T) {
 			checkMatMul(t, b, name, kernel, lw, wf, randVec(r, M*K, 1), M, N, K)
 		})
+	}
+}
+
+// TestSplitGEMV checks the split forms (gemv_q8_w4h_k and its _pc form:
+// 8-bit rows of more than 4 096 features split along K over 2–4 blocks,
+// the last to finish adding the parts in a fixed order) against float64:
+// grouped and per-channel scales, each row's last chunk partial, as many
+// rows as make gemvSplit pick each count of splits at M = 1 (checked), and
+// M = 3. MatMulAdd must add MatMul's sums to the output bit for bit, and
+// MatMulN of two weights give each MatMul's (bit for bit where the two
+// launches split alike, else within 1e-5: another split adds other parts).
+func TestSplitGEMV(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(71, 72))
+	ran, fused := map[string]bool{}, map[string]bool{}
+	// blocks of 32 rows for which splits fill the waves of two blocks a
+	// multiprocessor best (fewer splits fill them less, more no better)
+	rowBlocks := map[int]int{2: b.sms, 3: 2 * b.sms / 3, 4: b.sms / 2}
+	for _, wc := range []struct {
+		name   string
+		k      int
+		make   func(r *rand.Rand, n, k int) (model.Tensor, []float64)
+		splits int
+	}{
+		{"g128", 11008, quantCase(8, 128, 2, false), 4}, // down's K: 22 chunks of 512 features, the last half
+		{"g128", 4608, quantCase(8, 128, 2, false), 3},  // 9 chunks
+		{"g128", 4608, quantCase(8, 128, 2, false), 2},
+		{"perchannel", 11008, quantCase(8, 0, 2, false), 4},
+		{"perchannel", 4640, quantCase(8, 0, 2, false), 3}, // 10 chunks, the last of 32 features
+		{"perchannel", 4640, quantCase(8, 0, 2, false), 2},
+	} {
+		N, K := 32*rowBlocks[wc.splits], wc.k
+		if _, splits := b.gemvSplit(&Linear{kind: kindQ8, in: K}, 1, N); splits != wc.splits {
+			t.Fatalf("%s: %d rows of %d features: gemvSplit picks %d splits, want %d", wc.name, N, K, splits, wc.splits)
+		}
+		ws := make([]runtime.Linear, 2)
+		var wf []float64
+		for i := range ws {
+			w, f := wc.make(r, N, K)
+			lw, err := b.UploadLinear(fmt.Sprintf("%s.%d", wc.name, i), w)
+			if err != nil {
+				t.Fatalf("%s: upload: %v", wc.name, err)
+			}
+			ws[i] = lw
+			if i == 0 {
+				wf = f
+			}
+		}
+		for _, M := range []int{1, 3} {
+			kernel, _ := b.gemvKernel(lin(ws[0]), M, N)
+			_, splits := b.gemvSplit(lin(ws[0]), M, N)
+			ran[kernel] = true
+			name := fmt.Sprintf("%s/K=%d/M=%d/%s/splits=%d", wc.name, K, M, kernel, splits)
+			t.Run(name, func(t *testing.T) {
+				if k, _ := streamKernelOf(kernel); !k.split {
+					t.Fatalf("%s: not a split form", kernel)
+				}
+				checkMatMul(t, b, name, kernel, ws[0], wf, randVec(r, M*K, 1), M, N, K)
+				x, y0 := upload(b, M, K, randVec(r, M*K, 1)), randVec(r, M*N, 1)
+				acc, prod := upload(b, M, N, y0), poisoned(b, M, N)
+				b.MatMul(prod, x, ws[0])
+				b.MatMulAdd(acc, x, ws[0])
+				want := download(b, prod)
+				for i := range want {
+					want[i] += y0[i]
+				}
+				compare(t, "MatMulAdd", download(b, acc), want, 0)
+				dst := []runtime.Buf{poisoned(b, M, N), poisoned(b, M, N)}
+				b.MatMulN(dst, x, ws)
+				if k := oneLaunch(b, ws, M); k != "" {
+					fused[k] = true
+				}
+				nk, _ := b.gemvKernel(lin(ws[0]), M, 2*N)
+				_, nsplits := b.gemvSplit(lin(ws[0]), M, 2*N)
+				for i, w := range ws {
+					b.MatMul(prod, x, w)
+					tol := 0.0
+					if nk != kernel || nsplits != splits {
+						tol = 1e-5
+					}
+					compare(t, fmt.Sprintf("MatMulN's weight %d (%s, %d splits)", i, nk, nsplits), download(b, dst[i]), download(b, prod), tol)
+				}
+				for _, f := range append([]*Buf{x, acc, prod}, dst[0].(*Buf), dst[1].(*Buf)) {
+					b.Free(f)
+				}
+			})
+		}
+		for _, w := range ws {
+			b.FreeLinear(w)
+		}
+	}
+	for _, k := range gemvKernels {
+		if strings.HasSuffix(k, "_k") && (!ran[k] || !fused[k]) && !t.Failed() {
+			t.Errorf("%s: run by a case %v, with several weights %v", k, ran[k], fused[k])
+		}
 	}
 }
 
@@ -1229,6 +1324,13 @@ func TestStreamKernels(t *testing.T) {
 			t.Errorf("%s: pcForm %v, sumsTwin %v; gemvKernels has its _pc form: %v, that form's _n twin: %v",
 				name, k.pcForm, k.sumsTwin, listed[name+"_pc"], listed[name+"_pc_n"])
 		}
+		if listed[name+"_k"] != k.splitForm || listed[name+"_pc_k"] != (k.pcForm && k.splitForm) {
+			t.Errorf("%s: splitForm %v, pcForm %v; gemvKernels has its _k form: %v, its _pc form's: %v",
+				name, k.splitForm, k.pcForm, listed[name+"_k"], listed[name+"_pc_k"])
+		}
+		if k.split {
+			t.Errorf("%s: split set in streamKernels", name)
+		}
 	}
 	for _, name := range gemvKernels {
 		if strings.HasPrefix(name, "gemv_q4_w") || strings.HasPrefix(name, "gemv_q8_w") {
@@ -1257,6 +1359,23 @@ func TestStreamKernels(t *testing.T) {
 		if rows != c.rows || smem != c.smem || gemvFixedPoint(c.name) != c.fixed {
 			t.Errorf("%s at K = %d: %d rows, %d bytes, fixed point %v; want %d, %d, %v",
 				c.name, c.l.in, rows, smem, gemvFixedPoint(c.name), c.rows, c.smem, c.fixed)
+		}
+	}
+	// the split forms' runs of chunks (512 features of 8-bit codes) and
+	// their shared memory: the run's staged x and its chunks' figures
+	for _, c := range []struct {
+		l           Linear
+		splits, run int
+		name        string
+		smem        int
+	}{
+		{Linear{kind: kindQ8, in: 11008, gs: 128}, 3, 4096, "gemv_q8_w4h_k", 2*4096 + 4096/2},
+		{Linear{kind: kindQ8, in: 14336, gs: 128}, 2, 7168, "gemv_q8_w4h_k", 2*7168 + 7168/2},
+		{Linear{kind: kindQ8, in: 4640, gs: 4640, groups: 1}, 4, 1536, "gemv_q8_w4h_pc_k", 2*1536 + 1536/2},
+	} {
+		run := splitRun(&c.l, c.splits)
+		if smem := streamSmemRun(c.name, &c.l, run); run != c.run || smem != c.smem {
+			t.Errorf("%s at K = %d in %d: runs of %d features, %d bytes; want %d, %d", c.name, c.l.in, c.splits, run, smem, c.run, c.smem)
 		}
 	}
 	if StreamingGEMV("gemv_q8_r4u1") || StreamingGEMV("gemv_q4_sh") || gemvFixedPoint("gemv_q8_r4u1") {

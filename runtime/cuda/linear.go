@@ -1625,6 +1625,11 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		return
 	}
 	rows, shm := gemvShape(name, R, l)
+	splits := 1 // a split form's blocks a block of rows (gemvSplit)
+	if k, _ := streamKernelOf(name); k.split {
+		_, splits = b.gemvSplit(l, M, launchRows(segs))
+		shm = streamSmemRun(name, l, splitRun(l, splits))
+	}
 	var in rowSums // x's sums of squares from its producer (rowsums.go)
 	if R == gemvStreamRowsTag {
 		k, _ := streamKernelOf(name)
@@ -1656,13 +1661,18 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	}
 	segArgs := []any{seg[0].y, seg[0].w, seg[0].sz, seg[0].n, seg[0].nb, seg[1].y, seg[1].w, seg[1].sz, seg[1].n, seg[1].nb,
 		seg[2].y, seg[2].w, seg[2].sz, seg[2].n}
-	grid := [3]uint32{uint32(blocks), uint32(M), 1}
+	grid := [3]uint32{uint32(blocks), uint32(M), uint32(splits)}
 	if R == gemvStreamRowsTag {
 		var yss driver.DevicePtr // the residual's sums of squares
 		if epi.mode == gemvAdd && epi.send == 0 {
 			yss = b.sumsOut(segs[0].d, blocks)
 		}
 		args := []any{s.p, in.p, in.n, stagedPerm(l), K, l.gs, l.groups, epi.nw, epi.nb, epi.eps, epi.mode, yss, epi.send}
+		if splits > 1 { // each block's part of its rows' sums, and a counter a block of rows
+			part := b.scratchBuf("gemv_split_part", 4*splits*M*blocks*rows)
+			cnt := b.zeroedScratch("gemv_split_cnt", 4*M*blocks)
+			args = append(args, part, cnt)
+		}
 		b.launchShm(name, grid, block256, shm, append(args, segArgs...)...)
 		b.wroteSums(segs[0].d, yss, blocks)
 		return
@@ -1736,6 +1746,11 @@ type streamKernel struct {
 	// pcForm: it has a _pc form for weights of one group a row, of the same
 	// shape, with its own _n twin where it has one (perChannelForm)
 	pcForm bool
+	// splitForm: it (and its _pc form) has a split form, _k, for 8-bit
+	// rows longer than 4 096 features (gemvSplit)
+	splitForm bool
+	// split: this is a _k form (streamKernelOf's answer only)
+	split bool
 }
 
 // streamKernels are the streaming GEMV kernels by name (their _pc forms
@@ -1746,14 +1761,19 @@ var streamKernels = map[string]streamKernel{
 	"gemv_q4_w4h":     {rows: 32, chunk: 32, sumsTwin: true, pcForm: true},
 	"gemv_q4_w4a":     {rows: 32, chunk: 32, ring: 2 * 4 * 256 * (16 + 4), sumsTwin: true, pcForm: true},
 	"gemv_q8_w2h":     {rows: 16, chunk: 16, pcForm: true},
-	"gemv_q8_w4h":     {rows: 32, chunk: 16, pcForm: true},
+	"gemv_q8_w4h":     {rows: 32, chunk: 16, pcForm: true, splitForm: true},
 	"gemv_q8_w4a":     {rows: 32, chunk: 16, ring: 2 * 4 * 256 * (16 + 8), pcForm: true},
 }
 
-// streamKernelOf is streaming GEMV kernel name's entry (a _pc form's or an
-// _n twin's its base's); ok is false for the other GEMV kernels.
+// streamKernelOf is streaming GEMV kernel name's entry (a _pc form's, an
+// _n twin's or a _k form's its base's; a _k form has no _n twin);
+// ok is false for the other GEMV kernels.
 func streamKernelOf(name string) (k streamKernel, ok bool) {
-	k, ok = streamKernels[strings.TrimSuffix(strings.TrimSuffix(name, "_n"), "_pc")]
+	base, split := strings.CutSuffix(name, "_k")
+	k, ok = streamKernels[strings.TrimSuffix(strings.TrimSuffix(base, "_n"), "_pc")]
+	if split {
+		k.split, k.sumsTwin = true, false
+	}
 	return k, ok
 }
 
@@ -1770,10 +1790,19 @@ func StreamingGEMV(name string) bool {
 // point 8 bytes of scale and sum after it a chunk (streamKernel.chunk); the
 // ring in shared memory, if any, after those at a 16-byte boundary.
 func streamSmem(name string, l *Linear) int {
+	return streamSmemRun(name, l, l.in)
+}
+
+// streamSmemRun is streamSmem where the staged x holds features of the row
+// (a split form's run, splitRun).
+func streamSmemRun(name string, l *Linear, features int) int {
 	k, _ := streamKernelOf(name)
 	shm, _ := gemvStream(l)
+	if features != l.in {
+		shm = 2 * features // no column order (gemvSplit)
+	}
 	if k.chunk != 0 {
-		shm += 8 * l.in / k.chunk
+		shm += 8 * features / k.chunk
 	}
 	if k.ring != 0 {
 		shm = (shm+15)&^15 + k.ring
@@ -1858,7 +1887,10 @@ const gemvStreamRowsTag = 1 << 29
 //	q8             the same, waves fuller at 2                 gemv_q8_w4h     32 rows a block, the same,
 //	                                                                           the ring in registers
 //	q8             streamable, K ≤ 4096                        gemv_q8_w2h     16 rows a block, the same
-//	q8             otherwise (K > 4096, g_idx, width or group) gemv_q8_r4u1    4 rows a block
+//	q8             streamable, K > 4096, no column order       gemv_q8_w4h_k   gemv_q8_w4h's 32 rows split
+//	               (gemvSplit: the fullest waves over                          along K over 2–4 blocks, the
+//	               2–4 splits)                                                 last adding the parts
+//	q8             otherwise (g_idx, width or group)           gemv_q8_r4u1    4 rows a block
 //	q4             streamable (gemvStream), K ≤ 4096,          gemv_q4_w4a     32 rows a block, x staged,
 //	               ≥ 40 rows a multiprocessor in the launch,                   the ring in shared memory
 //	               waves as full at 3 blocks a multiprocessor
@@ -1871,7 +1903,7 @@ const gemvStreamRowsTag = 1 << 29
 //
 // Where a weight has one group a row (per-channel scales), each streaming
 // kernel above but gemv_q4_w2h_s32 runs as its _pc form (perChannelForm),
-// which loads the row's {scale, zero} once. The 4-bit streaming kernels
+// which loads the row's {scale, zero} once (a _k form as _pc_k). The 4-bit streaming kernels
 // but the _s32 twins read the scales' half form (Linear.szh), the 8-bit
 // ones {scale, zero} floats (Linear.sz). The 8-bit ones and the 32-row
 // 4-bit ones (gemv_q4_w4a, gemv_q4_w4h) stage x in fixed point and
@@ -1884,7 +1916,8 @@ var gemvKernels = []string{"gemv_f32_r4u1", "gemv_f16_r4u2", "gemv_bf16_r4u2", "
 	"gemv_q8_w4a", "gemv_q8_w4h", "gemv_q8_w2h", "gemv_q8_w4a_pc", "gemv_q8_w4h_pc", "gemv_q8_w2h_pc",
 	"gemv_q4_w4a", "gemv_q4_w4h", "gemv_q4_w2h", "gemv_q4_w4a_n", "gemv_q4_w4h_n", "gemv_q4_w2h_n",
 	"gemv_q4_w4a_pc", "gemv_q4_w4h_pc", "gemv_q4_w2h_pc", "gemv_q4_w4a_pc_n", "gemv_q4_w4h_pc_n", "gemv_q4_w2h_pc_n",
-	"gemv_q4_w2h_s32", "gemv_q4_w2h_s32_n", "gemv_q4_sh"}
+	"gemv_q4_w2h_s32", "gemv_q4_w2h_s32_n", "gemv_q4_sh",
+	"gemv_q8_w4h_k", "gemv_q8_w4h_pc_k"}
 
 // GEMVKernel names the GEMV kernel a product of M activation rows with w
 // runs (see gemvKernels), for reports.
@@ -1909,11 +1942,17 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 	case kindBF16:
 		return "gemv_bf16_r4u2", 4
 	case kindQ8:
-		// the streaming kernels up to K = 4096: on a longer row
-		// gemv_q8_r4u1's loads kept more bytes in flight than gemv_q8_w2h's
-		// ring (kernels/NOTES.md, thirty-seventh session)
-		if _, ok := gemvStream(l); ok && l.in <= 4096 {
-			return b.gemvStreaming(l, M, rows, "gemv_q8_w4a", "gemv_q8_w4h", "gemv_q8_w2h"), gemvStreamRowsTag
+		// the streaming kernels up to K = 4096, their split form beyond
+		// (gemvSplit; gemv_q8_w2h's ring lost to gemv_q8_r4u1 on a longer
+		// row: kernels/NOTES.md, thirty-seventh session)
+		if _, ok := gemvStream(l); ok {
+			if l.in > 4096 && l.perm == 0 {
+				name, _ := b.gemvSplit(l, M, rows)
+				return name, gemvStreamRowsTag
+			}
+			if l.in <= 4096 {
+				return b.gemvStreaming(l, M, rows, "gemv_q8_w4a", "gemv_q8_w4h", "gemv_q8_w2h"), gemvStreamRowsTag
+			}
 		}
 		return "gemv_q8_r4u1", 4
 	case kindQ4:
@@ -1940,6 +1979,47 @@ func (b *Backend) gemvStreaming(l *Linear, M, rows int, async, reg, narrow strin
 		return b.gemvWide(l, M*((rows+31)/32), perChannelForm(async, l), perChannelForm(reg, l))
 	}
 	return perChannelForm(narrow, l)
+}
+
+// gemvMaxSplits bounds the blocks a split form divides a block of rows'
+// product among (gemvSplit).
+const gemvMaxSplits = 4
+
+// gemvSplit picks the split form (_k) of gemv_q8_w4h (or its _pc form) for
+// an 8-bit weight of K > 4 096 without column order, in a launch of rows
+// output rows, and the blocks each block of 32 rows is split into along K:
+// of 2 to gemvMaxSplits (every run of chunks non-empty) the count whose
+// waves of two blocks a multiprocessor are fullest, the fewest where they
+// tie. Down's 4 096 rows of 11 008 or 14 336 features are 128 blocks of 32
+// rows; on the H200's 132 multiprocessors unsplit they ran on gemv_q8_r4u1
+// at 62–67 % of copy; split in 2 (256 blocks, one wave) they read 71–78 %,
+// in 3 (1.45 waves) 60–65 %, in 4 (1.94) 66–74 %. The ring in shared memory
+// (gemv_q8_w4a's) split read 54–65 %, and the 4-bit kernels split 40–60 %
+// against gemv_q4_w2h's 57–62 %: those have no split forms
+// (kernels/NOTES.md, forty-first session).
+func (b *Backend) gemvSplit(l *Linear, M, rows int) (name string, splits int) {
+	nch := (l.in + splitChunk(l) - 1) / splitChunk(l)
+	best := -1.0
+	for s := 2; s <= gemvMaxSplits; s++ {
+		if (s-1)*((nch+s-1)/s) >= nch { // a run would be empty
+			continue
+		}
+		if f := waveFill(M*((rows+31)/32)*s, 2*b.sms); f > best {
+			best, splits = f, s
+		}
+	}
+	return perChannelForm("gemv_q8_w4h", l) + "_k", splits
+}
+
+// splitChunk is the features of a chunk of an 8-bit row in the streaming
+// kernels: 32 lanes' 16 bytes of codes.
+func splitChunk(*Linear) int { return 32 * 16 }
+
+// splitRun is the features of the longest run of chunks of l's rows split
+// in splits (what a split form's block stages of x).
+func splitRun(l *Linear, splits int) int {
+	nch := (l.in + splitChunk(l) - 1) / splitChunk(l)
+	return min(l.in, (nch+splits-1)/splits*splitChunk(l))
 }
 
 // perChannelForm is streaming kernel name's _pc form where l has one group a
