@@ -1994,7 +1994,7 @@ const gemvMaxSplits = 4
 // rows; on the H200's 132 multiprocessors unsplit they ran on gemv_q8_r4u1
 // at 62–67 % of copy; split in 2 (256 blocks, one wave) they read 71–78 %,
 // in 3 (1.45 waves) 60–65 %, in 4 (1.94) 66–74 %. The ring in shared memory
-// (gemv_q8_w4a's) split read 54–65 %, and the 4-bit kernels split 40–60 %
+// (gemv_q8_w4a's) split read 54–65 %, and the 4-bit kernels split 44–60 %
 // against gemv_q4_w2h's 57–62 %: those have no split forms
 // (kernels/NOTES.md, forty-first session).
 func (b *Backend) gemvSplit(l *Linear, M, rows int) (name string, splits int) {
