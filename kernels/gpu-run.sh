@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncugemv ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
 # TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; TESTSKIP: tests
@@ -14,7 +14,7 @@
 # kernels, which reads the embedded PTX and would fail the suite and so skip ab); RUN_LIMIT: a
 # verify run's; TPAB_MODELS: tpab's checkpoints; TPAB_BINS: more binaries bin/qtool-NAME
 # (from .devbin/qtool-NAME.xz, a Go-side variant) that tpab times beside bin/qtool;
-# TPDEC_ROUNDS, TPDEC_MODELS: tpdec's rounds and checkpoints)
+# TPDEC_ROUNDS, TPDEC_MODELS: tpdec's rounds and checkpoints; NCU_GEMV: the GEMV kernels ncugemv profiles)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -132,6 +132,22 @@ print('  %d kernels, %.2f ms:' % (len(one), sum(t for _, t in one) / 1e6),
 print('  first layer:', ', '.join('%s %.1f' % (n, t / 1e3) for n, t in one[1:15]))
 PY
 }
+if has ncugemv; then # Nsight Compute on the first launch of each of NCU_GEMV's kernels in bench's kernel table
+  # (the first shape it runs there: 14336×4096 for the 32-row register rings), with the stall reasons
+  # in cycles an issued instruction (--page raw) and the instructions it executed
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard wait selected not_selected \
+    math_pipe_throttle dispatch_stall short_scoreboard barrier mio_throttle lg_throttle no_instruction branch_resolving)
+  for k in ${NCU_GEMV:-gemv_q4_w4h gemv_q8_w4h}; do
+    lim=$(left); [ "$lim" -lt 60 ] && { echo "ncugemv: no time left"; break; }
+    timeout $(( lim < 150 ? lim : 150 )) "$NCU" --kernel-name regex:"^$k\$" --launch-count 1 --page raw \
+      --metrics "${stalls}gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,dram__bytes_read.sum" \
+      bin/qtool bench --synthetic llama2-7b --decode 4 --prompt 16 > "$OUT/ncu-$k.txt" 2>&1
+    echo "ncu $k rc=$?"
+    grep -E "stalled|gpu__time|dram__|inst_executed|issue_active|warps_active|launch__" "$OUT/ncu-$k.txt" |
+      sed -E 's/smsp__average_warps_issue_stalled_(.*)_per_issue_active.ratio/stall \1/' | awk '{printf "  %-48s %s %s\n", $1, $2, $3}'
+  done
+fi
 if has ncuprefill; then # every kernel of a window of the synthetic 7B bench (a prefill of 512 tokens and more), durations as CSV
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   for f in ${NCU_FORMATS:-fp16 w8a8}; do
