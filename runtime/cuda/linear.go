@@ -1625,11 +1625,7 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		return
 	}
 	rows, shm := gemvShape(name, R, l)
-	splits := 1 // a split form's blocks a block of rows (gemvSplit)
-	if k, _ := streamKernelOf(name); k.split {
-		_, splits = b.gemvSplit(l, M, launchRows(segs))
-		shm = streamSmemRun(name, l, splitRun(l, splits))
-	}
+	splits, shm := b.splitLaunch(name, l, M, launchRows(segs), shm)
 	var in rowSums // x's sums of squares from its producer (rowsums.go)
 	if R == gemvStreamRowsTag {
 		k, _ := streamKernelOf(name)
@@ -1708,10 +1704,7 @@ const gemvStreamMaxSmem = 96 << 10
 // their _pc forms come on top, streamSmem; those kernels run K ≤ 4096
 // alone, 66 560 bytes at most: gemv_q4_w4a with a column order.)
 func gemvStream(l *Linear) (shm int, ok bool) {
-	shm = 2 * l.in
-	if l.perm != 0 {
-		shm += 4 * l.in
-	}
+	shm = stagedBytes(l, l.in)
 	ok = (l.kind == kindQ4 || l.kind == kindQ8) && l.gidx == 0 && l.in%32 == 0 && l.gs%32 == 0 && shm <= gemvStreamMaxSmem
 	return shm, ok
 }
@@ -1797,10 +1790,7 @@ func streamSmem(name string, l *Linear) int {
 // (a split form's run, splitRun).
 func streamSmemRun(name string, l *Linear, features int) int {
 	k, _ := streamKernelOf(name)
-	shm, _ := gemvStream(l)
-	if features != l.in {
-		shm = 2 * features // no column order (gemvSplit)
-	}
+	shm := stagedBytes(l, features)
 	if k.chunk != 0 {
 		shm += 8 * features / k.chunk
 	}
@@ -1808,6 +1798,16 @@ func streamSmemRun(name string, l *Linear, features int) int {
 		shm = (shm+15)&^15 + k.ring
 	}
 	return shm
+}
+
+// stagedBytes is the streaming GEMVs' staged x for features of l's row: 2
+// bytes a feature, 6 with a column order to gather by (the row's copy in
+// fp32 after the staged form).
+func stagedBytes(l *Linear, features int) int {
+	if l.perm != 0 {
+		return 6 * features
+	}
+	return 2 * features
 }
 
 // gemvFixedPoint reports whether GEMV kernel name stages x in 16-bit fixed
@@ -1998,7 +1998,7 @@ const gemvMaxSplits = 4
 // against gemv_q4_w2h's 57–62 %: those have no split forms
 // (kernels/NOTES.md, forty-first session).
 func (b *Backend) gemvSplit(l *Linear, M, rows int) (name string, splits int) {
-	nch := (l.in + splitChunk(l) - 1) / splitChunk(l)
+	nch := (l.in + gemvSplitChunk - 1) / gemvSplitChunk
 	best := -1.0
 	for s := 2; s <= gemvMaxSplits; s++ {
 		if (s-1)*((nch+s-1)/s) >= nch { // a run would be empty
@@ -2011,15 +2011,27 @@ func (b *Backend) gemvSplit(l *Linear, M, rows int) (name string, splits int) {
 	return perChannelForm("gemv_q8_w4h", l) + "_k", splits
 }
 
-// splitChunk is the features of a chunk of an 8-bit row in the streaming
-// kernels: 32 lanes' 16 bytes of codes.
-func splitChunk(*Linear) int { return 32 * 16 }
+// gemvSplitChunk is the features of a chunk of an 8-bit row in the
+// streaming kernels: 32 lanes' 16 bytes of codes.
+const gemvSplitChunk = 32 * 16
 
 // splitRun is the features of the longest run of chunks of l's rows split
 // in splits (what a split form's block stages of x).
 func splitRun(l *Linear, splits int) int {
-	nch := (l.in + splitChunk(l) - 1) / splitChunk(l)
-	return min(l.in, (nch+splits-1)/splits*splitChunk(l))
+	nch := (l.in + gemvSplitChunk - 1) / gemvSplitChunk
+	return min(l.in, (nch+splits-1)/splits*gemvSplitChunk)
+}
+
+// splitLaunch is, for a launch of split form name (gemvSplit) over M rows
+// of x and rows output rows of l, the blocks each block of rows is split
+// into and the kernel's dynamic shared memory (the run's staged x); for
+// any other kernel 1 and shm.
+func (b *Backend) splitLaunch(name string, l *Linear, M, rows, shm int) (int, int) {
+	if k, _ := streamKernelOf(name); !k.split {
+		return 1, shm
+	}
+	_, s := b.gemvSplit(l, M, rows)
+	return s, streamSmemRun(name, l, splitRun(l, s))
 }
 
 // perChannelForm is streaming kernel name's _pc form where l has one group a

@@ -543,12 +543,8 @@ func (b *Backend) gemvOneWave(l *Linear) bool {
 	}
 	_, R := b.gemvKernel(l, 1, l.out)
 	rows, shm := gemvShape(name, R, l)
-	blocks := (l.out + rows - 1) / rows
-	if k, _ := streamKernelOf(name); k.split {
-		_, s := b.gemvSplit(l, 1, l.out)
-		blocks, shm = blocks*s, streamSmemRun(name, l, splitRun(l, s))
-	}
-	return blocks <= b.residentBlocks(name, shm)*b.sms
+	splits, shm := b.splitLaunch(name, l, 1, l.out, shm)
+	return (l.out+rows-1)/rows*splits <= b.residentBlocks(name, shm)*b.sms
 }
 
 // tileSend is a Hopper GEMM that sends its tiles to lane 1 of the
