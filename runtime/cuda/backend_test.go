@@ -441,8 +441,8 @@ func checkGEMVCase(t *testing.T, b *Backend, r *rand.Rand, wc weightCase, K int,
 // grouped and per-channel scales, each row's last chunk partial, as many
 // rows as make gemvSplit pick each count of splits at M = 1 (checked), and
 // M = 3. MatMulAdd must add MatMul's sums to the output bit for bit, and
-// MatMulN of two weights give each MatMul's (bit for bit where the two
-// launches split alike, else within 1e-5: another split adds other parts).
+// MatMulN of two weights give each MatMul's (checkMatMulN: bit for bit
+// where the two launches split alike, else within 1e-5).
 func TestSplitGEMV(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(71, 72))
@@ -499,24 +499,13 @@ func TestSplitGEMV(t *testing.T) {
 					want[i] += y0[i]
 				}
 				compare(t, "MatMulAdd", download(b, acc), want, 0)
-				dst := []runtime.Buf{poisoned(b, M, N), poisoned(b, M, N)}
-				b.MatMulN(dst, x, ws)
+				for _, f := range []*Buf{x, acc, prod} {
+					b.Free(f)
+				}
 				if k := oneLaunch(b, ws, M); k != "" {
 					fused[k] = true
 				}
-				nk, _ := b.gemvKernel(lin(ws[0]), M, 2*N)
-				_, nsplits := b.gemvSplit(lin(ws[0]), M, 2*N)
-				for i, w := range ws {
-					b.MatMul(prod, x, w)
-					tol := 0.0
-					if nk != kernel || nsplits != splits {
-						tol = 1e-5
-					}
-					compare(t, fmt.Sprintf("MatMulN's weight %d (%s, %d splits)", i, nk, nsplits), download(b, dst[i]), download(b, prod), tol)
-				}
-				for _, f := range append([]*Buf{x, acc, prod}, dst[0].(*Buf), dst[1].(*Buf)) {
-					b.Free(f)
-				}
+				checkMatMulN(t, b, r, M, K, []int{N, N}, ws)
 			})
 		}
 		for _, w := range ws {
