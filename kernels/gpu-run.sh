@@ -32,6 +32,7 @@ STEPS=${STEPS:-build tests 7b tp}
 t0=$(date +%s)
 left() { echo $(( ${BUDGET:-570} - ($(date +%s) - t0) )); }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1) # Nsight Compute, for the ncu steps
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 has topo && nvidia-smi topo -m
 mkdir -p bin
@@ -100,7 +101,6 @@ if has attnbench; then # the prefill attention's key splits (BenchmarkPrefillAtt
   grep -E "us/launch|FAIL|panic" "$OUT/attnbench.log" | awk '{print $1, $(NF-1), $NF}'
 fi
 if has ncu; then # one launch of the prefill attention (512 tokens, 32 heads) under Nsight Compute
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   if [ -z "$NCU" ]; then echo "ncu: not found"; else
     (cd runtime/cuda && timeout 200 "$NCU" --kernel-name regex:attn_tc --launch-count 1 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section Occupancy --section ComputeWorkloadAnalysis --section LaunchStats ${NCU_ARGS:-} \
@@ -135,7 +135,6 @@ PY
 if has ncugemv; then # Nsight Compute on the first launch of each of NCU_GEMV's kernels in bench's kernel table
   # (the first shape it runs there: 14336×4096 for the 32-row register rings), with the stall reasons
   # in cycles an issued instruction (--page raw) and the instructions it executed
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard wait selected not_selected \
     math_pipe_throttle dispatch_stall short_scoreboard barrier mio_throttle lg_throttle no_instruction branch_resolving)
   for k in ${NCU_GEMV:-gemv_q4_w4h gemv_q8_w4h}; do
@@ -149,7 +148,6 @@ if has ncugemv; then # Nsight Compute on the first launch of each of NCU_GEMV's 
   done
 fi
 if has ncuprefill; then # every kernel of a window of the synthetic 7B bench (a prefill of 512 tokens and more), durations as CSV
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   for f in ${NCU_FORMATS:-fp16 w8a8}; do
     timeout "$(left)" "$NCU" --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
       --launch-skip ${NCU_SKIP:-700} --launch-count ${NCU_COUNT:-800} \
