@@ -134,16 +134,16 @@ PY
 }
 if has ncugemv; then # Nsight Compute on the first launch of each of NCU_GEMV's kernels in bench's kernel table
   # (the first shape it runs there: 14336×4096 for the 32-row register rings), with the stall reasons
-  # in cycles an issued instruction (--page raw) and the instructions it executed
+  # in cycles an issued instruction (--page raw), the instructions it executed and each pipe's share
   stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard wait selected not_selected \
     math_pipe_throttle dispatch_stall short_scoreboard barrier mio_throttle lg_throttle no_instruction branch_resolving)
   for k in ${NCU_GEMV:-gemv_q4_w4h gemv_q8_w4h}; do
     lim=$(left); [ "$lim" -lt 60 ] && { echo "ncugemv: no time left"; break; }
-    timeout $(( lim < 150 ? lim : 150 )) "$NCU" --kernel-name regex:"^$k\$" --launch-count 1 --page raw \
+    timeout $(( lim < 150 ? lim : 150 )) "$NCU" --kernel-name regex:"^$k\$" --launch-count 1 --page raw --section ComputeWorkloadAnalysis \
       --metrics "${stalls}gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,dram__bytes_read.sum" \
       bin/qtool bench --synthetic llama2-7b --decode 4 --prompt 16 > "$OUT/ncu-$k.txt" 2>&1
     echo "ncu $k rc=$?"
-    grep -E "stalled|gpu__time|dram__|inst_executed|issue_active|warps_active|launch__" "$OUT/ncu-$k.txt" |
+    grep -E "stalled|gpu__time|dram__|inst_executed|issue_active|warps_active|launch__|pipe_.*pct" "$OUT/ncu-$k.txt" |
       sed -E 's/smsp__average_warps_issue_stalled_(.*)_per_issue_active.ratio/stall \1/' | awk '{printf "  %-48s %s %s\n", $1, $2, $3}'
   done
 fi

@@ -182,6 +182,24 @@ __device__ __forceinline__ void cp_async4_once_at(uint32_t a, const void* g, uin
 __device__ __forceinline__ void cp_async8_once_at(uint32_t a, const void* g, uint64_t pol) {
     asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2;\n" ::"r"(a), "l"(g), "l"(pol) : "memory");
 }
+// last_block counts the calling block in cnt[ci] and is true in the last of
+// n blocks to arrive, after the stores every block made before the call
+// are visible to it (a fence before the count, one after it in the last
+// block); every thread of the block calls it and gets the same answer.
+// The last block zeroes cnt[ci] again (for the next launch: every block
+// has counted) and merges the others' parts.
+__device__ __forceinline__ bool last_block(int* cnt, int ci, int n) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&cnt[ci], 1) == n - 1;
+    __syncthreads();
+    if (!last) return false;
+    if (threadIdx.x == 0) cnt[ci] = 0;
+    __threadfence();
+    return true;
+}
+
 // ldmatrix_x4 loads four 8 × 8 fp16 matrices, lanes 8i..8i+7 addressing
 // the rows of matrix i; lane l receives row l/4, columns 2(l%4) and
 // 2(l%4) + 1 of each. ldmatrix_x4_trans gives the transposed: rows 2(l%4)
@@ -1091,7 +1109,6 @@ __device__ __forceinline__ void attention_body(
     pdl_trigger();
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][32 * VM];
-    __shared__ int last;
     float qr[VM], acc[VM];
     const float* qp = q + (size_t)t * heads * hd + (size_t)h * hd + lane * V;
     // The row's own key and value (the last split's blocks), loaded with q:
@@ -1290,18 +1307,12 @@ __device__ __forceinline__ void attention_body(
         for (int i = 0; i < ATT_WARPS; i++) a += sacc[i][d] * f[i];
         part_acc[pi * hd + d] = a;
     }
-    __threadfence();
-    __syncthreads();
     int ci = t * heads + h;
-    if (threadIdx.x == 0) last = atomicAdd(&cnt[ci], 1) == ns - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block(cnt, ci, ns)) return;
     // The row's last split merges the ns partials (every split has keys).
     __shared__ float2 sml[ATT_MAX_SPLITS];
     att_merge(out, ns, hd, sml, [&](int r) { return __ldcg(reinterpret_cast<const float2*>(part_ml) + pi0 + r); },
               [&](int r, int d) { return __ldcg(part_acc + (pi0 + r) * hd + d); });
-    if (threadIdx.x == 0) cnt[ci] = 0;
 }
 
 // attention_run picks the warp step of head size hd.
@@ -2525,7 +2536,6 @@ __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* _
     constexpr int KL = 4 * P;    // k per lane
     constexpr int KS = 32 * KL;  // k per block
     __shared__ float4 xs[KS / 4];
-    __shared__ int last;
     int m = blockIdx.z, ks = blockIdx.y, nks = gridDim.y, M = gridDim.z;
     int k0 = ks * KS;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -2588,20 +2598,14 @@ __device__ __forceinline__ void gemvs_body(float* __restrict__ y, const float* _
         return;
     }
     if (lane < R && n0 + lane < N) part[((size_t)ks * M + m) * N + n0 + lane] = mine;
-    __threadfence();
-    __syncthreads();
     int ci = m * gridDim.x + blockIdx.x;
-    if (tid == 0) last = atomicAdd(&cnt[ci], 1) == nks - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block(cnt, ci, nks)) return;
     int n = blockIdx.x * 8 * R + tid;
     if (tid < 8 * R && n < N) {
         float v = 0.f;
         for (int k2 = 0; k2 < nks; k2++) v += __ldcg(part + ((size_t)k2 * M + m) * N + n);
         y[(size_t)m * N + n] = v;
     }
-    if (tid == 0) cnt[ci] = 0;
 }
 
 #define GEMVS_ENTRY(name, R, MINB)                                                                                \
@@ -2788,7 +2792,15 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // (kernels/NOTES.md, fortieth session).
     constexpr bool LEAD = ASYNC && Q8 && !PC;
     const int lead = LEAD && KC % gs == 0 ? (lane * LK) % gs / LK : 0;
+    // The group of the lane's k in chunk j: where the groups tile a chunk
+    // (gs divides KC, uniform across the grid) j·(KC/gs) plus the lane's
+    // group within its chunk, without the division by gs each refill
+    // (~25 instructions of a signed division a chunk, 4 rows' worth).
+    const int gpc = KC % gs == 0 ? KC / gs : 0;
+    const int glane = lane * LK / gs;
+    auto group = [&](int j, int k) { return gpc ? j * gpc + glane : k / gs; };
     auto fetch = [&](int d, int j, int k) {
+        const int g = group(j, k);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             if constexpr (ASYNC) {
@@ -2798,13 +2810,13 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                     // PC: the row's scale is in slot 0 (chunk 0's) already;
                     // LEAD: the group's first lane copies it
                 } else if constexpr (HS) {
-                    cp_async4_once_at(sa0 + slot * 4, srow[r] + k / gs, pol);
+                    cp_async4_once_at(sa0 + slot * 4, srow[r] + g, pol);
                 } else {
-                    cp_async8_once_at(sa0 + slot * 8, srow[r] + k / gs, pol);
+                    cp_async8_once_at(sa0 + slot * 8, srow[r] + g, pol);
                 }
             } else {
                 buf[d][r] = ldg_stream(wrow[r] + j * 32);
-                if (!PC || j == jb) sb[PC ? 0 : d][r] = __ldg(srow[r] + k / gs);
+                if (!PC || j == jb) sb[PC ? 0 : d][r] = __ldg(srow[r] + g);
             }
         }
     };
@@ -3021,24 +3033,17 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         // finish (cnt, one counter a block of rows, left zero again) adds
         // the parts in z order, so the result does not depend on which
         // finished last, and goes on with the epilogue.
-        __shared__ int lastsh;
         const size_t pz = (size_t)gridDim.y * gridDim.x * (8 * R);
         const size_t pi = ((size_t)m * gridDim.x + blockIdx.x) * (8 * R) + warp * R + lane;
         if (lane < R) part[blockIdx.z * pz + pi] = mine;
-        __threadfence();
-        __syncthreads();
         const int ci = m * gridDim.x + blockIdx.x;
-        if (tid == 0) lastsh = atomicAdd(&cnt[ci], 1) == (int)gridDim.z - 1;
-        __syncthreads();
-        if (!lastsh) return;
-        __threadfence();
+        if (!last_block(cnt, ci, (int)gridDim.z)) return;
         if (lane < R) {
             float v = 0.f;
             for (int z = 0; z < (int)gridDim.z; z++) v += __ldcg(part + z * pz + pi);
             mine = v;
         }
         upv = __shfl_down_sync(0xffffffffu, mine, R / 2);  // GEMV_SWIGLU: lane r's up row is lane r + R/2's
-        if (tid == 0) cnt[ci] = 0;
     }
     float* yp = y + (size_t)m * N + n0 + lane;
     if (swiglu) {
