@@ -48,6 +48,12 @@ func benchCommand() *cli.Command {
 // benchShapes are the [out, in] GEMV/GEMM shapes of the microbenchmarks.
 var benchShapes = [][2]int{{14336, 4096}, {4096, 14336}, {4096, 4096}, {11008, 4096}, {4096, 11008}}
 
+// sizeRefShapes are fp16 GEMVs of about as many weight bytes as a 4-bit
+// (4096x1024) and an 8-bit (4096x2048) 4096x4096 weight: how near copy
+// speed a kernel with next to no arithmetic comes at those sizes, the
+// ceiling the small quantized GEMVs are read against.
+var sizeRefShapes = [][2]int{{4096, 1024}, {4096, 2048}}
+
 // prefillRuns is how many timed prefills give bench's prefill rate (their
 // median).
 const prefillRuns = 5
@@ -247,21 +253,13 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 		var f16Rate float64
 		for _, f := range []string{"fp16", "bf16", "w8a8", "w8a16", "w8a16-pc", "w4a16", "w4a16-pc", "w4a16-act"} {
 			spec := cuda.Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: seed}
-			w, err := b.UploadLinear("bench", &spec)
-			if err != nil {
-				return err
-			}
 			seed++
-			// GEMV, M = 1, the kernel the dispatcher picks, as a decode
-			// step runs it (no copy still in L2)
-			tv, bytes, err := b.TimeDecodeGEMV(w, spec)
+			w, kv, err := benchGEMV(b, spec, copyBps)
 			if err != nil {
 				return err
 			}
-			kv := kernelResult{Kernel: "gemv", Format: f + "/" + b.GEMVKernel(w, 1), Shape: fmt.Sprintf("%dx%d", N, K), M: 1, Seconds: tv, GBs: bytes / tv / 1e9}
-			kv.RatioPct = 100 * bytes / tv / copyBps
 			rep.Kernels = append(rep.Kernels, kv)
-			fmt.Fprintf(out, "%-8s %-24s %-12s %5d %10.2f %8.0f GB/s %7.1f%% of copy\n", "gemv", kv.Format, kv.Shape, 1, tv*1e6, kv.GBs, kv.RatioPct)
+			fmt.Fprint(out, kv.gemvLine())
 			// GEMM, M = 512.
 			const M = 512
 			xm, ym := b.Alloc(M, K), b.Alloc(M, N)
@@ -288,7 +286,43 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 			b.FreeLinear(w)
 		}
 	}
+	fmt.Fprintf(out, "(size reference: fp16 GEMVs of about the bytes of a 4-bit and an 8-bit 4096x4096 weight)\n")
+	for _, sh := range sizeRefShapes {
+		spec := cuda.Synthetic{Format: "fp16", Dims: []int{sh[0], sh[1]}, Seed: seed}
+		seed++
+		w, kv, err := benchGEMV(b, spec, copyBps)
+		if err != nil {
+			return err
+		}
+		b.FreeLinear(w)
+		kv.Kernel = "gemv-size"
+		rep.Kernels = append(rep.Kernels, kv)
+		fmt.Fprint(out, kv.gemvLine())
+	}
 	return nil
+}
+
+// benchGEMV uploads the synthetic weight spec describes and times its
+// one-row product on the kernel the dispatcher picks, as a decode step runs
+// it (no copy still in L2); the caller frees the weight.
+func benchGEMV(b *cuda.Backend, spec cuda.Synthetic, copyBps float64) (runtime.Linear, kernelResult, error) {
+	w, err := b.UploadLinear("bench", &spec)
+	if err != nil {
+		return nil, kernelResult{}, err
+	}
+	tv, bytes, err := b.TimeDecodeGEMV(w, spec)
+	if err != nil {
+		b.FreeLinear(w)
+		return nil, kernelResult{}, err
+	}
+	N, K := spec.Dims[0], spec.Dims[1]
+	return w, kernelResult{Kernel: "gemv", Format: spec.Format + "/" + b.GEMVKernel(w, 1), Shape: fmt.Sprintf("%dx%d", N, K),
+		M: 1, Seconds: tv, GBs: bytes / tv / 1e9, RatioPct: 100 * bytes / tv / copyBps}, nil
+}
+
+// gemvLine is k's row of bench's kernel table.
+func (k kernelResult) gemvLine() string {
+	return fmt.Sprintf("%-8s %-24s %-12s %5d %10.2f %8.0f GB/s %7.1f%% of copy\n", k.Kernel, k.Format, k.Shape, k.M, k.Seconds*1e6, k.GBs, k.RatioPct)
 }
 
 func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf bool, copyGBs float64, out io.Writer) (modelResult, error) {
