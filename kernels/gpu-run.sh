@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncugemv ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncugemv ncusrc ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
 # TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; TESTSKIP: tests
@@ -14,7 +14,7 @@
 # kernels, which reads the embedded PTX and would fail the suite and so skip ab); RUN_LIMIT: a
 # verify run's; TPAB_MODELS: tpab's checkpoints; TPAB_BINS: more binaries bin/qtool-NAME
 # (from .devbin/qtool-NAME.xz, a Go-side variant) that tpab times beside bin/qtool;
-# TPDEC_ROUNDS, TPDEC_MODELS: tpdec's rounds and checkpoints; NCU_GEMV: the GEMV kernels ncugemv profiles)
+# TPDEC_ROUNDS, TPDEC_MODELS: tpdec's rounds and checkpoints; NCU_GEMV: the GEMV kernels ncugemv and ncusrc profile)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -145,6 +145,15 @@ if has ncugemv; then # Nsight Compute on the first launch of each of NCU_GEMV's 
     echo "ncu $k rc=$?"
     grep -E "stalled|gpu__time|dram__|inst_executed|issue_active|warps_active|launch__|pipe_.*pct" "$OUT/ncu-$k.txt" |
       sed -E 's/smsp__average_warps_issue_stalled_(.*)_per_issue_active.ratio/stall \1/' | awk '{printf "  %-48s %s %s\n", $1, $2, $3}'
+  done
+fi
+if has ncusrc; then # the same launches' warp stall samples a SASS instruction (--page source): where the cycles go
+  for k in ${NCU_GEMV:-gemv_q4_w4h gemv_q8_w4h}; do
+    lim=$(left); [ "$lim" -lt 60 ] && { echo "ncusrc: no time left"; break; }
+    timeout $(( lim < 150 ? lim : 150 )) "$NCU" --kernel-name regex:"^$k\$" --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+      bin/qtool bench --synthetic llama2-7b --decode 4 --prompt 16 > "$OUT/ncusrc-$k.csv" 2>&1
+    echo "ncusrc $k rc=$? $(grep -c . "$OUT/ncusrc-$k.csv") lines (logs.tgz)"
   done
 fi
 if has ncuprefill; then # every kernel of a window of the synthetic 7B bench (a prefill of 512 tokens and more), durations as CSV
