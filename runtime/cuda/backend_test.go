@@ -1297,8 +1297,10 @@ func TestPoolReuse(t *testing.T) {
 // TestStreamKernels checks the streaming GEMVs' table against the kernel
 // list and the shared memory of gemvw_body's layout (qtool.cu: the staged
 // row, the fixed-point chunk figures, the ring at a 16-byte boundary) at
-// K = 4096, the largest the ring kernels run.
+// K = 4096, the largest the ring kernels run, and the split forms' launch
+// shapes (gemvShape, splitRun).
 func TestStreamKernels(t *testing.T) {
+	h200 := &Backend{sms: 132} // the launch shapes' arithmetic alone (no device)
 	listed := map[string]bool{}
 	for _, k := range gemvKernels {
 		listed[k] = true
@@ -1345,11 +1347,18 @@ func TestStreamKernels(t *testing.T) {
 		{"gemv_q4_w4a_pc_n", Linear{kind: kindQ4, in: 4096, gs: 4096, groups: 1}, 32, 8192 + 1024 + 40960, true},
 		{"gemv_q8_w4a_pc", Linear{kind: kindQ8, in: 4096, gs: 4096, groups: 1}, 32, 8192 + 2048 + 49152, true},
 	} {
-		rows, smem := gemvShape(c.name, gemvStreamRowsTag, &c.l)
-		if rows != c.rows || smem != c.smem || gemvFixedPoint(c.name) != c.fixed {
-			t.Errorf("%s at K = %d: %d rows, %d bytes, fixed point %v; want %d, %d, %v",
-				c.name, c.l.in, rows, smem, gemvFixedPoint(c.name), c.rows, c.smem, c.fixed)
+		rows, splits, smem := h200.gemvShape(c.name, gemvStreamRowsTag, &c.l, 1, 4096)
+		if rows != c.rows || splits != 1 || smem != c.smem || gemvFixedPoint(c.name) != c.fixed {
+			t.Errorf("%s at K = %d: %d rows, %d splits, %d bytes, fixed point %v; want %d, 1, %d, %v",
+				c.name, c.l.in, rows, splits, smem, gemvFixedPoint(c.name), c.rows, c.smem, c.fixed)
 		}
+	}
+	// a split form's launch: down's 4 096 rows of 14 336 features on 132
+	// multiprocessors split in 2 (one full wave of two blocks a
+	// multiprocessor; 4 fill theirs as well), each staging half the row
+	down := Linear{kind: kindQ8, in: 14336, gs: 128}
+	if rows, splits, smem := h200.gemvShape("gemv_q8_w4h_k", gemvStreamRowsTag, &down, 1, 4096); rows != 32 || splits != 2 || smem != 2*7168+7168/2 {
+		t.Errorf("gemv_q8_w4h_k at 4096×14336: %d rows, %d splits, %d bytes; want 32, 2, %d", rows, splits, smem, 2*7168+7168/2)
 	}
 	// the split forms' runs of chunks (512 features of 8-bit codes) and
 	// their shared memory: the run's staged x and its chunks' figures
@@ -1498,7 +1507,7 @@ func BenchmarkGEMVWaves(bm *testing.B) {
 			bm.Fatal(err)
 		}
 		name, R := b.gemvKernel(lin(probe), 1, lin(probe).out)
-		rows, shm := gemvShape(name, R, lin(probe))
+		rows, _, shm := b.gemvShape(name, R, lin(probe), 1, lin(probe).out)
 		slots := b.residentBlocks(name, shm) * b.sms
 		b.FreeLinear(probe)
 		var shapes []int
@@ -1513,7 +1522,7 @@ func BenchmarkGEMVWaves(bm *testing.B) {
 				bm.Fatal(err)
 			}
 			k, R := b.gemvKernel(lin(w), 1, N)
-			rows, shm := gemvShape(k, R, lin(w))
+			rows, _, shm := b.gemvShape(k, R, lin(w), 1, N)
 			waves := float64((N+rows-1)/rows) / float64(b.residentBlocks(k, shm)*b.sms)
 			bm.Run(fmt.Sprintf("%s/%s/N=%d/waves=%.2f", f, k, N, waves), func(bm *testing.B) {
 				var sec, bytes float64

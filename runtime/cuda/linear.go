@@ -1607,7 +1607,8 @@ func (b *Backend) MatMulAdd(dst, x runtime.Buf, w runtime.Linear) {
 func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 	l := segs[0].l
 	M, K := s.rows, l.in
-	name, R := b.gemvKernel(l, M, launchRows(segs))
+	nrows := launchRows(segs)
+	name, R := b.gemvKernel(l, M, nrows)
 	if R != gemvStreamRowsTag { // the streaming kernel gathers x itself
 		s = b.permuted(s, l.perm)
 	}
@@ -1624,8 +1625,7 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 		b.launch(name, [3]uint32{uint32(tiles), uint32(nks), uint32(M)}, block256, d.p, s.p, l.w, l.sz, part, cnt, N, K, l.gs, l.groups)
 		return
 	}
-	rows, shm := gemvShape(name, R, l)
-	splits, shm := b.splitLaunch(name, l, M, launchRows(segs), shm)
+	rows, splits, shm := b.gemvShape(name, R, l, M, nrows)
 	var in rowSums // x's sums of squares from its producer (rowsums.go)
 	if R == gemvStreamRowsTag {
 		k, _ := streamKernelOf(name)
@@ -1709,15 +1709,23 @@ func gemvStream(l *Linear) (shm int, ok bool) {
 	return shm, ok
 }
 
-// gemvShape is the output rows a block and the dynamic shared memory of
-// GEMV kernel name on l, R being gemvKernel's answer (not the split-K
-// kernel's).
-func gemvShape(name string, R int, l *Linear) (rows, shm int) {
+// gemvShape is the shape of a launch of GEMV kernel name on l, R being
+// gemvKernel's answer (not the split-K kernel's), over M rows of x and
+// rows output rows (l's and those of the weights sharing the launch): the
+// output rows a block, the blocks each block of rows is split into along
+// K (a split form's, gemvSplit; else 1) and the dynamic shared memory (a
+// split form stages its run of the row alone, splitRun).
+func (b *Backend) gemvShape(name string, R int, l *Linear, M, rows int) (blockRows, splits, shm int) {
 	if R != gemvStreamRowsTag {
-		return R, 0
+		return R, 1, 0
 	}
 	k, _ := streamKernelOf(name)
-	return k.rows, streamSmem(name, l)
+	splits, features := 1, l.in
+	if k.split {
+		_, splits = b.gemvSplit(l, M, rows)
+		features = splitRun(l, splits)
+	}
+	return k.rows, splits, streamSmemRun(name, l, features)
 }
 
 // streamKernel is what launching and choosing a streaming GEMV kernel
@@ -2020,18 +2028,6 @@ const gemvSplitChunk = 32 * 16
 func splitRun(l *Linear, splits int) int {
 	nch := (l.in + gemvSplitChunk - 1) / gemvSplitChunk
 	return min(l.in, (nch+splits-1)/splits*gemvSplitChunk)
-}
-
-// splitLaunch is, for a launch of split form name (gemvSplit) over M rows
-// of x and rows output rows of l, the blocks each block of rows is split
-// into and the kernel's dynamic shared memory (the run's staged x); for
-// any other kernel 1 and shm.
-func (b *Backend) splitLaunch(name string, l *Linear, M, rows, shm int) (int, int) {
-	if k, _ := streamKernelOf(name); !k.split {
-		return 1, shm
-	}
-	_, s := b.gemvSplit(l, M, rows)
-	return s, streamSmemRun(name, l, splitRun(l, s))
 }
 
 // perChannelForm is streaming kernel name's _pc form where l has one group a

@@ -542,8 +542,7 @@ func (b *Backend) gemvOneWave(l *Linear) bool {
 		return false
 	}
 	_, R := b.gemvKernel(l, 1, l.out)
-	rows, shm := gemvShape(name, R, l)
-	splits, shm := b.splitLaunch(name, l, 1, l.out, shm)
+	rows, splits, shm := b.gemvShape(name, R, l, 1, l.out)
 	return (l.out+rows-1)/rows*splits <= b.residentBlocks(name, shm)*b.sms
 }
 
