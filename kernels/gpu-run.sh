@@ -132,28 +132,31 @@ print('  %d kernels, %.2f ms:' % (len(one), sum(t for _, t in one) / 1e6),
 print('  first layer:', ', '.join('%s %.1f' % (n, t / 1e3) for n, t in one[1:15]))
 PY
 }
-if has ncugemv; then # Nsight Compute on the first launch of each of NCU_GEMV's kernels in bench's kernel table
-  # (the first shape it runs there: 14336×4096 for the 32-row register rings), with the stall reasons
-  # in cycles an issued instruction (--page raw), the instructions it executed and each pipe's share
+# ncu_gemv KERNEL OUTFILE NCU-FLAGS...: Nsight Compute on the first launch of KERNEL in bench's kernel
+# table (the first shape it runs there: 14336×4096 for the 32-row register rings)
+ncu_gemv() {
+  local k=$1 out=$2 lim; shift 2
+  lim=$(left); [ "$lim" -lt 60 ] && { echo "ncu $k: no time left"; return 1; }
+  [ -n "$NCU" ] || { echo "ncu $k: Nsight Compute not found"; return 1; }
+  timeout $(( lim < 150 ? lim : 150 )) "$NCU" --kernel-name regex:"^$k\$" --launch-count 1 "$@" \
+    bin/qtool bench --synthetic llama2-7b --decode 4 --prompt 16 > "$out" 2>&1
+}
+if has ncugemv; then # NCU_GEMV's kernels: the stall reasons in cycles an issued instruction (--page raw),
+  # the instructions executed and each pipe's share
   stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard wait selected not_selected \
     math_pipe_throttle dispatch_stall short_scoreboard barrier mio_throttle lg_throttle no_instruction branch_resolving)
   for k in ${NCU_GEMV:-gemv_q4_w4h gemv_q8_w4h}; do
-    lim=$(left); [ "$lim" -lt 60 ] && { echo "ncugemv: no time left"; break; }
-    timeout $(( lim < 150 ? lim : 150 )) "$NCU" --kernel-name regex:"^$k\$" --launch-count 1 --page raw --section ComputeWorkloadAnalysis \
-      --metrics "${stalls}gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,dram__bytes_read.sum" \
-      bin/qtool bench --synthetic llama2-7b --decode 4 --prompt 16 > "$OUT/ncu-$k.txt" 2>&1
+    ncu_gemv "$k" "$OUT/ncu-$k.txt" --page raw --section ComputeWorkloadAnalysis \
+      --metrics "${stalls}gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,dram__bytes_read.sum"
     echo "ncu $k rc=$?"
-    grep -E "stalled|gpu__time|dram__|inst_executed|issue_active|warps_active|launch__|pipe_.*pct" "$OUT/ncu-$k.txt" |
+    grep -E "stalled|gpu__time|dram__|inst_executed|issue_active|warps_active|launch__|pipe_.*pct" "$OUT/ncu-$k.txt" 2>/dev/null |
       sed -E 's/smsp__average_warps_issue_stalled_(.*)_per_issue_active.ratio/stall \1/' | awk '{printf "  %-48s %s %s\n", $1, $2, $3}'
   done
 fi
 if has ncusrc; then # the same launches' warp stall samples a SASS instruction (--page source): where the cycles go
   for k in ${NCU_GEMV:-gemv_q4_w4h gemv_q8_w4h}; do
-    lim=$(left); [ "$lim" -lt 60 ] && { echo "ncusrc: no time left"; break; }
-    timeout $(( lim < 150 ? lim : 150 )) "$NCU" --kernel-name regex:"^$k\$" --launch-count 1 \
-      --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
-      bin/qtool bench --synthetic llama2-7b --decode 4 --prompt 16 > "$OUT/ncusrc-$k.csv" 2>&1
-    echo "ncusrc $k rc=$? $(grep -c . "$OUT/ncusrc-$k.csv") lines (logs.tgz)"
+    ncu_gemv "$k" "$OUT/ncusrc-$k.csv" --section SourceCounters --section WarpStateStats --page source --print-source sass --csv
+    echo "ncusrc $k rc=$? $(grep -c . "$OUT/ncusrc-$k.csv" 2>/dev/null) lines (logs.tgz)"
   done
 fi
 if has ncuprefill; then # every kernel of a window of the synthetic 7B bench (a prefill of 512 tokens and more), durations as CSV
