@@ -2636,7 +2636,8 @@ GEMVS_ENTRY(gemv_q4_sh, 8, 1)
 // slots filled by cp.async (L2 evict-first, one commit group a chunk) and
 // read back by that thread alone: no barrier, and registers enough for
 // three blocks a multiprocessor instead of two. The weight loads of the
-// first D chunks are issued before the kernel waits for its predecessor
+// first D chunks (ASYNC: of the first, the rest right after x's first
+// loads) are issued before the kernel waits for its predecessor
 // (pdl_wait) and stages x, so those latencies overlap. Requires (host side): no g_idx, K and gs
 // multiples of 32. An act-order weight (stored with its columns sorted by
 // group) passes its column order as permx: 16-bit feature indices, the 8 of
@@ -2825,12 +2826,24 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         for (int u = tid; u < nu; u += 256) cp_async16_zfill(xsh + xw_swz(u), permx + xw_swz(u), true);
         cp_async_commit();
     }
+    // The ring's first chunks [d0, d1).
+    auto prefetch = [&](int d0, int d1) {
 #pragma unroll
-    for (int d = 0; d < D; d++) {
-        int k = (jb + d) * KC + lane * LK;
-        if (jb + d < je && k < K) fetch(d, jb + d, k);
-        if constexpr (ASYNC) cp_async_commit();
-    }
+        for (int d = 0; d < D; d++) {
+            if (d < d0 || d >= d1) continue;
+            int k = (jb + d) * KC + lane * LK;
+            if (jb + d < je && k < K) fetch(d, jb + d, k);
+            if constexpr (ASYNC) cp_async_commit();
+        }
+    };
+    // ASYNC: only the first chunk goes out before the wait, the rest right
+    // after x's first loads (stage): gemv_q4_w4a 11008×4096 74.3 → 80.0 %
+    // of copy, gemv_q8_w4a 82.5 → 85.4 (H200, kernels/NOTES.md, forty-third
+    // session). The register rings lost so (gemv_q4_w4h 14336×4096 64.0 →
+    // 59.7), and so did every ring with all its chunks after x's loads.
+    const int early = ASYNC && !permx ? 1 : D;
+    bool pending = early < D;
+    prefetch(0, early);
     // The weights are in flight: now wait for the kernel that writes x.
     pdl_wait();
     pdl_trigger();
@@ -2929,6 +2942,10 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                     }
                 }
             }
+            if (pending) {
+                prefetch(early, D);
+                pending = false;
+            }
 #pragma unroll
             for (int i = 0; i < B; i++) {
                 if (u0 + 256 * i >= ue) continue;
@@ -2963,6 +2980,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         return kmax;
     };
     int kx = 0, kmax = stage(0, false);
+    if (pending) prefetch(early, D);  // a thread that staged no unit
     if constexpr (FX) {
         __syncthreads();
     } else if (__syncthreads_or(kmax > 0)) {  // rare: the staged row could overflow q4_dot_staged
