@@ -119,6 +119,10 @@ type Backend struct {
 	// attnClusterWide: attention_f16_cl may run clusters of more than 8
 	// blocks (clusterAttention).
 	attnClusterWide bool
+	// asyncEverywhere makes gemvWide pick the ring in shared memory
+	// wherever the waves rule would pick the one in registers (set by
+	// BenchmarkGEMVWaves alone, which times both forms of a shape).
+	asyncEverywhere bool
 
 	// Kernel argument slots: ptrs[i] points at slots[i], or at a tensor
 	// map's bytes.

@@ -1496,7 +1496,10 @@ func BenchmarkPrefillAttention(bm *testing.B) {
 // reported as GB/s and % of the device's copy bandwidth. Whether the
 // fractional waves (a 14336-row product of gemv_q4_w4h is 1.70) are what
 // keeps the quantized GEMVs below 80 % of copy shows as a drop from the
-// whole-wave shapes to the fractional ones.
+// whole-wave shapes to the fractional ones. Where the dispatcher picks a
+// 32-row kernel, the shape is timed on the other one too (the ring in
+// registers, or in shared memory: gemvWide's two forms), so that the
+// waves rule between them can be checked against the same run.
 func BenchmarkGEMVWaves(bm *testing.B) {
 	b := newTestBackend(bm)
 	const K = 4096
@@ -1521,22 +1524,31 @@ func BenchmarkGEMVWaves(bm *testing.B) {
 			if err != nil {
 				bm.Fatal(err)
 			}
-			k, R := b.gemvKernel(lin(w), 1, N)
-			rows, _, shm := b.gemvShape(k, R, lin(w), 1, N)
-			waves := float64((N+rows-1)/rows) / float64(b.residentBlocks(k, shm)*b.sms)
-			bm.Run(fmt.Sprintf("%s/%s/N=%d/waves=%.2f", f, k, N, waves), func(bm *testing.B) {
-				var sec, bytes float64
-				for bm.Loop() {
-					s, n, err := b.TimeDecodeGEMV(w, spec)
-					if err != nil {
-						bm.Fatal(err)
-					}
-					sec, bytes = s, n
+			timed := map[string]bool{}
+			for _, form := range []struct{ noAsync, async bool }{{}, {noAsync: true}, {async: true}} {
+				b.opt.NoAsyncGEMV, b.asyncEverywhere = form.noAsync, form.async
+				k, R := b.gemvKernel(lin(w), 1, N)
+				if timed[k] {
+					continue
 				}
-				bm.ReportMetric(bytes/sec/1e9, "GB/s")
-				bm.ReportMetric(100*bytes/sec/copyBps, "%copy")
-				bm.ReportMetric(sec*1e6, "us/launch")
-			})
+				timed[k] = true
+				rows, _, shm := b.gemvShape(k, R, lin(w), 1, N)
+				waves := float64((N+rows-1)/rows) / float64(b.residentBlocks(k, shm)*b.sms)
+				bm.Run(fmt.Sprintf("%s/%s/N=%d/waves=%.2f", f, k, N, waves), func(bm *testing.B) {
+					var sec, bytes float64
+					for bm.Loop() {
+						s, n, err := b.TimeDecodeGEMV(w, spec)
+						if err != nil {
+							bm.Fatal(err)
+						}
+						sec, bytes = s, n
+					}
+					bm.ReportMetric(bytes/sec/1e9, "GB/s")
+					bm.ReportMetric(100*bytes/sec/copyBps, "%copy")
+					bm.ReportMetric(sec*1e6, "us/launch")
+				})
+			}
+			b.opt.NoAsyncGEMV, b.asyncEverywhere = false, false
 			b.FreeLinear(w)
 		}
 	}

@@ -1839,7 +1839,7 @@ func (b *Backend) gemvWide(l *Linear, blocks int, async, reg string) string {
 	if b.opt.NoAsyncGEMV {
 		return reg
 	}
-	if slots := b.residentBlocks(async, streamSmem(async, l)); slots > 2 && waveFill(blocks, slots*b.sms) >= waveFill(blocks, 2*b.sms) {
+	if slots := b.residentBlocks(async, streamSmem(async, l)); slots > 2 && (b.asyncEverywhere || waveFill(blocks, slots*b.sms) >= waveFill(blocks, 2*b.sms)) {
 		return async
 	}
 	return reg
