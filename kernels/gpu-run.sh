@@ -14,7 +14,8 @@
 # kernels, which reads the embedded PTX and would fail the suite and so skip ab); RUN_LIMIT: a
 # verify run's; TPAB_MODELS: tpab's checkpoints; TPAB_BINS: more binaries bin/qtool-NAME
 # (from .devbin/qtool-NAME.xz, a Go-side variant) that tpab times beside bin/qtool;
-# TPDEC_ROUNDS, TPDEC_MODELS: tpdec's rounds and checkpoints; NCU_GEMV: the GEMV kernels ncugemv and ncusrc profile)
+# TPDEC_ROUNDS, TPDEC_MODELS: tpdec's rounds and checkpoints; NCU_GEMV: the GEMV kernels ncugemv and ncusrc profile;
+#   NCU_ARGS: more Nsight Compute options for both, e.g. "--cache-control none --clock-control none")
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -138,7 +139,7 @@ ncu_gemv() {
   local k=$1 out=$2 lim; shift 2
   lim=$(left); [ "$lim" -lt 60 ] && { echo "ncu $k: no time left"; return 1; }
   [ -n "$NCU" ] || { echo "ncu $k: Nsight Compute not found"; return 1; }
-  timeout $(( lim < 150 ? lim : 150 )) "$NCU" --kernel-name regex:"^$k\$" --launch-count 1 "$@" \
+  timeout $(( lim < 150 ? lim : 150 )) "$NCU" --kernel-name regex:"^$k\$" --launch-count 1 ${NCU_ARGS:-} "$@" \
     bin/qtool bench --synthetic llama2-7b --decode 4 --prompt 16 > "$out" 2>&1
 }
 if has ncugemv; then # NCU_GEMV's kernels: the stall reasons in cycles an issued instruction (--page raw),
