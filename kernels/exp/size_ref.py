@@ -17,7 +17,7 @@ The fp16 shapes N x K/4 and N x K/2 hold about the bytes of a 4-bit and an 8-bit
 as `bench`'s size reference does.
 """
 import argparse, json
-import torch, torch.nn.functional as F
+import torch
 
 dev = 'cuda'
 

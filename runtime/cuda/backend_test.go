@@ -439,7 +439,7 @@ func checkGEMVCase(t *testing.T, b *Backend, r *rand.Rand, wc weightCase, K int,
 // 8-bit rows of more than 4 096 features split along K over 2–4 blocks,
 // the last to finish adding the parts in a fixed order) against float64:
 // grouped and per-channel scales, each row's last chunk partial, as many
-// rows as make gemvSplit pick each count of splits at M = 1 (checked), and
+// rows as make gemvSplits pick each count of splits at M = 1 (checked), and
 // M = 3. MatMulAdd must add MatMul's sums to the output bit for bit, and
 // MatMulN of two weights give each MatMul's (checkMatMulN: bit for bit
 // where the two launches split alike, else within 1e-5).
@@ -464,8 +464,8 @@ func TestSplitGEMV(t *testing.T) {
 		{"perchannel", 4640, quantCase(8, 0, 2, false), 2},
 	} {
 		N, K := 32*rowBlocks[wc.splits], wc.k
-		if _, splits := b.gemvSplit(&Linear{kind: kindQ8, in: K}, 1, N); splits != wc.splits {
-			t.Fatalf("%s: %d rows of %d features: gemvSplit picks %d splits, want %d", wc.name, N, K, splits, wc.splits)
+		if splits := b.gemvSplits(&Linear{kind: kindQ8, in: K}, 1, N); splits != wc.splits {
+			t.Fatalf("%s: %d rows of %d features: gemvSplits picks %d splits, want %d", wc.name, N, K, splits, wc.splits)
 		}
 		ws := make([]runtime.Linear, 2)
 		var wf []float64
@@ -482,7 +482,7 @@ func TestSplitGEMV(t *testing.T) {
 		}
 		for _, M := range []int{1, 3} {
 			kernel, _ := b.gemvKernel(lin(ws[0]), M, N)
-			_, splits := b.gemvSplit(lin(ws[0]), M, N)
+			splits := b.gemvSplits(lin(ws[0]), M, N)
 			ran[kernel] = true
 			name := fmt.Sprintf("%s/K=%d/M=%d/%s/splits=%d", wc.name, K, M, kernel, splits)
 			t.Run(name, func(t *testing.T) {

@@ -140,8 +140,8 @@ func checkMatMulN(t *testing.T, b *Backend, r *rand.Rand, M, K int, outs []int, 
 		g, w := download(b, dst[i]), download(b, want)
 		tol := arithTol(fused, alone, 0)
 		if k, _ := streamKernelOf(fused); k.split {
-			_, sf := b.gemvSplit(lin(ws[i]), M, rows)
-			_, sa := b.gemvSplit(lin(ws[i]), M, outs[i])
+			sf := b.gemvSplits(lin(ws[i]), M, rows)
+			sa := b.gemvSplits(lin(ws[i]), M, outs[i])
 			if sf != sa {
 				tol = max(tol, 1e-5)
 			}

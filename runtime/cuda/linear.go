@@ -1713,7 +1713,7 @@ func gemvStream(l *Linear) (shm int, ok bool) {
 // gemvKernel's answer (not the split-K kernel's), over M rows of x and
 // rows output rows (l's and those of the weights sharing the launch): the
 // output rows a block, the blocks each block of rows is split into along
-// K (a split form's, gemvSplit; else 1) and the dynamic shared memory (a
+// K (a split form's, gemvSplits; else 1) and the dynamic shared memory (a
 // split form stages its run of the row alone, splitRun).
 func (b *Backend) gemvShape(name string, R int, l *Linear, M, rows int) (blockRows, splits, shm int) {
 	if R != gemvStreamRowsTag {
@@ -1722,7 +1722,7 @@ func (b *Backend) gemvShape(name string, R int, l *Linear, M, rows int) (blockRo
 	k, _ := streamKernelOf(name)
 	splits, features := 1, l.in
 	if k.split {
-		_, splits = b.gemvSplit(l, M, rows)
+		splits = b.gemvSplits(l, M, rows)
 		features = splitRun(l, splits)
 	}
 	return k.rows, splits, streamSmemRun(name, l, features)
@@ -1748,7 +1748,7 @@ type streamKernel struct {
 	// shape, with its own _n twin where it has one (perChannelForm)
 	pcForm bool
 	// splitForm: it (and its _pc form) has a split form, _k, for 8-bit
-	// rows longer than 4 096 features (gemvSplit)
+	// rows longer than 4 096 features (gemvSplits)
 	splitForm bool
 	// split: this is a _k form (streamKernelOf's answer only)
 	split bool
@@ -1896,7 +1896,7 @@ const gemvStreamRowsTag = 1 << 29
 //	                                                                           the ring in registers
 //	q8             streamable, K ≤ 4096                        gemv_q8_w2h     16 rows a block, the same
 //	q8             streamable, K > 4096, no column order       gemv_q8_w4h_k   gemv_q8_w4h's 32 rows split
-//	               (gemvSplit: the fullest waves over                          along K over 2–4 blocks, the
+//	               (gemvSplits: the fullest waves over                         along K over 2–4 blocks, the
 //	               2–4 splits)                                                 last adding the parts
 //	q8             otherwise (g_idx, width or group)           gemv_q8_r4u1    4 rows a block
 //	q4             streamable (gemvStream), K ≤ 4096,          gemv_q4_w4a     32 rows a block, x staged,
@@ -1951,12 +1951,11 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 		return "gemv_bf16_r4u2", 4
 	case kindQ8:
 		// the streaming kernels up to K = 4096, their split form beyond
-		// (gemvSplit; gemv_q8_w2h's ring lost to gemv_q8_r4u1 on a longer
+		// (gemvSplits; gemv_q8_w2h's ring lost to gemv_q8_r4u1 on a longer
 		// row: kernels/NOTES.md, thirty-seventh session)
 		if _, ok := gemvStream(l); ok {
 			if l.in > 4096 && l.perm == 0 {
-				name, _ := b.gemvSplit(l, M, rows)
-				return name, gemvStreamRowsTag
+				return perChannelForm("gemv_q8_w4h", l) + "_k", gemvStreamRowsTag
 			}
 			if l.in <= 4096 {
 				return b.gemvStreaming(l, M, rows, "gemv_q8_w4a", "gemv_q8_w4h", "gemv_q8_w2h"), gemvStreamRowsTag
@@ -1990,12 +1989,13 @@ func (b *Backend) gemvStreaming(l *Linear, M, rows int, async, reg, narrow strin
 }
 
 // gemvMaxSplits bounds the blocks a split form divides a block of rows'
-// product among (gemvSplit).
+// product among (gemvSplits).
 const gemvMaxSplits = 4
 
-// gemvSplit picks the split form (_k) of gemv_q8_w4h (or its _pc form) for
-// an 8-bit weight of K > 4 096 without column order, in a launch of rows
-// output rows, and the blocks each block of 32 rows is split into along K:
+// gemvSplits is the blocks each block of 32 rows is split into along K by
+// the split form (_k) of gemv_q8_w4h (or of its _pc form), which runs an
+// 8-bit weight of K > 4 096 without column order (gemvKernel), in a launch
+// of rows output rows:
 // of 2 to gemvMaxSplits (every run of chunks non-empty) the count whose
 // waves of two blocks a multiprocessor are fullest, the fewest where they
 // tie. Down's 4 096 rows of 11 008 or 14 336 features are 128 blocks of 32
@@ -2005,7 +2005,7 @@ const gemvMaxSplits = 4
 // (gemv_q8_w4a's) split read 54–65 %, and the 4-bit kernels split 44–60 %
 // against gemv_q4_w2h's 57–62 %: those have no split forms
 // (kernels/NOTES.md, forty-first session).
-func (b *Backend) gemvSplit(l *Linear, M, rows int) (name string, splits int) {
+func (b *Backend) gemvSplits(l *Linear, M, rows int) (splits int) {
 	nch := (l.in + gemvSplitChunk - 1) / gemvSplitChunk
 	best := -1.0
 	for s := 2; s <= gemvMaxSplits; s++ {
@@ -2016,7 +2016,7 @@ func (b *Backend) gemvSplit(l *Linear, M, rows int) (name string, splits int) {
 			best, splits = f, s
 		}
 	}
-	return perChannelForm("gemv_q8_w4h", l) + "_k", splits
+	return splits
 }
 
 // gemvSplitChunk is the features of a chunk of an 8-bit row in the
