@@ -2858,6 +2858,9 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // shared memory, after the staged form (xraw).
     float* xraw = reinterpret_cast<float*>(xsh + K / 8);
     float inv = 1.f;
+    // SPLIT: the units of this block's run alone, [ub, ue), staged from
+    // the run's start (the chunk figures likewise)
+    const int ub = jb * 32 * CU, ue = SPLIT ? min(nu, je * 32 * CU) : nu;
     if (permx) {  // x's row copied whole (one round trip), normalised in place
         for (int u = tid; u < K / 4; u += 256) cp_async16_zfill(xraw + 4 * u, xr + 4 * u, true);
         cp_async_commit();
@@ -2916,13 +2919,17 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     // (q4_stage_k). stage returns the largest k the thread's units need;
     // again: the second staging, which takes an act-order weight's unit
     // orders from permx (the first staging wrote its units over them).
-    // SPLIT: the units of this block's run alone, [ub, ue), staged from
-    // the run's start (the chunk figures likewise)
-    const int ub = jb * 32 * CU, ue = SPLIT ? min(nu, je * 32 * CU) : nu;
     auto stage = [&](int kx, bool again) {
         int kmax = 0;
         constexpr int B = 2;
-        for (int u0 = ub + tid; u0 < ue; u0 += 256 * B) {
+        // Warp-uniform passes: every lane of a warp runs each pass, those
+        // past the run on a copy of its last unit, storing nothing (a
+        // chunk's CU lanes are all in or all out: ub, ue and each warp's
+        // first unit are multiples of CU), so the chunk's shuffles take the
+        // whole warp, with no convergence checks around them.
+        for (int w0 = ub + (tid & ~31); w0 < ue; w0 += 256 * B) {
+            const int u0 = w0 + lane;
+            const unsigned gm = 0xffffffffu;
             float4 a[B], b[B];
 #pragma unroll
             for (int i = 0; i < B; i++) {
@@ -2948,10 +2955,10 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
             }
 #pragma unroll
             for (int i = 0; i < B; i++) {
-                if (u0 + 256 * i >= ue) continue;
+                if (w0 + 256 * i >= ue) continue;  // the whole warp
+                const bool in = u0 + 256 * i < ue;
                 if constexpr (FX) {
-                    // a chunk's CU units are staged by CU neighbouring lanes (alike here)
-                    unsigned gm = ((1u << CU) - 1) << (lane & ~(CU - 1));
+                    // a chunk's CU units are staged by CU neighbouring lanes
                     // the chunk's largest |x|, NaN where one is
                     float mx = absmax8<true>(a[i], b[i]);
                     mx = fmax_nan(mx, __shfl_xor_sync(gm, mx, 1));
@@ -2963,6 +2970,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                     uint4 v = fx_unit<Q8>(a[i], b[i], qinv, qs);
                     qs += __shfl_xor_sync(gm, qs, 1);
                     if constexpr (CU == 4) qs += __shfl_xor_sync(gm, qs, 2);
+                    if (!in) continue;
                     int u = u0 + 256 * i - ub;
                     if ((lane & (CU - 1)) == 0) {
                         if constexpr (Q8)
@@ -2971,7 +2979,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                             cst[u >> 2] = make_float2(mx * (1.f / (16.f * 32767.f)), __uint_as_float(16u * qs));
                     }
                     xsh[xw_swz(u)] = v;
-                } else {
+                } else if (in) {
                     kmax = max(kmax, q4_stage_k(absmax8(a[i], b[i])));
                     xsh[xw_swz(u0 + 256 * i - ub)] = q4_stage_unit(a[i], b[i], kx);
                 }
