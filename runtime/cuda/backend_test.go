@@ -126,16 +126,30 @@ type weightCase struct {
 	k    int // input features this case needs (0: default)
 	make func(r *rand.Rand, n, k int) (model.Tensor, []float64)
 	// tall: rows a multiprocessor added (rowsFor) for the wide streaming
-	// GEMVs (at M = 1, 64: the shared-memory ring's waves the fuller,
-	// gemv_q4_w4a or gemv_q8_w4a; 112: the register ring's, gemv_q4_w4h or
-	// gemv_q8_w4h; at M = 3 the other way round)
+	// GEMVs (64: gemv_q4_w4a or gemv_q8_w4a, the ring in shared memory;
+	// tallRegRing: gemv_q4_w4h or gemv_q8_w4h, the ring in registers, in
+	// the tests that useRing)
 	tall int
 }
+
+// tallRegRing is weightCase.tall for the 32-row kernels' ring in
+// registers: an 8-bit weight's waves of blocks are fuller there at M = 1
+// (regRing); a 4-bit weight takes it only with Options.NoAsyncGEMV.
+const tallRegRing = 112
 
 // rowsFor is the output rows a test gives wc's weight: base, plus wc.tall
 // per multiprocessor.
 func rowsFor(b *Backend, wc weightCase, base int) int {
 	return base + wc.tall*b.sms
+}
+
+// useRing makes b's 32-row GEMVs run on the ring wc's rows are for until
+// t ends: the one in registers for a case of tallRegRing rows
+// (Options.NoAsyncGEMV: gemvWide gives it no 4-bit weight otherwise),
+// else the one gemvWide picks.
+func useRing(t testing.TB, b *Backend, wc weightCase) {
+	b.opt.NoAsyncGEMV = wc.tall == tallRegRing
+	t.Cleanup(func() { b.opt.NoAsyncGEMV = false })
 }
 
 func denseCase(dt model.DType) func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
@@ -267,10 +281,10 @@ var weightCases = []weightCase{
 	{"kuiper-int8-sym-g64", 0, quantCase(8, 64, 0, false), 0},
 	{"msmodelslim-w8-perchannel-offset", 0, quantCase(8, 0, 2, false), 0}, // one group a row: gemv_q8_w2h_pc
 	{"w8-g128-offset", 0, quantCase(8, 128, 2, false), 0},
-	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64},        // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q8_w4a at M = 1
-	{"w8-g128-offset-taller", 0, quantCase(8, 128, 2, false), 112},     // waves fuller at two blocks a multiprocessor: gemv_q8_w4h at M = 1
-	{"w8-perchannel-offset-tall", 0, quantCase(8, 0, 2, false), 64},    // per-channel {scale, zero}: gemv_q8_w4a_pc
-	{"w8-perchannel-offset-taller", 0, quantCase(8, 0, 2, false), 112}, // gemv_q8_w4h_pc
+	{"w8-g128-offset-tall", 0, quantCase(8, 128, 2, false), 64},                // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q8_w4a at M = 1
+	{"w8-g128-offset-taller", 0, quantCase(8, 128, 2, false), tallRegRing},     // gemv_q8_w4h
+	{"w8-perchannel-offset-tall", 0, quantCase(8, 0, 2, false), 64},            // per-channel {scale, zero}: gemv_q8_w4a_pc
+	{"w8-perchannel-offset-taller", 0, quantCase(8, 0, 2, false), tallRegRing}, // gemv_q8_w4h_pc
 	// 4-bit weights with fp16 scales (the checkpoints' form: the GEMVs
 	// read the scales' half form) and with fp32 scales (msmodelslim
 	// W4A16, FP32Scales: the _s32 GEMV)
@@ -283,15 +297,15 @@ var weightCases = []weightCase{
 	{"int4-g48-fallback", 384, quantCase(4, 48, 1, false), 0},
 	{"awq-int4-g128-splitk", 2560, halfScaled(quantCase(4, 128, 1, false)), 0},
 	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false), 0},
-	{"w8-g128-offset-long", 5120, quantCase(8, 128, 2, false), 0},             // K > 4096: gemv_q8_w4h_k, split along K
-	{"w8-perchannel-offset-long", 4640, quantCase(8, 0, 2, false), 0},         // gemv_q8_w4h_pc_k
-	{"awq-int4-g128-wide", 4608, halfScaled(quantCase(4, 128, 1, false)), 0},  // K > 4096: gemv_q4_w2h
-	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},    // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a at M = 1
-	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), 112}, // waves fuller at two blocks a multiprocessor: gemv_q4_w4h at M = 1
+	{"w8-g128-offset-long", 5120, quantCase(8, 128, 2, false), 0},                     // K > 4096: gemv_q8_w4h_k, split along K
+	{"w8-perchannel-offset-long", 4640, quantCase(8, 0, 2, false), 0},                 // gemv_q8_w4h_pc_k
+	{"awq-int4-g128-wide", 4608, halfScaled(quantCase(4, 128, 1, false)), 0},          // K > 4096: gemv_q4_w2h
+	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},            // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a at M = 1
+	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), tallRegRing}, // gemv_q4_w4h
 	{"gptq-int4-actorder-g128-tall", 0, halfScaled(quantCase(4, 128, 1, true)), 64},
-	{"gptq-int4-perchannel", 0, halfScaled(quantCase(4, 0, 1, false)), 0},          // one group a row (group_size -1): gemv_q4_w2h_pc
-	{"gptq-int4-perchannel-tall", 0, halfScaled(quantCase(4, 0, 1, false)), 64},    // gemv_q4_w4a_pc
-	{"gptq-int4-perchannel-taller", 0, halfScaled(quantCase(4, 0, 1, false)), 112}, // gemv_q4_w4h_pc
+	{"gptq-int4-perchannel", 0, halfScaled(quantCase(4, 0, 1, false)), 0},                  // one group a row (group_size -1): gemv_q4_w2h_pc
+	{"gptq-int4-perchannel-tall", 0, halfScaled(quantCase(4, 0, 1, false)), 64},            // gemv_q4_w4a_pc
+	{"gptq-int4-perchannel-taller", 0, halfScaled(quantCase(4, 0, 1, false)), tallRegRing}, // gemv_q4_w4h_pc
 	// act-order rows too wide for gather_half (K > gatherHalfMaxCols: a
 	// 70B's down): gather_cols, then to_half; the GEMV's x too wide to stage
 	{"gptq-int4-actorder-g128-wide-k", 24704, halfScaled(quantCase(4, 128, 1, true)), 0},
@@ -322,6 +336,7 @@ func TestMatMul(t *testing.T) {
 			K = wc.k
 		}
 		N := rowsFor(b, wc, 198) // N % 4 = 2: the GEMM epilogues' column tails
+		useRing(t, b, wc)
 		w, wf := wc.make(r, N, K)
 		lw, err := b.UploadLinear(wc.name, w)
 		if err != nil {
@@ -374,10 +389,10 @@ func TestPerChannelGEMV(t *testing.T) {
 	for _, wc := range []weightCase{
 		{"int4-perchannel", K, halfScaled(quantCase(4, 0, 1, false)), 0},
 		{"int4-perchannel-tall", K, halfScaled(quantCase(4, 0, 1, false)), 64},
-		{"int4-perchannel-taller", K, halfScaled(quantCase(4, 0, 1, false)), 112},
+		{"int4-perchannel-taller", K, halfScaled(quantCase(4, 0, 1, false)), tallRegRing},
 		{"int8-perchannel", K, quantCase(8, 0, 2, false), 0},
 		{"int8-perchannel-tall", K, quantCase(8, 0, 2, false), 64},
-		{"int8-perchannel-taller", K, quantCase(8, 0, 2, false), 112},
+		{"int8-perchannel-taller", K, quantCase(8, 0, 2, false), tallRegRing},
 	} {
 		checkGEMVCase(t, b, r, wc, K, ran)
 	}
@@ -401,7 +416,7 @@ func TestGroupedRingGEMV(t *testing.T) {
 	r := rand.New(rand.NewPCG(63, 64))
 	ran := map[string]bool{}
 	for _, gk := range []struct{ gs, k int }{{32, 4064}, {64, 2112}, {128, 2176}, {256, 2304}, {512, 2560}, {160, 2080}} {
-		for _, tall := range []int{64, 112} {
+		for _, tall := range []int{64, tallRegRing} {
 			wc := weightCase{fmt.Sprintf("w8-g%d-k%d-tall%d", gk.gs, gk.k, tall), gk.k, quantCase(8, gk.gs, 2, false), tall}
 			checkGEMVCase(t, b, r, wc, gk.k, ran)
 		}
@@ -419,6 +434,7 @@ func TestGroupedRingGEMV(t *testing.T) {
 func checkGEMVCase(t *testing.T, b *Backend, r *rand.Rand, wc weightCase, K int, ran map[string]bool) {
 	t.Helper()
 	N := rowsFor(b, wc, 198)
+	useRing(t, b, wc)
 	w, wf := wc.make(r, N, K)
 	lw, err := b.UploadLinear(wc.name, w)
 	if err != nil {
@@ -590,6 +606,7 @@ func TestMatMulLargeInputs(t *testing.T) {
 			K = wc.k
 		}
 		N := rowsFor(b, wc, 198)
+		useRing(t, b, wc)
 		w, wf := wc.make(r, N, K)
 		lw, err := b.UploadLinear(wc.name, w)
 		if err != nil {
@@ -1405,6 +1422,55 @@ func TestStreamKernels(t *testing.T) {
 	}
 }
 
+// TestRegRing checks regRing (without a GPU) against the faster ring of
+// each shape BenchmarkGEMVWaves timed on an H200 (132 multiprocessors,
+// three blocks of the shared-memory ring a multiprocessor, K = 4096; %
+// of copy bandwidth, shared-memory ring / register ring, forty-third and
+// forty-fourth sessions). Shapes within two points are ties, either ring
+// right; where the shared-memory ring fits two blocks, always registers.
+func TestRegRing(t *testing.T) {
+	const sms, slots = 132, 3
+	for _, c := range []struct {
+		kind, rows int
+		async      float64 // % of copy, the ring in shared memory
+		reg        float64 // and in registers
+	}{
+		{kindQ4, 6144, 57.8, 58.1},
+		{kindQ4, 8448, 66.9, 66.8},
+		{kindQ4, 11008, 83.0, 55.6},
+		{kindQ4, 12288, 89.8, 59.8},
+		{kindQ4, 12672, 90.2, 60.6},
+		{kindQ4, 14336, 74.0, 67.4},
+		{kindQ4, 16896, 78.3, 73.8},
+		{kindQ4, 21120, 87.1, 68.4},
+		{kindQ4, 22016, 87.4, 70.8},
+		{kindQ4, 24576, 94.9, 76.8},
+		{kindQ4, 25344, 94.2, 77.2},
+		{kindQ4, 28672, 90.5, 72.7},
+		{kindQ8, 6144, 74.8, 73.5},
+		{kindQ8, 8448, 74.4, 83.8},
+		{kindQ8, 11008, 90.8, 70.1},
+		{kindQ8, 12288, 96.3, 76.8},
+		{kindQ8, 12672, 94.9, 78.0},
+		{kindQ8, 14336, 81.6, 86.7},
+		{kindQ8, 16896, 84.5, 91.3},
+		{kindQ8, 21120, 93.1, 85.3},
+		{kindQ8, 22016, 96.7, 89.1},
+		{kindQ8, 24576, 100.1, 95.0},
+		{kindQ8, 25344, 98.6, 94.3},
+		{kindQ8, 28672, 95.0, 89.7},
+	} {
+		blocks := (c.rows + 31) / 32
+		got := regRing(c.kind, blocks, slots, sms)
+		if diff := c.async - c.reg; (diff >= 2 && got) || (diff <= -2 && !got) {
+			t.Errorf("%s %d rows: regRing = %v; the rings measured %.1f %% (shared memory) and %.1f %% (registers)", kindNames[c.kind], c.rows, got, c.async, c.reg)
+		}
+		if !regRing(c.kind, blocks, 2, sms) {
+			t.Errorf("%s %d rows: the shared-memory ring at two blocks a multiprocessor picked", kindNames[c.kind], c.rows)
+		}
+	}
+}
+
 // TestKernelNamesInPTX checks (without a GPU) that every kernel the backend
 // looks up is in both embedded PTX files.
 func TestKernelNamesInPTX(t *testing.T) {
@@ -1490,34 +1556,18 @@ func BenchmarkPrefillAttention(bm *testing.B) {
 }
 
 // BenchmarkGEMVWaves times the one-row products of 4- and 8-bit weights
-// of width 4096 (the 7B's q/k/v, gate/up) with as many rows as give the
-// kernel the dispatcher picks 0.5 to 3 waves of blocks, and the 7B's
-// shapes, timed as bench's kernel table times them (TimeDecodeGEMV) and
-// reported as GB/s and % of the device's copy bandwidth. Whether the
-// fractional waves (a 14336-row product of gemv_q4_w4h is 1.70) are what
-// keeps the quantized GEMVs below 80 % of copy shows as a drop from the
-// whole-wave shapes to the fractional ones. Where the dispatcher picks a
-// 32-row kernel, the shape is timed on the other one too (the ring in
-// registers, or in shared memory: gemvWide's two forms), so that the
-// waves rule between them can be checked against the same run.
+// of width 4096 with the rows of the 7B/8B models' 32-row launches
+// (llama2-7b, llama3-8b, qwen3-8b: q/k/v, one of gate/up, both), timed as
+// bench's kernel table times them (TimeDecodeGEMV) and reported as GB/s and
+// % of the device's copy bandwidth, each on both of gemvWide's forms (the
+// ring in registers, and in shared memory) with its waves of blocks, so
+// that the waves rule between them can be checked against the same run.
 func BenchmarkGEMVWaves(bm *testing.B) {
 	b := newTestBackend(bm)
 	const K = 4096
 	copyBps := b.CopyBandwidth(1 << 30) // as bench measures it
+	shapes := []int{6144, 11008, 12288, 14336, 22016, 24576, 28672}
 	for fi, f := range []string{"w4a16", "w8a16"} {
-		probe, err := b.UploadLinear("probe", &Synthetic{Format: f, Dims: []int{64 * b.sms * 2, K}, GroupSize: 128, Seed: 1})
-		if err != nil {
-			bm.Fatal(err)
-		}
-		name, R := b.gemvKernel(lin(probe), 1, lin(probe).out)
-		rows, _, shm := b.gemvShape(name, R, lin(probe), 1, lin(probe).out)
-		slots := b.residentBlocks(name, shm) * b.sms
-		b.FreeLinear(probe)
-		var shapes []int
-		for _, w := range []float64{0.5, 1, 1.5, 1.7, 2, 2.5, 3} {
-			shapes = append(shapes, int(w*float64(slots))*rows)
-		}
-		shapes = append(shapes, 11008, 12288, 14336, 22016)
 		for si, N := range shapes {
 			spec := Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: uint64(100*fi + si + 2)}
 			w, err := b.UploadLinear("bench", &spec)

@@ -29,6 +29,7 @@ func TestMatMulN(t *testing.T) {
 			K = wc.k
 		}
 		outs := []int{rowsFor(b, wc, 200), 72, 40}
+		useRing(t, b, wc)
 		ws := uploadWeights(t, b, r, wc, "", outs, K)
 		for _, M := range []int{1, 3, 5, 130} {
 			for _, nw := range []int{2, 3} {
@@ -232,6 +233,7 @@ func TestFusedLinearSteps(t *testing.T) {
 			K = wc.k
 		}
 		outs := []int{rowsFor(b, wc, 200), 72, 40}
+		useRing(t, b, wc)
 		ws := make([]runtime.Linear, 4) // three for NormMatMulN; gate and up: 1 and 3 (72 rows each)
 		for i, n := range []int{outs[0], 72, 40, 72} {
 			w, _ := wc.make(r, n, K)
@@ -634,8 +636,9 @@ func TestRowSums(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(29, 30))
 	const qdim, inter = 512, 256
-	// rows enough for gemv_q4_w4a (K ≤ 4096), and for gemv_q4_w4h
-	tall, taller := (64*b.sms+127)/128*128+256, (112*b.sms+127)/128*128+256
+	// rows enough for gemv_q4_w4a (K ≤ 4096), and for gemv_q4_w4h (with
+	// Options.NoAsyncGEMV: useRing)
+	tall, taller := (64*b.sms+127)/128*128+256, (tallRegRing*b.sms+127)/128*128+256
 	var q4 func(r *rand.Rand, n, k int) (model.Tensor, []float64)
 	uploads := 0
 	upLinear := func(n, k int) runtime.Linear {
@@ -652,8 +655,10 @@ func TestRowSums(t *testing.T) {
 		scales string // the scales' form: the half form (Linear.szh), that of one group a row (rows of several chunks), or fp32
 		N, nq  int    // the hidden size, q's rows
 	}{{"half", 256, tall}, {"half", 256, taller}, {"half", tall, 256}, {"half-pc", 2080, tall}, {"half-pc", 2080, taller}, {"s32", 256, tall}}
+	t.Cleanup(func() { b.opt.NoAsyncGEMV = false })
 	for _, sh := range shapes {
 		N, nq := sh.N, sh.nq
+		b.opt.NoAsyncGEMV = nq == taller
 		q4 = quantCase(4, 128, 1, false)
 		if sh.scales == "half-pc" {
 			q4 = quantCase(4, 0, 1, false)
@@ -722,6 +727,7 @@ func TestRowSums(t *testing.T) {
 			}
 		}
 	}
+	b.opt.NoAsyncGEMV = false
 	for _, k := range gemvKernels {
 		if strings.HasSuffix(k, "_n") && !ran[k] && !t.Failed() {
 			t.Errorf("no case runs %s", k)

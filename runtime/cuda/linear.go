@@ -1832,17 +1832,45 @@ func gemvFixedPoint(name string) bool {
 
 // gemvWide picks the 32-row streaming kernel of l's kind for a launch of
 // blocks: async (the ring in shared memory: registers allow three blocks a
-// multiprocessor, the shared memory decides) where its waves are as full
-// as those of reg (the ring in registers, two blocks), else reg (and
-// always with Options.NoAsyncGEMV).
+// multiprocessor, the shared memory decides) or reg (the ring in registers,
+// two blocks) as regRing rules, and always reg with Options.NoAsyncGEMV.
 func (b *Backend) gemvWide(l *Linear, blocks int, async, reg string) string {
 	if b.opt.NoAsyncGEMV {
 		return reg
 	}
-	if slots := b.residentBlocks(async, streamSmem(async, l)); slots > 2 && (b.asyncEverywhere || waveFill(blocks, slots*b.sms) >= waveFill(blocks, 2*b.sms)) {
+	if slots := b.residentBlocks(async, streamSmem(async, l)); slots > 2 && (b.asyncEverywhere || !regRing(l.kind, blocks, slots, b.sms)) {
 		return async
 	}
 	return reg
+}
+
+// regRingWaveMargin is how much fuller (waveFill) the last wave of an
+// 8-bit 32-row launch must be at the register ring's two blocks a
+// multiprocessor than at the shared-memory ring's for regRing to pick the
+// register ring.
+const regRingWaveMargin = 0.15
+
+// regRing reports whether a launch of blocks 32-row blocks of a weight of
+// kind runs on the ring in registers (two blocks a multiprocessor) rather
+// than the one in shared memory (asyncSlots blocks a multiprocessor, sms
+// multiprocessors): where the shared-memory ring fits no more blocks, and
+// for an 8-bit weight where the register ring's last wave is fuller by more
+// than regRingWaveMargin; never else for a 4-bit one. BenchmarkGEMVWaves on
+// an H200 (K = 4096, 6 144 to 28 672 rows; kernels/NOTES.md, forty-fourth
+// session): the 4-bit shared-memory ring was as fast (6 144, 8 448 rows)
+// or 5 to 30 points of copy bandwidth faster everywhere; the 8-bit one 5 to
+// 9 points slower at 8 448, 14 336 and 16 896 rows (a last wave two thirds
+// full or less at three blocks, fuller at two), faster elsewhere, by 5
+// points at 28 672 rows whose last wave the register ring fills better by
+// 0.09 (TestRegRing).
+func regRing(kind, blocks, asyncSlots, sms int) bool {
+	switch {
+	case asyncSlots <= 2:
+		return true
+	case kind == kindQ4:
+		return false
+	}
+	return waveFill(blocks, 2*sms) > waveFill(blocks, asyncSlots*sms)+regRingWaveMargin
 }
 
 // residentBlocks is the blocks of 256 threads of kernel name with shm
@@ -1890,9 +1918,9 @@ const gemvStreamRowsTag = 1 << 29
 //	f16, bf16      always                                      gemv_*_r4u2     4 rows a block
 //	q8             streamable (gemvStream), K ≤ 4096,          gemv_q8_w4a     32 rows a block, x staged
 //	               ≥ 40 rows a multiprocessor in the launch,                   in fixed point, the ring
-//	               waves as full at 3 blocks a multiprocessor                  in shared memory
-//	               as at 2 (waveFill)
-//	q8             the same, waves fuller at 2                 gemv_q8_w4h     32 rows a block, the same,
+//	               3 blocks a multiprocessor fit, the last                     in shared memory
+//	               wave at 2 no fuller by over 0.15 (regRing)
+//	q8             the same, that wave fuller at 2             gemv_q8_w4h     32 rows a block, the same,
 //	                                                                           the ring in registers
 //	q8             streamable, K ≤ 4096                        gemv_q8_w2h     16 rows a block, the same
 //	q8             streamable, K > 4096, no column order       gemv_q8_w4h_k   gemv_q8_w4h's 32 rows split
@@ -1901,9 +1929,8 @@ const gemvStreamRowsTag = 1 << 29
 //	q8             otherwise (g_idx, width or group)           gemv_q8_r4u1    4 rows a block
 //	q4             streamable (gemvStream), K ≤ 4096,          gemv_q4_w4a     32 rows a block, x staged,
 //	               ≥ 40 rows a multiprocessor in the launch,                   the ring in shared memory
-//	               waves as full at 3 blocks a multiprocessor
-//	               as at 2 (waveFill)
-//	q4             the same, waves fuller at 2                 gemv_q4_w4h     32 rows a block, x staged
+//	               3 blocks a multiprocessor fit (regRing)
+//	q4             the same, 2 blocks fit                      gemv_q4_w4h     32 rows a block, x staged
 //	q4             other streamable                            gemv_q4_w2h     16 rows a block, x staged
 //	q4             g_idx, width or group not a multiple of 32  gemv_q4_sh      split-K, 8 rows a warp
 //	q4             fp32 scales (no Linear.szh), otherwise      gemv_q4_w2h_s32 16 rows a block, x staged

@@ -221,22 +221,28 @@ func TestMatMulAllReduce(t *testing.T) {
 		r := rand.New(rand.NewPCG(uint64(world), 11))
 		sent := map[string]bool{}
 		type shape struct {
-			wc weightCase
-			N  int
+			wc      weightCase
+			N       int
+			regRing bool // the 32-row GEMVs' ring in registers (Options.NoAsyncGEMV)
 		}
 		var shapes []shape
 		for _, wc := range weightCases {
-			shapes = append(shapes, shape{wc, rowsFor(ranks[0], wc, 198)})
+			shapes = append(shapes, shape{wc, rowsFor(ranks[0], wc, 198), false})
 			switch wc.name {
 			case "bf16": // 4 rows a block, at most 8 blocks a multiprocessor: several waves
-				shapes = append(shapes, shape{wc, 4*8*ranks[0].sms + 6})
+				shapes = append(shapes, shape{wc, 4*8*ranks[0].sms + 6, false})
 			case "awq-int4-g128-tall", "w8-g128-offset-tall", "gptq-int4-perchannel-tall", "w8-perchannel-offset-tall":
-				// one wave of gemv_q4_w4h, gemv_q8_w4h and their _pc forms (two blocks of 32 rows a multiprocessor)
-				shapes = append(shapes, shape{wc, 64 * ranks[0].sms})
+				// one wave of gemv_q4_w4h, gemv_q8_w4h and their _pc forms (two
+				// blocks of 32 rows a multiprocessor), which a 4-bit weight takes
+				// only so (regRing)
+				shapes = append(shapes, shape{wc, 64 * ranks[0].sms, true})
 			}
 		}
 		for _, sh := range shapes {
 			wc, N := sh.wc, sh.N
+			for _, b := range ranks {
+				b.opt.NoAsyncGEMV = sh.regRing
+			}
 			K := 256
 			if wc.k > 0 {
 				K = wc.k
@@ -310,6 +316,7 @@ func TestMatMulAllReduce(t *testing.T) {
 			for q, b := range ranks {
 				b.Free(xs[q])
 				b.FreeLinear(ws[q])
+				b.opt.NoAsyncGEMV = false
 			}
 		}
 		for _, k := range gemvKernels {
