@@ -1561,7 +1561,8 @@ func BenchmarkPrefillAttention(bm *testing.B) {
 // bench's kernel table times them (TimeDecodeGEMV) and reported as GB/s and
 // % of the device's copy bandwidth, each on both of gemvWide's forms (the
 // ring in registers, and in shared memory) with its waves of blocks, so
-// that the waves rule between them can be checked against the same run.
+// that regRing's choice between them can be checked against one run
+// (TestRegRing holds the H200's figures).
 func BenchmarkGEMVWaves(bm *testing.B) {
 	b := newTestBackend(bm)
 	const K = 4096

@@ -1858,7 +1858,7 @@ const regRingWaveMargin = 0.15
 // than regRingWaveMargin; never else for a 4-bit one. BenchmarkGEMVWaves on
 // an H200 (K = 4096, 6 144 to 28 672 rows; kernels/NOTES.md, forty-fourth
 // session): the 4-bit shared-memory ring was as fast (6 144, 8 448 rows)
-// or 5 to 30 points of copy bandwidth faster everywhere; the 8-bit one 5 to
+// or 4 to 30 points of copy bandwidth faster elsewhere; the 8-bit one 5 to
 // 9 points slower at 8 448, 14 336 and 16 896 rows (a last wave two thirds
 // full or less at three blocks, fuller at two), faster elsewhere, by 5
 // points at 28 672 rows whose last wave the register ring fills better by
