@@ -120,9 +120,12 @@ type Backend struct {
 	// blocks (clusterAttention).
 	attnClusterWide bool
 	// asyncEverywhere makes gemvWide pick the ring in shared memory
-	// wherever the waves rule would pick the one in registers (set by
-	// BenchmarkGEMVWaves alone, which times both forms of a shape).
+	// wherever regRing would pick the one in registers, and streamRows
+	// (16 or 32; 0: the rule) makes gemvStreaming pick a kernel of that
+	// many rows a block (K ≤ 4096) whatever the launch's rows (set by
+	// BenchmarkGEMVWaves alone, which times every form of a shape).
 	asyncEverywhere bool
+	streamRows      int
 
 	// Kernel argument slots: ptrs[i] points at slots[i], or at a tensor
 	// map's bytes.

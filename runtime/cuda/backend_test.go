@@ -1556,18 +1556,19 @@ func BenchmarkPrefillAttention(bm *testing.B) {
 }
 
 // BenchmarkGEMVWaves times the one-row products of 4- and 8-bit weights
-// of width 4096 with the rows of the 7B/8B models' 32-row launches
-// (llama2-7b, llama3-8b, qwen3-8b: q/k/v, one of gate/up, both), timed as
-// bench's kernel table times them (TimeDecodeGEMV) and reported as GB/s and
-// % of the device's copy bandwidth, each on both of gemvWide's forms (the
-// ring in registers, and in shared memory) with its waves of blocks, so
-// that regRing's choice between them can be checked against one run
-// (TestRegRing holds the H200's figures).
+// of width 4096 with the rows of the 7B/8B models' launches (llama2-7b,
+// llama3-8b, qwen3-8b: o, q/k/v, one of gate/up, both), timed as bench's
+// kernel table times them (TimeDecodeGEMV) and reported as GB/s and % of
+// the device's copy bandwidth, each on every streaming kernel that could
+// take it — the 32-row ones with the ring in registers and in shared
+// memory (gemvWide's two forms) and the 16-row one — with its waves of
+// blocks, so that regRing's choice and gemvStreaming's rows rule can be
+// checked against one run (TestRegRing holds the H200's figures).
 func BenchmarkGEMVWaves(bm *testing.B) {
 	b := newTestBackend(bm)
 	const K = 4096
 	copyBps := b.CopyBandwidth(1 << 30) // as bench measures it
-	shapes := []int{6144, 11008, 12288, 14336, 22016, 24576, 28672}
+	shapes := []int{4096, 6144, 11008, 12288, 14336, 22016, 24576, 28672}
 	for fi, f := range []string{"w4a16", "w8a16"} {
 		for si, N := range shapes {
 			spec := Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: uint64(100*fi + si + 2)}
@@ -1576,8 +1577,11 @@ func BenchmarkGEMVWaves(bm *testing.B) {
 				bm.Fatal(err)
 			}
 			timed := map[string]bool{}
-			for _, form := range []struct{ noAsync, async bool }{{}, {noAsync: true}, {async: true}} {
-				b.opt.NoAsyncGEMV, b.asyncEverywhere = form.noAsync, form.async
+			for _, form := range []struct {
+				noAsync, async bool
+				rows           int // streamRows
+			}{{}, {noAsync: true}, {async: true}, {noAsync: true, rows: 32}, {async: true, rows: 32}, {rows: 16}} {
+				b.opt.NoAsyncGEMV, b.asyncEverywhere, b.streamRows = form.noAsync, form.async, form.rows
 				k, R := b.gemvKernel(lin(w), 1, N)
 				if timed[k] {
 					continue
@@ -1599,7 +1603,7 @@ func BenchmarkGEMVWaves(bm *testing.B) {
 					bm.ReportMetric(sec*1e6, "us/launch")
 				})
 			}
-			b.opt.NoAsyncGEMV, b.asyncEverywhere = false, false
+			b.opt.NoAsyncGEMV, b.asyncEverywhere, b.streamRows = false, false, 0
 			b.FreeLinear(w)
 		}
 	}

@@ -2007,9 +2007,10 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 // the ring in shared memory, or reg, in registers: gemvWide) up to K = 4096
 // from 40 rows a multiprocessor, else the 16-row one, narrow. (A TP=2
 // rank's q/k/v, 6 144 rows, decodes faster on the 32-row kernels than on
-// the 16-row one: kernels/NOTES.md, twenty-eighth session.)
+// the 16-row one: kernels/NOTES.md, twenty-eighth session.) Backend.streamRows
+// sets the rows a block instead of the launch's rows (BenchmarkGEMVWaves).
 func (b *Backend) gemvStreaming(l *Linear, M, rows int, async, reg, narrow string) string {
-	if l.in <= 4096 && rows >= 40*b.sms {
+	if l.in <= 4096 && (b.streamRows == 32 || b.streamRows == 0 && rows >= 40*b.sms) {
 		return b.gemvWide(l, M*((rows+31)/32), perChannelForm(async, l), perChannelForm(reg, l))
 	}
 	return perChannelForm(narrow, l)
