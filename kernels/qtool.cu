@@ -2988,7 +2988,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         return kmax;
     };
     int kx = 0, kmax = stage(0, false);
-    if (pending) prefetch(early, D);  // a thread that staged no unit
+    if (pending) prefetch(early, D);  // a warp that ran no staging pass
     if constexpr (FX) {
         __syncthreads();
     } else if (__syncthreads_or(kmax > 0)) {  // rare: the staged row could overflow q4_dot_staged

@@ -143,10 +143,10 @@ func rowsFor(b *Backend, wc weightCase, base int) int {
 	return base + wc.tall*b.sms
 }
 
-// useRing makes b's 32-row GEMVs run on the ring wc's rows are for until
-// t ends: the one in registers for a case of tallRegRing rows
-// (Options.NoAsyncGEMV: gemvWide gives it no 4-bit weight otherwise),
-// else the one gemvWide picks.
+// useRing makes b's 32-row GEMVs run on the ring wc's rows are for, until
+// the next call or t's end: the one in registers for a case of
+// tallRegRing rows (Options.NoAsyncGEMV: gemvWide gives it no 4-bit weight
+// otherwise; at M = 3 an 8-bit one neither), else the one gemvWide picks.
 func useRing(t testing.TB, b *Backend, wc weightCase) {
 	b.opt.NoAsyncGEMV = wc.tall == tallRegRing
 	t.Cleanup(func() { b.opt.NoAsyncGEMV = false })

@@ -1860,9 +1860,10 @@ const regRingWaveMargin = 0.15
 // session): the 4-bit shared-memory ring was as fast (6 144, 8 448 rows)
 // or 4 to 30 points of copy bandwidth faster elsewhere; the 8-bit one 5 to
 // 9 points slower at 8 448, 14 336 and 16 896 rows (a last wave two thirds
-// full or less at three blocks, fuller at two), faster elsewhere, by 5
-// points at 28 672 rows whose last wave the register ring fills better by
-// 0.09 (TestRegRing).
+// full or less at three blocks, fuller at two), as fast at 6 144 (the
+// same waves: the rule's register ring read 1.3 points less there), faster
+// elsewhere, by 5 points at 28 672 rows whose last wave the register ring
+// fills better by 0.09 (TestRegRing).
 func regRing(kind, blocks, asyncSlots, sms int) bool {
 	switch {
 	case asyncSlots <= 2:
@@ -1920,8 +1921,8 @@ const gemvStreamRowsTag = 1 << 29
 //	               ≥ 40 rows a multiprocessor in the launch,                   in fixed point, the ring
 //	               3 blocks a multiprocessor fit, the last                     in shared memory
 //	               wave at 2 no fuller by over 0.15 (regRing)
-//	q8             the same, that wave fuller at 2             gemv_q8_w4h     32 rows a block, the same,
-//	                                                                           the ring in registers
+//	q8             the same, that wave fuller at 2, or         gemv_q8_w4h     32 rows a block, the same,
+//	               2 blocks fit                                                the ring in registers
 //	q8             streamable, K ≤ 4096                        gemv_q8_w2h     16 rows a block, the same
 //	q8             streamable, K > 4096, no column order       gemv_q8_w4h_k   gemv_q8_w4h's 32 rows split
 //	               (gemvSplits: the fullest waves over                         along K over 2–4 blocks, the
