@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncugemv ncusrc ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tldec tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncugemv ncusrc ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
 # TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; TESTSKIP: tests
@@ -250,22 +250,20 @@ if has tpdec; then # TP=2 decode alone (one chunk of perplexity first), alternat
     done
   done
 fi
-if has tl; then # timelines of a 2 048-token prefill (kernels/exp/timeline.diff applied, AB_PTX="tl=-DQTOOL_TIMELINE"): TP=2 and one GPU
+if has tl; then # timelines (kernels/exp/timeline.diff applied, AB_PTX="tl=-DQTOOL_TIMELINE"): TL_RUNS of tp2 and 1gpu
+  # (a 2 048-token prefill at TP=2 and on one GPU) and dec (graph decode on one GPU, TLDEC_STEPS steps: the last one's kernels)
   for m in ${TL_MODELS:-l7b-awq}; do
     for v in ${TL_RUNS:-tp2 1gpu}; do
-      rm -f /tmp/tl-$m-$v.*; tp=""; [ "$v" = tp2 ] && tp="--tp 2"
+      case $v in
+        dec) args="--prompt The --max-new ${TLDEC_STEPS:-32}" ;;
+        tp2) args="--ppl .devdata/sotu-test.raw --ctx 2048 --max-chunks ${TL_CHUNKS:-2} --tp 2" ;;
+        *) args="--ppl .devdata/sotu-test.raw --ctx 2048 --max-chunks ${TL_CHUNKS:-2}" ;;
+      esac
+      rm -f /tmp/tl-$m-$v.*
       run "$m-tl-$v" env QTOOL_TIMELINE=/tmp/tl-$m-$v QTOOL_CUDA_PTX="$OUT/ptx-tl/qtool_sm90.ptx" bin/qtool verify --json \
-        --ppl .devdata/sotu-test.raw --ctx 2048 --max-chunks "${TL_CHUNKS:-2}" --device cuda $tp /tmp/$m
+        $args --device cuda /tmp/$m
       python3 kernels/exp/tl_analyze.py /tmp/tl-$m-$v.gpu*.qtl > "$OUT/tl-$m-$v.txt" 2>&1; head -"${TL_LINES:-40}" "$OUT/tl-$m-$v.txt"
     done
-  done
-fi
-if has tldec; then # a timeline of graph decode on one GPU (timeline.diff applied, AB_PTX="tl=-DQTOOL_TIMELINE"): the last step's kernels
-  for m in ${TL_MODELS:-l7b-awq}; do
-    rm -f /tmp/tld-$m.*
-    run "$m-tldec" env QTOOL_TIMELINE=/tmp/tld-$m QTOOL_CUDA_PTX="$OUT/ptx-tl/qtool_sm90.ptx" bin/qtool verify --json \
-      --prompt The --max-new "${TLDEC_STEPS:-32}" --device cuda /tmp/$m
-    python3 kernels/exp/tl_analyze.py /tmp/tld-$m.gpu*.qtl > "$OUT/tldec-$m.txt" 2>&1; head -"${TL_LINES:-60}" "$OUT/tldec-$m.txt"
   done
 fi
 if has tp-base; then # the AutoAWQ runs of tp with the previous commit's binary and its embedded PTX

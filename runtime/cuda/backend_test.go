@@ -152,6 +152,19 @@ func useRing(t testing.TB, b *Backend, wc weightCase) {
 	t.Cleanup(func() { b.opt.NoAsyncGEMV = false })
 }
 
+// uploadCase uploads a weight of case wc, N rows of K, on the ring its rows
+// are for (useRing), and returns it with its values in float64.
+func uploadCase(t *testing.T, b *Backend, r *rand.Rand, wc weightCase, N, K int) (runtime.Linear, []float64) {
+	t.Helper()
+	useRing(t, b, wc)
+	w, wf := wc.make(r, N, K)
+	lw, err := b.UploadLinear(wc.name, w)
+	if err != nil {
+		t.Fatalf("%s: upload: %v", wc.name, err)
+	}
+	return lw, wf
+}
+
 func denseCase(dt model.DType) func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
 	return func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
 		v := randVec(r, n*k, 0.5)
@@ -336,12 +349,7 @@ func TestMatMul(t *testing.T) {
 			K = wc.k
 		}
 		N := rowsFor(b, wc, 198) // N % 4 = 2: the GEMM epilogues' column tails
-		useRing(t, b, wc)
-		w, wf := wc.make(r, N, K)
-		lw, err := b.UploadLinear(wc.name, w)
-		if err != nil {
-			t.Fatalf("%s: upload: %v", wc.name, err)
-		}
+		lw, wf := uploadCase(t, b, r, wc, N, K)
 		for _, M := range []int{1, 3, 5, 37, 130, 300} {
 			// On Hopper the GEMM rows also run on the mma.sync kernels
 			// (Options.NoWGMMA), which other devices take.
@@ -434,12 +442,7 @@ func TestGroupedRingGEMV(t *testing.T) {
 func checkGEMVCase(t *testing.T, b *Backend, r *rand.Rand, wc weightCase, K int, ran map[string]bool) {
 	t.Helper()
 	N := rowsFor(b, wc, 198)
-	useRing(t, b, wc)
-	w, wf := wc.make(r, N, K)
-	lw, err := b.UploadLinear(wc.name, w)
-	if err != nil {
-		t.Fatalf("%s: upload: %v", wc.name, err)
-	}
+	lw, wf := uploadCase(t, b, r, wc, N, K)
 	defer b.FreeLinear(lw)
 	for _, M := range []int{1, 3} {
 		kernel, _ := b.gemvKernel(lin(lw), M, N)
@@ -606,12 +609,7 @@ func TestMatMulLargeInputs(t *testing.T) {
 			K = wc.k
 		}
 		N := rowsFor(b, wc, 198)
-		useRing(t, b, wc)
-		w, wf := wc.make(r, N, K)
-		lw, err := b.UploadLinear(wc.name, w)
-		if err != nil {
-			t.Fatalf("%s: upload: %v", wc.name, err)
-		}
+		lw, wf := uploadCase(t, b, r, wc, N, K)
 		nwv := randVec(r, K, 300)
 		for _, c := range largeFeatures(K) {
 			nwv[c] = 1000

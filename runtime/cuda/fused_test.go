@@ -727,7 +727,6 @@ func TestRowSums(t *testing.T) {
 			}
 		}
 	}
-	b.opt.NoAsyncGEMV = false
 	for _, k := range gemvKernels {
 		if strings.HasSuffix(k, "_n") && !ran[k] && !t.Failed() {
 			t.Errorf("no case runs %s", k)
