@@ -11,7 +11,9 @@ A record is one block: the kernel's name, %gridid, its linear index and
 multiprocessor, and %globaltimer (ns) when it began, when its wait for the
 kernel before ended (allreduce_peer, exchange_peer: when their first meeting
 with the peers ended)
-and when it ended. A launch is the records of one %gridid. The window is one
+and when it ended. A launch is the records of one %gridid (split where their
+starts are REPLAY_GAP apart: a CUDA graph's replays launch a node with one
+%gridid). The window is one
 forward pass: from the --pass'th launch of an embed_* kernel (default the
 last) to the next one or the end.
 
@@ -25,7 +27,9 @@ repeat with a period (the layers), each position of the period: the
 kernel, its median added time (its end less the end of the launch before:
 with programmatic dependent launches a kernel's blocks start early, so this
 is what it adds to the pass), and its blocks' median time from release to
-end. Across GPUs, whose clocks
+end; then, each a median over the repeats, from the end of the launch before:
+its first block's start, how many blocks started before that end, its
+blocks' median release, its last block's start. Across GPUs, whose clocks
 differ, the k-th meeting kernel's meeting ends are taken as simultaneous (their
 median difference aligns the clocks; a meeting ends when the last rank
 arrives), and each says which rank arrived last and by how much,
@@ -50,19 +54,37 @@ def read(path):
     dev, n, counted = struct.unpack_from('<QQQ', data, 4)
     if counted > n:
         print(f'{path}: {counted - n} records lost (the buffer held {n}; QTOOL_TIMELINE_RECORDS)', file=sys.stderr)
-    launches = collections.OrderedDict()
+    grids = collections.OrderedDict()
     for i in range(n):
         w = struct.unpack_from('<8Q', data, 28 + REC * i)
         name = b''.join(x.to_bytes(8, 'little') for x in w[:3]).rstrip(b'\0').decode('ascii', 'replace')
         gid, t0, t1, t2 = w[3], w[5], w[6], w[7]
-        l = launches.setdefault(gid, {'name': name, 'blocks': 0, 't0': t0, 't1': 0, 't2': 0, 'first_t1': t1,
-                                      'blocks_rel_end': []})
-        l['blocks'] += 1
-        l['blocks_rel_end'].append(t2 - max(t0, t1))
-        l['t0'] = min(l['t0'], t0)
-        l['t1'] = max(l['t1'], t1)
-        l['t2'] = max(l['t2'], t2)
-    return dev, sorted(launches.values(), key=lambda l: l['t0'])
+        grids.setdefault(gid, (name, []))[1].append((t0, t1, t2))
+    # a CUDA graph's replays launch a node with one %gridid: its blocks
+    # split where their starts are more than REPLAY_GAP apart, a launch each
+    launches = []
+    for name, blocks in grids.values():
+        blocks.sort()
+        run = [blocks[0]]
+        for b in blocks[1:]:
+            if b[0] - run[-1][0] > REPLAY_GAP:
+                launches.append(launch(name, run))
+                run = []
+            run.append(b)
+        launches.append(launch(name, run))
+    return dev, sorted(launches, key=lambda l: l['t0'])
+
+
+# ns between two block starts of one %gridid that part two launches (a
+# graph's replays: a decode step is ~1.5 ms, a launch's blocks start within
+# tens of microseconds)
+REPLAY_GAP = 300_000
+
+
+def launch(name, blocks):
+    return {'name': name, 'blocks': len(blocks), 'recs': blocks,
+            't0': min(b[0] for b in blocks), 't1': max(b[1] for b in blocks), 't2': max(b[2] for b in blocks),
+            'blocks_rel_end': [b[2] - max(b[0], b[1]) for b in blocks]}
 
 
 def window(ls, which):
@@ -110,16 +132,27 @@ def per_position(ls):
         return
     reps = (len(ls) - start) // period
     print(f'  a period of {period} launches from launch {start}, {reps} times (medians):')
+    print('        (times from the end of the launch before, E: first block start, blocks started before E,'
+          ' median release (the end of a block\'s wait), last block start, end = added; a block: release to end)')
     for j in range(period):
-        added, block = [], []
+        added, block, first, early, release, last = [], [], [], [], [], []
         for r in range(reps):
             k = start + r * period + j
             if names[k] != names[start + j]:
                 continue
-            added.append(ls[k]['t2'] - ls[k - 1]['t2'])
+            E = ls[k - 1]['t2']
+            recs = ls[k]['recs']
+            added.append(ls[k]['t2'] - E)
             block.append(statistics.median(ls[k]['blocks_rel_end']))
-        print(f'    {j:3d} {names[start + j]:24s} added {us(statistics.median(added)):7.1f} us  sum {sum(added) / 1e6:7.3f} ms'
-              f'  a block {us(statistics.median(block)):6.1f} us  ({ls[start + j]["blocks"]} blocks)')
+            first.append(ls[k]['t0'] - E)
+            early.append(sum(1 for b in recs if b[0] < E))
+            release.append(statistics.median(max(b[0], b[1]) - E for b in recs))
+            last.append(max(b[0] for b in recs) - E)
+        med = lambda v: us(statistics.median(v))
+        print(f'    {j:3d} {names[start + j]:24s} added {med(added):7.1f} us  sum {sum(added) / 1e6:7.3f} ms'
+              f'  a block {med(block):6.1f} us  ({ls[start + j]["blocks"]} blocks)')
+        print(f'        first {med(first):7.1f}  early {statistics.median(early):5.0f}  release {med(release):6.1f}'
+              f'  last start {med(last):6.1f}  end {med(added):6.1f} us')
 
 
 def across(runs):

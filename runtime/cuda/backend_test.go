@@ -1555,21 +1555,39 @@ func BenchmarkPrefillAttention(bm *testing.B) {
 
 // BenchmarkGEMVWaves times the one-row products of 4- and 8-bit weights
 // of width 4096 with the rows of the 7B/8B models' launches (llama2-7b,
-// llama3-8b, qwen3-8b: o, q/k/v, one of gate/up, both), timed as bench's
+// llama3-8b, qwen3-8b: o, q/k/v, one of gate/up, both; a TP=2 rank's q/k/v
+// and o; per-channel scales at the shorter ones), timed as bench's
 // kernel table times them (TimeDecodeGEMV) and reported as GB/s and % of
 // the device's copy bandwidth, each on every streaming kernel that could
 // take it — the 32-row ones with the ring in registers and in shared
 // memory (gemvWide's two forms) and the 16-row one — with its waves of
 // blocks, so that regRing's choice and gemvStreaming's rows rule can be
-// checked against one run (TestRegRing holds the H200's figures).
+// checked against one run (TestRegRing holds the H200's figures). A
+// launch timed alone is not a launch in a decode step: at 4096×4096 the
+// 32-row shared-memory ring read 49 % of copy here against the 16-row
+// kernel's 42 %, and decode lost 3 % with it (kernels/NOTES.md,
+// forty-fifth session); a rule change wants bench's graph decode too.
 func BenchmarkGEMVWaves(bm *testing.B) {
 	b := newTestBackend(bm)
-	const K = 4096
 	copyBps := b.CopyBandwidth(1 << 30) // as bench measures it
-	shapes := []int{4096, 6144, 11008, 12288, 14336, 22016, 24576, 28672}
+	type shape struct {
+		N, K int
+		pc   bool // one group a row (the _pc forms)
+	}
+	var shapes []shape
+	for _, N := range []int{2048, 3072, 4096, 6144, 11008, 12288, 14336, 22016, 24576, 28672} {
+		shapes = append(shapes, shape{N: N, K: 4096})
+	}
+	// a TP=2 rank's o (4096×2048), and per-channel scales at the row
+	// counts of less than two waves of 16-row blocks
+	shapes = append(shapes, shape{N: 4096, K: 2048}, shape{3072, 4096, true}, shape{4096, 4096, true}, shape{6144, 4096, true})
 	for fi, f := range []string{"w4a16", "w8a16"} {
-		for si, N := range shapes {
-			spec := Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: uint64(100*fi + si + 2)}
+		for si, sh := range shapes {
+			N, K, format := sh.N, sh.K, f
+			if sh.pc {
+				format += "-pc"
+			}
+			spec := Synthetic{Format: format, Dims: []int{N, K}, GroupSize: 128, Seed: uint64(100*fi + si + 2)}
 			w, err := b.UploadLinear("bench", &spec)
 			if err != nil {
 				bm.Fatal(err)
@@ -1587,7 +1605,7 @@ func BenchmarkGEMVWaves(bm *testing.B) {
 				timed[k] = true
 				rows, _, shm := b.gemvShape(k, R, lin(w), 1, N)
 				waves := float64((N+rows-1)/rows) / float64(b.residentBlocks(k, shm)*b.sms)
-				bm.Run(fmt.Sprintf("%s/%s/N=%d/waves=%.2f", f, k, N, waves), func(bm *testing.B) {
+				bm.Run(fmt.Sprintf("%s/%s/%dx%d/waves=%.2f", format, k, N, K, waves), func(bm *testing.B) {
 					var sec, bytes float64
 					for bm.Loop() {
 						s, n, err := b.TimeDecodeGEMV(w, spec)

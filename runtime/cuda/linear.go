@@ -2008,8 +2008,13 @@ func (b *Backend) gemvKernel(l *Linear, M, rows int) (string, int) {
 // the ring in shared memory, or reg, in registers: gemvWide) up to K = 4096
 // from 40 rows a multiprocessor, else the 16-row one, narrow. (A TP=2
 // rank's q/k/v, 6 144 rows, decodes faster on the 32-row kernels than on
-// the 16-row one: kernels/NOTES.md, twenty-eighth session.) Backend.streamRows
-// sets the rows a block instead of the launch's rows (BenchmarkGEMVWaves).
+// the 16-row one: kernels/NOTES.md, twenty-eighth session. At 4 096 rows
+// the 32-row shared-memory ring is the faster alone, 4-bit 49 % of copy
+// against 42 %, and the slower in decode, where o's 16-row blocks start
+// beside the attention's: from 24 rows a multiprocessor, graph decode lost
+// 3.1 % (w4a16) and 2.2 % (w8a16) on llama2-7b, 1.7 % and 2.6 % on
+// llama3-8b; forty-fifth session.) Backend.streamRows sets the rows a
+// block instead of the launch's rows (BenchmarkGEMVWaves).
 func (b *Backend) gemvStreaming(l *Linear, M, rows int, async, reg, narrow string) string {
 	if l.in <= 4096 && (b.streamRows == 32 || b.streamRows == 0 && rows >= 40*b.sms) {
 		return b.gemvWide(l, M*((rows+31)/32), perChannelForm(async, l), perChannelForm(reg, l))
