@@ -354,7 +354,8 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
   # the context verify --prompt The --max-new 256 decodes at
   # (and bin/qtool with each AB_PTX build's PTX)
   # (a build whose cuda tests failed or timed out, perhaps hanging, is left out;
-  # AB_MODEL, AB_FORMAT, AB_PROMPT, AB_DECODE and AB_ARGS change the bench's shape, format, prompt, steps and flags)
+  # AB_MODEL, AB_FORMAT, AB_PROMPT, AB_DECODE and AB_ARGS change the bench's shapes, format, prompt, steps and flags;
+  # AB_MODEL="llama2-7b llama3-8b": both in each round)
   variants=new
   [ "${failed_new:-0}" = 0 ] || { echo "ab: skipped (this build's cuda tests failed)"; variants=""; AB_ROUNDS=0; }
   for v in ${AB_PTX:-}; do
@@ -364,17 +365,20 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
     esac
   done
   for i in $(seq "${AB_ROUNDS:-2}"); do
+    for mdl in ${AB_MODEL:-llama2-7b}; do # AB_MODEL may list several (bench --synthetic's)
     for p in ${AB_PROMPT:-16}; do # AB_PROMPT may list several prompt lengths
     for v in $variants base; do
-      lim=$(left); [ "$lim" -lt 90 ] && { echo "ab: no time left"; break 3; }
+      lim=$(left); [ "$lim" -lt 90 ] && { echo "ab: no time left"; break 4; }
       case $v in
         new) cmd=bin/qtool ;;
         base) cmd="$BASE" ;;
         *) cmd="env QTOOL_CUDA_PTX=$OUT/ptx-$v/qtool_sm90.ptx bin/qtool" ;;
       esac
-      timeout "$lim" $cmd bench --synthetic "${AB_MODEL:-llama2-7b}" --format "${AB_FORMAT:-w4a16}" --kernels=false \
-        --prompt "$p" --decode "${AB_DECODE:-256}" ${AB_ARGS:-} > "$OUT/ab-$v-$p-$i.txt" 2>&1
-      echo "ab $v p$p $i rc=$?: $(grep -oE 'prefill [0-9]+ tokens: .*|decode batch 1: .*' "$OUT/ab-$v-$p-$i.txt" | cut -c1-230 | paste -sd'|')"
+      f="$OUT/ab-$v-$p-$i.txt"; [ "$mdl" = llama2-7b ] || f="$OUT/ab-$mdl-$v-$p-$i.txt"
+      timeout "$lim" $cmd bench --synthetic "$mdl" --format "${AB_FORMAT:-w4a16}" --kernels=false \
+        --prompt "$p" --decode "${AB_DECODE:-256}" ${AB_ARGS:-} > "$f" 2>&1
+      echo "ab $mdl $v p$p $i rc=$?: $(grep -oE 'prefill [0-9]+ tokens: .*|decode batch 1: .*' "$f" | cut -c1-230 | paste -sd'|')"
+    done
     done
     done
   done
