@@ -869,7 +869,7 @@ func (b *Backend) RMSNormHeads(x runtime.Buf, headDim int, w runtime.Vector, eps
 		panic(fmt.Sprintf("cuda backend: RMSNormHeads of width %d, head %d, weight %d", s.cols, headDim, vec(w).n))
 	}
 	defer b.enter()()
-	warps := min(8, s.cols/headDim)
+	warps := min(32, s.cols/headDim) // a warp a head: Qwen3-8B's 32 query heads at once
 	b.launch("rmsnorm_heads", g1(s.rows), [3]uint32{uint32(32 * warps), 1, 1}, s.p, vec(w).p, s.cols, headDim, eps)
 }
 
