@@ -14,7 +14,9 @@
 # kernels, which reads the embedded PTX and would fail the suite and so skip ab); RUN_LIMIT: a
 # verify run's; TPAB_MODELS: tpab's checkpoints; TPAB_BINS: more binaries bin/qtool-NAME
 # (from .devbin/qtool-NAME.xz, a Go-side variant) that tpab times beside bin/qtool;
-# TPDEC_ROUNDS, TPDEC_MODELS: tpdec's rounds and checkpoints; NCU_GEMV: the GEMV kernels ncugemv and ncusrc profile;
+# TPDEC_ROUNDS, TPDEC_MODELS: tpdec's rounds and checkpoints; NCU_GEMV: the GEMV kernels ncugemv and ncusrc profile
+#   (KERNEL:SKIP: its launch after SKIP of them), NCU_BENCH_ARGS: more flags of their bench (--kernels=false),
+#   NCU_BIN=base: they profile HEAD's binary with its embedded PTX, not bin/qtool;
 #   NCU_ARGS: more Nsight Compute options for both, e.g. "--cache-control none --clock-control none")
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -133,31 +135,38 @@ print('  %d kernels, %.2f ms:' % (len(one), sum(t for _, t in one) / 1e6),
 print('  first layer:', ', '.join('%s %.1f' % (n, t / 1e3) for n, t in one[1:15]))
 PY
 }
-# ncu_gemv KERNEL OUTFILE NCU-FLAGS...: Nsight Compute on the first launch of KERNEL in bench's kernel
-# table (the first shape it runs there: 14336×4096 for the 32-row register rings)
+# ncu_gemv KERNEL[:SKIP] OUTFILE NCU-FLAGS...: Nsight Compute on the first launch of KERNEL (after
+# SKIP of them) in bench (its kernel table's first shape: 14336×4096 for the 32-row register rings;
+# NCU_BENCH_ARGS=--kernels=false: the decode's launches, layer 0's first). NCU_ARGS="--clock-control
+# none" times the kernel at the GPU's own clocks (the locked base clocks make the streaming GEMVs
+# issue-bound: kernels/NOTES.md, forty-sixth session); NCU_BIN=base profiles HEAD's binary
+# (qtool-base, its embedded PTX) instead of bin/qtool
 ncu_gemv() {
-  local k=$1 out=$2 lim; shift 2
+  local k=${1%%:*} skip=0 out=$2 lim
+  [[ $1 == *:* ]] && skip=${1#*:}
+  shift 2
+  local bin=bin/qtool; [ "${NCU_BIN:-}" = base ] && bin=$BASE
   lim=$(left); [ "$lim" -lt 60 ] && { echo "ncu $k: no time left"; return 1; }
   [ -n "$NCU" ] || { echo "ncu $k: Nsight Compute not found"; return 1; }
-  timeout $(( lim < 150 ? lim : 150 )) "$NCU" --kernel-name regex:"^$k\$" --launch-count 1 ${NCU_ARGS:-} "$@" \
-    bin/qtool bench --synthetic llama2-7b --decode 4 --prompt 16 > "$out" 2>&1
+  timeout $(( lim < 150 ? lim : 150 )) "$NCU" --kernel-name regex:"^$k\$" --launch-skip "$skip" --launch-count 1 ${NCU_ARGS:-} "$@" \
+    $bin bench --synthetic llama2-7b --decode 4 --prompt 16 ${NCU_BENCH_ARGS:-} > "$out" 2>&1
 }
-if has ncugemv; then # NCU_GEMV's kernels: the stall reasons in cycles an issued instruction (--page raw),
-  # the instructions executed and each pipe's share
+if has ncugemv; then # NCU_GEMV's kernels (KERNEL or KERNEL:SKIP): the stall reasons in cycles an issued
+  # instruction (--page raw), the instructions executed and each pipe's share
   stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard wait selected not_selected \
-    math_pipe_throttle dispatch_stall short_scoreboard barrier mio_throttle lg_throttle no_instruction branch_resolving)
+    math_pipe_throttle dispatch_stall short_scoreboard barrier mio_throttle lg_throttle no_instruction branch_resolving membar)
   for k in ${NCU_GEMV:-gemv_q4_w4h gemv_q8_w4h}; do
-    ncu_gemv "$k" "$OUT/ncu-$k.txt" --page raw --section ComputeWorkloadAnalysis \
+    ncu_gemv "$k" "$OUT/ncu-${k/:/-}.txt" --page raw --section ComputeWorkloadAnalysis \
       --metrics "${stalls}gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,dram__bytes_read.sum"
     echo "ncu $k rc=$?"
-    grep -E "stalled|gpu__time|dram__|inst_executed|issue_active|warps_active|launch__|pipe_.*pct" "$OUT/ncu-$k.txt" 2>/dev/null |
-      sed -E 's/smsp__average_warps_issue_stalled_(.*)_per_issue_active.ratio/stall \1/' | awk '{printf "  %-48s %s %s\n", $1, $2, $3}'
+    grep -E "stalled|gpu__time_duration.sum|dram__throughput.avg.pct|dram__bytes_read.sum|smsp__inst_executed.sum |issue_active.avg|warps_active.avg|launch__grid_size|launch__registers_per_thread |launch__occupancy_limit_(reg|shared)|pipe_.*avg.pct_of_peak_sustained_active" "$OUT/ncu-${k/:/-}.txt" 2>/dev/null |
+      sed -E 's/smsp__average_warps_issue_stalled_(.*)_per_issue_active.ratio/stall_\1/' | awk '{printf "  %-56s %s\n", $1, $NF}'
   done
 fi
 if has ncusrc; then # the same launches' warp stall samples a SASS instruction (--page source): where the cycles go
   for k in ${NCU_GEMV:-gemv_q4_w4h gemv_q8_w4h}; do
-    ncu_gemv "$k" "$OUT/ncusrc-$k.csv" --section SourceCounters --section WarpStateStats --page source --print-source sass --csv
-    echo "ncusrc $k rc=$? $(grep -c . "$OUT/ncusrc-$k.csv" 2>/dev/null) lines (logs.tgz)"
+    ncu_gemv "$k" "$OUT/ncusrc-${k/:/-}.csv" --section SourceCounters --section WarpStateStats --page source --print-source sass --csv
+    echo "ncusrc $k rc=$? $(grep -c . "$OUT/ncusrc-${k/:/-}.csv" 2>/dev/null) lines (logs.tgz)"
   done
 fi
 if has ncuprefill; then # every kernel of a window of the synthetic 7B bench (a prefill of 512 tokens and more), durations as CSV
