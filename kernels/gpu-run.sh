@@ -156,17 +156,19 @@ if has ncugemv; then # NCU_GEMV's kernels (KERNEL or KERNEL:SKIP): the stall rea
   stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard wait selected not_selected \
     math_pipe_throttle dispatch_stall short_scoreboard barrier mio_throttle lg_throttle no_instruction branch_resolving membar)
   for k in ${NCU_GEMV:-gemv_q4_w4h gemv_q8_w4h}; do
-    ncu_gemv "$k" "$OUT/ncu-${k/:/-}.txt" --page raw --section ComputeWorkloadAnalysis \
+    f="$OUT/ncu-${k/:/-}.txt"
+    ncu_gemv "$k" "$f" --page raw --section ComputeWorkloadAnalysis \
       --metrics "${stalls}gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,dram__bytes_read.sum"
     echo "ncu $k rc=$?"
-    grep -E "stalled|gpu__time_duration.sum|dram__throughput.avg.pct|dram__bytes_read.sum|smsp__inst_executed.sum |issue_active.avg|warps_active.avg|launch__grid_size|launch__registers_per_thread |launch__occupancy_limit_(reg|shared)|pipe_.*avg.pct_of_peak_sustained_active" "$OUT/ncu-${k/:/-}.txt" 2>/dev/null |
+    grep -E "stalled|gpu__time_duration.sum|dram__throughput.avg.pct|dram__bytes_read.sum|smsp__inst_executed.sum |issue_active.avg|warps_active.avg|launch__grid_size|launch__registers_per_thread |launch__occupancy_limit_(reg|shared)|pipe_.*avg.pct_of_peak_sustained_active" "$f" 2>/dev/null |
       sed -E 's/smsp__average_warps_issue_stalled_(.*)_per_issue_active.ratio/stall_\1/' | awk '{printf "  %-56s %s\n", $1, $NF}'
   done
 fi
 if has ncusrc; then # the same launches' warp stall samples a SASS instruction (--page source): where the cycles go
   for k in ${NCU_GEMV:-gemv_q4_w4h gemv_q8_w4h}; do
-    ncu_gemv "$k" "$OUT/ncusrc-${k/:/-}.csv" --section SourceCounters --section WarpStateStats --page source --print-source sass --csv
-    echo "ncusrc $k rc=$? $(grep -c . "$OUT/ncusrc-${k/:/-}.csv" 2>/dev/null) lines (logs.tgz)"
+    f="$OUT/ncusrc-${k/:/-}.csv"
+    ncu_gemv "$k" "$f" --section SourceCounters --section WarpStateStats --page source --print-source sass --csv
+    echo "ncusrc $k rc=$? $(grep -c . "$f" 2>/dev/null) lines (logs.tgz)"
   done
 fi
 if has ncuprefill; then # every kernel of a window of the synthetic 7B bench (a prefill of 512 tokens and more), durations as CSV
