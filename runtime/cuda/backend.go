@@ -483,9 +483,18 @@ func uploadSlice[T any](b *Backend, v []T) driver.DevicePtr {
 // waiting for this rank's launch that comes after the free: a deadlock
 // until the all-reduce's time-out.
 func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
+	p, _ := b.scratchArea(name, bytes)
+	return p
+}
+
+// scratchArea is scratchBuf that also reports whether it (re)allocated the
+// area. A (re)allocated area holds whatever the allocator left there, also
+// where the allocator hands out again the address of the area just freed:
+// its users must not tell a new area by its address (zeroedScratch).
+func (b *Backend) scratchArea(name string, bytes int) (p driver.DevicePtr, fresh bool) {
 	s := b.scratch[name]
 	if s.n >= bytes {
-		return s.p
+		return s.p, false
 	}
 	if s.p != 0 && !b.outgrownHeld() {
 		b.must(b.drv.StreamSynchronize(b.stream))
@@ -497,7 +506,7 @@ func (b *Backend) scratchBuf(name string, bytes int) driver.DevicePtr {
 	b.must(err)
 	b.owned[p] = -1 // never pooled
 	b.scratch[name] = scratch{p: p, n: n}
-	return p
+	return p, true
 }
 
 // outgrownHeld reports whether an outgrown scratch area must stay
@@ -521,15 +530,15 @@ func (b *Backend) liveGraphs() bool {
 	return len(live) > 0
 }
 
-// zeroedScratch is scratchBuf whose area is zeroed when it is (re)allocated;
-// its users (kernels counting arrivals) leave it zero. An area allocated
-// during a graph capture is zeroed by the graph before its users and once
-// more by the first use outside a capture, which may come before any
-// replay.
+// zeroedScratch is scratchBuf whose area is zeroed when it is (re)allocated,
+// also at the address of the area it outgrew (scratchArea); its users
+// (kernels counting arrivals) leave it zero. An area allocated during a
+// graph capture is zeroed by the graph before its users and once more by
+// the first use outside a capture, which may come before any replay.
 func (b *Backend) zeroedScratch(name string, bytes int) driver.DevicePtr {
-	old := b.scratch[name]
-	p := b.scratchBuf(name, bytes)
-	if p != old.p || old.unzeroed && !b.capturing {
+	unzeroed := b.scratch[name].unzeroed
+	p, fresh := b.scratchArea(name, bytes)
+	if fresh || unzeroed && !b.capturing {
 		s := b.scratch[name]
 		b.must(b.drv.MemsetD32Async(p, 0, uint64(s.n/4), b.stream))
 		s.unzeroed = b.capturing
