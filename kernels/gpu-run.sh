@@ -9,7 +9,8 @@
 #   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncugemv ncusrc ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
-# TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; TESTSKIP: tests
+# TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; TEST_COUNT: runs
+# of each test (-test.count: a race's rate, with TESTRUN); TESTSKIP: tests
 # the test binaries leave out (-test.skip: TestKernelNamesInPTX for an experiment that adds
 # kernels, which reads the embedded PTX and would fail the suite and so skip ab); RUN_LIMIT: a
 # verify run's; TPAB_MODELS: tpab's checkpoints; TPAB_BINS: more binaries bin/qtool-NAME
@@ -75,7 +76,8 @@ if has tests; then
   for t in ${TESTS:-cuda kld gputest}; do
     [ -x "bin/$t.test" ] || continue
     dir=runtime/$t; [ "$t" = gputest ] && dir=runtime/tp/gputest
-    (cd "$dir" && timeout "${TEST_TIMEOUT:-240}" "$OLDPWD/bin/$t.test" -test.v ${TESTRUN:+-test.run "$TESTRUN"} ${TESTSKIP:+-test.skip "$TESTSKIP"} > "$OUT/test-$t.log" 2>&1)
+    (cd "$dir" && timeout "${TEST_TIMEOUT:-240}" "$OLDPWD/bin/$t.test" -test.v ${TESTRUN:+-test.run "$TESTRUN"} ${TESTSKIP:+-test.skip "$TESTSKIP"} \
+      ${TEST_COUNT:+-test.count "$TEST_COUNT"} > "$OUT/test-$t.log" 2>&1)
     rc=$?; [ "$t" = cuda ] && failed_new=$rc
     echo "test $t rc=$rc $(grep -c -- '--- PASS' "$OUT/test-$t.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-$t.log") fail, $(grep -c -- '--- SKIP' "$OUT/test-$t.log") skip"
     grep -E -- "--- FAIL|panic|greedy|ppl|KLD|rel |loaded kernels" "$OUT/test-$t.log" | head -20
