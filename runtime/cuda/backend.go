@@ -175,6 +175,7 @@ type Backend struct {
 
 	// CUDA graph capture of decode steps.
 	capturing bool
+	captures  int  // captures begun (zeroedScratch: the one that zeroed an area)
 	capPos    bool // a decode-step capture: positions and ids come from the device
 	capBase   int
 	capAllocs map[driver.DevicePtr]bool
@@ -191,8 +192,10 @@ type scratch struct {
 	p driver.DevicePtr
 	n int
 	// unzeroed: a zeroedScratch area allocated during a capture, whose
-	// memset only the graph's replays run
+	// memset only the graph's replays run; zeroedIn: the capture
+	// (Backend.captures) whose graph last zeroed it
 	unzeroed bool
+	zeroedIn int
 }
 
 // New opens the first CUDA device with default options. Without a driver
@@ -533,15 +536,18 @@ func (b *Backend) liveGraphs() bool {
 // zeroedScratch is scratchBuf whose area is zeroed when it is (re)allocated,
 // also at the address of the area it outgrew (scratchArea); its users
 // (kernels counting arrivals) leave it zero. An area allocated during a
-// graph capture is zeroed by the graph before its users and once more by
-// the first use outside a capture, which may come before any replay.
+// graph capture is zeroed by the graph before its users. Until the first
+// use outside a capture zeroes it once more (which may come before any
+// replay), each later capture's graph zeroes it too, once, since the
+// first graph may never run (a failed instantiation, a tensor-parallel
+// capture given up on another rank).
 func (b *Backend) zeroedScratch(name string, bytes int) driver.DevicePtr {
-	unzeroed := b.scratch[name].unzeroed
+	old := b.scratch[name]
 	p, fresh := b.scratchArea(name, bytes)
-	if fresh || unzeroed && !b.capturing {
+	if fresh || old.unzeroed && (!b.capturing || old.zeroedIn != b.captures) {
 		s := b.scratch[name]
 		b.must(b.drv.MemsetD32Async(p, 0, uint64(s.n/4), b.stream))
-		s.unzeroed = b.capturing
+		s.unzeroed, s.zeroedIn = b.capturing, b.captures
 		b.scratch[name] = s
 	}
 	return p

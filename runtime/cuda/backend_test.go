@@ -1264,9 +1264,11 @@ func TestLogitOps(t *testing.T) {
 // TestZeroedScratch checks that an arrival-counter area reads zero on its
 // first use outside a capture also when it was allocated during one (whose
 // memset only the graph's replays run): the flag set then makes the next
-// uncaptured use zero it. The capture is the flag alone (the memset runs
-// at once), so the area is dirtied in between as a replay-less graph would
-// leave it. Then that a grown area reads zero whole, where the allocator
+// uncaptured use zero it, and each later capture once (the first graph
+// may never run), not each use within one. A capture is the flag and the
+// count alone (the memset runs at once), so the area is dirtied in between
+// as a replay-less graph would leave it. Then that a grown area reads zero
+// whole, where the allocator
 // hands out the outgrown area's address again too (the dirtied words would
 // stay: a counter of garbage, a block of rows never merged or merged
 // early; kernels/NOTES.md, forty-seventh session).
@@ -1274,20 +1276,36 @@ func TestZeroedScratch(t *testing.T) {
 	b := newTestBackend(t)
 	defer b.enter()() // zeroedScratch allocates and sets memory with the context current
 	b.capturing = true
+	b.captures++
 	p := b.zeroedScratch("test_cnt", 4096)
-	b.capturing = false
 	if !b.scratch["test_cnt"].unzeroed {
 		t.Fatal("an area allocated during a capture is not marked")
 	}
 	x := &Buf{p: p, rows: 1, cols: 1024}
-	b.Upload(x, randVec(rand.New(rand.NewPCG(1, 1)), 1024, 1))
+	dirty := func(seed uint64) { b.Upload(x, randVec(rand.New(rand.NewPCG(seed, seed)), 1024, 1)) }
+	zeroed := func() bool {
+		for _, v := range download(b, x) {
+			if v != 0 {
+				return false
+			}
+		}
+		return true
+	}
+	dirty(3)
+	if b.zeroedScratch("test_cnt", 4096); zeroed() {
+		t.Error("zeroed again by a second use in the same capture")
+	}
+	b.captures++ // the first capture ended, its graph never run; another begins
+	if b.zeroedScratch("test_cnt", 4096); !zeroed() {
+		t.Fatal("not zeroed by a later capture while still marked")
+	}
+	b.capturing = false
+	dirty(1)
 	if q := b.zeroedScratch("test_cnt", 4096); q != p {
 		t.Fatalf("the area moved: %#x, then %#x", p, q)
 	}
-	for i, v := range download(b, x) {
-		if v != 0 {
-			t.Fatalf("value %d is %g after the first uncaptured use, want 0", i, v)
-		}
+	if !zeroed() {
+		t.Fatal("not zeroed by the first uncaptured use")
 	}
 	if b.scratch["test_cnt"].unzeroed {
 		t.Error("still marked after the uncaptured use")

@@ -44,6 +44,7 @@ func (b *Backend) BeginCapture(pos, maxHist int) error {
 		return err
 	}
 	b.capturing, b.capPos, b.capBase, b.capAllocs = true, true, pos, map[driver.DevicePtr]bool{}
+	b.captures++
 	return nil
 }
 
@@ -293,6 +294,7 @@ func (b *Backend) TimeCaptured(reps int, f func()) (float64, error) {
 			return err
 		}
 		b.capturing, b.capBase, b.capAllocs = true, 0, map[driver.DevicePtr]bool{}
+		b.captures++
 		return nil
 	}()
 	if err != nil {
