@@ -1268,10 +1268,9 @@ func TestLogitOps(t *testing.T) {
 // may never run), not each use within one. A capture is the flag and the
 // count alone (the memset runs at once), so the area is dirtied in between
 // as a replay-less graph would leave it. Then that a grown area reads zero
-// whole, where the allocator
-// hands out the outgrown area's address again too (the dirtied words would
-// stay: a counter of garbage, a block of rows never merged or merged
-// early; kernels/NOTES.md, forty-seventh session).
+// whole, where the allocator hands out the outgrown area's address again
+// too (the dirtied words would stay: a counter of garbage, a block of rows
+// never merged or merged early; kernels/NOTES.md, forty-seventh session).
 func TestZeroedScratch(t *testing.T) {
 	b := newTestBackend(t)
 	defer b.enter()() // zeroedScratch allocates and sets memory with the context current
@@ -1310,7 +1309,7 @@ func TestZeroedScratch(t *testing.T) {
 	if b.scratch["test_cnt"].unzeroed {
 		t.Error("still marked after the uncaptured use")
 	}
-	b.Upload(x, randVec(rand.New(rand.NewPCG(2, 2)), 1024, 1))
+	dirty(2)
 	q := b.zeroedScratch("test_cnt", 8192)
 	t.Logf("grown from %#x to %#x (the same address: %v)", p, q, q == p)
 	for i, v := range download(b, &Buf{p: q, rows: 1, cols: 2048}) {
