@@ -191,10 +191,10 @@ type Backend struct {
 type scratch struct {
 	p driver.DevicePtr
 	n int
-	// unzeroed: a zeroedScratch area allocated during a capture, whose
-	// memset only the graph's replays run; zeroedIn: the capture
-	// (Backend.captures) whose graph last zeroed it
-	unzeroed bool
+	// zeroedIn: for a zeroedScratch area allocated during a capture, whose
+	// memset only the graph's replays run, the capture (Backend.captures,
+	// from 1) whose graph last zeroed it; 0 once a use outside a capture
+	// zeroed it, or where it was allocated outside one
 	zeroedIn int
 }
 
@@ -544,10 +544,14 @@ func (b *Backend) liveGraphs() bool {
 func (b *Backend) zeroedScratch(name string, bytes int) driver.DevicePtr {
 	old := b.scratch[name]
 	p, fresh := b.scratchArea(name, bytes)
-	if fresh || old.unzeroed && (!b.capturing || old.zeroedIn != b.captures) {
+	now := 0 // the capture a memset would be part of, 0 outside one
+	if b.capturing {
+		now = b.captures
+	}
+	if fresh || old.zeroedIn != 0 && old.zeroedIn != now {
 		s := b.scratch[name]
 		b.must(b.drv.MemsetD32Async(p, 0, uint64(s.n/4), b.stream))
-		s.unzeroed, s.zeroedIn = b.capturing, b.captures
+		s.zeroedIn = now
 		b.scratch[name] = s
 	}
 	return p

@@ -1277,7 +1277,7 @@ func TestZeroedScratch(t *testing.T) {
 	b.capturing = true
 	b.captures++
 	p := b.zeroedScratch("test_cnt", 4096)
-	if !b.scratch["test_cnt"].unzeroed {
+	if b.scratch["test_cnt"].zeroedIn == 0 {
 		t.Fatal("an area allocated during a capture is not marked")
 	}
 	x := &Buf{p: p, rows: 1, cols: 1024}
@@ -1306,7 +1306,7 @@ func TestZeroedScratch(t *testing.T) {
 	if !zeroed() {
 		t.Fatal("not zeroed by the first uncaptured use")
 	}
-	if b.scratch["test_cnt"].unzeroed {
+	if b.scratch["test_cnt"].zeroedIn != 0 {
 		t.Error("still marked after the uncaptured use")
 	}
 	dirty(2)
