@@ -200,6 +200,28 @@ __device__ __forceinline__ bool last_block(int* cnt, int ci, int n) {
     return true;
 }
 
+// part_put and part_take pass one float from a block that is done with it
+// to one that waits for it, through a word that holds PART_EMPTY until
+// then (the area filled so when allocated: Backend.filledScratch). The
+// word is written once and read whole, so the reader needs no fence or
+// counter, only to see it leave PART_EMPTY; part_take leaves it PART_EMPTY
+// again for the next launch. A reader must wait only on blocks launched
+// before it (a lower index) or running beside it, or it could wait forever.
+#define PART_EMPTY 0xffffffffu
+__device__ __forceinline__ void part_put(float* p, float v) {
+    uint32_t b = __float_as_uint(v);
+    if (b == PART_EMPTY) b = 0x7fffffffu;  // that NaN's bits: still a NaN
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(b) : "memory");
+}
+__device__ __forceinline__ float part_take(float* p) {
+    uint32_t b;
+    do {
+        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(b) : "l"(p) : "memory");
+    } while (b == PART_EMPTY);
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(PART_EMPTY) : "memory");
+    return __uint_as_float(b);
+}
+
 // ldmatrix_x4 loads four 8 × 8 fp16 matrices, lanes 8i..8i+7 addressing
 // the rows of matrix i; lane l receives row l/4, columns 2(l%4) and
 // 2(l%4) + 1 of each. ldmatrix_x4_trans gives the transposed: rows 2(l%4)
@@ -2729,11 +2751,13 @@ __device__ __forceinline__ float4 gemv_norm4(float4 a, int k, float inv, const f
 // gemv_q4_w4a at 45 % on 11008×4096 (kernels/NOTES.md, thirty-ninth
 // session).
 // SPLIT: a split form (_k, GEMVW_SPLIT_ENTRY): grid.z blocks share a block
-// of rows, each taking a run of the row's chunks; the last to finish adds
-// their parts (part, cnt) and runs the epilogue. Only the 8-bit register
-// ring has split forms: split, the 8-bit ring in shared memory and the
-// 4-bit kernels read fewer bytes a second than the unsplit kernels
-// (kernels/NOTES.md, forty-first session).
+// of rows, each taking a run of the row's chunks; the last split adds the
+// others' parts as they arrive (part_put, part_take) and runs the
+// epilogue. Only the 8-bit register ring has split forms: split, the 8-bit
+// ring in shared memory and the 4-bit kernels read fewer bytes a second
+// than the unsplit kernels (kernels/NOTES.md, forty-first session; the
+// 4-bit register ring's fence-free split, forty-eighth: +3 points at
+// 4096×14336, −1 at 4096×11008).
 template <int R, int D, bool SUMS, bool ASYNC, bool HS, bool Q8, bool PC, bool SPLIT>
 __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* __restrict__ x,
                                            const float* __restrict__ xss, int nss, const void* __restrict__ W,
@@ -2741,7 +2765,7 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
                                            const void* __restrict__ szu, int N, int K, int gs, int G, int bx,
                                            const float* __restrict__ nw, const float* __restrict__ nb, float eps,
                                            int mode, const uint4* __restrict__ permx, float* __restrict__ yss,
-                                           char* __restrict__ send, float* __restrict__ part, int* __restrict__ cnt) {
+                                           char* __restrict__ send, float* __restrict__ part) {
     static_assert(!Q8 || !HS, "the 8-bit streaming GEMV takes {scale, zero} floats");
     static_assert(!SPLIT || (!SUMS && Q8 && !ASYNC), "the split forms: the 8-bit register ring's, no _n twins");
     constexpr int LK = Q8 ? 16 : 32;  // k a lane's 16 bytes of a row hold
@@ -3075,20 +3099,23 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
     for (int r = 1; r < R / 2; r++)
         if (lane == r) upv = acc[r + R / 2];
     if constexpr (SPLIT) {
-        // Each of the grid.z blocks of these rows stores its part of their
-        // sums (part: grid.z × M × gridDim.x × 8R floats); the last to
-        // finish (cnt, one counter a block of rows, left zero again) adds
-        // the parts in z order, so the result does not depend on which
-        // finished last, and goes on with the epilogue.
+        // Each of the first grid.z − 1 blocks of these rows stores its part
+        // of their sums (part: (grid.z − 1) × M × gridDim.x × 8R floats)
+        // and is done; the last, blockIdx.z = grid.z − 1, takes each part
+        // as it arrives and adds them in z order, its own last, so the
+        // result does not depend on which finished first, and goes on with
+        // the epilogue. No fence or counter: see part_put.
+        const int zl = (int)gridDim.z - 1;
         const size_t pz = (size_t)gridDim.y * gridDim.x * (8 * R);
         const size_t pi = ((size_t)m * gridDim.x + blockIdx.x) * (8 * R) + warp * R + lane;
-        if (lane < R) part[blockIdx.z * pz + pi] = mine;
-        const int ci = m * gridDim.x + blockIdx.x;
-        if (!last_block(cnt, ci, (int)gridDim.z)) return;
+        if ((int)blockIdx.z < zl) {
+            if (lane < R) part_put(part + blockIdx.z * pz + pi, mine);
+            return;
+        }
         if (lane < R) {
             float v = 0.f;
-            for (int z = 0; z < (int)gridDim.z; z++) v += __ldcg(part + z * pz + pi);
-            mine = v;
+            for (int z = 0; z < zl; z++) v += part_take(part + z * pz + pi);
+            mine = v + mine;
         }
         upv = __shfl_down_sync(0xffffffffu, mine, R / 2);  // GEMV_SWIGLU: lane r's up row is lane r + R/2's
     }
@@ -3123,19 +3150,20 @@ __device__ __forceinline__ void gemvw_body(float* __restrict__ y, const float* _
         int bx = blockIdx.x;                                                                                         \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
         gemvw_body<R, D, SUMS, ASYNC, HS, Q8, PC, false>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G, bx, nw,  \
-                                                     nb, eps, mode, permx, yss, send, nullptr, nullptr);             \
+                                                     nb, eps, mode, permx, yss, send, nullptr);                      \
     }
 // The split forms (_k, gemvw_body's SPLIT) of gemv_q8_w4h and its _pc form,
-// for rows longer than 4 096 features: part and cnt after send, grid.z the
-// blocks a block of rows is split into.
+// for rows longer than 4 096 features: part after send (every word
+// PART_EMPTY between launches), grid.z the blocks a block of rows is split
+// into.
 #define GEMVW_SPLIT_ENTRY(name, PC)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                             \
         name(const float* x, const float* xss, int nss, const uint4* permx, int K, int gs, int G, const float* nw,   \
-             const float* nb, float eps, int mode, float* yss, char* send, float* part, int* cnt, GEMV_SEGS) {        \
+             const float* nb, float eps, int mode, float* yss, char* send, float* part, GEMV_SEGS) {                 \
         int bx = blockIdx.x;                                                                                         \
         GemvSeg s = gemv_seg(bx, y0, W0, sz0, N0, nb0, y1, W1, sz1, N1, nb1, y2, W2, sz2, N2);                       \
         gemvw_body<4, 2, false, false, false, true, PC, true>(s.y, x, xss, nss, s.W, s.sz, W1, sz1, s.N, K, gs, G,  \
-                                                          bx, nw, nb, eps, mode, permx, yss, send, part, cnt);       \
+                                                          bx, nw, nb, eps, mode, permx, yss, send, part);            \
     }
 GEMVW_ENTRY(gemv_q4_w2h, 2, 4, false, 2, false, true, false, false)
 GEMVW_ENTRY(gemv_q4_w4h, 4, 2, false, 2, false, true, false, false)

@@ -191,11 +191,11 @@ type Backend struct {
 type scratch struct {
 	p driver.DevicePtr
 	n int
-	// zeroedIn: for a zeroedScratch area allocated during a capture, whose
+	// filledIn: for a filledScratch area allocated during a capture, whose
 	// memset only the graph's replays run, the capture (Backend.captures,
-	// from 1) whose graph last zeroed it; 0 once a use outside a capture
-	// zeroed it, or where it was allocated outside one
-	zeroedIn int
+	// from 1) whose graph last filled it; 0 once a use outside a capture
+	// filled it, or where it was allocated outside one
+	filledIn int
 }
 
 // New opens the first CUDA device with default options. Without a driver
@@ -533,25 +533,31 @@ func (b *Backend) liveGraphs() bool {
 	return len(live) > 0
 }
 
-// zeroedScratch is scratchBuf whose area is zeroed when it is (re)allocated,
-// also at the address of the area it outgrew (scratchArea); its users
-// (kernels counting arrivals) leave it zero. An area allocated during a
-// graph capture is zeroed by the graph before its users. Until the first
-// use outside a capture zeroes it once more (which may come before any
-// replay), each later capture's graph zeroes it too, once, since the
-// first graph may never run (a failed instantiation, a tensor-parallel
-// capture given up on another rank).
+// zeroedScratch is scratchBuf whose area is zeroed when it is (re)allocated;
+// its users (kernels counting arrivals) leave it zero.
 func (b *Backend) zeroedScratch(name string, bytes int) driver.DevicePtr {
+	return b.filledScratch(name, bytes, 0)
+}
+
+// filledScratch is scratchBuf whose area holds the 32-bit word fill
+// everywhere when it is (re)allocated, also at the address of the area it
+// outgrew (scratchArea); its users leave it so. An area allocated during a
+// graph capture is filled by the graph before its users. Until the first
+// use outside a capture fills it once more (which may come before any
+// replay), each later capture's graph fills it too, once, since the first
+// graph may never run (a failed instantiation, a tensor-parallel capture
+// given up on another rank).
+func (b *Backend) filledScratch(name string, bytes int, fill uint32) driver.DevicePtr {
 	old := b.scratch[name]
 	p, fresh := b.scratchArea(name, bytes)
 	now := 0 // the capture a memset would be part of, 0 outside one
 	if b.capturing {
 		now = b.captures
 	}
-	if fresh || old.zeroedIn != 0 && old.zeroedIn != now {
+	if fresh || old.filledIn != 0 && old.filledIn != now {
 		s := b.scratch[name]
-		b.must(b.drv.MemsetD32Async(p, 0, uint64(s.n/4), b.stream))
-		s.zeroedIn = now
+		b.must(b.drv.MemsetD32Async(p, fill, uint64(s.n/4), b.stream))
+		s.filledIn = now
 		b.scratch[name] = s
 	}
 	return p

@@ -525,6 +525,13 @@ func TestSplitGEMV(t *testing.T) {
 					fused[k] = true
 				}
 				checkMatMulN(t, b, r, M, K, []int{N, N}, ws)
+				// every part taken, its word left empty for the next launch
+				s := b.scratch["gemv_split_part"]
+				for i, v := range download(b, &Buf{p: s.p, rows: 1, cols: s.n / 4}) {
+					if math.Float32bits(v) != partEmpty {
+						t.Fatalf("split parts: word %d of %d is %#x after the launches, want %#x", i, s.n/4, math.Float32bits(v), partEmpty)
+					}
+				}
 			})
 		}
 		for _, w := range ws {
@@ -1261,60 +1268,62 @@ func TestLogitOps(t *testing.T) {
 	})
 }
 
-// TestZeroedScratch checks that an arrival-counter area reads zero on its
+// TestFilledScratch checks that a scratch area holds its fill word on its
 // first use outside a capture also when it was allocated during one (whose
 // memset only the graph's replays run): the flag set then makes the next
-// uncaptured use zero it, and each later capture once (the first graph
-// may never run), not each use within one. A capture is the flag and the
-// count alone (the memset runs at once), so the area is dirtied in between
-// as a replay-less graph would leave it. Then that a grown area reads zero
+// uncaptured use fill it, and each later capture once (the first graph may
+// never run), not each use within one. A capture is the flag and the count
+// alone (the memset runs at once), so the area is dirtied in between as a
+// replay-less graph would leave it. Then that a grown area holds the fill
 // whole, where the allocator hands out the outgrown area's address again
 // too (the dirtied words would stay: a counter of garbage, a block of rows
 // never merged or merged early; kernels/NOTES.md, forty-seventh session).
-func TestZeroedScratch(t *testing.T) {
+// Zero is the arrival counters' fill, partEmpty the split GEMVs'.
+func TestFilledScratch(t *testing.T) {
 	b := newTestBackend(t)
-	defer b.enter()() // zeroedScratch allocates and sets memory with the context current
-	b.capturing = true
-	b.captures++
-	p := b.zeroedScratch("test_cnt", 4096)
-	if b.scratch["test_cnt"].zeroedIn == 0 {
-		t.Fatal("an area allocated during a capture is not marked")
-	}
-	x := &Buf{p: p, rows: 1, cols: 1024}
-	dirty := func(seed uint64) { b.Upload(x, randVec(rand.New(rand.NewPCG(seed, seed)), 1024, 1)) }
-	zeroed := func() bool {
-		for _, v := range download(b, x) {
-			if v != 0 {
-				return false
+	defer b.enter()() // filledScratch allocates and sets memory with the context current
+	for _, fill := range []uint32{0, partEmpty} {
+		name := fmt.Sprintf("test_fill_%x", fill)
+		filled := func(x *Buf) bool {
+			for _, v := range download(b, x) {
+				if math.Float32bits(v) != fill {
+					return false
+				}
 			}
+			return true
 		}
-		return true
-	}
-	dirty(3)
-	if b.zeroedScratch("test_cnt", 4096); zeroed() {
-		t.Error("zeroed again by a second use in the same capture")
-	}
-	b.captures++ // the first capture ended, its graph never run; another begins
-	if b.zeroedScratch("test_cnt", 4096); !zeroed() {
-		t.Fatal("not zeroed by a later capture while still marked")
-	}
-	b.capturing = false
-	dirty(1)
-	if q := b.zeroedScratch("test_cnt", 4096); q != p {
-		t.Fatalf("the area moved: %#x, then %#x", p, q)
-	}
-	if !zeroed() {
-		t.Fatal("not zeroed by the first uncaptured use")
-	}
-	if b.scratch["test_cnt"].zeroedIn != 0 {
-		t.Error("still marked after the uncaptured use")
-	}
-	dirty(2)
-	q := b.zeroedScratch("test_cnt", 8192)
-	t.Logf("grown from %#x to %#x (the same address: %v)", p, q, q == p)
-	for i, v := range download(b, &Buf{p: q, rows: 1, cols: 2048}) {
-		if v != 0 {
-			t.Fatalf("value %d of the grown area is %g, want 0", i, v)
+		b.capturing = true
+		b.captures++
+		p := b.filledScratch(name, 4096, fill)
+		if b.scratch[name].filledIn == 0 {
+			t.Fatalf("fill %#x: an area allocated during a capture is not marked", fill)
+		}
+		x := &Buf{p: p, rows: 1, cols: 1024}
+		dirty := func(seed uint64) { b.Upload(x, randVec(rand.New(rand.NewPCG(seed, seed)), 1024, 1)) }
+		dirty(3)
+		if b.filledScratch(name, 4096, fill); filled(x) {
+			t.Errorf("fill %#x: filled again by a second use in the same capture", fill)
+		}
+		b.captures++ // the first capture ended, its graph never run; another begins
+		if b.filledScratch(name, 4096, fill); !filled(x) {
+			t.Fatalf("fill %#x: not filled by a later capture while still marked", fill)
+		}
+		b.capturing = false
+		dirty(1)
+		if q := b.filledScratch(name, 4096, fill); q != p {
+			t.Fatalf("fill %#x: the area moved: %#x, then %#x", fill, p, q)
+		}
+		if !filled(x) {
+			t.Fatalf("fill %#x: not filled by the first uncaptured use", fill)
+		}
+		if b.scratch[name].filledIn != 0 {
+			t.Errorf("fill %#x: still marked after the uncaptured use", fill)
+		}
+		dirty(2)
+		q := b.filledScratch(name, 8192, fill)
+		t.Logf("fill %#x: grown from %#x to %#x (the same address: %v)", fill, p, q, q == p)
+		if !filled(&Buf{p: q, rows: 1, cols: 2048}) {
+			t.Fatalf("fill %#x: the grown area is not filled whole", fill)
 		}
 	}
 }

@@ -1664,10 +1664,8 @@ func (b *Backend) gemv(s *Buf, segs []gemvSeg, epi gemvEpi) {
 			yss = b.sumsOut(segs[0].d, blocks)
 		}
 		args := []any{s.p, in.p, in.n, stagedPerm(l), K, l.gs, l.groups, epi.nw, epi.nb, epi.eps, epi.mode, yss, epi.send}
-		if splits > 1 { // each block's part of its rows' sums, and a counter a block of rows
-			part := b.scratchBuf("gemv_split_part", 4*splits*M*blocks*rows)
-			cnt := b.zeroedScratch("gemv_split_cnt", 4*M*blocks)
-			args = append(args, part, cnt)
+		if splits > 1 { // each block's part of its rows' sums but the last split's, which adds them
+			args = append(args, b.filledScratch("gemv_split_part", 4*(splits-1)*M*blocks*rows, partEmpty))
 		}
 		b.launchShm(name, grid, block256, shm, append(args, segArgs...)...)
 		b.wroteSums(segs[0].d, yss, blocks)
@@ -2052,6 +2050,10 @@ func (b *Backend) gemvSplits(l *Linear, M, rows int) (splits int) {
 	}
 	return splits
 }
+
+// partEmpty is qtool.cu's PART_EMPTY: the word a split form's part area
+// (filledScratch) holds where no part waits to be added.
+const partEmpty = 0xffffffff
 
 // gemvSplitChunk is the features of a chunk of an 8-bit row in the
 // streaming kernels: 32 lanes' 16 bytes of codes.
