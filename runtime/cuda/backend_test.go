@@ -739,7 +739,8 @@ func TestGemmSplits(t *testing.T) {
 // where there are K steps enough, gemmSplits; on Hopper gemm_wg_s8 from 128
 // rows, also unsplit over more K steps than its ring has stages).
 func TestW8A8(t *testing.T) {
-	for _, c := range [][3]int{{136, 256, 0}, {200, 80, 0}, {136, 1024, 0}, {200, 1040, 0}, {200, 1040, 1}} {
+	for _, c := range [][3]int{{136, 256, 0}, {200, 80, 0}, {136, 1024, 0}, {200, 1040, 0}, {200, 1040, 1},
+		{136, 4112, 0}, {72, 8208, 0}} { // w8a8_gemm's whole batches of loads and a partial one
 		testW8A8(t, c[0], c[1], c[2])
 	}
 }
