@@ -4317,55 +4317,112 @@ __device__ __forceinline__ void w8a8_tile(float* y, int* part, int M, int N, int
         out_tile<NU, 2, int>(y, M, N, out, at, raw, fin, q);
 }
 
-// grid (ceil(N/8), M), block 256: one warp per output, put into y by
-// out. K % 16 == 0. A lane's 16-byte units of the row are loaded
-// W8A8_UNROLL at a time (a 4 096-feature row's eight at once) before their
-// dp4a's, so that a warp has that many loads in flight, not one; the sums
-// are integers, so the order does not change them. Four blocks a
-// multiprocessor (64 registers) let ptxas hoist the loads; without the
-// bound it kept two in flight at 32 registers. On an H200 the 7B W8A8
-// graph decode ran 3.1 % faster than with one load in flight, with three
-// blocks 0.6 %, with two 3.7 % slower, though three read 2–5 points more
-// of copy bandwidth in the kernel table (kernels/NOTES.md, forty-eighth
-// session).
-#define W8A8_UNROLL 8
-extern "C" __global__ void __launch_bounds__(256, 4) w8a8_gemm(
-    float* __restrict__ y, const int8_t* __restrict__ xq, const int8_t* __restrict__ W,
-    const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
-    const float* __restrict__ tok, int N, int K, int out) {
-    PDL_ENTRY();
-    int lane = threadIdx.x & 31;
-    int n = blockIdx.x * 8 + (threadIdx.x >> 5), m = blockIdx.y;
-    if (n >= N) return;
-    const int4* xp = reinterpret_cast<const int4*>(xq + (size_t)m * K);
-    const uint4* wp = reinterpret_cast<const uint4*>(W + (size_t)n * K);
+// W8A8Seg is one weight of a w8a8_gemm launch: its outputs, int8 rows,
+// and w8a8_out's int32 biases, dequantization scales and biases (or none).
+struct W8A8Seg {
+    float* y;
+    const int8_t* W;
+    const int* qb;
+    const float* dq;
+    const float* bs;
+    int N;
+};
+#define W8A8_SEG(i) float *y##i, const int8_t *W##i, const int *qb##i, const float *dq##i, const float *bs##i, int N##i
+
+// w8a8_dot adds the products of the activation row xp with the rows wp[r]
+// to acc[r], a lane's 16-byte units from c0 on, 32 apart: U of each row's
+// loaded (issued together; whole: all in the row) before their dp4a's, so
+// that a warp has U·NR loads in flight, not one. The sums are integers,
+// so their order does not change them.
+template <int NR, int U>
+__device__ __forceinline__ void w8a8_dot(int (&acc)[NR], const int4* __restrict__ xp, const uint4* const (&wp)[NR],
+                                         int c0, int nc, bool whole) {
+    uint4 b[NR][U];
+    int4 a[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        int c = c0 + 32 * u;
+        bool in = whole || c < nc;
+#pragma unroll
+        for (int r = 0; r < NR; r++) b[r][u] = in ? ldg_stream(wp[r] + c) : make_uint4(0, 0, 0, 0);
+        a[u] = in ? xp[c] : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            acc[r] = __dp4a(a[u].x, (int)b[r][u].x, acc[r]);
+            acc[r] = __dp4a(a[u].y, (int)b[r][u].y, acc[r]);
+            acc[r] = __dp4a(a[u].z, (int)b[r][u].z, acc[r]);
+            acc[r] = __dp4a(a[u].w, (int)b[r][u].w, acc[r]);
+        }
+}
+
+// w8a8_rows is w8a8_dot over whole rows of K int8 (K % 16 == 0) and the
+// warp's sum, in every lane.
+template <int NR, int U>
+__device__ __forceinline__ void w8a8_rows(int (&acc)[NR], const int8_t* __restrict__ x,
+                                          const uint4* const (&wp)[NR], int K, int lane) {
+    const int4* xp = reinterpret_cast<const int4*>(x);
     const int nc = K / 16;
-    int acc = 0;
-    auto dot = [&](int c0, bool whole) {
-        uint4 b[W8A8_UNROLL];
-        int4 a[W8A8_UNROLL];
-#pragma unroll
-        for (int u = 0; u < W8A8_UNROLL; u++) {
-            int c = c0 + 32 * u;
-            bool in = whole || c < nc;
-            b[u] = in ? ldg_stream(wp + c) : make_uint4(0, 0, 0, 0);
-            a[u] = in ? xp[c] : make_int4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < W8A8_UNROLL; u++) {
-            acc = __dp4a(a[u].x, (int)b[u].x, acc);
-            acc = __dp4a(a[u].y, (int)b[u].y, acc);
-            acc = __dp4a(a[u].z, (int)b[u].z, acc);
-            acc = __dp4a(a[u].w, (int)b[u].w, acc);
-        }
-    };
     int c0 = lane;
-    for (; c0 + 32 * (W8A8_UNROLL - 1) < nc; c0 += 32 * W8A8_UNROLL) dot(c0, true);
-    if (c0 < nc) dot(c0, false);
+    for (; c0 + 32 * (U - 1) < nc; c0 += 32 * U) w8a8_dot<NR, U>(acc, xp, wp, c0, nc, true);
+    if (c0 < nc) w8a8_dot<NR, U>(acc, xp, wp, c0, nc, false);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL, acc, o);
-    float* yp = y + (size_t)m * N + n;
-    if (lane == 0) *yp = out_val(yp, w8a8_out(acc, m, n, qbias, deq, bias, tok), out);
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(FULL, acc[r], o);
+}
+
+// grid (nb0 + nb1 + nb2, M) with nb_s = ceil(N_s/8), block 256: one warp
+// per output of up to three weights of one activation quantizer (xq, tok:
+// q, k and v), each put into its y by out. K % 16 == 0. Eight 16-byte
+// units of a row a lane in flight (a 4 096-feature row's all). Four
+// blocks a multiprocessor (64 registers) let ptxas keep the loads
+// hoisted; without the bound it kept two in flight at 32 registers. On an
+// H200 the 7B W8A8 graph decode of one weight a launch ran 3.1 % faster
+// than with one load in flight, with three blocks 0.6 %, with two 3.7 %
+// slower, though three read 2–5 points more of copy bandwidth in the
+// kernel table (kernels/NOTES.md, forty-eighth session).
+extern "C" __global__ void __launch_bounds__(256, 4)
+    w8a8_gemm(const int8_t* __restrict__ xq, const float* __restrict__ tok, int K, int out, int nb0, int nb1,
+              W8A8_SEG(0), W8A8_SEG(1), W8A8_SEG(2)) {
+    PDL_ENTRY();
+    int lane = threadIdx.x & 31, bx = blockIdx.x, m = blockIdx.y;
+    const W8A8Seg s = bx < nb0 ? W8A8Seg{y0, W0, qb0, dq0, bs0, N0}
+                      : bx < nb0 + nb1 ? W8A8Seg{y1, W1, qb1, dq1, bs1, N1}
+                                       : W8A8Seg{y2, W2, qb2, dq2, bs2, N2};
+    bx -= bx < nb0 ? 0 : bx < nb0 + nb1 ? nb0 : nb0 + nb1;
+    int n = bx * 8 + (threadIdx.x >> 5);
+    if (n >= s.N) return;
+    int acc[1] = {0};
+    const uint4* const wp[1] = {reinterpret_cast<const uint4*>(s.W + (size_t)n * K)};
+    w8a8_rows<1, 8>(acc, xq + (size_t)m * K, wp, K, lane);
+    float* yp = s.y + (size_t)m * s.N + n;
+    if (lane == 0) *yp = out_val(yp, w8a8_out(acc[0], m, n, s.qb, s.dq, s.bs, tok), out);
+}
+
+// w8a8_glu: grid (ceil(N/8), M), block 256: a warp takes row n of the
+// gate W0 and of the up W1 (both N × K, one activation quantizer) and
+// stores silu_times of their outputs into y, as w8a8_gemm's launch of the
+// gate and then of the up with OUT_SWIGLU would (the same bits). Four
+// 16-byte units of each row a lane in flight.
+extern "C" __global__ void __launch_bounds__(256, 4)
+    w8a8_glu(float* __restrict__ y, const int8_t* __restrict__ xq, const float* __restrict__ tok, int N, int K,
+             const int8_t* __restrict__ W0, const int* __restrict__ qb0, const float* __restrict__ dq0,
+             const float* __restrict__ bs0, const int8_t* __restrict__ W1, const int* __restrict__ qb1,
+             const float* __restrict__ dq1, const float* __restrict__ bs1) {
+    PDL_ENTRY();
+    int lane = threadIdx.x & 31, m = blockIdx.y;
+    int n = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (n >= N) return;
+    int acc[2] = {0, 0};
+    const uint4* const wp[2] = {reinterpret_cast<const uint4*>(W0 + (size_t)n * K),
+                                reinterpret_cast<const uint4*>(W1 + (size_t)n * K)};
+    w8a8_rows<2, 4>(acc, xq + (size_t)m * K, wp, K, lane);
+    if (lane == 0)
+        y[(size_t)m * N + n] =
+            silu_times(w8a8_out(acc[0], m, n, qb0, dq0, bs0, tok), w8a8_out(acc[1], m, n, qb1, dq1, bs1, tok));
 }
 
 // W8A8 GEMM on the int8 tensor cores (mma.sync m16n8k32 s8·s8→s32), for

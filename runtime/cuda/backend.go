@@ -337,7 +337,7 @@ func kernelNames() []string {
 		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_f16_h", "attn_tc_i8",
 		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8",
 		"gemm_h_f16_s", "gemm_h_bf16_s", "gemm_h_q4_s", "gemm_h_q8_s", "dequant_h_q4", "dequant_h_q8",
-		"gather_cols", "gather_half", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "sample", "fill_random",
+		"gather_cols", "gather_half", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_glu", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "sample", "fill_random",
 		"allreduce_peer", "allreduce_peer_ll", "exchange_peer", "exchange_peer_shared",
 	}
 	names = append(names, gemvKernels...)

@@ -964,18 +964,80 @@ func (b *Backend) w8a8(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int, q
 			append([]any{xq, l.w, l.qbias, l.deq, l.bias, tok, M, N, K}, q.args()...), sum(q))
 		return q.p != 0
 	}
-	// dp4a, one warp per output and one block row per activation row:
-	// at most 65535 rows a launch
+	b.w8a8GEMV(xq, tok, M, K, []gemvSeg{{d, l}}, out)
+	return false
+}
+
+// w8a8DP4A reports whether w8a8 multiplies M rows by W8A8 weights with
+// the dp4a kernels (w8a8_gemm, w8a8_glu): no Hopper GEMM for M rows, and
+// at most GEMVMaxRows of them.
+func (b *Backend) w8a8DP4A(M int) bool {
+	return b.wgmmaKernel("w8a8_mma", M) == "" && M <= b.opt.GEMVMaxRows
+}
+
+// w8a8GEMV launches w8a8_gemm: the products of the M rows of xq (K int8
+// each; tok their scales where the quantizer is dynamic) with up to three
+// W8A8 weights of that quantizer, each into its output by out. A warp an
+// output, a block row an activation row: at most 65535 rows a launch.
+func (b *Backend) w8a8GEMV(xq, tok driver.DevicePtr, M, K int, segs []gemvSeg, out int) {
+	var a [3]struct {
+		y, w, qb, dq, bs driver.DevicePtr
+		n, nb            int
+	}
+	blocks := 0
+	for i, g := range segs {
+		a[i].w, a[i].qb, a[i].dq, a[i].bs, a[i].n, a[i].nb = g.l.w, g.l.qbias, g.l.deq, g.l.bias, g.l.out, (g.l.out+7)/8
+		blocks += a[i].nb
+	}
 	for r0 := 0; r0 < M; r0 += 65535 {
 		m := min(65535, M-r0)
 		t := tok
 		if t != 0 {
 			t += driver.DevicePtr(4 * r0)
 		}
-		b.launch("w8a8_gemm", [3]uint32{uint32((N + 7) / 8), uint32(m), 1}, block256, d.p+driver.DevicePtr(4*r0*N),
-			xq+driver.DevicePtr(r0*K), l.w, l.qbias, l.deq, l.bias, t, N, K, out)
+		args := []any{xq + driver.DevicePtr(r0*K), t, K, out, a[0].nb, a[1].nb}
+		for i := range a {
+			if i < len(segs) {
+				a[i].y = segs[i].d.p + driver.DevicePtr(4*r0*a[i].n)
+			}
+			args = append(args, a[i].y, a[i].w, a[i].qb, a[i].dq, a[i].bs, a[i].n)
+		}
+		b.launch("w8a8_gemm", [3]uint32{uint32(blocks), uint32(m), 1}, block256, args...)
 	}
-	return false
+}
+
+// w8a8Segs runs the products segs (two or three W8A8 weights of one
+// activation quantizer sharing in: q, k and v) as one launch of w8a8_gemm
+// where the dp4a kernels take in's rows; it reports whether it did.
+func (b *Backend) w8a8Segs(in *gemmIn, segs []gemvSeg) bool {
+	l0 := segs[0].l
+	if len(segs) < 2 || len(segs) > 3 || !b.w8a8DP4A(in.x.rows) {
+		return false
+	}
+	for _, g := range segs {
+		if g.l.kind != kindW8A8 || g.l.in != l0.in || g.l.actQuant() != l0.actQuant() {
+			return false
+		}
+	}
+	xq, tok := b.quantized(in, l0)
+	b.w8a8GEMV(xq, tok, in.x.rows, l0.in, segs, outStore)
+	return true
+}
+
+// w8a8GLU runs gate's and up's products of in and their SwiGLU into d as
+// one launch of w8a8_glu, where both are W8A8 weights of one activation
+// quantizer and shape and the dp4a kernels take in's rows (gate's
+// outputs never in memory); it reports whether it did.
+func (b *Backend) w8a8GLU(d *Buf, in *gemmIn, gate, up *Linear) bool {
+	M, N, K := in.x.rows, gate.out, gate.in
+	if gate.kind != kindW8A8 || up.kind != kindW8A8 || up.out != N || up.in != K ||
+		gate.actQuant() != up.actQuant() || !b.w8a8DP4A(M) || M > 65535 {
+		return false
+	}
+	xq, tok := b.quantized(in, gate)
+	b.launch("w8a8_glu", [3]uint32{uint32((N + 7) / 8), uint32(M), 1}, block256, d.p, xq, tok, N, K,
+		gate.w, gate.qbias, gate.deq, gate.bias, up.w, up.qbias, up.deq, up.bias)
+	return true
 }
 
 // putOut puts the products p into d by out with an elementwise kernel.
@@ -1298,7 +1360,7 @@ func (b *Backend) matmulN(in *gemmIn, segs []gemvSeg) {
 		b.gemv(in.x, segs, gemvEpi{})
 		return
 	}
-	if b.wgSegs(in, segs) {
+	if b.wgSegs(in, segs) || b.w8a8Segs(in, segs) {
 		return
 	}
 	for _, g := range segs {
@@ -1475,6 +1537,9 @@ func (b *Backend) swiGLUFrom(in *gemmIn, segs []gemvSeg, q inputForm) (formed bo
 	}
 	if ran, formed := b.gluPair(d, in, segs[0].l, segs[1].l, q); ran {
 		return formed
+	}
+	if b.w8a8GLU(d, in, segs[0].l, segs[1].l) {
+		return false
 	}
 	b.matmul(d, in, segs[0].l, false, outStore)
 	if up := segs[1].l; up.kind == kindW8A8 {
