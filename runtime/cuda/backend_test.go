@@ -740,7 +740,10 @@ func TestGemmSplits(t *testing.T) {
 // rows, also unsplit over more K steps than its ring has stages).
 func TestW8A8(t *testing.T) {
 	for _, c := range [][3]int{{136, 256, 0}, {200, 80, 0}, {136, 1024, 0}, {200, 1040, 0}, {200, 1040, 1},
-		{136, 4112, 0}, {72, 8208, 0}} { // w8a8_gemm's whole batches of loads and a partial one
+		// w8a8_gemm's whole batches of a lane's loads and a partial one with
+		// one unit (K = 4112, 8208) or four of eight (5696); 42 rows: a
+		// partial block
+		{136, 4112, 0}, {72, 8208, 0}, {42, 5696, 0}} {
 		testW8A8(t, c[0], c[1], c[2])
 	}
 }

@@ -385,52 +385,65 @@ func TestNormQuantized(t *testing.T) {
 // sizes (up to GEMVMaxRows rows): NormMatMulN's two or three weights of
 // one quantizer as one w8a8_gemm launch, NormSwiGLU's gate and up as one
 // w8a8_glu launch, against the products one at a time (and SiLUMul):
-// equal bit for bit, with K = 4 112 so that a lane's loads come in whole
-// batches and a partial one (w8a8_dot), and outputs with a partial block.
+// equal bit for bit. K = 4112 leaves a lane's last batch of loads one
+// unit, 5696 four of w8a8_gemm's eight and three of w8a8_glu's four; the
+// first weight's 42 rows end in a partial block before the next segment.
+// Gate and up of different static quantizers keep their two launches.
 func TestW8A8DP4A(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(29, 30))
-	const K, eps = 4112, 1e-5
-	nw, _ := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
-	for _, dynamic := range []bool{false, true} {
-		ws := make([]runtime.Linear, 4)
-		for i, n := range []int{136, 72, 42, 42} {
-			ws[i] = uploadW8A8(t, b, r, n, K, dynamic, 0.02)
-		}
-		for _, M := range []int{1, b.opt.GEMVMaxRows} {
-			if !b.w8a8DP4A(M) {
-				t.Fatalf("M=%d: the W8A8 products do not run on dp4a", M)
+	const eps = 1e-5
+	launches := func(f func()) map[string]int {
+		before, after := b.KernelLaunches(), map[string]int{}
+		f()
+		for k, v := range b.KernelLaunches() {
+			if v > before[k] {
+				after[k] = v - before[k]
 			}
-			for _, n := range []int{2, 3} {
-				t.Run(fmt.Sprintf("dynamic=%v/M=%d/weights=%d", dynamic, M, n), func(t *testing.T) {
-					x, h := normedInput(b, r, M, K, nw, nil, eps)
-					defer b.Free(x)
-					defer b.Free(h)
-					dst := make([]runtime.Buf, n)
-					for i := range dst {
-						dst[i] = b.AllocRaw(M, lin(ws[i]).out)
-						defer b.Free(dst[i])
-					}
-					launches := func(f func()) map[string]int {
-						before, after := b.KernelLaunches(), map[string]int{}
-						f()
-						for k, v := range b.KernelLaunches() {
-							if v > before[k] {
-								after[k] = v - before[k]
-							}
+		}
+		return after
+	}
+	for _, K := range []int{4112, 5696} {
+		nw, _ := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
+		for _, dynamic := range []bool{false, true} {
+			// NormMatMulN: 0-2; NormSwiGLU: gate 3, up 4, and 5 with another
+			// static quantizer than the gate's
+			ws := make([]runtime.Linear, 6)
+			for i, n := range []int{42, 136, 20, 42, 42, 42} {
+				ws[i] = uploadW8A8(t, b, r, n, K, dynamic, []float32{0.02, 0.02, 0.02, 0.02, 0.02, 0.03}[i])
+			}
+			for _, M := range []int{1, b.opt.GEMVMaxRows} {
+				if !b.w8a8DP4A(M) {
+					t.Fatalf("M=%d: the W8A8 products do not run on dp4a", M)
+				}
+				for _, n := range []int{2, 3} {
+					t.Run(fmt.Sprintf("K=%d/dynamic=%v/M=%d/weights=%d", K, dynamic, M, n), func(t *testing.T) {
+						x, h := normedInput(b, r, M, K, nw, nil, eps)
+						defer b.Free(x)
+						defer b.Free(h)
+						dst := make([]runtime.Buf, n)
+						for i := range dst {
+							dst[i] = b.AllocRaw(M, lin(ws[i]).out)
+							defer b.Free(dst[i])
 						}
-						return after
-					}
-					if got := launches(func() { b.NormMatMulN(dst, x, nw, nil, eps, ws[:n]) }); got["w8a8_gemm"] != 1 || len(got) != 2 {
-						t.Errorf("NormMatMulN launched %v, want rmsnorm and one w8a8_gemm", got)
-					}
-					sw := b.AllocRaw(M, 42)
-					defer b.Free(sw)
-					if got := launches(func() { b.NormSwiGLU(sw, x, nw, nil, eps, ws[2], ws[3]) }); got["w8a8_glu"] != 1 || len(got) != 2 {
-						t.Errorf("NormSwiGLU launched %v, want rmsnorm and one w8a8_glu", got)
-					}
-					checkNormProducts(t, b, x, h, nw, nil, eps, ws[:n], ws[2], ws[3], 0)
-				})
+						if got := launches(func() { b.NormMatMulN(dst, x, nw, nil, eps, ws[:n]) }); got["w8a8_gemm"] != 1 || len(got) != 2 {
+							t.Errorf("NormMatMulN launched %v, want rmsnorm and one w8a8_gemm", got)
+						}
+						sw := b.AllocRaw(M, 42)
+						defer b.Free(sw)
+						if got := launches(func() { b.NormSwiGLU(sw, x, nw, nil, eps, ws[3], ws[4]) }); got["w8a8_glu"] != 1 || len(got) != 2 {
+							t.Errorf("NormSwiGLU launched %v, want rmsnorm and one w8a8_glu", got)
+						}
+						checkNormProducts(t, b, x, h, nw, nil, eps, ws[:n], ws[3], ws[4], 0)
+						if dynamic {
+							return
+						}
+						if got := launches(func() { b.NormSwiGLU(sw, x, nw, nil, eps, ws[3], ws[5]) }); got["w8a8_glu"] != 0 {
+							t.Errorf("NormSwiGLU of two static quantizers launched %v, want no w8a8_glu", got)
+						}
+						checkNormProducts(t, b, x, h, nw, nil, eps, ws[:1], ws[3], ws[5], 0)
+					})
+				}
 			}
 		}
 	}
