@@ -79,15 +79,23 @@ const mixedFormTol = 2e-3
 
 // launchedBy runs f and returns the kernels it launched.
 func launchedBy(b *Backend, f func()) map[string]bool {
-	before := b.KernelLaunches()
-	f()
 	launched := map[string]bool{}
-	for k, n := range b.KernelLaunches() {
-		if n > before[k] {
-			launched[k] = true
-		}
+	for k := range launchCounts(b, f) {
+		launched[k] = true
 	}
 	return launched
+}
+
+// launchCounts is launchedBy with how many times f launched each kernel.
+func launchCounts(b *Backend, f func()) map[string]int {
+	before, counts := b.KernelLaunches(), map[string]int{}
+	f()
+	for k, n := range b.KernelLaunches() {
+		if n > before[k] {
+			counts[k] = n - before[k]
+		}
+	}
+	return counts
 }
 
 // oneLaunch is the kernel that computes every product of ws at M rows in
@@ -393,16 +401,6 @@ func TestW8A8DP4A(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(29, 30))
 	const eps = 1e-5
-	launches := func(f func()) map[string]int {
-		before, after := b.KernelLaunches(), map[string]int{}
-		f()
-		for k, v := range b.KernelLaunches() {
-			if v > before[k] {
-				after[k] = v - before[k]
-			}
-		}
-		return after
-	}
 	for _, K := range []int{4112, 5696} {
 		nw, _ := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
 		for _, dynamic := range []bool{false, true} {
@@ -426,19 +424,19 @@ func TestW8A8DP4A(t *testing.T) {
 							dst[i] = b.AllocRaw(M, lin(ws[i]).out)
 							defer b.Free(dst[i])
 						}
-						if got := launches(func() { b.NormMatMulN(dst, x, nw, nil, eps, ws[:n]) }); got["w8a8_gemm"] != 1 || len(got) != 2 {
+						if got := launchCounts(b, func() { b.NormMatMulN(dst, x, nw, nil, eps, ws[:n]) }); got["w8a8_gemm"] != 1 || len(got) != 2 {
 							t.Errorf("NormMatMulN launched %v, want rmsnorm and one w8a8_gemm", got)
 						}
 						sw := b.AllocRaw(M, 42)
 						defer b.Free(sw)
-						if got := launches(func() { b.NormSwiGLU(sw, x, nw, nil, eps, ws[3], ws[4]) }); got["w8a8_glu"] != 1 || len(got) != 2 {
+						if got := launchCounts(b, func() { b.NormSwiGLU(sw, x, nw, nil, eps, ws[3], ws[4]) }); got["w8a8_glu"] != 1 || len(got) != 2 {
 							t.Errorf("NormSwiGLU launched %v, want rmsnorm and one w8a8_glu", got)
 						}
 						checkNormProducts(t, b, x, h, nw, nil, eps, ws[:n], ws[3], ws[4], 0)
 						if dynamic {
 							return
 						}
-						if got := launches(func() { b.NormSwiGLU(sw, x, nw, nil, eps, ws[3], ws[5]) }); got["w8a8_glu"] != 0 {
+						if got := launchCounts(b, func() { b.NormSwiGLU(sw, x, nw, nil, eps, ws[3], ws[5]) }); got["w8a8_glu"] != 0 {
 							t.Errorf("NormSwiGLU of two static quantizers launched %v, want no w8a8_glu", got)
 						}
 						checkNormProducts(t, b, x, h, nw, nil, eps, ws[:1], ws[3], ws[5], 0)

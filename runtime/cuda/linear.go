@@ -980,14 +980,9 @@ func (b *Backend) w8a8DP4A(M int) bool {
 // W8A8 weights of that quantizer, each into its output by out. A warp an
 // output, a block row an activation row: at most 65535 rows a launch.
 func (b *Backend) w8a8GEMV(xq, tok driver.DevicePtr, M, K int, segs []gemvSeg, out int) {
-	var a [3]struct {
-		y, w, qb, dq, bs driver.DevicePtr
-		n, nb            int
-	}
-	blocks := 0
+	var nb [3]int // blocks of 8 rows a weight
 	for i, g := range segs {
-		a[i].w, a[i].qb, a[i].dq, a[i].bs, a[i].n, a[i].nb = g.l.w, g.l.qbias, g.l.deq, g.l.bias, g.l.out, (g.l.out+7)/8
-		blocks += a[i].nb
+		nb[i] = (g.l.out + 7) / 8
 	}
 	for r0 := 0; r0 < M; r0 += 65535 {
 		m := min(65535, M-r0)
@@ -995,14 +990,16 @@ func (b *Backend) w8a8GEMV(xq, tok driver.DevicePtr, M, K int, segs []gemvSeg, o
 		if t != 0 {
 			t += driver.DevicePtr(4 * r0)
 		}
-		args := []any{xq + driver.DevicePtr(r0*K), t, K, out, a[0].nb, a[1].nb}
-		for i := range a {
-			if i < len(segs) {
-				a[i].y = segs[i].d.p + driver.DevicePtr(4*r0*a[i].n)
+		args := []any{xq + driver.DevicePtr(r0*K), t, K, out, nb[0], nb[1]}
+		for i := range nb {
+			if i >= len(segs) { // no weight: no blocks, nothing read
+				args = append(args, driver.DevicePtr(0), driver.DevicePtr(0), driver.DevicePtr(0), driver.DevicePtr(0), driver.DevicePtr(0), 0)
+				continue
 			}
-			args = append(args, a[i].y, a[i].w, a[i].qb, a[i].dq, a[i].bs, a[i].n)
+			d, l := segs[i].d, segs[i].l
+			args = append(args, d.p+driver.DevicePtr(4*r0*l.out), l.w, l.qbias, l.deq, l.bias, l.out)
 		}
-		b.launch("w8a8_gemm", [3]uint32{uint32(blocks), uint32(m), 1}, block256, args...)
+		b.launch("w8a8_gemm", [3]uint32{uint32(nb[0] + nb[1] + nb[2]), uint32(m), 1}, block256, args...)
 	}
 }
 
