@@ -3511,12 +3511,46 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
     return pack_h2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
 }
 
+// The tensor-core GEMMs make 8-bit codes fp16 weights two at a time in
+// half2 arithmetic (q8_pair), from a {scale s, zero z} made into a Q8Half
+// once a row and K step (q8_half): z's integer part zi as 1152 + zi
+// (exact for zi in [−128, 895], z clamped there), the scale with its
+// exponent moved into [0.5, 1) (ss = s·2^E, so that a scale below fp16's
+// normal range keeps its bits), the product ss·(q − zi) − ss·(z − zi),
+// and 2^−E. Each half of a field may come from its own {scale, zero}.
+struct Q8Half {
+    __half2 z, s, f, p;
+};
+__device__ __forceinline__ Q8Half q8_half(float2 a, float2 b) {
+    auto one = [](float2 v, float& z, float& s, float& f, float& p) {
+        float zi = fminf(fmaxf(rintf(v.y), -128.f), 895.f);
+        uint32_t bits = __float_as_uint(v.x), e = (bits >> 23) & 0xffu;
+        s = __uint_as_float((bits & 0x807fffffu) | 0x3f000000u);  // exponent of 0.5
+        z = 1152.f + zi;
+        f = -(v.y - zi) * s;
+        p = __uint_as_float((e + 1) << 23);  // 2^(e − 126): s/ss
+    };
+    float za, sa, fa, pa, zb, sb, fb, pb;
+    one(a, za, sa, fa, pa);
+    one(b, zb, sb, fb, pb);
+    return {__floats2half2_rn(za, zb), __floats2half2_rn(sa, sb), __floats2half2_rn(fa, fb), __floats2half2_rn(pa, pb)};
+}
+// q8_pair is the fp16 weights of the codes in bytes 0 and 2 of x (the
+// other bytes ignored): 1024 + (q + 128) from the code's bits (the sign
+// bit flipped, fp16's exponent of 1024 put above), less 1152 + zi (exact),
+// times ss plus the zero's fraction (one rounding), times 2^−E.
+__device__ __forceinline__ __half2 q8_pair(uint32_t x, const Q8Half& c) {
+    uint32_t u = (x & 0x00ff00ffu) ^ 0x64806480u;
+    __half2 d = __hsub2(*reinterpret_cast<__half2*>(&u), c.z);
+    return __hmul2(__hfma2(d, c.s, c.f), c.p);
+}
+
 // WK: GH_F16 and GH_BF16 (W [N, K] of 16-bit values), GH_Q4 (W [N, K/8]
 // words of 4-bit codes as in the q4 convention, sz [N, G] their {scale,
 // half2(1024 + z)}, gs a multiple of GH_BK; each fragment dequantized in
 // registers, (u − z)·scale in fp16), GH_Q8 (W [N, K] int8 codes, sz their
-// {scale, zero}, gs a multiple of GH_BK: ((float)q − zero)·scale rounded
-// to fp16, as dequant_h_q8 widens them).
+// {scale, zero}, gs a multiple of GH_BK: q8_pair's half2 form, within an
+// fp16 rounding of what dequant_h_q8 widens them to).
 // MI is the 16-row fragments of A a warp holds: the block tile is
 // gh_bm<MI> = 32·MI rows of A by 128 rows of W.
 template <int WK, int MI = 4>
@@ -3596,10 +3630,13 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
         // GH_Q4: this lane's 4 weight rows (n = gid of each 8-row tile j)
         // and their scale and zero1024, as half2; GH_Q8: {scale, zero}
         __half2 qs[4], qz[4];
-        float2 q8s[4];
+        Q8Half q8c[4];
         if constexpr (WK == GH_Q8) {
 #pragma unroll
-            for (int j = 0; j < 4; j++) q8s[j] = Ss[cur][wn * 32 + j * 8 + (lane >> 2)];
+            for (int j = 0; j < 4; j++) {
+                float2 sv = Ss[cur][wn * 32 + j * 8 + (lane >> 2)];
+                q8c[j] = q8_half(sv, sv);
+            }
         }
         if constexpr (WK == GH_Q4) {
 #pragma unroll
@@ -3639,8 +3676,8 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
 #pragma unroll
                     for (int e = 0; e < 2; e++) {
                         uint32_t v = *reinterpret_cast<const uint16_t*>(cp + 8 * e);
-                        float lo = (float)(int8_t)(v & 0xffu), hi = (float)(int8_t)(v >> 8);
-                        bf[j >> 1][(j & 1) * 2 + e] = pack_h2((lo - q8s[j].y) * q8s[j].x, (hi - q8s[j].y) * q8s[j].x);
+                        __half2 h = q8_pair(__byte_perm(v, 0, 0x0100), q8c[j]);
+                        bf[j >> 1][(j & 1) * 2 + e] = *reinterpret_cast<uint32_t*>(&h);
                     }
                 }
             } else {
@@ -3859,7 +3896,7 @@ __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cas
 // and t = lane % 4, register 0 holds row ra, k = 16kk + 2t (+1), register
 // 1 row ra + 8, registers 2 and 3 the same at k + 8; each value as
 // gemm_h_body makes it (bf16 rounded to fp16; 4-bit (u − z)·scale in fp16;
-// 8-bit ((float)q − zero)·scale rounded).
+// 8-bit q8_pair's form).
 template <int WK>
 __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char* w, const float2* sz, int rw, int lane) {
     int ra = rw + (lane >> 2), t = lane & 3;
@@ -3894,23 +3931,19 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
         }
     } else {
         // the row's 64 codes; bytes 16kk + 2t (+1) and 16kk + 8 + 2t (+1),
-        // each made a float without a conversion: 2^23 + (q + 128) from the
-        // code's bits with a byte permute, less 2^23 + 128 (exact)
-        uint32_t s0 = 0x7540u + 2 * (t & 1), s1 = s0 + 1;
-        auto deq = [&](uint32_t word, uint32_t sel, float2 sv) {
-            return (__int_as_float(__byte_perm(word, 0x4B000000u, sel)) - 8388736.f - sv.y) * sv.x;
-        };
+        // picked into bytes 0 and 2 from the 8 bytes of their half of the
+        // 16-byte unit by one byte permute
+        uint32_t sel = 2 * t | (2 * t + 1) << 8;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             int r = ra + 8 * h;
             const uint4* q = reinterpret_cast<const uint4*>(w + r * 64);
-            float2 sv = sz[r];
+            Q8Half c = q8_half(sz[r], sz[r]);
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
                 uint4 v = q[kk];
-                uint32_t lo = (t < 2 ? v.x : v.y) ^ 0x80808080u, hi = (t < 2 ? v.z : v.w) ^ 0x80808080u;
-                f[4 * kk + h] = pack_h2(deq(lo, s0, sv), deq(lo, s1, sv));
-                f[4 * kk + 2 + h] = pack_h2(deq(hi, s0, sv), deq(hi, s1, sv));
+                f[4 * kk + h] = h2_bits(q8_pair(__byte_perm(v.x, v.y, sel), c));
+                f[4 * kk + 2 + h] = h2_bits(q8_pair(__byte_perm(v.z, v.w, sel), c));
             }
         }
     }
