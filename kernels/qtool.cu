@@ -3864,8 +3864,8 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t d
 __device__ __forceinline__ void wgmma_ss(int (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k32_s8(d, da, db); }
 // gw_w_bytes is the W tile of a ring stage as the copy engine lands it: 128
 // rows of 64 fp16/bf16 values (128-byte swizzle), 4-bit words (32 bytes a
-// row) or int8 codes (64 bytes a row); gw_stage_bytes adds the A tile and,
-// for the quantized kinds, the rows' {scale, zero}.
+// row) or int8 codes (64 bytes a row, 64-byte swizzle); gw_stage_bytes
+// adds the A tile and, for the quantized kinds, the rows' {scale, zero}.
 template <int WK>
 __host__ __device__ constexpr int gw_w_bytes() {
     return WK == GH_Q4 ? 128 * 32 : WK == GH_Q8 ? 128 * 64 : 128 * GW_BK * 2;
@@ -3932,8 +3932,10 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
     } else {
         // the row's 64 codes; bytes 16kk + 2t (+1) and 16kk + 8 + 2t (+1),
         // picked into bytes 0 and 2 from the 8 bytes of their half of the
-        // 16-byte unit by one byte permute
-        uint32_t sel = 2 * t | (2 * t + 1) << 8;
+        // 16-byte unit by one byte permute. The copy engine's 64-byte
+        // swizzle puts unit kk of row r at kk ^ ((r / 2) % 4), so that the
+        // warp's 8 rows read distinct banks (ra and ra + 8 alike).
+        uint32_t sel = 2 * t | (2 * t + 1) << 8, sw = (ra >> 1) & 3;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             int r = ra + 8 * h;
@@ -3941,7 +3943,7 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
             Q8Half c = q8_half(sz[r], sz[r]);
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
-                uint4 v = q[kk];
+                uint4 v = q[kk ^ sw];
                 f[4 * kk + h] = h2_bits(q8_pair(__byte_perm(v.x, v.y, sel), c));
                 f[4 * kk + 2 + h] = h2_bits(q8_pair(__byte_perm(v.z, v.w, sel), c));
             }

@@ -1198,8 +1198,8 @@ type mapFormat struct {
 
 // weightMapFormat is the mapFormat of Hopper GEMM name for weights of K
 // input features: fp16/bf16 rows of 64 values a K step (128-byte
-// swizzle), 4-bit words (8 a step), int8 codes (64 a step; 128 for
-// gemm_wg_s8, swizzled).
+// swizzle), 4-bit words (8 a step), int8 codes (64 a step, 64-byte
+// swizzle; 128 for gemm_wg_s8, 128-byte swizzle).
 func weightMapFormat(name string, K int) mapFormat {
 	k := uint64(K)
 	switch name {
@@ -1208,7 +1208,7 @@ func weightMapFormat(name string, K int) mapFormat {
 	case "gemm_wg_q4":
 		return mapFormat{driver.TensorMapUint32, k / 8, k / 2, 8, driver.TensorMapNoSwizzle}
 	case "gemm_wg_q8":
-		return mapFormat{driver.TensorMapUint8, k, k, 64, driver.TensorMapNoSwizzle}
+		return mapFormat{driver.TensorMapUint8, k, k, 64, driver.TensorMapSwizzle64}
 	case "gemm_wg_s8":
 		return mapFormat{driver.TensorMapUint8, k, k, 128, driver.TensorMapSwizzle128}
 	}

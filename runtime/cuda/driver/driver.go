@@ -509,6 +509,7 @@ const (
 	TensorMapFloat16    = 6
 	TensorMapBFloat16   = 9
 	TensorMapNoSwizzle  = 0
+	TensorMapSwizzle64  = 2
 	TensorMapSwizzle128 = 3
 )
 
