@@ -638,6 +638,55 @@ func TestPerplexityErrors(t *testing.T) {
 	}
 }
 
+// TestNonFiniteQuantParams checks that a quantized weight with a NaN or
+// infinite scale or zero point is refused at load and by SetLinear, naming
+// the tensor, its row and group (the backends' uploads validate it): run,
+// it would give NaN on the CPU and in the GPU's GEMVs, but not in the
+// GPU's fp16 GEMMs.
+func TestNonFiniteQuantParams(t *testing.T) {
+	name := model.Name(1, model.Down)
+	for _, tc := range []struct {
+		what string
+		mod  func(q *model.Quantized)
+		want string
+	}{
+		{"nan scale", func(q *model.Quantized) { q.Scale[3*q.Groups()+1] = float32(math.NaN()) }, "scale NaN of row 3, group 1 is not finite"},
+		{"inf zero", func(q *model.Quantized) {
+			q.Zero = make([]float32, len(q.Scale))
+			q.Zero[len(q.Zero)-1] = float32(math.Inf(1))
+		}, "zero point +Inf of row 255, group "}, // down: 256 rows
+	} {
+		t.Run(tc.what, func(t *testing.T) {
+			mm, err := hf.Open(filepath.Join(testdata, "llama-mini"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer mm.Close()
+			w, _ := mm.Get(name)
+			v, err := w.Float32()
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := w.Shape()
+			good := rtnInt8Sym(v, s[0], s[1], 64)
+			bad := rtnInt8Sym(v, s[0], s[1], 64)
+			tc.mod(bad)
+			mm.Set(name, bad)
+			if _, err := runtime.Load(mm, cpu.New(0)); err == nil || !strings.Contains(err.Error(), name) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Load: %v, want an error naming %s and containing %q", err, name, tc.want)
+			}
+			mm.Set(name, good)
+			m, err := runtime.Load(mm, cpu.New(0))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := m.SetLinear(1, model.Down, bad); err == nil || !strings.Contains(err.Error(), name) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("SetLinear: %v, want an error naming %s and containing %q", err, name, tc.want)
+			}
+		})
+	}
+}
+
 // TestSampling checks that sampling is reproducible for a seed, that top-k
 // 1 is greedy, and that generation stops on EOS.
 func TestSampling(t *testing.T) {

@@ -95,6 +95,12 @@ func TestQuantizedValidate(t *testing.T) {
 		{"scales", func(q *Quantized) { q.Scale = nil }, "scales"},
 		{"range", func(q *Quantized) { q.Bits = 2; q.Q[0] = 2 }, "outside"},
 		{"gidx", func(q *Quantized) { q.GIdx = []int32{0, 1} }, "g_idx"},
+		{"nan scale", func(q *Quantized) { q.Scale[0] = float32(math.NaN()) }, "scale NaN of row 0, group 0 is not finite"},
+		{"inf zero", func(q *Quantized) { q.Zero = []float32{float32(math.Inf(-1))} }, "zero point -Inf of row 0, group 0 is not finite"},
+		{"inf scale by row and group", func(q *Quantized) {
+			q.Rows, q.GroupSize, q.Q = 2, 1, []int8{1, 2, 3, 4}
+			q.Scale = []float32{1, 1, 1, float32(math.Inf(1))}
+		}, "scale +Inf of row 1, group 1 is not finite"},
 	} {
 		q := ok()
 		c.mod(q)

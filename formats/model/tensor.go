@@ -291,7 +291,27 @@ func (q *Quantized) Group(c int) int {
 	return c / q.GroupSize
 }
 
-// Validate checks the slice lengths and value ranges.
+// CheckParams reports the first scale or zero point that is NaN or
+// infinite (by row and group): such a weight has no value, and the GPU's
+// fp16 GEMMs would not even give NaN for it (q8_pair makes a weight of an
+// infinite scale 0).
+func (q *Quantized) CheckParams() error {
+	g := max(q.Groups(), 1)
+	for _, p := range []struct {
+		what string
+		v    []float32
+	}{{"scale", q.Scale}, {"zero point", q.Zero}} {
+		for i, x := range p.v {
+			if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
+				return fmt.Errorf("quantized tensor: %s %g of row %d, group %d is not finite", p.what, x, i/g, i%g)
+			}
+		}
+	}
+	return nil
+}
+
+// Validate checks the slice lengths and value ranges (CheckParams
+// included).
 func (q *Quantized) Validate() error {
 	if q.Bits < 2 || q.Bits > 8 {
 		return fmt.Errorf("quantized tensor: %d bits, want 2..8", q.Bits)
@@ -311,6 +331,9 @@ func (q *Quantized) Validate() error {
 	}
 	if q.Zero != nil && len(q.Zero) != ng {
 		return fmt.Errorf("quantized tensor: %d zero points, want %d", len(q.Zero), ng)
+	}
+	if err := q.CheckParams(); err != nil {
+		return err
 	}
 	if q.GIdx != nil {
 		if len(q.GIdx) != q.Cols {
