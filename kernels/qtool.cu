@@ -3516,8 +3516,13 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
 // once a row and K step (q8_half): z's integer part zi as 1152 + zi
 // (exact for zi in [−128, 895], z clamped there), the scale with its
 // exponent moved into [0.5, 1) (ss = s·2^E, so that a scale below fp16's
-// normal range keeps its bits), the product ss·(q − zi) − ss·(z − zi),
-// and 2^−E. Each half of a field may come from its own {scale, zero}.
+// normal range keeps its bits), −ss·(z − zi) and 2^−E; a weight is then
+// (ss·(q − zi) − ss·(z − zi))·2^−E. Each half of a field may come from its
+// own {scale, zero}. Against ((float)q − z)·s rounded to fp16 a weight is
+// at most one fp16 unit off where z is an integer, two where it is not
+// (the fraction's term takes ss unrounded), for 2^−25 ≤ |s| < 2^15
+// (smaller scales give 0; from 2^15 on 2^−E is infinite); a NaN or
+// infinite scale gives 0, which model.Quantized.Validate keeps out.
 struct Q8Half {
     __half2 z, s, f, p;
 };
@@ -3549,8 +3554,8 @@ __device__ __forceinline__ __half2 q8_pair(uint32_t x, const Q8Half& c) {
 // words of 4-bit codes as in the q4 convention, sz [N, G] their {scale,
 // half2(1024 + z)}, gs a multiple of GH_BK; each fragment dequantized in
 // registers, (u − z)·scale in fp16), GH_Q8 (W [N, K] int8 codes, sz their
-// {scale, zero}, gs a multiple of GH_BK: q8_pair's half2 form, within an
-// fp16 rounding of what dequant_h_q8 widens them to).
+// {scale, zero}, gs a multiple of GH_BK: q8_pair's half2 form, within
+// one or two fp16 units of what dequant_h_q8 widens them to).
 // MI is the 16-row fragments of A a warp holds: the block tile is
 // gh_bm<MI> = 32·MI rows of A by 128 rows of W.
 template <int WK, int MI = 4>
@@ -3628,7 +3633,7 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
         cp_async_commit();
         int cur = (kt - kt0) % GH_STAGES;
         // GH_Q4: this lane's 4 weight rows (n = gid of each 8-row tile j)
-        // and their scale and zero1024, as half2; GH_Q8: {scale, zero}
+        // and their scale and zero1024, as half2; GH_Q8: their Q8Half
         __half2 qs[4], qz[4];
         Q8Half q8c[4];
         if constexpr (WK == GH_Q8) {
