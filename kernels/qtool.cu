@@ -3512,33 +3512,27 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
 }
 
 // The tensor-core GEMMs make 8-bit codes fp16 weights two at a time in
-// half2 arithmetic (q8_pair), from a {scale s, zero z} made into a Q8Half
-// once a row and K step (q8_half): z's integer part zi as 1152 + zi
+// half2 arithmetic (q8_pair), from a row's {scale s, zero z} made into a
+// Q8Half once a row and K step (q8_half): z's integer part zi as 1152 + zi
 // (exact for zi in [−128, 895], z clamped there), the scale with its
 // exponent moved into [0.5, 1) (ss = s·2^E, so that a scale below fp16's
-// normal range keeps its bits), −ss·(z − zi) and 2^−E; a weight is then
-// (ss·(q − zi) − ss·(z − zi))·2^−E. Each half of a field may come from its
-// own {scale, zero}. Against ((float)q − z)·s rounded to fp16 a weight is
-// at most one fp16 unit off where z is an integer, two where it is not
-// (the fraction's term takes ss unrounded), for 2^−25 ≤ |s| < 2^15
-// (smaller scales give 0; from 2^15 on 2^−E is infinite); a NaN or
-// infinite scale gives 0, which model.Quantized.Validate keeps out.
+// normal range keeps its bits), −ss·(z − zi) and 2^−E, each in both
+// halves; a weight is then (ss·(q − zi) − ss·(z − zi))·2^−E. Against
+// ((float)q − z)·s rounded to fp16 a weight is at most one fp16 unit off
+// where z is an integer, two where it is not (the fraction's term takes ss
+// unrounded), for 2^−25 ≤ |s| < 2^15 (smaller scales give 0; from 2^15 on
+// 2^−E is infinite); a NaN or infinite scale gives 0, which
+// model.Quantized.Validate keeps out.
 struct Q8Half {
     __half2 z, s, f, p;
 };
-__device__ __forceinline__ Q8Half q8_half(float2 a, float2 b) {
-    auto one = [](float2 v, float& z, float& s, float& f, float& p) {
-        float zi = fminf(fmaxf(rintf(v.y), -128.f), 895.f);
-        uint32_t bits = __float_as_uint(v.x), e = (bits >> 23) & 0xffu;
-        s = __uint_as_float((bits & 0x807fffffu) | 0x3f000000u);  // exponent of 0.5
-        z = 1152.f + zi;
-        f = -(v.y - zi) * s;
-        p = __uint_as_float((e + 1) << 23);  // 2^(e − 126): s/ss
-    };
-    float za, sa, fa, pa, zb, sb, fb, pb;
-    one(a, za, sa, fa, pa);
-    one(b, zb, sb, fb, pb);
-    return {__floats2half2_rn(za, zb), __floats2half2_rn(sa, sb), __floats2half2_rn(fa, fb), __floats2half2_rn(pa, pb)};
+__device__ __forceinline__ Q8Half q8_half(float2 v) {
+    float zi = fminf(fmaxf(rintf(v.y), -128.f), 895.f);
+    uint32_t bits = __float_as_uint(v.x), e = (bits >> 23) & 0xffu;
+    float s = __uint_as_float((bits & 0x807fffffu) | 0x3f000000u);  // exponent of 0.5
+    float z = 1152.f + zi, f = -(v.y - zi) * s;
+    float p = __uint_as_float((e + 1) << 23);  // 2^(e − 126): s/ss
+    return {__floats2half2_rn(z, z), __floats2half2_rn(s, s), __floats2half2_rn(f, f), __floats2half2_rn(p, p)};
 }
 // q8_pair is the fp16 weights of the codes in bytes 0 and 2 of x (the
 // other bytes ignored): 1024 + (q + 128) from the code's bits (the sign
@@ -3640,7 +3634,7 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 float2 sv = Ss[cur][wn * 32 + j * 8 + (lane >> 2)];
-                q8c[j] = q8_half(sv, sv);
+                q8c[j] = q8_half(sv);
             }
         }
         if constexpr (WK == GH_Q4) {
@@ -3945,7 +3939,7 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
         for (int h = 0; h < 2; h++) {
             int r = ra + 8 * h;
             const uint4* q = reinterpret_cast<const uint4*>(w + r * 64);
-            Q8Half c = q8_half(sz[r], sz[r]);
+            Q8Half c = q8_half(sz[r]);
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
                 uint4 v = q[kk ^ sw];

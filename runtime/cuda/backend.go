@@ -175,7 +175,7 @@ type Backend struct {
 
 	// CUDA graph capture of decode steps.
 	capturing bool
-	captures  int  // captures begun (zeroedScratch: the one that zeroed an area)
+	captures  int  // captures begun (filledScratch: the one that filled an area)
 	capPos    bool // a decode-step capture: positions and ids come from the device
 	capBase   int
 	capAllocs map[driver.DevicePtr]bool

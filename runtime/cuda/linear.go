@@ -1007,10 +1007,10 @@ func (b *Backend) w8a8GEMV(xq, tok driver.DevicePtr, M, K int, segs []gemvSeg, o
 // activation quantizer sharing in: q, k and v) as one launch of w8a8_gemm
 // where the dp4a kernels take in's rows; it reports whether it did.
 func (b *Backend) w8a8Segs(in *gemmIn, segs []gemvSeg) bool {
-	l0 := segs[0].l
 	if len(segs) < 2 || len(segs) > 3 || !b.w8a8DP4A(in.x.rows) {
 		return false
 	}
+	l0 := segs[0].l
 	for _, g := range segs {
 		if g.l.kind != kindW8A8 || g.l.in != l0.in || g.l.actQuant() != l0.actQuant() {
 			return false
