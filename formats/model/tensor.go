@@ -302,13 +302,16 @@ func (q *Quantized) CheckParams() error {
 		v    []float32
 	}{{"scale", q.Scale}, {"zero point", q.Zero}} {
 		for i, x := range p.v {
-			if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
+			if !finite(x) {
 				return fmt.Errorf("quantized tensor: %s %g of row %d, group %d is not finite", p.what, x, i/g, i%g)
 			}
 		}
 	}
 	return nil
 }
+
+// finite reports whether x is neither NaN nor infinite.
+func finite(x float32) bool { return !math.IsNaN(float64(x)) && !math.IsInf(float64(x), 0) }
 
 // Validate checks the slice lengths and value ranges (CheckParams
 // included).
@@ -460,7 +463,7 @@ func (w *W8A8) Validate() error {
 	if !(w.InputScale > 0) || math.IsInf(float64(w.InputScale), 0) {
 		return fmt.Errorf("W8A8: input_scale %g, want a positive finite number", w.InputScale)
 	}
-	if math.IsNaN(float64(w.InputOffset)) || math.IsInf(float64(w.InputOffset), 0) {
+	if !finite(w.InputOffset) {
 		return fmt.Errorf("W8A8: input_offset %g is not finite", w.InputOffset)
 	}
 	return nil
