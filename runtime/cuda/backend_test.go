@@ -246,6 +246,24 @@ func halfScaled(mk func(r *rand.Rand, n, k int) (model.Tensor, []float64)) func(
 	}
 }
 
+// rowScaled is mk with the scales of every every-th row (every row for 1)
+// times f: 8-bit scales below fp16's normal range (f = 2^−12 on
+// quantCase's 0.01…0.03) take the tensor-core GEMMs' exponent-moved form
+// (q8_half), alone or in a warp with ordinary rows.
+func rowScaled(mk func(r *rand.Rand, n, k int) (model.Tensor, []float64), every int, f float32) func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
+	return func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
+		w, _ := mk(r, n, k)
+		q := w.(*model.Quantized)
+		G := q.Groups()
+		for row := 0; row < n; row += every {
+			for g := range G {
+				q.Scale[row*G+g] *= f
+			}
+		}
+		return q, quantWant(q)
+	}
+}
+
 // quantWant is q's dequantized values.
 func quantWant(q *model.Quantized) []float64 {
 	f, err := q.Float32()
@@ -310,11 +328,13 @@ var weightCases = []weightCase{
 	{"int4-g48-fallback", 384, quantCase(4, 48, 1, false), 0},
 	{"awq-int4-g128-splitk", 2560, halfScaled(quantCase(4, 128, 1, false)), 0},
 	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false), 0},
-	{"w8-g128-offset-long", 5120, quantCase(8, 128, 2, false), 0},                     // K > 4096: gemv_q8_w4h_k, split along K
-	{"w8-perchannel-offset-long", 4640, quantCase(8, 0, 2, false), 0},                 // gemv_q8_w4h_pc_k
-	{"awq-int4-g128-wide", 4608, halfScaled(quantCase(4, 128, 1, false)), 0},          // K > 4096: gemv_q4_w2h
-	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},            // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a at M = 1
-	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), tallRegRing}, // gemv_q4_w4h
+	{"w8-g128-offset-long", 5120, quantCase(8, 128, 2, false), 0},                             // K > 4096: gemv_q8_w4h_k, split along K
+	{"w8-g128-offset-tiny-scales", 0, rowScaled(quantCase(8, 128, 2, false), 1, 0x1p-12), 0},  // every scale below fp16's normal range
+	{"w8-g128-offset-mixed-scales", 0, rowScaled(quantCase(8, 128, 2, false), 5, 0x1p-12), 0}, // a tiny row in every 16
+	{"w8-perchannel-offset-long", 4640, quantCase(8, 0, 2, false), 0},                         // gemv_q8_w4h_pc_k
+	{"awq-int4-g128-wide", 4608, halfScaled(quantCase(4, 128, 1, false)), 0},                  // K > 4096: gemv_q4_w2h
+	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},                    // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a at M = 1
+	{"awq-int4-g128-taller", 0, halfScaled(quantCase(4, 128, 1, false)), tallRegRing},         // gemv_q4_w4h
 	{"gptq-int4-actorder-g128-tall", 0, halfScaled(quantCase(4, 128, 1, true)), 64},
 	{"gptq-int4-perchannel", 0, halfScaled(quantCase(4, 0, 1, false)), 0},                  // one group a row (group_size -1): gemv_q4_w2h_pc
 	{"gptq-int4-perchannel-tall", 0, halfScaled(quantCase(4, 0, 1, false)), 64},            // gemv_q4_w4a_pc
