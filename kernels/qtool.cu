@@ -3519,8 +3519,9 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
 // normal range keeps its bits), −ss·(z − zi) and 2^−E, each in both
 // halves; a weight is then (ss·(q − zi) − ss·(z − zi))·2^−E. Against
 // ((float)q − z)·s rounded to fp16 a weight is at most one fp16 unit off
-// where z is an integer, two where it is not (the fraction's term takes ss
-// unrounded), for 2^−25 ≤ |s| < 2^15 (smaller scales give 0; from 2^15 on
+// where z is an integer; a fractional z adds its term's own rounding
+// (under 2^−13·ss: the term takes ss rounded, as the product does),
+// for 2^−25 ≤ |s| < 2^15 (smaller scales give 0; from 2^15 on
 // 2^−E is infinite); a NaN or infinite scale gives 0, which
 // model.Quantized.Validate keeps out.
 struct Q8Half {
@@ -3530,7 +3531,7 @@ __device__ __forceinline__ Q8Half q8_half(float2 v) {
     float zi = fminf(fmaxf(rintf(v.y), -128.f), 895.f);
     uint32_t bits = __float_as_uint(v.x), e = (bits >> 23) & 0xffu;
     float s = __uint_as_float((bits & 0x807fffffu) | 0x3f000000u);  // exponent of 0.5
-    float z = 1152.f + zi, f = -(v.y - zi) * s;
+    float z = 1152.f + zi, f = -(v.y - zi) * __half2float(__float2half_rn(s));  // ss as the product's term takes it
     float p = __uint_as_float((e + 1) << 23);  // 2^(e − 126): s/ss
     return {__floats2half2_rn(z, z), __floats2half2_rn(s, s), __floats2half2_rn(f, f), __floats2half2_rn(p, p)};
 }
@@ -3539,7 +3540,8 @@ __device__ __forceinline__ Q8Half q8_half(float2 v) {
 // bit flipped, fp16's exponent of 1024 put above), less 1152 + zi (exact),
 // times ss plus the zero's fraction (one rounding), times 2^−E.
 __device__ __forceinline__ __half2 q8_pair(uint32_t x, const Q8Half& c) {
-    uint32_t u = (x & 0x00ff00ffu) ^ 0x64806480u;
+    uint32_t u;  // (x & 0x00ff00ff) ^ 0x64806480 in one LOP3 (nvcc's own makes two: one immediate a LOP3)
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(u) : "r"(x), "n"(0x00ff00ff), "r"(0x64806480));
     __half2 d = __hsub2(*reinterpret_cast<__half2*>(&u), c.z);
     return __hmul2(__hfma2(d, c.s, c.f), c.p);
 }
