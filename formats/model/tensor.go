@@ -291,11 +291,11 @@ func (q *Quantized) Group(c int) int {
 	return c / q.GroupSize
 }
 
-// CheckParams reports the first scale or zero point that is NaN or
+// checkParams reports the first scale or zero point that is NaN or
 // infinite (by row and group): such a weight has no value, and the GPU's
 // fp16 GEMMs would not even give NaN for it (q8_pair makes a weight of an
 // infinite scale 0).
-func (q *Quantized) CheckParams() error {
+func (q *Quantized) checkParams() error {
 	g := max(q.Groups(), 1)
 	for _, p := range []struct {
 		what string
@@ -313,7 +313,7 @@ func (q *Quantized) CheckParams() error {
 // finite reports whether x is neither NaN nor infinite.
 func finite(x float32) bool { return !math.IsNaN(float64(x)) && !math.IsInf(float64(x), 0) }
 
-// Validate checks the slice lengths and value ranges (CheckParams
+// Validate checks the slice lengths and value ranges (checkParams
 // included).
 func (q *Quantized) Validate() error {
 	if q.Bits < 2 || q.Bits > 8 {
@@ -335,7 +335,7 @@ func (q *Quantized) Validate() error {
 	if q.Zero != nil && len(q.Zero) != ng {
 		return fmt.Errorf("quantized tensor: %d zero points, want %d", len(q.Zero), ng)
 	}
-	if err := q.CheckParams(); err != nil {
+	if err := q.checkParams(); err != nil {
 		return err
 	}
 	if q.GIdx != nil {

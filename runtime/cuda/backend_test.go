@@ -330,7 +330,7 @@ var weightCases = []weightCase{
 	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false), 0},
 	{"w8-g128-offset-long", 5120, quantCase(8, 128, 2, false), 0},                             // K > 4096: gemv_q8_w4h_k, split along K
 	{"w8-g128-offset-tiny-scales", 0, rowScaled(quantCase(8, 128, 2, false), 1, 0x1p-12), 0},  // every scale below fp16's normal range
-	{"w8-g128-offset-mixed-scales", 0, rowScaled(quantCase(8, 128, 2, false), 5, 0x1p-12), 0}, // a tiny row in every 16
+	{"w8-g128-offset-mixed-scales", 0, rowScaled(quantCase(8, 128, 2, false), 5, 0x1p-12), 0}, // every fifth row tiny: some in each warp's 16
 	{"w8-perchannel-offset-long", 4640, quantCase(8, 0, 2, false), 0},                         // gemv_q8_w4h_pc_k
 	{"awq-int4-g128-wide", 4608, halfScaled(quantCase(4, 128, 1, false)), 0},                  // K > 4096: gemv_q4_w2h
 	{"awq-int4-g128-tall", 0, halfScaled(quantCase(4, 128, 1, false)), 64},                    // ≥ 40 rows a multiprocessor, waves full at three blocks: gemv_q4_w4a at M = 1
