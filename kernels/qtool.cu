@@ -3523,14 +3523,19 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
 // (under 2^−13·ss: the term takes ss rounded, as the product does),
 // for 2^−25 ≤ |s| < 2^15 (smaller scales give 0; from 2^15 on
 // 2^−E is infinite); a NaN or infinite scale gives 0, which
-// model.Quantized.Validate keeps out.
+// model.Quantized.Validate keeps out. NRM (a weight whose every scale is
+// 0 or in fp16's normal range, 2^−14 ≤ |s| < 2^15: Linear.q8Normal): ss
+// is the scale itself and the product has no 2^−E factor (one HMUL2 a pair
+// fewer); the weights are the same but where a value or the fraction's
+// term is below fp16's normal range.
 struct Q8Half {
     __half2 z, s, f, p;
 };
+template <bool NRM = false>
 __device__ __forceinline__ Q8Half q8_half(float2 v) {
     float zi = fminf(fmaxf(rintf(v.y), -128.f), 895.f);
     uint32_t bits = __float_as_uint(v.x), e = (bits >> 23) & 0xffu;
-    float s = __uint_as_float((bits & 0x807fffffu) | 0x3f000000u);  // exponent of 0.5
+    float s = NRM ? v.x : __uint_as_float((bits & 0x807fffffu) | 0x3f000000u);  // exponent of 0.5
     float z = 1152.f + zi, f = -(v.y - zi) * __half2float(__float2half_rn(s));  // ss as the product's term takes it
     float p = __uint_as_float((e + 1) << 23);  // 2^(e − 126): s/ss
     return {__floats2half2_rn(z, z), __floats2half2_rn(s, s), __floats2half2_rn(f, f), __floats2half2_rn(p, p)};
@@ -3538,11 +3543,14 @@ __device__ __forceinline__ Q8Half q8_half(float2 v) {
 // q8_pair is the fp16 weights of the codes in bytes 0 and 2 of x (the
 // other bytes ignored): 1024 + (q + 128) from the code's bits (the sign
 // bit flipped, fp16's exponent of 1024 put above), less 1152 + zi (exact),
-// times ss plus the zero's fraction (one rounding), times 2^−E.
+// times ss plus the zero's fraction (one rounding), times 2^−E (NRM: the
+// scale, no 2^−E).
+template <bool NRM = false>
 __device__ __forceinline__ __half2 q8_pair(uint32_t x, const Q8Half& c) {
     uint32_t u;  // (x & 0x00ff00ff) ^ 0x64806480 in one LOP3 (nvcc's own makes two: one immediate a LOP3)
     asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(u) : "r"(x), "n"(0x00ff00ff), "r"(0x64806480));
     __half2 d = __hsub2(*reinterpret_cast<__half2*>(&u), c.z);
+    if constexpr (NRM) return __hfma2(d, c.s, c.f);
     return __hmul2(__hfma2(d, c.s, c.f), c.p);
 }
 
@@ -3706,12 +3714,15 @@ __device__ __forceinline__ void gemm_h_body(float* __restrict__ C, const __half*
 // see GEMM_ENTRY); an unsplit launch applies out itself.
 #define SPLIT_OUT (gridDim.z > 1 ? OUT_STORE : out)
 // KSplit is split blockIdx.z's share [kt0, kt1) of a GEMM's nk K steps:
-// gridDim.z equal shares, the last ones short or empty.
+// gridDim.z equal shares (each a multiple of align steps), the last ones
+// short or empty.
 struct KSplit {
     int kt0, kt1;
 };
-__device__ __forceinline__ KSplit k_split(int nk) {
-    int per = (nk + gridDim.z - 1) / gridDim.z, kt0 = min(nk, (int)blockIdx.z * per);
+__device__ __forceinline__ KSplit k_split(int nk, int align = 1) {
+    int per = (nk + gridDim.z - 1) / gridDim.z;
+    per = (per + align - 1) / align * align;
+    int kt0 = min(nk, (int)blockIdx.z * per);
     return KSplit{kt0, min(nk, kt0 + per)};
 }
 #define GEMM_H_SPLIT(WK, MI, W, sz, gs, G)                                                                       \
@@ -3898,8 +3909,11 @@ __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cas
 // 1 row ra + 8, registers 2 and 3 the same at k + 8; each value as
 // gemm_h_body makes it (bf16 rounded to fp16; 4-bit (u − z)·scale in fp16;
 // 8-bit q8_pair's form).
-template <int WK>
-__device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char* w, const float2* sz, int rw, int lane) {
+// KEEP (8-bit): 0 makes the two rows' Q8Half from sz, 1 makes them and
+// keeps them in kc, 2 takes kc's (a step of the same groups as kc's step).
+template <int WK, bool NRM, int KEEP = 0>
+__device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char* w, const float2* sz, int rw, int lane,
+                                         Q8Half* kc = nullptr) {
     int ra = rw + (lane >> 2), t = lane & 3;
     if constexpr (WK == GH_BF16) {
         // ldmatrix: lanes 0-7 / 8-15 / 16-23 / 24-31 address rows 0-7 / 8-15
@@ -3941,12 +3955,15 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
         for (int h = 0; h < 2; h++) {
             int r = ra + 8 * h;
             const uint4* q = reinterpret_cast<const uint4*>(w + r * 64);
-            Q8Half c = q8_half(sz[r]);
+            Q8Half c;
+            if constexpr (KEEP == 2) c = kc[h];
+            else c = q8_half<NRM>(sz[r]);
+            if constexpr (KEEP == 1) kc[h] = c;
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
                 uint4 v = q[kk ^ sw];
-                f[4 * kk + h] = h2_bits(q8_pair(__byte_perm(v.x, v.y, sel), c));
-                f[4 * kk + 2 + h] = h2_bits(q8_pair(__byte_perm(v.z, v.w, sel), c));
+                f[4 * kk + h] = h2_bits(q8_pair<NRM>(__byte_perm(v.x, v.y, sel), c));
+                f[4 * kk + 2 + h] = h2_bits(q8_pair<NRM>(__byte_perm(v.z, v.w, sel), c));
             }
         }
     }
@@ -3960,7 +3977,10 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
 // GEMM's epi may be a PeerMirror (gemm_wg_*_tp), which gets the tile's
 // values too.
 // The block's weight tile is ny (blockIdx.y where ny < 0).
-template <int WK, bool PAIR = false, typename Epi>
+// SPG (8-bit): the K steps a group spans where it is known: 2 (g128), 0
+// (one group along all of K: per channel; the K split's kt0 even where
+// 2), 1 otherwise; a thread keeps its rows' Q8Half across a group's steps.
+template <int WK, bool PAIR = false, bool NRM = false, int SPG = 1, typename Epi>
 __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap* mapA, const TmaMap* mapW,
                                              const float2* __restrict__ sz, const float2* __restrict__ sz2, int M,
                                              int N, int gs, int G, int kt0, int kt1, int out, Epi epi, int ny = -1) {
@@ -4066,10 +4086,16 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
 #pragma unroll
         for (int e = 0; e < 64; e++) d[e] = 0.f;
         uint32_t f[2][16];
-        auto frags = [&](int i, uint32_t (&fi)[16]) {
+        Q8Half kc[2];  // SPG ≠ 1: the rows' Q8Half of the current groups
+        // keep: gw_frags' KEEP for step 0, an odd step or an even one
+        using First = std::integral_constant<int, SPG == 1 ? 0 : 1>;
+        using Odd = std::integral_constant<int, SPG == 1 ? 0 : 2>;
+        using Even = std::integral_constant<int, SPG == 1 ? 0 : SPG == 2 ? 1 : 2>;
+        auto frags = [&](int i, uint32_t (&fi)[16], auto keep) {
             int s = i % GWS;
             mbar_wait(full(s), (i / GWS) & 1);
-            gw_frags<WK>(fi, at(tileW(s)), reinterpret_cast<const float2*>(at(tileS(s))), rw, lane);
+            gw_frags<WK, NRM, decltype(keep)::value>(fi, at(tileW(s)), reinterpret_cast<const float2*>(at(tileS(s))),
+                                                     rw, lane, kc);
         };
         auto step = [&](int i, const uint32_t (&fi)[16]) {
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -4084,22 +4110,22 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         // step i is queued behind step i − 1, then step i − 1 waited for
         // (its register set is step i + 1's)
         if (nk > 0) {
-            frags(0, f[0]);
+            frags(0, f[0], First{});
             step(0, f[0]);
         }
         int i = 1;
         for (; i + 1 < nk; i += 2) {
-            frags(i, f[1]);
+            frags(i, f[1], Odd{});
             step(i, f[1]);
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             release(i - 1);
-            frags(i + 1, f[0]);
+            frags(i + 1, f[0], Even{});
             step(i + 1, f[0]);
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             release(i);
         }
         if (i < nk) {
-            frags(i, f[1]);
+            frags(i, f[1], Odd{});
             step(i, f[1]);
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             release(i - 1);
@@ -4122,26 +4148,54 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             out_tile_staged<64, 1, float>(C, M, N, out, unit, raw, AsIs{}, st);
     }
 }
-// name(C, mapA, mapW, sz, M, N, K, gs, G, out): mapA over the fp16 activations
-// [M, K], mapW over the weight (fp16 or bf16 [N, K]; GH_Q4: the words
-// [N, K/8]; GH_Q8: the codes [N, K]), sz and the group size gs (a multiple
-// of GW_BK) and count G of the quantized kinds; dynamic shared memory
-// gw_stage_bytes · gw_stages + the barriers + 1024.
+// Q8_SPLIT_ALIGN: the K split's share a multiple of two steps where
+// gemm_wg_run takes SPG 2 (an even kt0: a g128 group's two steps keep one
+// Q8Half), else one
+#define Q8_SPLIT_ALIGN(WK, flags, gs, G) ((WK) == GH_Q8 && ((flags) & GW_Q8_NORMAL) && (G) != 1 && (gs) == 2 * GW_BK ? 2 : 1)
+// GW_Q8_NORMAL, a bit of the Hopper GEMM entries' flags: every scale of
+// the 8-bit weight (of each weight the launch reads) is 0 or in fp16's
+// normal range (runtime/cuda's Linear.q8Normal), so the fragments may take
+// the scales as they are (q8_half's NRM). Other kinds ignore it.
+#define GW_Q8_NORMAL 1
+// gemm_wg_run is gemm_wg_body with NRM from flags (8-bit kinds only).
+template <int WK, bool PAIR = false, typename Epi>
+__device__ __forceinline__ void gemm_wg_run(int flags, float* C, const TmaMap* mapA, const TmaMap* mapW,
+                                            const float2* sz, const float2* sz2, int M, int N, int gs, int G, int kt0,
+                                            int kt1, int out, Epi epi, int ny = -1) {
+    if constexpr (WK == GH_Q8) {
+        if (flags & GW_Q8_NORMAL) {
+            if (G == 1)
+                gemm_wg_body<WK, PAIR, true, 0>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
+            else if (gs == 2 * GW_BK)
+                gemm_wg_body<WK, PAIR, true, 2>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
+            else
+                gemm_wg_body<WK, PAIR, true>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
+            return;
+        }
+    }
+    gemm_wg_body<WK, PAIR>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
+}
+// name(C, mapA, mapW, sz, M, N, K, gs, G, flags, out): mapA over the fp16
+// activations [M, K], mapW over the weight (fp16 or bf16 [N, K]; GH_Q4: the
+// words [N, K/8]; GH_Q8: the codes [N, K]), sz and the group size gs (a
+// multiple of GW_BK) and count G of the quantized kinds, flags
+// (GW_Q8_NORMAL); dynamic shared memory gw_stage_bytes · gw_stages + the
+// barriers + 1024.
 #define GEMM_WG_ENTRY(name, WK)                                                                                  \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \
-             int M, int N, int K, int gs, int G, int out) {                                                      \
+             int M, int N, int K, int gs, int G, int flags, int out) {                                           \
         PDL_ENTRY();                                                                                             \
-        KSplit ks = k_split((K + GW_BK - 1) / GW_BK);                                                            \
-        gemm_wg_body<WK>(C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, nullptr, M, N, gs, G, ks.kt0, ks.kt1, \
-                         SPLIT_OUT, 0);                                                                          \
+        KSplit ks = k_split((K + GW_BK - 1) / GW_BK, Q8_SPLIT_ALIGN(WK, flags, gs, G));                           \
+        gemm_wg_run<WK>(flags, C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, nullptr, M, N, gs, G, ks.kt0,   \
+                        ks.kt1, SPLIT_OUT, 0);                                                                   \
     }
 GEMM_WG_ENTRY(gemm_wg_f16, GH_F16)
 GEMM_WG_ENTRY(gemm_wg_bf16, GH_BF16)
 GEMM_WG_ENTRY(gemm_wg_q4, GH_Q4)
 GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
 
-// name_tp(C, mapA, mapW, sz, M, N, K, gs, G, out, area, rank, world,
+// name_tp(C, mapA, mapW, sz, M, N, K, gs, G, flags, out, area, rank, world,
 // stage_off, cap): name's product, K unsplit, that also sends its values to
 // the all-reduce over peer memory that follows it (runtime/cuda/peer.go's
 // MatMulAllReduce): into stage[e & 1][rank] of lane 1 in every peer's area
@@ -4155,7 +4209,7 @@ GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
 #define GEMM_WG_TP_ENTRY(name, WK)                                                                               \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \
-             int M, int N, int K, int gs, int G, int out, const char* area, int rank, int world,                  \
+             int M, int N, int K, int gs, int G, int flags, int out, const char* area, int rank, int world,       \
              long long stage_off, long long cap, int scatter) {                                                  \
         PDL_ENTRY();                                                                                             \
         PeerMirror mir = peer_mirror(area, rank, world, stage_off, cap);                                         \
@@ -4165,14 +4219,14 @@ GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
                           ar_next_call1(area), world, rank);                                                     \
             out = OUT_STORE, mir.n = 0;                                                                          \
         }                                                                                                        \
-        gemm_wg_body<WK>(C, &mapA, &mapW, sz, nullptr, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK, out, mir);       \
+        gemm_wg_run<WK>(flags, C, &mapA, &mapW, sz, nullptr, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK, out, mir); \
     }
 GEMM_WG_TP_ENTRY(gemm_wg_f16_tp, GH_F16)
 GEMM_WG_TP_ENTRY(gemm_wg_bf16_tp, GH_BF16)
 GEMM_WG_TP_ENTRY(gemm_wg_q4_tp, GH_Q4)
 GEMM_WG_TP_ENTRY(gemm_wg_q8_tp, GH_Q8)
 // name_segs(C0, C1, C2, mapA, mapW0, mapW1, mapW2, sz0, sz1, sz2, M, N0, N1,
-// N2, K, gs, G, out): WK's GEMM of one fp16 input [M, K] (mapA) with up to
+// N2, K, gs, G, flags, out): WK's GEMM of one fp16 input [M, K] (mapA) with up to
 // three weights of WK's kind, group size and count (q, k and v) in one
 // launch: grid.y walks the weight tiles of weight 0, then 1, then 2 (N2 = 0:
 // two weights), each tile written to its weight's output Ci [M, Ni] by
@@ -4182,7 +4236,7 @@ GEMM_WG_TP_ENTRY(gemm_wg_q8_tp, GH_Q8)
         name(float* C0, float* C1, float* C2, const __grid_constant__ TmaMap mapA,                               \
              const __grid_constant__ TmaMap mapW0, const __grid_constant__ TmaMap mapW1,                         \
              const __grid_constant__ TmaMap mapW2, const float2* sz0, const float2* sz1, const float2* sz2, int M, \
-             int N0, int N1, int N2, int K, int gs, int G, int out) {                                            \
+             int N0, int N1, int N2, int K, int gs, int G, int flags, int out) {                                 \
         PDL_ENTRY();                                                                                             \
         int ny = blockIdx.y, t0 = (N0 + 127) / 128, t1 = (N1 + 127) / 128;                                      \
         const TmaMap* mapW = &mapW0;                                                                             \
@@ -4194,13 +4248,13 @@ GEMM_WG_TP_ENTRY(gemm_wg_q8_tp, GH_Q8)
         } else if (ny >= t0) {                                                                                   \
             ny -= t0, mapW = &mapW1, C = C1, sz = sz1, N = N1;                                                   \
         }                                                                                                        \
-        gemm_wg_body<WK>(C, &mapA, mapW, sz, nullptr, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK, out, 0, ny);     \
+        gemm_wg_run<WK>(flags, C, &mapA, mapW, sz, nullptr, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK, out, 0, ny); \
     }
 GEMM_WG_SEGS_ENTRY(gemm_wg_f16_segs, GH_F16)
 GEMM_WG_SEGS_ENTRY(gemm_wg_bf16_segs, GH_BF16)
 GEMM_WG_SEGS_ENTRY(gemm_wg_q4_segs, GH_Q4)
 GEMM_WG_SEGS_ENTRY(gemm_wg_q8_segs, GH_Q8)
-// name_glu(C, Ch, mapA, mapGU, sz, sz2, M, N, K, gs, G, upFirst): the gate
+// name_glu(C, Ch, mapA, mapGU, sz, sz2, M, N, K, gs, G, flags, upFirst): the gate
 // and up products of one fp16 input [M, K] (mapA) and their SwiGLU
 // silu(gate)·up into C [M, N] (or rounded to fp16 into Ch [M, N] where Ch
 // is set) in one launch, with no gate products in memory: WK's GEMM with
@@ -4211,10 +4265,10 @@ GEMM_WG_SEGS_ENTRY(gemm_wg_q8_segs, GH_Q8)
 #define GEMM_WG_GLU_ENTRY(name, WK)                                                                              \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, __half* Ch, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapGU,   \
-             const float2* sz, const float2* sz2, int M, int N, int K, int gs, int G, int upFirst) {             \
+             const float2* sz, const float2* sz2, int M, int N, int K, int gs, int G, int flags, int upFirst) {  \
         PDL_ENTRY();                                                                                             \
-        gemm_wg_body<WK, true>(C, &mapA, &mapGU, sz, sz2, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK, OUT_STORE,    \
-                               GluEpi<AsIs>{AsIs{}, AsIs{}, upFirst != 0, QOut{}, Ch});                          \
+        gemm_wg_run<WK, true>(flags, C, &mapA, &mapGU, sz, sz2, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK,         \
+                              OUT_STORE, GluEpi<AsIs>{AsIs{}, AsIs{}, upFirst != 0, QOut{}, Ch});                \
     }
 GEMM_WG_GLU_ENTRY(gemm_wg_f16_glu, GH_F16)
 GEMM_WG_GLU_ENTRY(gemm_wg_bf16_glu, GH_BF16)

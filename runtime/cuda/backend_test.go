@@ -247,9 +247,10 @@ func halfScaled(mk func(r *rand.Rand, n, k int) (model.Tensor, []float64)) func(
 }
 
 // rowScaled is mk with the scales of every every-th row (every row for 1)
-// times f: 8-bit scales below fp16's normal range (f = 2^−12 on
-// quantCase's 0.01…0.03) take the tensor-core GEMMs' exponent-moved form
-// (q8_half), alone or in a warp with ordinary rows.
+// times f: an 8-bit weight with scales below fp16's normal range (f =
+// 2^−12 on quantCase's 0.01…0.03) is not q8Normal, and the tensor-core
+// GEMMs make its fragments in the exponent-moved form (q8_half), its
+// ordinary rows too.
 func rowScaled(mk func(r *rand.Rand, n, k int) (model.Tensor, []float64), every int, f float32) func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
 	return func(r *rand.Rand, n, k int) (model.Tensor, []float64) {
 		w, _ := mk(r, n, k)
@@ -299,6 +300,30 @@ func TestHalfScales(t *testing.T) {
 	}
 }
 
+// TestNormalScales checks which 8-bit weights the Hopper GEMMs take with
+// their scales as they are (Linear.q8Normal, GW_Q8_NORMAL): those whose
+// every scale is 0 or in fp16's normal range.
+func TestNormalScales(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		scales []float32
+		want   bool
+	}{
+		{"normal", []float32{0x1p-14, 0.01, -0.5, 0x1.fffffep14}, true},
+		{"zero", []float32{0, float32(math.Copysign(0, -1)), 0.01}, true},
+		{"none", nil, true},
+		{"below fp16's normal range", []float32{0.01, 0x1.fffffep-15}, false},
+		{"negative, below", []float32{-0x1p-20}, false},
+		{"2^15", []float32{0x1p15}, false},
+		{"infinite", []float32{float32(math.Inf(1))}, false},
+		{"NaN", []float32{float32(math.NaN())}, false},
+	} {
+		if got := normalScales(c.scales); got != c.want {
+			t.Errorf("%s: normalScales(%v) = %v, want %v", c.name, c.scales, got, c.want)
+		}
+	}
+}
+
 var weightCases = []weightCase{
 	{"f32", 0, denseCase(model.F32), 0},
 	{"f16", 0, denseCase(model.F16), 0},
@@ -328,6 +353,7 @@ var weightCases = []weightCase{
 	{"int4-g48-fallback", 384, quantCase(4, 48, 1, false), 0},
 	{"awq-int4-g128-splitk", 2560, halfScaled(quantCase(4, 128, 1, false)), 0},
 	{"w8-g128-offset-splitk", 1280, quantCase(8, 128, 2, false), 0},
+	{"w8-g128-offset-split-22", 1408, quantCase(8, 128, 2, false), 0},                         // 22 K steps in 5 splits: shares of 6 (Q8_SPLIT_ALIGN 2), the last empty
 	{"w8-g128-offset-long", 5120, quantCase(8, 128, 2, false), 0},                             // K > 4096: gemv_q8_w4h_k, split along K
 	{"w8-g128-offset-tiny-scales", 0, rowScaled(quantCase(8, 128, 2, false), 1, 0x1p-12), 0},  // every scale below fp16's normal range
 	{"w8-g128-offset-mixed-scales", 0, rowScaled(quantCase(8, 128, 2, false), 5, 0x1p-12), 0}, // every fifth row tiny: some in each warp's 16

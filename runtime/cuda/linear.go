@@ -97,7 +97,11 @@ type Linear struct {
 	// dynamic: per-token activation scales (W8A8_DYNAMIC); deq holds the
 	// weight scales and qbias is 0.
 	dynamic bool
-	bytes   int64 // device bytes of the weight and its scales
+	// q8Normal, for an 8-bit weight: every scale is 0 or in fp16's normal
+	// range (normalScales), so the Hopper GEMMs make its fp16 fragments
+	// with one multiply a pair fewer (wgFlags).
+	q8Normal bool
+	bytes    int64 // device bytes of the weight and its scales
 	// borrowed: w belongs to an activation buffer (FloatLinear), which
 	// FreeLinear leaves alone.
 	borrowed bool
@@ -339,6 +343,7 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 				sz[2*i+1] = q.Zero[i]
 			}
 		}
+		l.q8Normal = normalScales(q.Scale)
 		codes := unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(q.Q))), len(q.Q))
 		l.w = b.uploadBytes(codes)
 		l.bytes = int64(len(codes))
@@ -350,6 +355,33 @@ func (b *Backend) uploadQuantized(name string, q *model.Quantized) (*Linear, err
 	l.sz = uploadSlice(b, sz)
 	l.bytes += int64(4 * len(sz))
 	return l, nil
+}
+
+// normalScales reports whether every scale is 0 or within fp16's normal
+// range, 2^−14 ≤ |s| < 2^15 (an 8-bit weight's Linear.q8Normal; NaN is not).
+func normalScales(scales []float32) bool {
+	for _, s := range scales {
+		a := math.Abs(float64(s))
+		if a != 0 && !(a >= 0x1p-14 && a < 0x1p15) {
+			return false
+		}
+	}
+	return true
+}
+
+// wgQ8Normal is qtool.cu's GW_Q8_NORMAL, a bit of the Hopper GEMMs' flags.
+const wgQ8Normal = 1
+
+// wgFlags is the flags argument of a Hopper GEMM reading the weights ls
+// (one; gate and up; q, k and v): GW_Q8_NORMAL where all are 8-bit weights
+// of normal scales.
+func wgFlags(ls ...*Linear) int {
+	for _, l := range ls {
+		if l.kind != kindQ8 || !l.q8Normal {
+			return 0
+		}
+	}
+	return wgQ8Normal
 }
 
 // halfScales reports whether every scale is an fp16 value (a 4-bit
@@ -436,7 +468,8 @@ func (b *Backend) uploadSynthetic(name string, s *Synthetic) (*Linear, error) {
 		l.w = b.alloc(n)
 		b.fill(l.w, n/4, s.Seed, 0, 0)
 		l.sz = b.alloc(8 * out * G)
-		b.fill(l.sz, out*G, s.Seed+1, 4, a/128)
+		b.fill(l.sz, out*G, s.Seed+1, 4, a/128) // scales in [a/128, a/64]
+		l.q8Normal = normalScales([]float32{a / 128, a / 64})
 		l.bytes = int64(n + 8*out*G)
 	case "w4a16", "q4", "w4a16-act", "w4a16-pc":
 		if gs%32 != 0 || in%32 != 0 {
@@ -1120,7 +1153,7 @@ func gemmWGStages(name string) int {
 func (b *Backend) launchWG(name string, d *Buf, a16, w driver.DevicePtr, l *Linear, M, out int) {
 	grid, shm, wmap := b.prepareWG(name, a16, w, l, M)
 	gs, G := max(l.gs, gemmHBK), l.groups
-	b.launchGEMM(name, grid, block384, shm, b.sms, (l.in+gemmHBK-1)/gemmHBK, d, out, b.tmaps[0], wmap, l.sz, M, l.out, l.in, gs, G)
+	b.launchGEMM(name, grid, block384, shm, b.sms, (l.in+gemmHBK-1)/gemmHBK, d, out, b.tmaps[0], wmap, l.sz, M, l.out, l.in, gs, G, wgFlags(l))
 }
 
 // prepareWG encodes the tensor map of Hopper GEMM name's activations
@@ -1406,8 +1439,10 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 		n     [3]int
 		maps  [3]*driver.TensorMap
 	)
+	flags := wgQ8Normal
 	for i, g := range segs {
 		c[i], sz[i], n[i], maps[i] = g.d.p, g.l.sz, g.l.out, b.weightMap(wg, g.l.w, g.l)
+		flags &= wgFlags(g.l)
 	}
 	if len(segs) == 2 {
 		maps[2] = maps[0] // unread: N2 = 0
@@ -1416,7 +1451,7 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 	b.raiseSmem(name, shm)
 	grid := [3]uint32{uint32(mt), uint32(tiles / mt), 1}
 	b.launchShm(name, grid, block384, shm, c[0], c[1], c[2], b.tmaps[0], maps[0], maps[1], maps[2], sz[0], sz[1], sz[2],
-		M, n[0], n[1], n[2], l0.in, max(l0.gs, gemmHBK), l0.groups, outStore)
+		M, n[0], n[1], n[2], l0.in, max(l0.gs, gemmHBK), l0.groups, flags, outStore)
 	return true
 }
 
@@ -1601,7 +1636,8 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 	if gate.gluUpFirst {
 		sz, sz2 = sz2, sz
 	}
-	b.launchShm(name, grid, block384, shm, d.p, h, b.tmaps[0], gate.glu, sz, sz2, M, N, K, max(gate.gs, gemmHBK), gate.groups, upFirst)
+	b.launchShm(name, grid, block384, shm, d.p, h, b.tmaps[0], gate.glu, sz, sz2, M, N, K, max(gate.gs, gemmHBK), gate.groups,
+		wgFlags(gate, up), upFirst)
 	return true, h != 0
 }
 

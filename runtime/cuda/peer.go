@@ -613,6 +613,6 @@ func (b *Backend) launchTiles(s tileSend, d *Buf, in *gemmIn, l *Linear, add, sc
 	}
 	p := b.peer
 	l1 := p.lanes[1]
-	b.launchShm(s.kernel, grid, block384, shm, d.p, b.tmaps[0], wmap, l.sz, M, N, K, max(l.gs, gemmHBK), l.groups, out,
+	b.launchShm(s.kernel, grid, block384, shm, d.p, b.tmaps[0], wmap, l.sz, M, N, K, max(l.gs, gemmHBK), l.groups, wgFlags(l), out,
 		p.area, p.rank, p.world, int64(l1.stageOff), int64(l1.stride), boolInt(scatter))
 }
