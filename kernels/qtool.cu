@@ -3777,7 +3777,9 @@ GEMM_H_Q_ENTRY(gemm_h_q8_s, GH_Q8, int8_t, 1)
 // flight. Other kinds: each consumer computes the transposed
 // product of its 64 weight rows, widened or dequantized from shared memory
 // into the A registers of wgmma, by the A tile as the B operand, making the
-// next step's registers while the tensor cores run the current one. fp32
+// next step's registers while the tensor cores run the current one; these
+// kinds move registers from the producer to the consumers (setmaxnreg:
+// 40 and 232 a thread, the 168 of the launch on average). fp32
 // accumulators in registers. Split z of gridDim.z takes an equal share of
 // the K steps and writes its partial product to C + z·M·N, as the gemm_h
 // kernels do.
@@ -4009,6 +4011,10 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     }
     __syncthreads();
     if (wg == 0) {
+        // the kinds whose consumers make fragments in registers give the
+        // producer's registers to them (setmaxnreg: 40 here, 232 there;
+        // 168 a thread at launch)
+        if constexpr (WK != GH_F16 && WK != GH_S8) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
         // one thread loads the A and W tiles of every K step; for the
         // quantized kinds every thread copies its weight row's {scale, zero}
         // of the step, its arrival on "full" due when the copy lands
@@ -4107,6 +4113,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         auto release = [&](int i) {  // step i's wgmma is complete: its stage is free
             if (lane == 0) mbar_arrive(empty(i % GWS));
         };
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");  // the producer's 128 a thread
         // step i is queued behind step i − 1, then step i − 1 waited for
         // (its register set is step i + 1's)
         if (nk > 0) {
