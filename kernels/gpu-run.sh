@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncugemv ncusrc ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab bench anchor" kernels/gpu-run.sh
+#   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncugemv ncusrc ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab kab bench anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
 # TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; TEST_COUNT: runs
@@ -395,6 +395,37 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
     done
     done
   done
+fi
+if has kab; then # kernel tables side by side: bin/qtool (with the PTX built here if build ran), each
+  # AB_PTX build's PTX and bin/qtool-base (its embedded PTX), KAB_ROUNDS rounds (default 3) alternating
+  # in this call, each `bench --synthetic llama2-7b --prompt 512 --decode 16` (KAB_FORMAT: the model's
+  # formats, default w8a16,w4a16,fp16; KAB_ARGS: more flags), summed up by kernels/ktable.py
+  # (a build whose cuda tests failed or timed out is left out, as in ab)
+  kvariants=new
+  [ "${failed_new:-0}" = 0 ] || { echo "kab: this build left out (its cuda tests failed)"; kvariants=""; }
+  for v in ${AB_PTX:-}; do
+    case " ${failed_variants:-} " in
+      *" ${v%%=*} "*) echo "kab: ${v%%=*} left out (its cuda tests failed)" ;;
+      *) kvariants="$kvariants ${v%%=*}" ;;
+    esac
+  done
+  for i in $(seq "${KAB_ROUNDS:-3}"); do
+    for v in $kvariants base; do
+      lim=$(left); [ "$lim" -lt 60 ] && { echo "kab: no time left"; break 2; }
+      case $v in
+        new) cmd=bin/qtool ;;
+        base) cmd="$BASE" ;;
+        *) cmd="env QTOOL_CUDA_PTX=$OUT/ptx-$v/qtool_sm90.ptx bin/qtool" ;;
+      esac
+      timeout "$lim" $cmd bench --synthetic llama2-7b --format "${KAB_FORMAT:-w8a16,w4a16,fp16}" --prompt 512 --decode 16 \
+        ${KAB_ARGS:-} > "$OUT/kab-$v-$i.txt" 2>&1
+      echo "kab $v $i rc=$?"
+    done
+  done
+  python3 kernels/ktable.py "$OUT"/kab-*-*.txt > "$OUT/ktable.txt" 2>&1
+  cp "$OUT/ktable.txt" "$FINAL/" 2>/dev/null
+  sed -n '/^GEMM/,/^GEMV/p' "$OUT/ktable.txt" | grep -vE '^  (fp16|w8a8) ' | head -40
+  sed -n '/^prefill/,$p' "$OUT/ktable.txt"
 fi
 if has bench; then
   # the context verify --prompt The --max-new 256 decodes at
