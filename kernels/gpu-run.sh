@@ -362,31 +362,42 @@ if has kbench-base; then # the same with the previous commit's binary (.devbin/q
   lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" $BASE bench --synthetic llama2-7b --decode 128 ${KBENCH_ARGS:-} > "$OUT/kbench-base.txt" 2>&1
   grep -E "gemv|decode|prefill" "$OUT/kbench-base.txt" | head -40
 fi
+# ab_variants STEP prints the builds an A/B step runs besides base: new (bin/qtool with the
+# PTX built here) and each AB_PTX build's, leaving out (and saying so on stderr) one whose cuda
+# tests failed or timed out, perhaps hanging (the callers skip the whole step when this build's
+# did); variant_cmd V is the command that runs build V
+ab_variants() {
+  local v out=new
+  for v in ${AB_PTX:-}; do
+    case " ${failed_variants:-} " in
+      *" ${v%%=*} "*) echo "$1: ${v%%=*} left out (its cuda tests failed)" >&2 ;;
+      *) out="$out ${v%%=*}" ;;
+    esac
+  done
+  echo "$out"
+}
+variant_cmd() {
+  case $1 in
+    new) echo bin/qtool ;;
+    base) echo "$BASE" ;;
+    *) echo "env QTOOL_CUDA_PTX=$OUT/ptx-$1/qtool_sm90.ptx bin/qtool" ;;
+  esac
+}
 if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX built here if build ran) and
   # bin/qtool-base (its embedded PTX) alternating AB_ROUNDS times in this call: positions 16-272, about
   # the context verify --prompt The --max-new 256 decodes at
   # (and bin/qtool with each AB_PTX build's PTX)
-  # (a build whose cuda tests failed or timed out, perhaps hanging, is left out;
+  # (a build whose cuda tests failed or timed out, perhaps hanging, is left out: ab_variants;
   # AB_MODEL, AB_FORMAT, AB_PROMPT, AB_DECODE and AB_ARGS change the bench's shapes, format, prompt, steps and flags;
   # AB_MODEL="llama2-7b llama3-8b": both in each round)
-  variants=new
-  [ "${failed_new:-0}" = 0 ] || { echo "ab: skipped (this build's cuda tests failed)"; variants=""; AB_ROUNDS=0; }
-  for v in ${AB_PTX:-}; do
-    case " ${failed_variants:-} " in
-      *" ${v%%=*} "*) echo "ab: ${v%%=*} left out (its cuda tests failed)" ;;
-      *) variants="$variants ${v%%=*}" ;;
-    esac
-  done
+  variants=$(ab_variants ab)
+  [ "${failed_new:-0}" = 0 ] || { echo "ab: skipped (this build's cuda tests failed)"; AB_ROUNDS=0; }
   for i in $(seq "${AB_ROUNDS:-2}"); do
     for mdl in ${AB_MODEL:-llama2-7b}; do # AB_MODEL may list several (bench --synthetic's)
     for p in ${AB_PROMPT:-16}; do # AB_PROMPT may list several prompt lengths
     for v in $variants base; do
       lim=$(left); [ "$lim" -lt 90 ] && { echo "ab: no time left"; break 4; }
-      case $v in
-        new) cmd=bin/qtool ;;
-        base) cmd="$BASE" ;;
-        *) cmd="env QTOOL_CUDA_PTX=$OUT/ptx-$v/qtool_sm90.ptx bin/qtool" ;;
-      esac
+      cmd=$(variant_cmd "$v")
       f="$OUT/ab-$v-$p-$i.txt"; [ "$mdl" = llama2-7b ] || f="$OUT/ab-$mdl-$v-$p-$i.txt"
       timeout "$lim" $cmd bench --synthetic "$mdl" --format "${AB_FORMAT:-w4a16}" --kernels=false \
         --prompt "$p" --decode "${AB_DECODE:-256}" ${AB_ARGS:-} > "$f" 2>&1
@@ -400,25 +411,14 @@ if has kab; then # kernel tables side by side: bin/qtool (with the PTX built her
   # AB_PTX build's PTX and bin/qtool-base (its embedded PTX), KAB_ROUNDS rounds (default 3) alternating
   # in this call, each `bench --synthetic llama2-7b --prompt 512 --decode 16` (KAB_FORMAT: the model's
   # formats, default w8a16,w4a16,fp16; KAB_ARGS: more flags), summed up by kernels/ktable.py
-  # (a build whose cuda tests failed or timed out is left out, as in ab)
-  kvariants=new
-  [ "${failed_new:-0}" = 0 ] || { echo "kab: this build left out (its cuda tests failed)"; kvariants=""; }
-  for v in ${AB_PTX:-}; do
-    case " ${failed_variants:-} " in
-      *" ${v%%=*} "*) echo "kab: ${v%%=*} left out (its cuda tests failed)" ;;
-      *) kvariants="$kvariants ${v%%=*}" ;;
-    esac
-  done
+  # (a build whose cuda tests failed or timed out is left out, all of kab when this build's did, as in ab)
+  kvariants=$(ab_variants kab)
+  [ "${failed_new:-0}" = 0 ] || { echo "kab: skipped (this build's cuda tests failed)"; KAB_ROUNDS=0; }
   for i in $(seq "${KAB_ROUNDS:-3}"); do
     for v in $kvariants base; do
       lim=$(left); [ "$lim" -lt 60 ] && { echo "kab: no time left"; break 2; }
-      case $v in
-        new) cmd=bin/qtool ;;
-        base) cmd="$BASE" ;;
-        *) cmd="env QTOOL_CUDA_PTX=$OUT/ptx-$v/qtool_sm90.ptx bin/qtool" ;;
-      esac
-      timeout "$lim" $cmd bench --synthetic llama2-7b --format "${KAB_FORMAT:-w8a16,w4a16,fp16}" --prompt 512 --decode 16 \
-        ${KAB_ARGS:-} > "$OUT/kab-$v-$i.txt" 2>&1
+      timeout "$lim" $(variant_cmd "$v") bench --synthetic llama2-7b --format "${KAB_FORMAT:-w8a16,w4a16,fp16}" \
+        --prompt 512 --decode 16 ${KAB_ARGS:-} > "$OUT/kab-$v-$i.txt" 2>&1
       echo "kab $v $i rc=$?"
     done
   done

@@ -28,6 +28,25 @@ def parse(path):
     return gemm, gemv, prefill
 
 
+def table(runs, variants, pick, cell):
+    """Prints a line for every key of the runs' pick(parsed run) dicts:
+    each variant's cell(key, [parsed runs holding the key, by round])."""
+    keys = sorted({k for v in runs for _, p in runs[v] for k in pick(p)})
+    for fmt, shape in keys:
+        cells = []
+        for v in variants:
+            held = [p for _, p in sorted(runs[v], key=lambda rp: rp[0]) if (fmt, shape) in pick(p)]
+            if held:
+                cells.append(f"{v} {cell((fmt, shape), held)}")
+        print(f"  {fmt:<10} {shape:<11} " + " | ".join(cells))
+
+
+def gemm_cell(key, held):
+    ts = "/".join(f"{g[key]:.1f}" for g, _, _ in held)
+    rs = [100 * g[("fp16", key[1])] / g[key] for g, _, _ in held if ("fp16", key[1]) in g]
+    return ts + (f" ({sum(rs) / len(rs):.1f} %)" if rs else "")
+
+
 def main(paths):
     runs = collections.defaultdict(list)  # variant -> [(round, parsed)]
     for p in paths:
@@ -36,28 +55,13 @@ def main(paths):
             sys.exit(f"ktable: {p}: want a name kab-VARIANT-ROUND.txt")
         runs[m.group(1)].append((int(m.group(2)), parse(p)))
     variants = sorted(runs, key=lambda v: (v != "base", v))
-    keys = sorted({k for v in runs for _, (g, _, _) in runs[v] for k in g})
     print("GEMM (us at M = 512; mean % of our fp16 GEMM of the same run)")
-    for fmt, shape in keys:
-        cells = []
-        for v in variants:
-            ts = [g[(fmt, shape)] for _, (g, _, _) in sorted(runs[v]) if (fmt, shape) in g]
-            rs = [100 * g[("fp16", shape)] / g[(fmt, shape)] for _, (g, _, _) in runs[v] if (fmt, shape) in g and ("fp16", shape) in g]
-            if ts:
-                cells.append(f"{v} {'/'.join(f'{t:.1f}' for t in ts)}" + (f" ({sum(rs) / len(rs):.1f} %)" if rs else ""))
-        print(f"  {fmt:<10} {shape:<11} " + " | ".join(cells))
-    gkeys = sorted({k for v in runs for _, (_, g, _) in runs[v] for k in g})
+    table(runs, variants, lambda p: p[0], gemm_cell)
     print("GEMV (% of copy)")
-    for fmt, shape in gkeys:
-        cells = []
-        for v in variants:
-            ps = [g[(fmt, shape)] for _, (_, g, _) in sorted(runs[v]) if (fmt, shape) in g]
-            if ps:
-                cells.append(f"{v} {'/'.join(f'{p:.1f}' for p in ps)}")
-        print(f"  {fmt:<10} {shape:<11} " + " | ".join(cells))
+    table(runs, variants, lambda p: p[1], lambda key, held: "/".join(f"{g[key]:.1f}" for _, g, _ in held))
     print("prefill (tok/s)")
     for v in variants:
-        for r, (_, _, pf) in sorted(runs[v]):
+        for r, (_, _, pf) in sorted(runs[v], key=lambda rp: rp[0]):
             print(f"  {v} round {r}: " + ", ".join(f"{k} {n}" for k, n in sorted(pf.items())))
 
 
