@@ -3910,7 +3910,7 @@ __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cas
 // and t = lane % 4, register 0 holds row ra, k = 16kk + 2t (+1), register
 // 1 row ra + 8, registers 2 and 3 the same at k + 8; each value as
 // gemm_h_body makes it (bf16 rounded to fp16; 4-bit (u − z)·scale in fp16;
-// 8-bit q8_pair's form).
+// 8-bit q8_pair's form, NRM's where the launch's flags say: see q8_half).
 // KEEP (8-bit): 0 makes the two rows' Q8Half from sz, 1 makes them and
 // keeps them in kc, 2 takes kc's (a step of the same groups as kc's step).
 template <int WK, bool NRM, int KEEP = 0>
