@@ -3787,10 +3787,11 @@ GEMM_H_Q_ENTRY(gemm_h_q8_s, GH_Q8, int8_t, 1)
 #define GW_BK 64       // K step: 64 halfs, one 128-byte swizzle row
 // gw_stages is the ring's depth (runtime/cuda's gemmWGStages): the 4-bit
 // kind's stages are small (21 KB), and 8 of them keep its copies further
-// ahead (4-bit GEMMs 2-6 % faster than with 5; 10 no faster)
-template <int WK>
+// ahead (4-bit GEMMs 2-6 % faster than with 5; 10 no faster). With AH
+// = 2 (two 128-row halves: 16 KB more a stage) as many as fit in 227 KB.
+template <int WK, int AH = 1>
 __host__ __device__ constexpr int gw_stages() {
-    return WK == GH_Q4 ? 8 : 5;
+    return AH == 1 ? (WK == GH_Q4 ? 8 : 5) : WK == GH_Q4 ? 6 : WK == GH_Q8 ? 5 : 4;
 }
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 // TmaMap holds a CUtensorMap (cuTensorMapEncodeTiled) passed by value.
@@ -3872,21 +3873,57 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], uint64_t da, u
         : WG_ACC("+r")
         : "l"(da), "l"(db), "r"(1));
 }
+#define WG_D128 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
+#define WG_ACC128(C)                                                                                      \
+    WG_ACC8(C, 0), WG_ACC8(C, 8), WG_ACC8(C, 16), WG_ACC8(C, 24), WG_ACC8(C, 32), WG_ACC8(C, 40), WG_ACC8(C, 48), \
+        WG_ACC8(C, 56), WG_ACC8(C, 64), WG_ACC8(C, 72), WG_ACC8(C, 80), WG_ACC8(C, 88), WG_ACC8(C, 96),       \
+        WG_ACC8(C, 104), WG_ACC8(C, 112), WG_ACC8(C, 120)
+// D[64 × 256] += A[64 × 16] · B[256 × 16]ᵀ, both from shared memory (A read
+// once for 256 columns: half the shared-memory reads a product of two
+// m64n128k16).
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        WG_D128 ", "
+        "%128, %129, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : WG_ACC128("+f")
+        : "l"(da), "l"(db), "r"(1));
+}
 // wgmma_ss: one k step of 32 bytes (16 halfs or 32 int8) with both operands
 // in shared memory, by the accumulators' type.
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k16(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k32_s8(d, da, db); }
+__device__ __forceinline__ void wgmma_ss(float (&d)[128], uint64_t da, uint64_t db) { wgmma_m64n256k16(d, da, db); }
 // gw_w_bytes is the W tile of a ring stage as the copy engine lands it: 128
 // rows of 64 fp16/bf16 values (128-byte swizzle), 4-bit words (32 bytes a
 // row) or int8 codes (64 bytes a row, 64-byte swizzle); gw_stage_bytes
 // adds the A tile and, for the quantized kinds, the rows' {scale, zero}.
+// With AH = 2 a block's tile has two 128-row halves: of activations for
+// the register-fragment kinds (gw_a_halves), of weights for fp16.
 template <int WK>
 __host__ __device__ constexpr int gw_w_bytes() {
     return WK == GH_Q4 ? 128 * 32 : WK == GH_Q8 ? 128 * 64 : 128 * GW_BK * 2;
 }
-template <int WK>
+template <int WK, int AH>
+__host__ __device__ constexpr int gw_a_halves() {
+    return WK == GH_F16 ? 1 : AH;
+}
+template <int WK, int AH = 1>
 __host__ __device__ constexpr int gw_stage_bytes() {
-    return 128 * GW_BK * 2 + gw_w_bytes<WK>() + (WK == GH_Q4 || WK == GH_Q8 ? 128 * 8 : 0);
+    return gw_a_halves<WK, AH>() * 128 * GW_BK * 2 + AH / gw_a_halves<WK, AH>() * gw_w_bytes<WK>() +
+           (WK == GH_Q4 || WK == GH_Q8 ? 128 * 8 : 0);
 }
 // D[64 × 128] += A[64 × 16] · B[128 × 16]ᵀ, A in registers (the layout of
 // mma.m16n8k16's A, warp w of the warpgroup holding rows 16w..16w+15), B
@@ -3982,11 +4019,20 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
 // SPG (8-bit): the K steps a group spans where it is known: 2 (g128), 0
 // (one group along all of K: per channel; the K split's kt0 even where
 // 2), 1 otherwise; a thread keeps its rows' Q8Half across a group's steps.
-template <int WK, bool PAIR = false, bool NRM = false, int SPG = 1, typename Epi>
+// AH: the block tile's 128-row halves; with 2 a register-fragment kind's
+// block computes 256 activation rows by its weight rows, each fragment
+// serving both halves (two accumulator sets a consumer), and an fp16
+// block 128 activation rows by 256 weight rows, one wgmma m64n256k16 a
+// k16 step (A read once for both weight halves).
+template <int WK, bool PAIR = false, bool NRM = false, int SPG = 1, int AH = 1, typename Epi>
 __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap* mapA, const TmaMap* mapW,
                                              const float2* __restrict__ sz, const float2* __restrict__ sz2, int M,
                                              int N, int gs, int G, int kt0, int kt1, int out, Epi epi, int ny = -1) {
-    constexpr int SB = gw_stage_bytes<WK>(), GWS = gw_stages<WK>();
+    constexpr int SB = gw_stage_bytes<WK, AH>(), GWS = gw_stages<WK, AH>();
+    static_assert(AH == 1 || (WK != GH_S8 && !(WK == GH_F16 && (PAIR || std::is_same<Epi, PeerMirror>::value))),
+                  "two halves: not int8, not the fp16 pair or peer forms");
+    constexpr int AHA = gw_a_halves<WK, AH>(), AHW = AH / AHA;  // activation, weight halves
+    constexpr bool MOVE_REGS = (WK != GH_F16 && WK != GH_S8) || AH == 2;  // setmaxnreg
     constexpr int BKE = WK == GH_S8 ? 128 : GW_BK;  // elements of a K step
     constexpr bool QUANT = WK == GH_Q4 || WK == GH_Q8;
     extern __shared__ __align__(1024) unsigned char gw_raw[];
@@ -3995,13 +4041,13 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     auto full = [&](int s) { return bars + 8 * s; };
     auto empty = [&](int s) { return bars + 8 * (GWS + s); };
     auto tileA = [&](int s) { return base + s * SB; };
-    auto tileW = [&](int s) { return base + s * SB + 128 * GW_BK * 2; };
+    auto tileW = [&](int s) { return base + s * SB + AHA * 128 * GW_BK * 2; };
     auto tileS = [&](int s) { return tileW(s) + gw_w_bytes<WK>(); };  // GH_Q4, GH_Q8: {scale, zero}
     auto at = [&](uint32_t a) { return gw_raw + (a - raw); };      // generic address of shared address a
     // blockIdx.x walks the activation tiles: the blocks running at once
     // share weight tiles, so each weight tile leaves device memory once
-    int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128, nk = kt1 - kt0;
-    int n0 = (ny < 0 ? (int)blockIdx.y : ny) * (PAIR ? 64 : 128);
+    int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128 * AHA, nk = kt1 - kt0;
+    int n0 = (ny < 0 ? (int)blockIdx.y : ny) * (PAIR ? 64 : 128) * AHW;
     if (tid == 0) {
         for (int s = 0; s < GWS; s++) {
             mbar_init(full(s), QUANT ? 1 + 128 : 1);  // the copy engine's bytes; the scales' copies
@@ -4014,7 +4060,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         // the kinds whose consumers make fragments in registers give the
         // producer's registers to them (setmaxnreg: 40 here, 232 there;
         // 168 a thread at launch)
-        if constexpr (WK != GH_F16 && WK != GH_S8) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+        if constexpr (MOVE_REGS) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
         // one thread loads the A and W tiles of every K step; for the
         // quantized kinds every thread copies its weight row's {scale, zero}
         // of the step, its arrival on "full" due when the copy lands
@@ -4023,12 +4069,18 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             int s = i % GWS;
             if (i >= GWS) mbar_wait(empty(s), (i / GWS - 1) & 1);
             if (tid == 0) {
-                mbar_expect_tx(full(s), 128 * GW_BK * 2 + gw_w_bytes<WK>());
-                tma_load_2d(tileA(s), mapA, (kt0 + i) * BKE, m0, full(s));
-                if constexpr (PAIR)
+                mbar_expect_tx(full(s), AHA * 128 * GW_BK * 2 + AHW * gw_w_bytes<WK>());
+#pragma unroll
+                for (int h = 0; h < AHA; h++)  // rows past M: zeros, their bytes counted
+                    tma_load_2d(tileA(s) + h * 128 * GW_BK * 2, mapA, (kt0 + i) * BKE, m0 + h * 128, full(s));
+                if constexpr (PAIR) {
                     tma_load_3d(tileW(s), mapW, (kt0 + i) * BKE / (WK == GH_Q4 ? 8 : 1), n0, 0, full(s));
-                else
-                    tma_load_2d(tileW(s), mapW, (kt0 + i) * BKE / (WK == GH_Q4 ? 8 : 1), n0, full(s));
+                } else {
+#pragma unroll
+                    for (int h = 0; h < AHW; h++)  // rows past N alike
+                        tma_load_2d(tileW(s) + h * gw_w_bytes<WK>(), mapW, (kt0 + i) * BKE / (WK == GH_Q4 ? 8 : 1),
+                                    n0 + h * 128, full(s));
+                }
             }
             if (QUANT) {
                 int row = n0 + (PAIR ? tid & 63 : tid);  // this thread's weight row (of plane tid / 64)
@@ -4046,11 +4098,16 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     static_assert(TS_ROWS * TS_LD * 4 <= GWS * SB, "the result tile fits in the stages");
     TileStage<float> st{reinterpret_cast<float*>(at(base)), m0, n0, 1, 256, tid - 128};
     if constexpr (WK == GH_F16 || WK == GH_S8) {
-        // D = A · Wᵀ: 64 activation rows of warpgroup c by the 128 weight
-        // rows, both operands from shared memory
-        typename std::conditional<WK == GH_S8, int, float>::type d[64];
+        // D = A · Wᵀ: 64 activation rows of warpgroup c by the 128 (AH = 2:
+        // 256) weight rows, both operands from shared memory
+        typename std::conditional<WK == GH_S8, int, float>::type d[64 * AH];
 #pragma unroll
-        for (int e = 0; e < 64; e++) d[e] = 0;
+        for (int e = 0; e < 64 * AH; e++) d[e] = 0;
+        if constexpr (AH == 2) {
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");  // the producer's 128 a thread
+#pragma unroll
+            for (int e = 0; e < 64 * AH; e++) asm volatile("" : "+f"(d[e])::"memory");  // zeros before the first fence
+        }
         for (int i = 0; i < nk; i++) {
             int s = i % GWS;
             mbar_wait(full(s), (i / GWS) & 1);
@@ -4072,7 +4129,18 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             n = n0 + (u >> 1) * 8 + 2 * (lane & 3);
         };
         auto raw = [&](int u, int e) { return d[4 * (u >> 1) + 2 * (u & 1) + e]; };
-        if constexpr (PAIR && WK == GH_S8)
+        if constexpr (AH == 2) {
+            // the two 128-column halves one after the other through the stage
+            auto half = [&](auto hc) {
+                constexpr int h = decltype(hc)::value;
+                auto at_h = [&](int u, int& m, int& n) { at(u + 32 * h, m, n); };
+                auto raw_h = [&](int u, int e) { return raw(u + 32 * h, e); };
+                TileStage<float> sh{st.s, st.m0, st.n0 + 128 * h, st.bar, st.nthr, st.tid};
+                out_tile_staged<32, 2, float>(C, M, N, out, at_h, raw_h, AsIs{}, sh);
+            };
+            half(std::integral_constant<int, 0>{});
+            if (n0 + 128 < N) half(std::integral_constant<int, 1>{});
+        } else if constexpr (PAIR && WK == GH_S8)
             glu_tile<32, 2>(C, M, N, at, raw, epi, TileStage<int>{reinterpret_cast<int*>(st.s), st.m0, st.n0, st.bar, st.nthr, st.tid});
         else if constexpr (PAIR)
             glu_tile<32, 2>(C, M, N, at, raw, epi, st);
@@ -4088,9 +4156,16 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         // activation rows from shared memory. The fragments of step i + 1
         // are made while step i's wgmma runs (two register sets).
         int rw = c * 64 + warp * 16, t = lane & 3;
-        float d[64];
+        float d[AH][64];
 #pragma unroll
-        for (int e = 0; e < 64; e++) d[e] = 0.f;
+        for (int h = 0; h < AH; h++)
+#pragma unroll
+            for (int e = 0; e < 64; e++) d[h][e] = 0.f;
+        if constexpr (AH == 2)  // the zeros before the first wgmma.fence (NVVM sinks them past it: wgmma serialized)
+#pragma unroll
+            for (int h = 0; h < AH; h++)
+#pragma unroll
+                for (int e = 0; e < 64; e++) asm volatile("" : "+f"(d[h][e])::"memory");
         uint32_t f[2][16];
         Q8Half kc[2];  // SPG ≠ 1: the rows' Q8Half of the current groups
         // keep: gw_frags' KEEP for step 0, an odd step or an even one
@@ -4107,7 +4182,10 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
             uint64_t da = wg_desc(tileA(i % GWS));
 #pragma unroll
-            for (int kk = 0; kk < GW_BK / 16; kk++) wgmma_m64n128k16_ra(d, &fi[4 * kk], da + 2 * kk);
+            for (int kk = 0; kk < GW_BK / 16; kk++)
+#pragma unroll
+                for (int h = 0; h < AH; h++)  // half h's rows 16 KB on
+                    wgmma_m64n128k16_ra(d[h], &fi[4 * kk], da + 2 * kk + h * (128 * GW_BK * 2 >> 4));
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         };
         auto release = [&](int i) {  // step i's wgmma is complete: its stage is free
@@ -4139,20 +4217,29 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         if (nk > 0) release(nk - 1);
-        // accumulator e of n8 chunk j: weight row 16·warp + lane/4 (+8 for
-        // e ≥ 2), activation row 8j + 2·(lane % 4) (+1 for odd e)
-        // (unit u = 4j + e)
-        auto unit = [&](int u, int& m, int& n) {
-            m = m0 + (u >> 2) * 8 + 2 * t + (u & 1);
-            n = n0 + rw + (lane >> 2) + 8 * ((u >> 1) & 1);
+        // accumulator e of n8 chunk j of half h: weight row 16·warp +
+        // lane/4 (+8 for e ≥ 2), activation row 128h + 8j + 2·(lane % 4)
+        // (+1 for odd e) (unit u = 4j + e); the halves one after the other
+        // through the stage
+        auto half = [&](auto hc) {
+            constexpr int h = decltype(hc)::value;
+            int mh = m0 + h * 128;
+            auto unit = [&](int u, int& m, int& n) {
+                m = mh + (u >> 2) * 8 + 2 * t + (u & 1);
+                n = n0 + rw + (lane >> 2) + 8 * ((u >> 1) & 1);
+            };
+            auto raw = [&](int u, int) { return d[h][u]; };
+            TileStage<float> sh{st.s, mh, st.n0, st.bar, st.nthr, st.tid};
+            if constexpr (PAIR)
+                glu_tile<64, 1>(C, M, N, unit, raw, epi, sh);
+            else if constexpr (std::is_same<Epi, PeerMirror>::value)
+                out_tile_staged<64, 1, float>(C, M, N, out, unit, raw, AsIs{}, sh, epi);
+            else
+                out_tile_staged<64, 1, float>(C, M, N, out, unit, raw, AsIs{}, sh);
         };
-        auto raw = [&](int u, int) { return d[u]; };
-        if constexpr (PAIR)
-            glu_tile<64, 1>(C, M, N, unit, raw, epi, st);
-        else if constexpr (std::is_same<Epi, PeerMirror>::value)
-            out_tile_staged<64, 1, float>(C, M, N, out, unit, raw, AsIs{}, st, epi);
-        else
-            out_tile_staged<64, 1, float>(C, M, N, out, unit, raw, AsIs{}, st);
+        half(std::integral_constant<int, 0>{});
+        if constexpr (AH == 2)
+            if (m0 + 128 < M) half(std::integral_constant<int, 1>{});
     }
 }
 // Q8_SPLIT_ALIGN: the K split's share a multiple of two steps where
@@ -4165,42 +4252,46 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
 // the scales as they are (q8_half's NRM). Other kinds ignore it.
 #define GW_Q8_NORMAL 1
 // gemm_wg_run is gemm_wg_body with NRM from flags (8-bit kinds only).
-template <int WK, bool PAIR = false, typename Epi>
+template <int WK, bool PAIR = false, int AH = 1, typename Epi>
 __device__ __forceinline__ void gemm_wg_run(int flags, float* C, const TmaMap* mapA, const TmaMap* mapW,
                                             const float2* sz, const float2* sz2, int M, int N, int gs, int G, int kt0,
                                             int kt1, int out, Epi epi, int ny = -1) {
     if constexpr (WK == GH_Q8) {
         if (flags & GW_Q8_NORMAL) {
             if (G == 1)
-                gemm_wg_body<WK, PAIR, true, 0>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
+                gemm_wg_body<WK, PAIR, true, 0, AH>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
             else if (gs == 2 * GW_BK)
-                gemm_wg_body<WK, PAIR, true, 2>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
+                gemm_wg_body<WK, PAIR, true, 2, AH>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
             else
-                gemm_wg_body<WK, PAIR, true>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
+                gemm_wg_body<WK, PAIR, true, 1, AH>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
             return;
         }
     }
-    gemm_wg_body<WK, PAIR>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
+    gemm_wg_body<WK, PAIR, false, 1, AH>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
 }
 // name(C, mapA, mapW, sz, M, N, K, gs, G, flags, out): mapA over the fp16
 // activations [M, K], mapW over the weight (fp16 or bf16 [N, K]; GH_Q4: the
 // words [N, K/8]; GH_Q8: the codes [N, K]), sz and the group size gs (a
 // multiple of GW_BK) and count G of the quantized kinds, flags
 // (GW_Q8_NORMAL); dynamic shared memory gw_stage_bytes · gw_stages + the
-// barriers + 1024.
-#define GEMM_WG_ENTRY(name, WK)                                                                                  \
+// barriers + 1024. The _w forms (AH = 2) take 256 activation rows a block.
+#define GEMM_WG_ENTRY(name, WK, AH)                                                                              \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \
              int M, int N, int K, int gs, int G, int flags, int out) {                                           \
         PDL_ENTRY();                                                                                             \
         KSplit ks = k_split((K + GW_BK - 1) / GW_BK, Q8_SPLIT_ALIGN(WK, flags, gs, G));                           \
-        gemm_wg_run<WK>(flags, C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, nullptr, M, N, gs, G, ks.kt0,   \
-                        ks.kt1, SPLIT_OUT, 0);                                                                   \
+        gemm_wg_run<WK, false, AH>(flags, C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, nullptr, M, N, gs, G, \
+                                   ks.kt0, ks.kt1, SPLIT_OUT, 0);                                                \
     }
-GEMM_WG_ENTRY(gemm_wg_f16, GH_F16)
-GEMM_WG_ENTRY(gemm_wg_bf16, GH_BF16)
-GEMM_WG_ENTRY(gemm_wg_q4, GH_Q4)
-GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8)
+GEMM_WG_ENTRY(gemm_wg_f16, GH_F16, 1)
+GEMM_WG_ENTRY(gemm_wg_bf16, GH_BF16, 1)
+GEMM_WG_ENTRY(gemm_wg_q4, GH_Q4, 1)
+GEMM_WG_ENTRY(gemm_wg_q8, GH_Q8, 1)
+GEMM_WG_ENTRY(gemm_wg_f16_w, GH_F16, 2)
+GEMM_WG_ENTRY(gemm_wg_bf16_w, GH_BF16, 2)
+GEMM_WG_ENTRY(gemm_wg_q4_w, GH_Q4, 2)
+GEMM_WG_ENTRY(gemm_wg_q8_w, GH_Q8, 2)
 
 // name_tp(C, mapA, mapW, sz, M, N, K, gs, G, flags, out, area, rank, world,
 // stage_off, cap): name's product, K unsplit, that also sends its values to
@@ -4268,19 +4359,23 @@ GEMM_WG_SEGS_ENTRY(gemm_wg_q8_segs, GH_Q8)
 // a block's W tile 64 rows of each weight (gemm_wg_body's PAIR: mapGU
 // covers both as the planes of one tensor, plane 0 the one at the lower
 // address, the up weight where upFirst; sz and sz2 the planes' {scale,
-// zero}), its result tile 128 rows × 64 outputs (glu_tile). No K split.
-#define GEMM_WG_GLU_ENTRY(name, WK)                                                                              \
+// zero}), its result tile 128 rows × 64 outputs (glu_tile; the _w forms:
+// two such tiles, 256 rows). No K split.
+#define GEMM_WG_GLU_ENTRY(name, WK, AH)                                                                          \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, __half* Ch, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapGU,   \
              const float2* sz, const float2* sz2, int M, int N, int K, int gs, int G, int flags, int upFirst) {  \
         PDL_ENTRY();                                                                                             \
-        gemm_wg_run<WK, true>(flags, C, &mapA, &mapGU, sz, sz2, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK,         \
-                              OUT_STORE, GluEpi<AsIs>{AsIs{}, AsIs{}, upFirst != 0, QOut{}, Ch});                \
+        gemm_wg_run<WK, true, AH>(flags, C, &mapA, &mapGU, sz, sz2, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK,     \
+                                  OUT_STORE, GluEpi<AsIs>{AsIs{}, AsIs{}, upFirst != 0, QOut{}, Ch});            \
     }
-GEMM_WG_GLU_ENTRY(gemm_wg_f16_glu, GH_F16)
-GEMM_WG_GLU_ENTRY(gemm_wg_bf16_glu, GH_BF16)
-GEMM_WG_GLU_ENTRY(gemm_wg_q4_glu, GH_Q4)
-GEMM_WG_GLU_ENTRY(gemm_wg_q8_glu, GH_Q8)
+GEMM_WG_GLU_ENTRY(gemm_wg_f16_glu, GH_F16, 1)
+GEMM_WG_GLU_ENTRY(gemm_wg_bf16_glu, GH_BF16, 1)
+GEMM_WG_GLU_ENTRY(gemm_wg_q4_glu, GH_Q4, 1)
+GEMM_WG_GLU_ENTRY(gemm_wg_q8_glu, GH_Q8, 1)
+GEMM_WG_GLU_ENTRY(gemm_wg_bf16_glu_w, GH_BF16, 2)
+GEMM_WG_GLU_ENTRY(gemm_wg_q4_glu_w, GH_Q4, 2)
+GEMM_WG_GLU_ENTRY(gemm_wg_q8_glu_w, GH_Q8, 2)
 #endif
 
 // The fused GEMMs split K over grid.z where the tiles alone would leave the

@@ -79,6 +79,12 @@ type Options struct {
 	// blocks merged through global memory (attention*), not as one cluster
 	// (attention_f16_cl, sm_90a; for comparisons, like NoDependentLaunch).
 	NoClusterAttention bool
+	// WGWide chooses the Hopper GEMMs' blocks of two 128-row halves (the
+	// _w kernels: 256 activation rows for the register-fragment kinds,
+	// every fragment serving both; 256 weight rows for fp16, one wgmma
+	// m64n256 a step): 0 as wideWG's rule says, 1 wherever there is a _w
+	// kernel, -1 never (for comparisons, like NoDependentLaunch).
+	WGWide int
 	// AttnSplit is the number of 64-key tiles a block of the prefill
 	// attention takes at most: 0 lets the launch's shape choose (attnSplit),
 	// a negative value gives every query tile one block (for comparisons,
@@ -348,7 +354,7 @@ func kernelNames() []string {
 // values of hopperGEMM, gluKernels, segsKernels and tileSendKernels;
 // clusters: the decode attention's attention_f16_cl), looked up where it
 // is loaded.
-var hopperKernels = slices.Concat(slices.Sorted(maps.Values(hopperGEMM)), slices.Sorted(maps.Values(gluKernels)),
+var hopperKernels = slices.Concat(slices.Sorted(maps.Values(hopperGEMM)), slices.Sorted(maps.Values(gluKernels)), slices.Sorted(maps.Values(wideKernels)),
 	slices.Sorted(maps.Values(segsKernels)), slices.Sorted(maps.Values(tileSendKernels)), []string{"attention_f16_cl"})
 
 // enter binds the context to the calling thread; call the result when done.

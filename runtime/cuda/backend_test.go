@@ -324,6 +324,57 @@ func TestNormalScales(t *testing.T) {
 	}
 }
 
+// TestWideWG checks wideWG's choice of the Hopper GEMMs' blocks of two
+// halves on 132 multiprocessors against what bench's kernel table measured
+// on an H200 at 512 rows (kernels/NOTES.md, fifty-second session): wide
+// where its waves take less (14336 outputs, 11008 gate/up pairs), or where
+// its fewer blocks split K in two and the K steps outweigh the split's cost
+// (4096 outputs of 11008 or 14336 inputs); narrow for 11008 outputs (3
+// narrow waves, 2 wide) and 4096 × 4096 (the split costs more than it
+// saves); never where the wide blocks are as many (128 rows or fewer); and
+// as Options.WGWide forces; and wideGrid's halved dimension.
+func TestWideWG(t *testing.T) {
+	for _, c := range []struct {
+		name                       string
+		narrow, wide, steps, force int
+		split, want                bool
+	}{
+		{"gemm_wg_q8", 4 * 112, 2 * 112, 64, 0, true, true},      // 14336 × 4096: 4 narrow waves, 2 wide
+		{"gemm_wg_f16", 4 * 112, 4 * 56, 64, 0, true, true},      // the same in fp16 (wide along N)
+		{"gemm_wg_q8", 4 * 86, 2 * 86, 64, 0, true, false},       // 11008 × 4096: 3 narrow waves, 2 wide
+		{"gemm_wg_f16", 4 * 86, 4 * 43, 64, 0, true, false},      //
+		{"gemm_wg_q4", 4 * 32, 2 * 32, 64, 0, true, false},       // 4096 × 4096: the split costs more
+		{"gemm_wg_q4", 4 * 32, 2 * 32, 224, 0, true, true},       // 4096 × 14336: wide split in two
+		{"gemm_wg_q8", 4 * 32, 2 * 32, 172, 0, true, true},       // 4096 × 11008
+		{"gemm_wg_f16", 4 * 32, 4 * 16, 172, 0, true, false},     // fp16: 174 steps wide, 172 narrow
+		{"gemm_wg_q8", 4 * 32, 2 * 32, 224, 0, false, false},     // no split: a wide wave of 64 blocks
+		{"gemm_wg_q4_glu", 4 * 172, 2 * 172, 64, 0, false, true}, // 11008 gate/up pairs (64-row tiles): 6 narrow waves, 3 wide
+		{"gemm_wg_q8", 16 * 32, 8 * 32, 64, 0, true, true},       // 2048 rows: 4 narrow waves, 2 wide
+		{"gemm_wg_q8", 1 * 1000, 1 * 1000, 64, 0, true, false},   // 128 rows: a half of each wide block idle
+		{"gemm_wg_q8", 2 * 1000, 1 * 1000, 64, 0, true, true},
+		{"gemm_wg_q8", 4 * 112, 2 * 112, 64, -1, true, false},
+		{"gemm_wg_q8", 4 * 32, 2 * 32, 64, 1, true, true},
+	} {
+		b := &Backend{sms: 132, opt: Options{WGWide: c.force}}
+		if got := b.wideWG(c.name, c.narrow, c.wide, c.steps, c.split); got != c.want {
+			t.Errorf("wideWG(%s, %d narrow blocks, %d wide, %d steps, split %v, WGWide %d) = %v, want %v",
+				c.name, c.narrow, c.wide, c.steps, c.split, c.force, got, c.want)
+		}
+	}
+	for _, c := range []struct {
+		name       string
+		grid, want [3]uint32
+	}{
+		{"gemm_wg_q8", [3]uint32{5, 7, 1}, [3]uint32{3, 7, 1}},
+		{"gemm_wg_q4_glu", [3]uint32{4, 7, 1}, [3]uint32{2, 7, 1}},
+		{"gemm_wg_f16", [3]uint32{5, 7, 1}, [3]uint32{5, 4, 1}},
+	} {
+		if got := wideGrid(c.name, c.grid); got != c.want {
+			t.Errorf("wideGrid(%s, %v) = %v, want %v", c.name, c.grid, got, c.want)
+		}
+	}
+}
+
 var weightCases = []weightCase{
 	{"f32", 0, denseCase(model.F32), 0},
 	{"f16", 0, denseCase(model.F16), 0},
@@ -384,7 +435,7 @@ func TestMatMul(t *testing.T) {
 			}
 		}
 		for _, k := range hopperKernels {
-			if b.wgmma && !ran[k] && strings.HasPrefix(k, "gemm_") && k != "gemm_wg_s8" && !strings.HasSuffix(k, "_glu") && !strings.HasSuffix(k, "_segs") && !strings.HasSuffix(k, "_tp") && !t.Failed() { // TestW8A8, TestGLUPair, TestMatMulNHopper, TestMatMulAllReduceTiles; attention_f16_cl: TestAttention
+			if b.wgmma && !ran[k] && strings.HasPrefix(k, "gemm_") && k != "gemm_wg_s8" && !strings.Contains(k, "_glu") && !strings.HasSuffix(k, "_segs") && !strings.HasSuffix(k, "_tp") && !t.Failed() { // TestW8A8, TestGLUPair, TestMatMulNHopper, TestMatMulAllReduceTiles; attention_f16_cl: TestAttention
 				t.Errorf("no case runs the Hopper GEMM %s", k)
 			}
 		}
@@ -398,13 +449,23 @@ func TestMatMul(t *testing.T) {
 		lw, wf := uploadCase(t, b, r, wc, N, K)
 		for _, M := range []int{1, 3, 5, 37, 130, 300} {
 			// On Hopper the GEMM rows also run on the mma.sync kernels
-			// (Options.NoWGMMA), which other devices take.
-			noWGMMA := []bool{false}
-			if b.wgmma && M > b.opt.GEMVMaxRows {
-				noWGMMA = append(noWGMMA, true)
+			// (Options.NoWGMMA), which other devices take, and on the
+			// Hopper GEMM's form of 256-row blocks where it has one
+			// (Options.WGWide: 130 rows a half-empty block, 300 a second
+			// block of 44).
+			type form struct {
+				noWGMMA bool
+				wide    int
 			}
-			for _, no := range noWGMMA {
-				b.opt.NoWGMMA = no
+			forms := []form{{false, -1}}
+			if b.wgmma && M > b.opt.GEMVMaxRows {
+				forms = append(forms, form{true, -1})
+				if b.HasWideGEMM(lw, M) {
+					forms = append(forms, form{false, 1})
+				}
+			}
+			for _, f := range forms {
+				b.opt.NoWGMMA, b.opt.WGWide = f.noWGMMA, f.wide
 				name := fmt.Sprintf("%s/%s/M=%d", wc.name, lin(lw).Kind(), M)
 				kernel := ""
 				if M <= b.opt.GEMVMaxRows {
@@ -413,6 +474,9 @@ func TestMatMul(t *testing.T) {
 					name += "/" + kernel
 				} else if gh, _ := gemmHKernel(lin(lw)); b.halfGEMM(lin(lw), M, false) {
 					if wg := b.wgmmaKernel(gh, M); wg != "" {
+						if f.wide > 0 {
+							wg = wideKernels[wg]
+						}
 						ran[wg] = true
 						name += "/" + wg
 					} else {
@@ -424,7 +488,7 @@ func TestMatMul(t *testing.T) {
 					checkMatMul(t, b, name, kernel, lw, wf, randVec(r, M*K, 1), M, N, K)
 				})
 			}
-			b.opt.NoWGMMA = false
+			b.opt.NoWGMMA, b.opt.WGWide = false, 0
 		}
 	}
 }
@@ -709,18 +773,25 @@ func TestGEMMRing(t *testing.T) {
 	r := rand.New(rand.NewPCG(3, 4))
 	const K = 1024
 	for _, M := range []int{200, 20} {
-		testGEMMRing(t, b, r, M, K)
+		testGEMMRing(t, b, r, M, K, 198, -1)
 	}
+	// the Hopper GEMMs' blocks of two halves (Options.WGWide): 454 rows,
+	// two blocks along N of fp16's 256 weight rows, the second part past N
+	defer func() { b.opt.WGWide = 0 }()
+	testGEMMRing(t, b, r, 200, K, 454, 1)
 }
 
-func testGEMMRing(t *testing.T, b *Backend, r *rand.Rand, M, K int) {
+// testGEMMRing checks M rows by the weight cases' weights of about N rows
+// and K inputs, unsplit, wide as Options.WGWide says.
+func testGEMMRing(t *testing.T, b *Backend, r *rand.Rand, M, K, N0, wide int) {
+	b.opt.WGWide = wide
 	for _, wc := range weightCases {
 		switch wc.name {
 		case "f16", "bf16", "kuiper-int8-sym-g64", "w8-g128-offset", "awq-int4-asym-g128", "w4-f32scales-g128", "gptq-int4-actorder-g64":
 		default:
 			continue
 		}
-		N := rowsFor(b, wc, 198) // N % 4 = 2: the GEMM epilogues' column tails
+		N := rowsFor(b, wc, N0) // N % 4 = 2: the GEMM epilogues' column tails
 		w, wf := wc.make(r, N, K)
 		lw, err := b.UploadLinear(wc.name, w)
 		if err != nil {
@@ -728,11 +799,14 @@ func testGEMMRing(t *testing.T, b *Backend, r *rand.Rand, M, K int) {
 		}
 		gh, _ := gemmHKernel(lin(lw))
 		k, _ := gemmHForm(gh, M)
-		name := fmt.Sprintf("%s/M=%d/%s", wc.name, M, k)
+		name := fmt.Sprintf("%s/M=%d/N=%d/%s", wc.name, M, N, k)
 		if !b.halfGEMM(lin(lw), M, false) {
-			name = fmt.Sprintf("%s/M=%d/%s", wc.name, M, "fused")
+			name = fmt.Sprintf("%s/M=%d/N=%d/%s", wc.name, M, N, "fused")
 		} else if wg := b.wgmmaKernel(gh, M); wg != "" {
-			name = fmt.Sprintf("%s/M=%d/%s", wc.name, M, wg)
+			if wide > 0 && wideKernels[wg] != "" {
+				wg = wideKernels[wg]
+			}
+			name = fmt.Sprintf("%s/M=%d/N=%d/%s", wc.name, M, N, wg)
 		}
 		x := randVec(r, M*K, 1)
 		want := matmulRef(x, wf, M, N, K)

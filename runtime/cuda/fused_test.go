@@ -451,7 +451,10 @@ func TestW8A8DP4A(t *testing.T) {
 // (gluPair: gemm_wg_*_glu) against RMSNorm, the two products and SiLUMul
 // (unsplit, as the pair): equal within 1e-6 of the largest value (the same
 // sums), for every weight kind of weightCases but the GEMV-only ones, at
-// 130 and 300 rows of 198 outputs (64-row planes with a tail, N % 4 = 2).
+// 130 and 300 rows of 198 outputs (64-row planes with a tail, N % 4 = 2),
+// in blocks of 128 activation rows and, where the kind has them
+// (Options.WGWide), of 256 (the two products then also in 256-row blocks:
+// TestMatMul checks those against the CPU).
 // Kinds a Hopper GEMM takes only widened (int4 g32, g_idx) keep their two
 // products. The W8A8 pair is TestNormQuantized's and TestMLPDownInput's.
 func TestGLUPair(t *testing.T) {
@@ -459,6 +462,8 @@ func TestGLUPair(t *testing.T) {
 	r := rand.New(rand.NewPCG(51, 52))
 	ran := map[string]bool{}
 	kernel := map[int]string{kindF16: "gemm_wg_f16_glu", kindBF16: "gemm_wg_bf16_glu", kindQ4: "gemm_wg_q4_glu", kindQ8: "gemm_wg_q8_glu"}
+	wide := map[int]string{kindBF16: "gemm_wg_bf16_glu_w", kindQ4: "gemm_wg_q4_glu_w", kindQ8: "gemm_wg_q8_glu_w"}
+	defer func() { b.opt.WGWide = 0 }()
 	const N, eps = 198, 1e-5
 	for _, wc := range weightCases {
 		if wc.tall > 0 || wc.k > 4096 { // the GEMVs' shapes
@@ -478,18 +483,29 @@ func TestGLUPair(t *testing.T) {
 		}
 		nw, _ := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
 		for _, M := range []int{130, 300} {
-			t.Run(fmt.Sprintf("%s/M=%d", wc.name, M), func(t *testing.T) {
-				x, h := normedInput(b, r, M, K, nw, nil, eps)
-				defer b.Free(x)
-				defer b.Free(h)
-				checkNormProducts(t, b, x, h, nw, nil, eps, ws[:1], ws[0], ws[1], 1e-6)
-			})
+			for _, w := range []int{-1, 1} {
+				b.opt.WGWide = w
+				t.Run(fmt.Sprintf("%s/M=%d/wide=%d", wc.name, M, w), func(t *testing.T) {
+					x, h := normedInput(b, r, M, K, nw, nil, eps)
+					defer b.Free(x)
+					defer b.Free(h)
+					checkNormProducts(t, b, x, h, nw, nil, eps, ws[:1], ws[0], ws[1], 1e-6)
+				})
+			}
 		}
 		if g := lin(ws[0]); g.glu != nil {
 			ran[kernel[g.kind]] = true
+			if wide[g.kind] != "" {
+				ran[wide[g.kind]] = true
+			}
 		}
 	}
 	for _, k := range kernel {
+		if !ran[k] && !t.Failed() {
+			t.Errorf("no case runs %s", k)
+		}
+	}
+	for _, k := range wide {
 		if !ran[k] && !t.Failed() {
 			t.Errorf("no case runs %s", k)
 		}

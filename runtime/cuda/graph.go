@@ -278,6 +278,12 @@ func (b *Backend) Options() *Options { return &b.opt }
 // device with the sm_90a PTX and a driver that encodes tensor maps.
 func (b *Backend) HasWGMMA() bool { return b.wgmma }
 
+// HasWideGEMM reports whether w's Hopper GEMM for M activation rows has a
+// form of 256 rows a block (Options.WGWide chooses).
+func (b *Backend) HasWideGEMM(w runtime.Linear, M int) bool {
+	return wideKernels[b.unwidenedWG(lin(w), M)] != ""
+}
+
 // TimeCaptured captures reps calls of f (which queues kernels only: no
 // host transfers) into a graph, replays it and returns the device time per
 // call in seconds: kernel time without host launch overhead.

@@ -1116,13 +1116,15 @@ func (b *Backend) wgmmaKernel(name string, M int) string {
 	return hopperGEMM[name]
 }
 
-// gemmWGSmem is the dynamic shared memory of Hopper GEMM name (qtool.cu's
+// gemmWGSmem is the dynamic shared memory of Hopper GEMM name with ah
+// 128-row halves a block (1; 2: its _w form, halves of activations, or of
+// weights for fp16, whose tiles are the same 16 KB) (qtool.cu's
 // gw_stage_bytes × gw_stages, 2 mbarriers a stage, 1024 bytes to align the
-// ring): a stage holds the A tile (128 rows of 128 bytes) and the W tile as
-// loaded (128 rows of 128 bytes; 4-bit: 32; 8-bit: 64, and 128 {scale,
-// zero}).
-func gemmWGSmem(name string) int {
-	stage := 128 * 128
+// ring): a stage holds the A tile (128 rows of 128 bytes a half) and the W
+// tile as loaded (128 rows of 128 bytes; 4-bit: 32; 8-bit: 64, and 128
+// {scale, zero}).
+func gemmWGSmem(name string, ah int) int {
+	stage := ah * 128 * 128
 	switch name {
 	case "gemm_wg_q4":
 		stage += 128*32 + 128*8
@@ -1131,29 +1133,117 @@ func gemmWGSmem(name string) int {
 	default:
 		stage += 128 * 128
 	}
-	S := gemmWGStages(name)
+	S := gemmWGStages(name, ah)
 	return S*stage + 2*S*8 + 1024
 }
 
-// gemmWGStages is the depth of Hopper GEMM name's ring (qtool.cu's
-// gw_stages): 8 for the 4-bit weights, whose stages are small, else 5.
-func gemmWGStages(name string) int {
-	if name == "gemm_wg_q4" {
+// gemmWGStages is the depth of Hopper GEMM name's ring with ah halves a
+// block (qtool.cu's gw_stages): 8 for the 4-bit weights, whose stages are
+// small, else 5; with two halves as many as fit in 227 KB (4-bit 6, 8-bit
+// 5, bf16 and fp16 4).
+func gemmWGStages(name string, ah int) int {
+	switch {
+	case ah == 1 && name == "gemm_wg_q4":
 		return 8
+	case ah == 1:
+		return 5
+	case name == "gemm_wg_q4":
+		return 6
+	case name == "gemm_wg_q8":
+		return 5
 	}
-	return 5
+	return 4
+}
+
+// wideKernels maps Hopper GEMMs to their forms of blocks with two 128-row
+// halves (AH = 2 in qtool.cu): for the register-fragment kinds (and their
+// gate/up pairs) 256 activation rows, each weight fragment made once for
+// twice the rows; for fp16 256 weight rows (wideAlongN), one wgmma
+// m64n256 reading the activations once for both halves.
+var wideKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_w", "gemm_wg_bf16": "gemm_wg_bf16_w", "gemm_wg_q4": "gemm_wg_q4_w",
+	"gemm_wg_q8": "gemm_wg_q8_w", "gemm_wg_bf16_glu": "gemm_wg_bf16_glu_w", "gemm_wg_q4_glu": "gemm_wg_q4_glu_w",
+	"gemm_wg_q8_glu": "gemm_wg_q8_glu_w"}
+
+// wideAlongN reports whether Hopper GEMM name's _w form doubles the weight
+// rows of a block rather than its activation rows.
+func wideAlongN(name string) bool { return name == "gemm_wg_f16" }
+
+// wideCost is a wide block's time for one 128-row half of Hopper GEMM
+// name, relative to a narrow block of 128 rows: the fragments made half as
+// often (0.77–0.82 measured on an H200 at 512 rows, the 8/4-bit and bf16
+// kinds), or for fp16 the activations read half as often (0.85).
+func wideCost(name string) float64 {
+	if wideAlongN(name) {
+		return 0.85
+	}
+	return 0.8
+}
+
+// wgSplitSteps is what splitting K costs a Hopper GEMM launch, in block
+// steps (one 128 × 128 tile through one K step of 64): the partial
+// products written in fp32 and added up by sum_splits. 13–16 µs measured
+// on an H200 at 512 × 4096 outputs in two splits, ~0.5 µs a step.
+const wgSplitSteps = 28
+
+// wgEstimate is a Hopper GEMM launch's time in block steps: tiles blocks
+// (times the K splits launchSplit makes where split; those of a gate/up
+// pair's launch do not split), b.sms at once, each through steps K steps
+// at cost a step, plus wgSplitSteps where K splits.
+func (b *Backend) wgEstimate(tiles, steps int, cost float64, split bool) float64 {
+	S := 1
+	if split {
+		S = b.splits(tiles, steps, b.sms)
+	}
+	e := float64((tiles*S+b.sms-1)/b.sms) * float64((steps+S-1)/S) * cost
+	if S > 1 {
+		e += wgSplitSteps
+	}
+	return e
+}
+
+// wideWG reports whether Hopper GEMM name, narrow blocks through steps K
+// steps, takes its _w form of wide blocks of two halves
+// (Options.WGWide; by default where wgEstimate says the wide launch, two
+// halves a block at wideCost each, takes less: where it has fewer waves,
+// or fewer blocks to split K among; never where the wide blocks are as
+// many, a half of each idle).
+func (b *Backend) wideWG(name string, narrow, wide, steps int, split bool) bool {
+	switch {
+	case b.opt.WGWide > 0:
+		return true
+	case b.opt.WGWide < 0 || wide >= narrow:
+		return false
+	}
+	return b.wgEstimate(wide, steps, 2*wideCost(name), split) < b.wgEstimate(narrow, steps, 1, split)
+}
+
+// wideGrid is the grid of Hopper GEMM name's _w form for the narrow grid.
+func wideGrid(name string, grid [3]uint32) [3]uint32 {
+	if wideAlongN(name) {
+		grid[1] = (grid[1] + 1) / 2
+	} else {
+		grid[0] = (grid[0] + 1) / 2
+	}
+	return grid
 }
 
 // launchWG launches Hopper GEMM name for l: d[M, N] = a16[M, K] · wᵀ, a16
 // the activations in fp16 and w l's weight (fp16 or bf16 [N, K], 4-bit
 // words [N, K/8], int8 codes [N, K]) or its widening to fp16; K a multiple
 // of 32 (the tensor maps' row pitch a multiple of 16 bytes); the products
-// put into d by out. 128 × 128 tiles of 3 warpgroups, one block a
-// multiprocessor, K split as for the other GEMMs.
+// put into d by out. 128 × 128 tiles of 3 warpgroups (256 activation rows
+// by 128 where wideWG picks the _w form), one block a multiprocessor, K
+// split as for the other GEMMs.
 func (b *Backend) launchWG(name string, d *Buf, a16, w driver.DevicePtr, l *Linear, M, out int) {
 	grid, shm, wmap := b.prepareWG(name, a16, w, l, M)
+	steps := (l.in + gemmHBK - 1) / gemmHBK
+	if wn, wg := wideKernels[name], wideGrid(name, grid); wn != "" && b.wideWG(name, int(grid[0]*grid[1]), int(wg[0]*wg[1]), steps, true) {
+		shm = gemmWGSmem(name, 2)
+		b.raiseSmem(wn, shm)
+		name, grid = wn, wg
+	}
 	gs, G := max(l.gs, gemmHBK), l.groups
-	b.launchGEMM(name, grid, block384, shm, b.sms, (l.in+gemmHBK-1)/gemmHBK, d, out, b.tmaps[0], wmap, l.sz, M, l.out, l.in, gs, G, wgFlags(l))
+	b.launchGEMM(name, grid, block384, shm, b.sms, steps, d, out, b.tmaps[0], wmap, l.sz, M, l.out, l.in, gs, G, wgFlags(l))
 }
 
 // prepareWG encodes the tensor map of Hopper GEMM name's activations
@@ -1210,7 +1300,7 @@ func (b *Backend) actMap(name string, a driver.DevicePtr, M, K int) (shm int) {
 	}
 	// a K step is 128 bytes of activations whatever their type
 	b.must(b.drv.EncodeTensorMap2D(b.tmaps[0], at, a, uint64(M), uint64(K), aw*uint64(K), 128, uint32(128/aw), driver.TensorMapSwizzle128))
-	return gemmWGSmem(name)
+	return gemmWGSmem(name, 1)
 }
 
 // encodeWeightMap encodes into m the tensor map of weight w [N, K] as
@@ -1611,6 +1701,8 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 		return false, false
 	}
 	grid := [3]uint32{uint32((M + 127) / 128), uint32((N + 63) / 64), 1}
+	wg2 := wideGrid(name, grid)
+	wide := wideKernels[name] != "" && b.wideWG(name, int(grid[0]*grid[1]), int(wg2[0]*wg2[1]), (K+gemmHBK-1)/gemmHBK, false)
 	upFirst := 0
 	if gate.gluUpFirst {
 		upFirst = 1
@@ -1631,6 +1723,10 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 		h = q.p
 	}
 	shm := b.actMap(wg, b.half(in, gate), M, K)
+	if wide {
+		shm = gemmWGSmem(wg, 2)
+		name, grid = wideKernels[name], wg2
+	}
 	b.raiseSmem(name, shm)
 	sz, sz2 := gate.sz, up.sz // in plane order
 	if gate.gluUpFirst {
