@@ -2,8 +2,9 @@
 """Summarizes `qtool bench` kernel tables run side by side (gpu-run.sh's kab
 step): each FILE is one run, named kab-VARIANT-ROUND.txt. Prints, for every
 GEMM format and shape, each variant's times over the rounds (us at the
-table's M) and its mean ratio to our fp16 GEMM of the same run; then the
-GEMV lines' % of copy alike, and each run's prefill rates.
+table's M: 512, or the M after @ for bench --gemm-rows) and its mean ratio
+to our fp16 GEMM of the same run; then the GEMV lines' % of copy alike, and
+each run's prefill rates.
 Usage: ktable.py FILE..."""
 import collections
 import re
@@ -16,7 +17,8 @@ def parse(path):
     for line in open(path, errors="replace"):
         f = line.split()
         if len(f) >= 5 and f[0] == "gemm":
-            gemm[(f[1], f[2])] = float(f[4])
+            shape = f[2] if f[3] == "512" else f"{f[2]}@{f[3]}"  # bench --gemm-rows
+            gemm[(f[1], shape)] = float(f[4])
         elif len(f) >= 8 and f[0] == "gemv":
             m = re.search(r"([0-9.]+)% of copy", line)
             if m:
@@ -55,7 +57,7 @@ def main(paths):
             sys.exit(f"ktable: {p}: want a name kab-VARIANT-ROUND.txt")
         runs[m.group(1)].append((int(m.group(2)), parse(p)))
     variants = sorted(runs, key=lambda v: (v != "base", v))
-    print("GEMM (us at M = 512; mean % of our fp16 GEMM of the same run)")
+    print("GEMM (us at M = 512, or the M after @; mean % of our fp16 GEMM of the same run)")
     table(runs, variants, lambda p: p[0], gemm_cell)
     print("GEMV (% of copy)")
     table(runs, variants, lambda p: p[1], lambda key, held: "/".join(f"{g[key]:.1f}" for _, g, _ in held))

@@ -38,6 +38,7 @@ func benchCommand() *cli.Command {
 			&cli.IntFlag{Name: "decode", Value: 128, Usage: "decode steps"},
 			&cli.StringFlag{Name: "kv-cache", Value: "fp16", Usage: "KV cache element type: fp16 (verify's default on CUDA) or fp32"},
 			&cli.BoolFlag{Name: "kernels", Value: true, Usage: "run the per-kernel GEMV/GEMM microbenchmarks"},
+			&cli.IntSliceFlag{Name: "gemm-rows", Value: cli.NewIntSlice(512), Usage: "activation rows of the microbenchmarks' GEMMs (comma-separated, e.g. 512,2048,4096)"},
 			&cli.StringFlag{Name: "json", Usage: "also write every number to this JSON file"},
 			&cli.IntFlag{Name: "tp", Usage: "also run MODEL tensor-parallel over `N` GPUs (NCCL) and compare it with one GPU"},
 		},
@@ -75,7 +76,7 @@ var syntheticConfigs = map[string]model.Config{
 type benchReport struct {
 	Device      string             `json:"device"`
 	CopyGBs     float64            `json:"copy_GBps"`
-	GEMMF16     map[string]float64 `json:"gemm_f16_TFLOPs"`
+	GEMMF16     map[string]float64 `json:"gemm_f16_TFLOPs"` // by "NxK@M"
 	Kernels     []kernelResult     `json:"kernels,omitempty"`
 	Models      []modelResult      `json:"models"`
 	TP          *tpResult          `json:"tp,omitempty"`
@@ -95,6 +96,10 @@ type kernelResult struct {
 	// MMASyncTFLOPs: the GEMM on the mma.sync kernels (Options.NoWGMMA),
 	// where the device runs the Hopper ones.
 	MMASyncTFLOPs float64 `json:"mma_sync_TFLOPs,omitempty"`
+	// WideSeconds and NarrowSeconds: the Hopper GEMM with blocks of 256
+	// and of 128 activation rows (Options.WGWide), where it has both.
+	WideSeconds   float64 `json:"wide_seconds,omitempty"`
+	NarrowSeconds float64 `json:"narrow_seconds,omitempty"`
 }
 
 type modelResult struct {
@@ -134,6 +139,12 @@ func runBench(c *cli.Context) error {
 	if prompt <= 0 || steps <= 0 {
 		return errors.New("bench: --prompt and --decode must be positive")
 	}
+	rows := c.IntSlice("gemm-rows")
+	for _, m := range rows {
+		if m <= 0 || m > 1<<16 {
+			return fmt.Errorf("bench: --gemm-rows %d: want 1 to 65536 rows", m)
+		}
+	}
 	tpN := c.Int("tp")
 	if tpN > 1 && syn != "" {
 		return errors.New("bench: --tp needs a MODEL: --synthetic weights are generated on one GPU and cannot be split (runtime/tp/gputest's TestTPSpeed measures a Llama-2-7B-shaped W4A16 model at TP=2)")
@@ -148,7 +159,7 @@ func runBench(c *cli.Context) error {
 	rep.CopyGBs = b.CopyBandwidth(1<<30) / 1e9
 	fmt.Fprintf(out, "device-to-device copy: %.0f GB/s (read + write)\n", rep.CopyGBs)
 	if c.Bool("kernels") {
-		if err := benchKernels(b, rep, out); err != nil {
+		if err := benchKernels(b, rep, rows, out); err != nil {
 			b.Close()
 			return err
 		}
@@ -243,14 +254,17 @@ func syntheticModel(cfg model.Config, format string) *model.Model {
 	return m
 }
 
-func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
+// benchKernels times, for each of benchShapes and each format, the GEMV
+// (one row) and the GEMM at each of rows activation rows, the GEMMs against
+// our fp16 GEMM of the same shape and rows.
+func benchKernels(b *cuda.Backend, rep *benchReport, rows []int, out io.Writer) error {
 	copyBps := rep.CopyGBs * 1e9
 	fmt.Fprintf(out, "\n(GEMV times are device time per call from a replayed CUDA graph of 20 calls over copies of the weight\n that exceed the L2 cache together)\n")
 	fmt.Fprintf(out, "%-8s %-14s %-12s %5s %10s %12s %9s\n", "kernel", "format", "shape", "M", "time(us)", "rate", "ratio")
 	seed := uint64(1000)
 	for _, sh := range benchShapes {
 		N, K := sh[0], sh[1]
-		var f16Rate float64
+		f16Rate := map[int]float64{} // by rows
 		for _, f := range []string{"fp16", "bf16", "w8a8", "w8a16", "w8a16-pc", "w4a16", "w4a16-pc", "w4a16-act"} {
 			spec := cuda.Synthetic{Format: f, Dims: []int{N, K}, GroupSize: 128, Seed: seed}
 			seed++
@@ -260,29 +274,17 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 			}
 			rep.Kernels = append(rep.Kernels, kv)
 			fmt.Fprint(out, kv.gemvLine())
-			// GEMM, M = 512.
-			const M = 512
-			xm, ym := b.Alloc(M, K), b.Alloc(M, N)
-			b.FillRandom(xm, seed, 1)
-			t := b.Time(3, 20, func() { b.MatMul(ym, xm, w) })
-			flops := 2 * float64(M) * float64(N) * float64(K)
-			kr := kernelResult{Kernel: "gemm", Format: f, Shape: fmt.Sprintf("%dx%d", N, K), M: M, Seconds: t, TFLOPs: flops / t / 1e12}
-			mma := ""
-			if opt := b.Options(); b.HasWGMMA() && !opt.NoWGMMA {
-				opt.NoWGMMA = true
-				kr.MMASyncTFLOPs = flops / b.Time(3, 20, func() { b.MatMul(ym, xm, w) }) / 1e12
-				opt.NoWGMMA = false
-				mma = fmt.Sprintf(" (mma.sync %.1f)", kr.MMASyncTFLOPs)
+			for _, M := range rows {
+				seed++
+				kr := benchGEMM(b, w, f, N, K, M, seed)
+				if f == "fp16" {
+					f16Rate[M] = kr.TFLOPs
+					rep.GEMMF16[fmt.Sprintf("%s@%d", kr.Shape, M)] = kr.TFLOPs
+				}
+				kr.RatioPct = 100 * kr.TFLOPs / f16Rate[M]
+				rep.Kernels = append(rep.Kernels, kr)
+				fmt.Fprint(out, kr.gemmLine())
 			}
-			if f == "fp16" {
-				f16Rate = kr.TFLOPs
-				rep.GEMMF16[kr.Shape] = f16Rate
-			}
-			kr.RatioPct = 100 * kr.TFLOPs / f16Rate
-			rep.Kernels = append(rep.Kernels, kr)
-			fmt.Fprintf(out, "%-8s %-14s %-12s %5d %10.1f %7.1f TFLOP/s %6.1f%% of our fp16 GEMM%s\n", "gemm", f, kr.Shape, M, t*1e6, kr.TFLOPs, kr.RatioPct, mma)
-			b.Free(xm)
-			b.Free(ym)
 			b.FreeLinear(w)
 		}
 	}
@@ -300,6 +302,35 @@ func benchKernels(b *cuda.Backend, rep *benchReport, out io.Writer) error {
 		fmt.Fprint(out, kv.gemvLine())
 	}
 	return nil
+}
+
+// benchGEMM times w's product with M random activation rows on the
+// kernel the dispatcher picks and, where the device has them, on the
+// mma.sync GEMMs instead of the Hopper ones and on the Hopper GEMM's two
+// block forms (Options.WGWide); the caller sets RatioPct.
+func benchGEMM(b *cuda.Backend, w runtime.Linear, format string, N, K, M int, seed uint64) kernelResult {
+	xm, ym := b.Alloc(M, K), b.Alloc(M, N)
+	defer b.Free(xm)
+	defer b.Free(ym)
+	b.FillRandom(xm, seed, 1)
+	mul := func() { b.MatMul(ym, xm, w) }
+	t := b.Time(3, 20, mul)
+	flops := 2 * float64(M) * float64(N) * float64(K)
+	kr := kernelResult{Kernel: "gemm", Format: format, Shape: fmt.Sprintf("%dx%d", N, K), M: M, Seconds: t, TFLOPs: flops / t / 1e12}
+	opt := b.Options()
+	if b.HasWGMMA() && !opt.NoWGMMA {
+		opt.NoWGMMA = true
+		kr.MMASyncTFLOPs = flops / b.Time(3, 20, mul) / 1e12
+		opt.NoWGMMA = false
+	}
+	if b.HasWideGEMM(w, M) {
+		opt.WGWide = 1
+		kr.WideSeconds = b.Time(3, 20, mul)
+		opt.WGWide = -1
+		kr.NarrowSeconds = b.Time(3, 20, mul)
+		opt.WGWide = 0
+	}
+	return kr
 }
 
 // benchGEMV uploads the synthetic weight spec describes and times its
@@ -323,6 +354,19 @@ func benchGEMV(b *cuda.Backend, spec cuda.Synthetic, copyBps float64) (runtime.L
 // gemvLine is k's row of bench's kernel table.
 func (k kernelResult) gemvLine() string {
 	return fmt.Sprintf("%-8s %-24s %-12s %5d %10.2f %8.0f GB/s %7.1f%% of copy\n", k.Kernel, k.Format, k.Shape, k.M, k.Seconds*1e6, k.GBs, k.RatioPct)
+}
+
+// gemmLine is k's line of the kernel table: time, rate, the ratio to our
+// fp16 GEMM and the other kernels' times benchGEMM took.
+func (k kernelResult) gemmLine() string {
+	more := ""
+	if k.MMASyncTFLOPs > 0 {
+		more = fmt.Sprintf(" (mma.sync %.1f)", k.MMASyncTFLOPs)
+	}
+	if k.WideSeconds > 0 {
+		more += fmt.Sprintf(" (256-row tiles %.1f us, 128-row %.1f us)", k.WideSeconds*1e6, k.NarrowSeconds*1e6)
+	}
+	return fmt.Sprintf("%-8s %-14s %-12s %5d %10.1f %7.1f TFLOP/s %6.1f%% of our fp16 GEMM%s\n", "gemm", k.Format, k.Shape, k.M, k.Seconds*1e6, k.TFLOPs, k.RatioPct, more)
 }
 
 func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf bool, copyGBs float64, out io.Writer) (modelResult, error) {
