@@ -3762,7 +3762,10 @@ GEMM_H_Q_ENTRY(gemm_h_q8_s, GH_Q8, int8_t, 1)
 // driver can encode tensor maps). C[M, N] = A[M, K] · W[N, K]ᵀ with A the
 // activations rounded to fp16 (to_half) and W of any gemm_h kind, each
 // value as gemm_h_body makes it, or (gemm_wg_s8) A and W int8 as w8a8_mma
-// takes them. A block of 3 warpgroups computes a 128 × 128 tile.
+// takes them. A block of 3 warpgroups computes a 128 × 128 tile; the _w
+// forms (AH = 2) a tile of two 128-row halves: 256 activation rows by 128
+// for the register-fragment kinds, 128 by 256 weight rows for fp16 and
+// int8.
 // Warpgroup 0 produces: one thread loads the A and W tiles of each K step
 // (64 values; 128 for int8) with the bulk tensor copy engine (TMA: a tensor
 // map per operand, 128-byte swizzle for 128-byte rows, the parts past M, N
@@ -3772,14 +3775,15 @@ GEMM_H_Q_ENTRY(gemm_h_q8_s, GH_Q8, int8_t, 1)
 // release each stage to the producer once their wgmma has read it
 // ("empty": one arrival per consumer warp). fp16 weights and int8: each
 // consumer multiplies its 64 rows of A by the W tile, four wgmma
-// m64n128k16 (int8: m64n128k32, int32 accumulators) a stage with both
-// operands read from shared memory through descriptors, one stage in
-// flight. Other kinds: each consumer computes the transposed
+// m64n128k16 (int8: m64n128k32, int32 accumulators; _w: m64n256) a stage
+// with both operands read from shared memory through descriptors, one
+// stage in flight. Other kinds: each consumer computes the transposed
 // product of its 64 weight rows, widened or dequantized from shared memory
 // into the A registers of wgmma, by the A tile as the B operand, making the
 // next step's registers while the tensor cores run the current one; these
-// kinds move registers from the producer to the consumers (setmaxnreg:
-// 40 and 232 a thread, the 168 of the launch on average). fp32
+// kinds and the _w forms move registers from the producer to the
+// consumers (setmaxnreg: 40 and 232 a thread, the 168 of the launch on
+// average). fp32
 // accumulators in registers. Split z of gridDim.z takes an equal share of
 // the K steps and writes its partial product to C + z·M·N, as the gemm_h
 // kernels do.
@@ -3901,24 +3905,43 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
         : WG_ACC128("+f")
         : "l"(da), "l"(db), "r"(1));
 }
+// D[64 × 256] += A[64 × 32] · B[256 × 32]ᵀ in int8, int32 accumulators (A
+// read once for 256 columns).
+__device__ __forceinline__ void wgmma_m64n256k32_s8(int (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 "
+        WG_D128 ", "
+        "%128, %129, p;\n"
+        "}\n"
+        : WG_ACC128("+r")
+        : "l"(da), "l"(db), "r"(1));
+}
 // wgmma_ss: one k step of 32 bytes (16 halfs or 32 int8) with both operands
 // in shared memory, by the accumulators' type.
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k16(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k32_s8(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(float (&d)[128], uint64_t da, uint64_t db) { wgmma_m64n256k16(d, da, db); }
+__device__ __forceinline__ void wgmma_ss(int (&d)[128], uint64_t da, uint64_t db) { wgmma_m64n256k32_s8(d, da, db); }
+// wg_pin keeps an accumulator's value where it is at this point (an empty
+// asm with the register as operand: NVVM may not move its zeroing past it)
+__device__ __forceinline__ void wg_pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void wg_pin(int& x) { asm volatile("" : "+r"(x)::"memory"); }
 // gw_w_bytes is the W tile of a ring stage as the copy engine lands it: 128
 // rows of 64 fp16/bf16 values (128-byte swizzle), 4-bit words (32 bytes a
 // row) or int8 codes (64 bytes a row, 64-byte swizzle); gw_stage_bytes
 // adds the A tile and, for the quantized kinds, the rows' {scale, zero}.
 // With AH = 2 a block's tile has two 128-row halves: of activations for
-// the register-fragment kinds (gw_a_halves), of weights for fp16.
+// the register-fragment kinds (gw_a_halves), of weights for fp16 and int8.
 template <int WK>
 __host__ __device__ constexpr int gw_w_bytes() {
     return WK == GH_Q4 ? 128 * 32 : WK == GH_Q8 ? 128 * 64 : 128 * GW_BK * 2;
 }
 template <int WK, int AH>
 __host__ __device__ constexpr int gw_a_halves() {
-    return WK == GH_F16 ? 1 : AH;
+    return WK == GH_F16 || WK == GH_S8 ? 1 : AH;
 }
 template <int WK, int AH = 1>
 __host__ __device__ constexpr int gw_stage_bytes() {
@@ -4029,8 +4052,8 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
                                              const float2* __restrict__ sz, const float2* __restrict__ sz2, int M,
                                              int N, int gs, int G, int kt0, int kt1, int out, Epi epi, int ny = -1) {
     constexpr int SB = gw_stage_bytes<WK, AH>(), GWS = gw_stages<WK, AH>();
-    static_assert(AH == 1 || (WK != GH_S8 && !(WK == GH_F16 && (PAIR || std::is_same<Epi, PeerMirror>::value))),
-                  "two halves: not int8, not the fp16 pair or peer forms");
+    static_assert(AH == 1 || !((WK == GH_F16 || WK == GH_S8) && (PAIR || std::is_same<Epi, PeerMirror>::value)),
+                  "two halves: not the fp16 or int8 pair or peer forms");
     constexpr int AHA = gw_a_halves<WK, AH>(), AHW = AH / AHA;  // activation, weight halves
     constexpr bool MOVE_REGS = (WK != GH_F16 && WK != GH_S8) || AH == 2;  // setmaxnreg
     constexpr int BKE = WK == GH_S8 ? 128 : GW_BK;  // elements of a K step
@@ -4106,7 +4129,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         if constexpr (AH == 2) {
             asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");  // the producer's 128 a thread
 #pragma unroll
-            for (int e = 0; e < 64 * AH; e++) asm volatile("" : "+f"(d[e])::"memory");  // zeros before the first fence
+            for (int e = 0; e < 64 * AH; e++) wg_pin(d[e]);  // zeros before the first fence
         }
         for (int i = 0; i < nk; i++) {
             int s = i % GWS;
@@ -4130,16 +4153,26 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         };
         auto raw = [&](int u, int e) { return d[4 * (u >> 1) + 2 * (u & 1) + e]; };
         if constexpr (AH == 2) {
-            // the two 128-column halves one after the other through the stage
-            auto half = [&](auto hc) {
-                constexpr int h = decltype(hc)::value;
-                auto at_h = [&](int u, int& m, int& n) { at(u + 32 * h, m, n); };
-                auto raw_h = [&](int u, int e) { return raw(u + 32 * h, e); };
-                TileStage<float> sh{st.s, st.m0, st.n0 + 128 * h, st.bar, st.nthr, st.tid};
-                out_tile_staged<32, 2, float>(C, M, N, out, at_h, raw_h, AsIs{}, sh);
+            // the two 128-column halves one after the other through the
+            // stage, each put by put(at, raw, stage)
+            auto halves = [&](auto put) {
+                auto half = [&](auto hc) {
+                    constexpr int h = decltype(hc)::value;
+                    auto at_h = [&](int u, int& m, int& n) { at(u + 32 * h, m, n); };
+                    auto raw_h = [&](int u, int e) { return raw(u + 32 * h, e); };
+                    put(at_h, raw_h, TileStage<float>{st.s, st.m0, st.n0 + 128 * h, st.bar, st.nthr, st.tid});
+                };
+                half(std::integral_constant<int, 0>{});
+                if (n0 + 128 < N) half(std::integral_constant<int, 1>{});
             };
-            half(std::integral_constant<int, 0>{});
-            if (n0 + 128 < N) half(std::integral_constant<int, 1>{});
+            if constexpr (WK == GH_S8)
+                halves([&](auto at_h, auto raw_h, TileStage<float> sh) {
+                    epi(at_h, raw_h, TileStage<int>{reinterpret_cast<int*>(sh.s), sh.m0, sh.n0, sh.bar, sh.nthr, sh.tid});
+                });
+            else
+                halves([&](auto at_h, auto raw_h, TileStage<float> sh) {
+                    out_tile_staged<32, 2, float>(C, M, N, out, at_h, raw_h, AsIs{}, sh);
+                });
         } else if constexpr (PAIR && WK == GH_S8)
             glu_tile<32, 2>(C, M, N, at, raw, epi, TileStage<int>{reinterpret_cast<int*>(st.s), st.m0, st.n0, st.bar, st.nthr, st.tid});
         else if constexpr (PAIR)
@@ -4165,7 +4198,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
 #pragma unroll
             for (int h = 0; h < AH; h++)
 #pragma unroll
-                for (int e = 0; e < 64; e++) asm volatile("" : "+f"(d[h][e])::"memory");
+                for (int e = 0; e < 64; e++) wg_pin(d[h][e]);
         uint32_t f[2][16];
         Q8Half kc[2];  // SPG ≠ 1: the rows' Q8Half of the current groups
         // keep: gw_frags' KEEP for step 0, an odd step or an even one
@@ -4749,18 +4782,25 @@ extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __r
 // [M, K], mapW over the int8 weight [N, K]; split z of gridDim.z > 1 writes
 // its integer sums to the int32 array y + z·M·N for w8a8_sum_splits, else
 // w8a8_out into y by out. Dynamic shared memory as gemm_wg_f16's.
-extern "C" __global__ void __launch_bounds__(384, 1)
-    gemm_wg_s8(float* y, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW,
-               const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
-               const float* __restrict__ tok, int M, int N, int K, int out) {
-    PDL_ENTRY();
-    KSplit ks = k_split((K + 127) / 128);
-    int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;
-    gemm_wg_body<GH_S8>(y, &mapA, &mapW, nullptr, nullptr, M, N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,
-                        [&](auto at, auto raw, TileStage<int> st) {
-                            w8a8_tile<32, true>(y, part, M, N, out, at, raw, qbias, deq, bias, tok, QOut{}, st);
-                        });
-}
+// gemm_wg_s8_w: the same with 256 weight rows a block (AH = 2: one wgmma
+// m64n256k32 a k32 step; its grid.y half gemm_wg_s8's), its two 128-column
+// halves through the epilogue one after the other.
+#define GEMM_WG_S8_ENTRY(name, AH)                                                                               \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
+        name(float* y, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW,                 \
+             const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,       \
+             const float* __restrict__ tok, int M, int N, int K, int out) {                                      \
+        PDL_ENTRY();                                                                                             \
+        KSplit ks = k_split((K + 127) / 128);                                                                    \
+        int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;           \
+        gemm_wg_body<GH_S8, false, false, 1, AH>(                                                                \
+            y, &mapA, &mapW, nullptr, nullptr, M, N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,                          \
+            [&](auto at, auto raw, TileStage<int> st) {                                                          \
+                w8a8_tile<32, true>(y, part, M, N, out, at, raw, qbias, deq, bias, tok, QOut{}, st);             \
+            });                                                                                                  \
+    }
+GEMM_WG_S8_ENTRY(gemm_wg_s8, 1)
+GEMM_WG_S8_ENTRY(gemm_wg_s8_w, 2)
 // gemm_wg_s8_glu(y, yq, qs, qo, mapA, mapGU, gate and up {qbias, deq, bias},
 // tok, M, N, K, upFirst): the W8A8 gate and up products of one int8 input
 // [M, K] (mapA) and their SwiGLU silu(gate)·up in one launch, with no gate

@@ -435,7 +435,7 @@ func TestMatMul(t *testing.T) {
 			}
 		}
 		for _, k := range hopperKernels {
-			if b.wgmma && !ran[k] && strings.HasPrefix(k, "gemm_") && k != "gemm_wg_s8" && !strings.Contains(k, "_glu") && !strings.HasSuffix(k, "_segs") && !strings.HasSuffix(k, "_tp") && !t.Failed() { // TestW8A8, TestGLUPair, TestMatMulNHopper, TestMatMulAllReduceTiles; attention_f16_cl: TestAttention
+			if b.wgmma && !ran[k] && strings.HasPrefix(k, "gemm_") && !strings.HasPrefix(k, "gemm_wg_s8") && !strings.Contains(k, "_glu") && !strings.HasSuffix(k, "_segs") && !strings.HasSuffix(k, "_tp") && !t.Failed() { // TestW8A8, TestGLUPair, TestMatMulNHopper, TestMatMulAllReduceTiles; attention_f16_cl: TestAttention
 				t.Errorf("no case runs the Hopper GEMM %s", k)
 			}
 		}
@@ -857,9 +857,12 @@ func TestGemmSplits(t *testing.T) {
 // GEMV (M ≤ GEMVMaxRows) and the int8 tensor-core GEMM (partial 128-tiles
 // in M and N, K not a multiple of the 64-wide K step; K split over the grid
 // where there are K steps enough, gemmSplits; on Hopper gemm_wg_s8 from 128
-// rows, also unsplit over more K steps than its ring has stages).
+// rows, also unsplit over more K steps than its ring has stages, and its
+// form of 256 weight rows a block, gemm_wg_s8_w, forced (Options.WGWide):
+// the second half partly past N (136, 200, 454: two blocks along N) or
+// wholly (72, 42)).
 func TestW8A8(t *testing.T) {
-	for _, c := range [][3]int{{136, 256, 0}, {200, 80, 0}, {136, 1024, 0}, {200, 1040, 0}, {200, 1040, 1},
+	for _, c := range [][3]int{{136, 256, 0}, {200, 80, 0}, {136, 1024, 0}, {200, 1040, 0}, {200, 1040, 1}, {454, 1040, 0},
 		// w8a8_gemm's whole batches of a lane's loads and a partial one with
 		// one unit (K = 4112, 8208) or four of eight (5696); 42 rows: a
 		// partial block
@@ -905,9 +908,18 @@ func testW8A8(t *testing.T, N, K, maxSplits int) {
 			}
 		}
 		xb := upload(b, M, K, x)
-		y := poisoned(b, M, N)
-		b.MatMul(y, xb, lw)
-		checkClose(t, fmt.Sprintf("w8a8 M=%d N=%d K=%d", M, N, K), download(b, y), want, 0) // exact: integers, then one product and one sum
+		for _, wide := range []int{-1, 1} { // the Hopper GEMM's narrow and wide blocks
+			if wide > 0 && !b.HasWideGEMM(lw, M) {
+				continue
+			}
+			b.opt.WGWide = wide
+			y := poisoned(b, M, N)
+			b.MatMul(y, xb, lw)
+			checkClose(t, fmt.Sprintf("w8a8 M=%d N=%d K=%d WGWide=%d", M, N, K, wide), download(b, y), want, 0) // exact: integers, then one product and one sum
+			b.Free(y)
+		}
+		b.opt.WGWide = 0
+		b.Free(xb)
 	}
 }
 

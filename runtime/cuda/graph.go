@@ -281,7 +281,11 @@ func (b *Backend) HasWGMMA() bool { return b.wgmma }
 // HasWideGEMM reports whether w's Hopper GEMM for M activation rows has a
 // form of 256 rows a block (Options.WGWide chooses).
 func (b *Backend) HasWideGEMM(w runtime.Linear, M int) bool {
-	return wideKernels[b.unwidenedWG(lin(w), M)] != ""
+	l := lin(w)
+	if l.kind == kindW8A8 {
+		return wideKernels[b.wgmmaKernel("w8a8_mma", M)] != ""
+	}
+	return wideKernels[b.unwidenedWG(l, M)] != ""
 }
 
 // TimeCaptured captures reps calls of f (which queues kernels only: no

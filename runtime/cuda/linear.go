@@ -987,7 +987,9 @@ func (b *Backend) w8a8(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int, q
 	}
 	if wg := b.wgmmaKernel("w8a8_mma", M); wg != "" { // K steps of 128 int8
 		grid, shm, wmap := b.prepareWG(wg, xq, l.w, l, M)
-		b.launchSplit(wg, grid, block384, shm, b.sms, (K+127)/128, d, out, []any{b.tmaps[0], wmap, l.qbias, l.deq, l.bias, tok, M, N, K}, sum(inputForm{}))
+		steps := (K + 127) / 128
+		wg, grid, shm = b.wideForm(wg, grid, shm, steps, true)
+		b.launchSplit(wg, grid, block384, shm, b.sms, steps, d, out, []any{b.tmaps[0], wmap, l.qbias, l.deq, l.bias, tok, M, N, K}, sum(inputForm{}))
 		return false
 	}
 	if M > b.opt.GEMVMaxRows || forceGEMM { // 128 × 128 tiles
@@ -1118,7 +1120,7 @@ func (b *Backend) wgmmaKernel(name string, M int) string {
 
 // gemmWGSmem is the dynamic shared memory of Hopper GEMM name with ah
 // 128-row halves a block (1; 2: its _w form, halves of activations, or of
-// weights for fp16, whose tiles are the same 16 KB) (qtool.cu's
+// weights for fp16 and int8, whose tiles are the same 16 KB) (qtool.cu's
 // gw_stage_bytes × gw_stages, 2 mbarriers a stage, 1024 bytes to align the
 // ring): a stage holds the A tile (128 rows of 128 bytes a half) and the W
 // tile as loaded (128 rows of 128 bytes; 4-bit: 32; 8-bit: 64, and 128
@@ -1158,20 +1160,21 @@ func gemmWGStages(name string, ah int) int {
 // wideKernels maps Hopper GEMMs to their forms of blocks with two 128-row
 // halves (AH = 2 in qtool.cu): for the register-fragment kinds (and their
 // gate/up pairs) 256 activation rows, each weight fragment made once for
-// twice the rows; for fp16 256 weight rows (wideAlongN), one wgmma
-// m64n256 reading the activations once for both halves.
+// twice the rows; for fp16 and int8 256 weight rows (wideAlongN), one
+// wgmma m64n256 reading the activations once for both halves.
 var wideKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_w", "gemm_wg_bf16": "gemm_wg_bf16_w", "gemm_wg_q4": "gemm_wg_q4_w",
-	"gemm_wg_q8": "gemm_wg_q8_w", "gemm_wg_bf16_glu": "gemm_wg_bf16_glu_w", "gemm_wg_q4_glu": "gemm_wg_q4_glu_w",
-	"gemm_wg_q8_glu": "gemm_wg_q8_glu_w"}
+	"gemm_wg_q8": "gemm_wg_q8_w", "gemm_wg_s8": "gemm_wg_s8_w", "gemm_wg_bf16_glu": "gemm_wg_bf16_glu_w",
+	"gemm_wg_q4_glu": "gemm_wg_q4_glu_w", "gemm_wg_q8_glu": "gemm_wg_q8_glu_w"}
 
 // wideAlongN reports whether Hopper GEMM name's _w form doubles the weight
 // rows of a block rather than its activation rows.
-func wideAlongN(name string) bool { return name == "gemm_wg_f16" }
+func wideAlongN(name string) bool { return name == "gemm_wg_f16" || name == "gemm_wg_s8" }
 
 // wideCost is a wide block's time for one 128-row half of Hopper GEMM
 // name, relative to a narrow block of 128 rows: the fragments made half as
 // often (0.77–0.82 measured on an H200 at 512 rows, the 8/4-bit and bf16
-// kinds), or for fp16 the activations read half as often (0.85).
+// kinds), or for fp16 and int8 the activations read half as often (0.85
+// for fp16; int8 taken alike).
 func wideCost(name string) float64 {
 	if wideAlongN(name) {
 		return 0.85
@@ -1217,6 +1220,20 @@ func (b *Backend) wideWG(name string, narrow, wide, steps int, split bool) bool 
 	return b.wgEstimate(wide, steps, 2*wideCost(name), split) < b.wgEstimate(narrow, steps, 1, split)
 }
 
+// wideForm is Hopper GEMM name's launch, its narrow grid and shared memory
+// shm for steps K steps (split: launchSplit may split K), in the form
+// wideWG picks: its _w form, its grid and shared memory (raised), or name,
+// grid and shm as they are.
+func (b *Backend) wideForm(name string, grid [3]uint32, shm, steps int, split bool) (string, [3]uint32, int) {
+	wn, wg := wideKernels[name], wideGrid(name, grid)
+	if wn == "" || !b.wideWG(name, int(grid[0]*grid[1]), int(wg[0]*wg[1]), steps, split) {
+		return name, grid, shm
+	}
+	shm = gemmWGSmem(strings.TrimSuffix(name, "_glu"), 2) // a pair's W tile: 64 rows of each weight, one tile's bytes
+	b.raiseSmem(wn, shm)
+	return wn, wg, shm
+}
+
 // wideGrid is the grid of Hopper GEMM name's _w form for the narrow grid.
 func wideGrid(name string, grid [3]uint32) [3]uint32 {
 	if wideAlongN(name) {
@@ -1237,11 +1254,7 @@ func wideGrid(name string, grid [3]uint32) [3]uint32 {
 func (b *Backend) launchWG(name string, d *Buf, a16, w driver.DevicePtr, l *Linear, M, out int) {
 	grid, shm, wmap := b.prepareWG(name, a16, w, l, M)
 	steps := (l.in + gemmHBK - 1) / gemmHBK
-	if wn, wg := wideKernels[name], wideGrid(name, grid); wn != "" && b.wideWG(name, int(grid[0]*grid[1]), int(wg[0]*wg[1]), steps, true) {
-		shm = gemmWGSmem(name, 2)
-		b.raiseSmem(wn, shm)
-		name, grid = wn, wg
-	}
+	name, grid, shm = b.wideForm(name, grid, shm, steps, true)
 	gs, G := max(l.gs, gemmHBK), l.groups
 	b.launchGEMM(name, grid, block384, shm, b.sms, steps, d, out, b.tmaps[0], wmap, l.sz, M, l.out, l.in, gs, G, wgFlags(l))
 }
@@ -1701,8 +1714,6 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 		return false, false
 	}
 	grid := [3]uint32{uint32((M + 127) / 128), uint32((N + 63) / 64), 1}
-	wg2 := wideGrid(name, grid)
-	wide := wideKernels[name] != "" && b.wideWG(name, int(grid[0]*grid[1]), int(wg2[0]*wg2[1]), (K+gemmHBK-1)/gemmHBK, false)
 	upFirst := 0
 	if gate.gluUpFirst {
 		upFirst = 1
@@ -1723,10 +1734,7 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 		h = q.p
 	}
 	shm := b.actMap(wg, b.half(in, gate), M, K)
-	if wide {
-		shm = gemmWGSmem(wg, 2)
-		name, grid = wideKernels[name], wg2
-	}
+	name, grid, shm = b.wideForm(name, grid, shm, (K+gemmHBK-1)/gemmHBK, false)
 	b.raiseSmem(name, shm)
 	sz, sz2 := gate.sz, up.sz // in plane order
 	if gate.gluUpFirst {
