@@ -3851,32 +3851,21 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t a) {
 #define WG_ACC8(C, i) C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
 #define WG_ACC(C) \
     WG_ACC8(C, 0), WG_ACC8(C, 8), WG_ACC8(C, 16), WG_ACC8(C, 24), WG_ACC8(C, 32), WG_ACC8(C, 40), WG_ACC8(C, 48), WG_ACC8(C, 56)
-// D[64 × 128] += A[64 × 16] · B[128 × 16]ᵀ, both from shared memory.
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        WG_D64 ", "
-        "%64, %65, p, 1, 1, 0, 0;\n"
-        "}\n"
-        : WG_ACC("+f")
-        : "l"(da), "l"(db), "r"(1));
-}
-// D[64 × 128] += A[64 × 32] · B[128 × 32]ᵀ in int8, int32 accumulators.
-__device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
-        WG_D64 ", "
-        "%64, %65, p;\n"
-        "}\n"
-        : WG_ACC("+r")
-        : "l"(da), "l"(db), "r"(1));
-}
+// WGMMA_SS(name, T, NA, SHAPE, DS, ACCS, C, AB, P, TAIL) defines
+// name(d, da, db): one wgmma of instruction shape and types SHAPE with both
+// operands in shared memory (descriptors da, db) into the NA accumulators
+// d of type T (DS their operand list, ACCS(C) their bindings under
+// constraint C), AB and P the operand numbers of the descriptors and of
+// the scale-d flag, TAIL the arguments after it (the f16 forms' scales and
+// layouts).
+#define WGMMA_SS(name, T, NA, SHAPE, DS, ACCS, C, AB, P, TAIL)                                     \
+    __device__ __forceinline__ void name(T(&d)[NA], uint64_t da, uint64_t db) {                    \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\nwgmma.mma_async.sync.aligned." SHAPE \
+                     " " DS ", " AB ", p" TAIL ";\n}\n"                                            \
+                     : ACCS(C)                                                                   \
+                     : "l"(da), "l"(db), "r"(1));                                                \
+    }
+// The 128 of a wgmma m64n256 (%0..%127).
 #define WG_D128 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
@@ -3890,35 +3879,13 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], uint64_t da, u
     WG_ACC8(C, 0), WG_ACC8(C, 8), WG_ACC8(C, 16), WG_ACC8(C, 24), WG_ACC8(C, 32), WG_ACC8(C, 40), WG_ACC8(C, 48), \
         WG_ACC8(C, 56), WG_ACC8(C, 64), WG_ACC8(C, 72), WG_ACC8(C, 80), WG_ACC8(C, 88), WG_ACC8(C, 96),       \
         WG_ACC8(C, 104), WG_ACC8(C, 112), WG_ACC8(C, 120)
-// D[64 × 256] += A[64 × 16] · B[256 × 16]ᵀ, both from shared memory (A read
-// once for 256 columns: half the shared-memory reads a product of two
-// m64n128k16).
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
-        WG_D128 ", "
-        "%128, %129, p, 1, 1, 0, 0;\n"
-        "}\n"
-        : WG_ACC128("+f")
-        : "l"(da), "l"(db), "r"(1));
-}
-// D[64 × 256] += A[64 × 32] · B[256 × 32]ᵀ in int8, int32 accumulators (A
-// read once for 256 columns).
-__device__ __forceinline__ void wgmma_m64n256k32_s8(int (&d)[128], uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 "
-        WG_D128 ", "
-        "%128, %129, p;\n"
-        "}\n"
-        : WG_ACC128("+r")
-        : "l"(da), "l"(db), "r"(1));
-}
+// D[64 × 128] += A[64 × 16] · B[128 × 16]ᵀ; in int8 A[64 × 32] · B[128 ×
+// 32]ᵀ with int32 accumulators; the m64n256 forms D[64 × 256], A read once
+// for 256 columns (half the shared-memory reads of two m64n128 products).
+WGMMA_SS(wgmma_m64n128k16, float, 64, "m64n128k16.f32.f16.f16", WG_D64, WG_ACC, "+f", "%64, %65", "%66", ", 1, 1, 0, 0")
+WGMMA_SS(wgmma_m64n128k32_s8, int, 64, "m64n128k32.s32.s8.s8", WG_D64, WG_ACC, "+r", "%64, %65", "%66", "")
+WGMMA_SS(wgmma_m64n256k16, float, 128, "m64n256k16.f32.f16.f16", WG_D128, WG_ACC128, "+f", "%128, %129", "%130", ", 1, 1, 0, 0")
+WGMMA_SS(wgmma_m64n256k32_s8, int, 128, "m64n256k32.s32.s8.s8", WG_D128, WG_ACC128, "+r", "%128, %129", "%130", "")
 // wgmma_ss: one k step of 32 bytes (16 halfs or 32 int8) with both operands
 // in shared memory, by the accumulators' type.
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k16(d, da, db); }
