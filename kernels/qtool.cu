@@ -4011,9 +4011,9 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
 // 2), 1 otherwise; a thread keeps its rows' Q8Half across a group's steps.
 // AH: the block tile's 128-row halves; with 2 a register-fragment kind's
 // block computes 256 activation rows by its weight rows, each fragment
-// serving both halves (two accumulator sets a consumer), and an fp16
-// block 128 activation rows by 256 weight rows, one wgmma m64n256k16 a
-// k16 step (A read once for both weight halves).
+// serving both halves (two accumulator sets a consumer), and an fp16 or
+// int8 block 128 activation rows by 256 weight rows, one wgmma m64n256 a
+// k step (A read once for both weight halves).
 template <int WK, bool PAIR = false, bool NRM = false, int SPG = 1, int AH = 1, typename Epi>
 __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap* mapA, const TmaMap* mapW,
                                              const float2* __restrict__ sz, const float2* __restrict__ sz2, int M,
@@ -4274,7 +4274,8 @@ __device__ __forceinline__ void gemm_wg_run(int flags, float* C, const TmaMap* m
 // words [N, K/8]; GH_Q8: the codes [N, K]), sz and the group size gs (a
 // multiple of GW_BK) and count G of the quantized kinds, flags
 // (GW_Q8_NORMAL); dynamic shared memory gw_stage_bytes · gw_stages + the
-// barriers + 1024. The _w forms (AH = 2) take 256 activation rows a block.
+// barriers + 1024. The _w forms (AH = 2) take 256 activation rows a block
+// (gemm_wg_f16_w: 256 weight rows).
 #define GEMM_WG_ENTRY(name, WK, AH)                                                                              \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \

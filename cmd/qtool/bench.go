@@ -96,8 +96,9 @@ type kernelResult struct {
 	// MMASyncTFLOPs: the GEMM on the mma.sync kernels (Options.NoWGMMA),
 	// where the device runs the Hopper ones.
 	MMASyncTFLOPs float64 `json:"mma_sync_TFLOPs,omitempty"`
-	// WideSeconds and NarrowSeconds: the Hopper GEMM with blocks of 256
-	// and of 128 activation rows (Options.WGWide), where it has both.
+	// WideSeconds and NarrowSeconds: the Hopper GEMM with blocks of two
+	// 128-row halves (256 activation rows, or for fp16 and int8 256 weight
+	// rows) and of one (Options.WGWide), where it has both.
 	WideSeconds   float64 `json:"wide_seconds,omitempty"`
 	NarrowSeconds float64 `json:"narrow_seconds,omitempty"`
 }

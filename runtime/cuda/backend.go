@@ -81,8 +81,8 @@ type Options struct {
 	NoClusterAttention bool
 	// WGWide chooses the Hopper GEMMs' blocks of two 128-row halves (the
 	// _w kernels: 256 activation rows for the register-fragment kinds,
-	// every fragment serving both; 256 weight rows for fp16, one wgmma
-	// m64n256 a step): 0 as wideWG's rule says, 1 wherever there is a _w
+	// every fragment serving both; 256 weight rows for fp16 and int8, one
+	// wgmma m64n256 a step): 0 as wideWG's rule says, 1 wherever there is a _w
 	// kernel, -1 never (for comparisons, like NoDependentLaunch).
 	WGWide int
 	// AttnSplit is the number of 64-key tiles a block of the prefill

@@ -1183,9 +1183,10 @@ func wideCost(name string) float64 {
 }
 
 // wgSplitSteps is what splitting K costs a Hopper GEMM launch, in block
-// steps (one 128 × 128 tile through one K step of 64): the partial
-// products written in fp32 and added up by sum_splits. 13–16 µs measured
-// on an H200 at 512 × 4096 outputs in two splits, ~0.5 µs a step.
+// steps (one 128 × 128 tile through one K step, 128 bytes of activations):
+// the partial products written in 4 bytes each and added up by sum_splits
+// (w8a8_sum_splits). 13–16 µs measured on an H200 at 512 × 4096 outputs
+// in two splits, ~0.5 µs a step.
 const wgSplitSteps = 28
 
 // wgEstimate is a Hopper GEMM launch's time in block steps: tiles blocks
@@ -1248,9 +1249,9 @@ func wideGrid(name string, grid [3]uint32) [3]uint32 {
 // the activations in fp16 and w l's weight (fp16 or bf16 [N, K], 4-bit
 // words [N, K/8], int8 codes [N, K]) or its widening to fp16; K a multiple
 // of 32 (the tensor maps' row pitch a multiple of 16 bytes); the products
-// put into d by out. 128 × 128 tiles of 3 warpgroups (256 activation rows
-// by 128 where wideWG picks the _w form), one block a multiprocessor, K
-// split as for the other GEMMs.
+// put into d by out. 128 × 128 tiles of 3 warpgroups (where wideWG picks
+// the _w form 256 activation rows by 128, or for fp16 128 by 256 weight
+// rows), one block a multiprocessor, K split as for the other GEMMs.
 func (b *Backend) launchWG(name string, d *Buf, a16, w driver.DevicePtr, l *Linear, M, out int) {
 	grid, shm, wmap := b.prepareWG(name, a16, w, l, M)
 	steps := (l.in + gemmHBK - 1) / gemmHBK
