@@ -260,7 +260,7 @@ func syntheticModel(cfg model.Config, format string) *model.Model {
 // our fp16 GEMM of the same shape and rows.
 func benchKernels(b *cuda.Backend, rep *benchReport, rows []int, out io.Writer) error {
 	copyBps := rep.CopyGBs * 1e9
-	fmt.Fprintf(out, "\n(GEMV times are device time per call from a replayed CUDA graph of 20 calls over copies of the weight\n that exceed the L2 cache together)\n")
+	fmt.Fprintf(out, "\n(GEMV times are device time per call from a replayed CUDA graph of 20 calls over copies of the weight\n that exceed the L2 cache together; GEMM times the median of %d turns over a GEMM's forms, 10 calls each)\n", gemmRounds)
 	fmt.Fprintf(out, "%-8s %-14s %-12s %5s %10s %12s %9s\n", "kernel", "format", "shape", "M", "time(us)", "rate", "ratio")
 	seed := uint64(1000)
 	for _, sh := range benchShapes {
@@ -305,31 +305,58 @@ func benchKernels(b *cuda.Backend, rep *benchReport, rows []int, out io.Writer) 
 	return nil
 }
 
+// gemmRounds is how many times benchGEMM times each form of a GEMM, the
+// forms taking turns, each figure their median: on an H200 one form timed
+// right after another read up to 10 % apart where each was timed once
+// (fifty-second session).
+const gemmRounds = 3
+
 // benchGEMM times w's product with M random activation rows on the
 // kernel the dispatcher picks and, where the device has them, on the
 // mma.sync GEMMs instead of the Hopper ones and on the Hopper GEMM's two
-// block forms (Options.WGWide); the caller sets RatioPct.
+// block forms (Options.WGWide), the forms in turn gemmRounds times; the
+// caller sets RatioPct.
 func benchGEMM(b *cuda.Backend, w runtime.Linear, format string, N, K, M int, seed uint64) kernelResult {
 	xm, ym := b.Alloc(M, K), b.Alloc(M, N)
 	defer b.Free(xm)
 	defer b.Free(ym)
 	b.FillRandom(xm, seed, 1)
-	mul := func() { b.MatMul(ym, xm, w) }
-	t := b.Time(3, 20, mul)
-	flops := 2 * float64(M) * float64(N) * float64(K)
-	kr := kernelResult{Kernel: "gemm", Format: format, Shape: fmt.Sprintf("%dx%d", N, K), M: M, Seconds: t, TFLOPs: flops / t / 1e12}
 	opt := b.Options()
+	defer func(noWGMMA bool, wide int) { opt.NoWGMMA, opt.WGWide = noWGMMA, wide }(opt.NoWGMMA, opt.WGWide)
+	type form struct {
+		noWGMMA bool
+		wide    int
+		times   []float64
+	}
+	forms := []*form{{noWGMMA: opt.NoWGMMA}} // the dispatcher's pick
 	if b.HasWGMMA() && !opt.NoWGMMA {
-		opt.NoWGMMA = true
-		kr.MMASyncTFLOPs = flops / b.Time(3, 20, mul) / 1e12
-		opt.NoWGMMA = false
+		forms = append(forms, &form{noWGMMA: true})
 	}
 	if b.HasWideGEMM(w, M) {
-		opt.WGWide = 1
-		kr.WideSeconds = b.Time(3, 20, mul)
-		opt.WGWide = -1
-		kr.NarrowSeconds = b.Time(3, 20, mul)
-		opt.WGWide = 0
+		forms = append(forms, &form{wide: 1}, &form{wide: -1})
+	}
+	for range gemmRounds {
+		for _, f := range forms {
+			opt.NoWGMMA, opt.WGWide = f.noWGMMA, f.wide
+			f.times = append(f.times, b.Time(2, 10, func() { b.MatMul(ym, xm, w) }))
+		}
+	}
+	median := func(f *form) float64 {
+		slices.Sort(f.times)
+		return f.times[len(f.times)/2]
+	}
+	t := median(forms[0])
+	flops := 2 * float64(M) * float64(N) * float64(K)
+	kr := kernelResult{Kernel: "gemm", Format: format, Shape: fmt.Sprintf("%dx%d", N, K), M: M, Seconds: t, TFLOPs: flops / t / 1e12}
+	for _, f := range forms[1:] {
+		switch {
+		case f.noWGMMA:
+			kr.MMASyncTFLOPs = flops / median(f) / 1e12
+		case f.wide > 0:
+			kr.WideSeconds = median(f)
+		default:
+			kr.NarrowSeconds = median(f)
+		}
 	}
 	return kr
 }
