@@ -1142,7 +1142,7 @@ func gemmWGSmem(name string, ah int) int {
 // gemmWGStages is the depth of Hopper GEMM name's ring with ah halves a
 // block (qtool.cu's gw_stages): 8 for the 4-bit weights, whose stages are
 // small, else 5; with two halves as many as fit in 227 KB (4-bit 6, 8-bit
-// 5, bf16 and fp16 4).
+// 5, bf16, fp16 and int8 4).
 func gemmWGStages(name string, ah int) int {
 	switch {
 	case ah == 1 && name == "gemm_wg_q4":
