@@ -4001,8 +4001,9 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
 // integer sums handed to epi(at, raw, stage) as out_tile_staged takes them.
 // PAIR: mapW is a 3-D map over two weights of N rows as planes, and a
 // block's W tile is rows n0..n0 + 63 of each (n0 = 64·blockIdx.y), one
-// copy a K step, with the {scale, zero} of plane 0 from sz and of plane 1
-// from sz2; epi is then the GluEpi of glu_tile (gemm_wg_*_glu). A float
+// copy a K step (fp16 and int8 with AH = 2: rows n0..n0 + 127 of each,
+// n0 = 128·blockIdx.y, in two copies of 64 rows of each), with the
+// {scale, zero} of plane 0 from sz and of plane 1 from sz2; epi is then the GluEpi of glu_tile (gemm_wg_*_glu). A float
 // GEMM's epi may be a PeerMirror (gemm_wg_*_tp), which gets the tile's
 // values too.
 // The block's weight tile is ny (blockIdx.y where ny < 0).
@@ -4019,8 +4020,8 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
                                              const float2* __restrict__ sz, const float2* __restrict__ sz2, int M,
                                              int N, int gs, int G, int kt0, int kt1, int out, Epi epi, int ny = -1) {
     constexpr int SB = gw_stage_bytes<WK, AH>(), GWS = gw_stages<WK, AH>();
-    static_assert(AH == 1 || !((WK == GH_F16 || WK == GH_S8) && (PAIR || std::is_same<Epi, PeerMirror>::value)),
-                  "two halves: not the fp16 or int8 pair or peer forms");
+    static_assert(AH == 1 || !((WK == GH_F16 || WK == GH_S8) && std::is_same<Epi, PeerMirror>::value),
+                  "two halves: not the fp16 or int8 peer forms");
     constexpr int AHA = gw_a_halves<WK, AH>(), AHW = AH / AHA;  // activation, weight halves
     constexpr bool MOVE_REGS = (WK != GH_F16 && WK != GH_S8) || AH == 2;  // setmaxnreg
     constexpr int BKE = WK == GH_S8 ? 128 : GW_BK;  // elements of a K step
@@ -4037,7 +4038,8 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     // blockIdx.x walks the activation tiles: the blocks running at once
     // share weight tiles, so each weight tile leaves device memory once
     int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128 * AHA, nk = kt1 - kt0;
-    int n0 = (ny < 0 ? (int)blockIdx.y : ny) * (PAIR ? 64 : 128) * AHW;
+    constexpr int NH = PAIR ? 64 : 128;  // outputs of a weight half
+    int n0 = (ny < 0 ? (int)blockIdx.y : ny) * NH * AHW;
     if (tid == 0) {
         for (int s = 0; s < GWS; s++) {
             mbar_init(full(s), QUANT ? 1 + 128 : 1);  // the copy engine's bytes; the scales' copies
@@ -4064,7 +4066,10 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
                 for (int h = 0; h < AHA; h++)  // rows past M: zeros, their bytes counted
                     tma_load_2d(tileA(s) + h * 128 * GW_BK * 2, mapA, (kt0 + i) * BKE, m0 + h * 128, full(s));
                 if constexpr (PAIR) {
-                    tma_load_3d(tileW(s), mapW, (kt0 + i) * BKE / (WK == GH_Q4 ? 8 : 1), n0, 0, full(s));
+#pragma unroll
+                    for (int h = 0; h < AHW; h++)  // fp16, int8 _w: two boxes of 64 rows of each weight
+                        tma_load_3d(tileW(s) + h * gw_w_bytes<WK>(), mapW, (kt0 + i) * BKE / (WK == GH_Q4 ? 8 : 1),
+                                    n0 + h * 64, 0, full(s));
                 } else {
 #pragma unroll
                     for (int h = 0; h < AHW; h++)  // rows past N alike
@@ -4121,18 +4126,30 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         auto raw = [&](int u, int e) { return d[4 * (u >> 1) + 2 * (u & 1) + e]; };
         if constexpr (AH == 2) {
             // the two 128-column halves one after the other through the
-            // stage, each put by put(at, raw, stage)
+            // stage, each put by put(at, raw, stage): half h's outputs NH·h
+            // on (a pair's half: 64 columns of each weight, the narrow pair
+            // tile of the outputs n0 + 64h on)
             auto halves = [&](auto put) {
                 auto half = [&](auto hc) {
                     constexpr int h = decltype(hc)::value;
-                    auto at_h = [&](int u, int& m, int& n) { at(u + 32 * h, m, n); };
+                    auto at_h = [&](int u, int& m, int& n) {
+                        at(u + 32 * h, m, n);
+                        n -= (128 - NH) * h;
+                    };
                     auto raw_h = [&](int u, int e) { return raw(u + 32 * h, e); };
-                    put(at_h, raw_h, TileStage<float>{st.s, st.m0, st.n0 + 128 * h, st.bar, st.nthr, st.tid});
+                    put(at_h, raw_h, TileStage<float>{st.s, st.m0, st.n0 + NH * h, st.bar, st.nthr, st.tid});
                 };
                 half(std::integral_constant<int, 0>{});
-                if (n0 + 128 < N) half(std::integral_constant<int, 1>{});
+                if (n0 + NH < N) half(std::integral_constant<int, 1>{});
             };
-            if constexpr (WK == GH_S8)
+            if constexpr (PAIR && WK == GH_S8)
+                halves([&](auto at_h, auto raw_h, TileStage<float> sh) {
+                    glu_tile<32, 2>(C, M, N, at_h, raw_h, epi,
+                                    TileStage<int>{reinterpret_cast<int*>(sh.s), sh.m0, sh.n0, sh.bar, sh.nthr, sh.tid});
+                });
+            else if constexpr (PAIR)
+                halves([&](auto at_h, auto raw_h, TileStage<float> sh) { glu_tile<32, 2>(C, M, N, at_h, raw_h, epi, sh); });
+            else if constexpr (WK == GH_S8)
                 halves([&](auto at_h, auto raw_h, TileStage<float> sh) {
                     epi(at_h, raw_h, TileStage<int>{reinterpret_cast<int*>(sh.s), sh.m0, sh.n0, sh.bar, sh.nthr, sh.tid});
                 });
@@ -4242,28 +4259,37 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             if (m0 + 128 < M) half(std::integral_constant<int, 1>{});
     }
 }
-// Q8_SPLIT_ALIGN: the K split's share a multiple of two steps where
-// gemm_wg_run takes SPG 2 (an even kt0: a g128 group's two steps keep one
-// Q8Half), else one
-#define Q8_SPLIT_ALIGN(WK, flags, gs, G) ((WK) == GH_Q8 && ((flags) & GW_Q8_NORMAL) && (G) != 1 && (gs) == 2 * GW_BK ? 2 : 1)
 // GW_Q8_NORMAL, a bit of the Hopper GEMM entries' flags: every scale of
 // the 8-bit weight (of each weight the launch reads) is 0 or in fp16's
 // normal range (runtime/cuda's Linear.q8Normal), so the fragments may take
 // the scales as they are (q8_half's NRM). Other kinds ignore it.
 #define GW_Q8_NORMAL 1
-// gemm_wg_run is gemm_wg_body with NRM from flags (8-bit kinds only).
+// gw_q8_spg is the SPG gemm_wg_run takes for an 8-bit weight of group
+// size gs and G groups where flags hold GW_Q8_NORMAL (0: one group along
+// K, 2: g128, 1: other groups), −1 without it (no NRM, no kept groups).
+__device__ __forceinline__ int gw_q8_spg(int flags, int gs, int G) {
+    return !(flags & GW_Q8_NORMAL) ? -1 : G == 1 ? 0 : gs == 2 * GW_BK ? 2 : 1;
+}
+// Q8_SPLIT_ALIGN: the K split's share a multiple of two steps where
+// gemm_wg_run takes SPG 2 (an even kt0: a g128 group's two steps keep one
+// Q8Half), else one
+#define Q8_SPLIT_ALIGN(WK, flags, gs, G) ((WK) == GH_Q8 && gw_q8_spg(flags, gs, G) == 2 ? 2 : 1)
+// gemm_wg_run is gemm_wg_body with NRM and SPG from flags (8-bit kinds
+// only: gw_q8_spg).
 template <int WK, bool PAIR = false, int AH = 1, typename Epi>
 __device__ __forceinline__ void gemm_wg_run(int flags, float* C, const TmaMap* mapA, const TmaMap* mapW,
                                             const float2* sz, const float2* sz2, int M, int N, int gs, int G, int kt0,
                                             int kt1, int out, Epi epi, int ny = -1) {
     if constexpr (WK == GH_Q8) {
-        if (flags & GW_Q8_NORMAL) {
-            if (G == 1)
-                gemm_wg_body<WK, PAIR, true, 0, AH>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
-            else if (gs == 2 * GW_BK)
-                gemm_wg_body<WK, PAIR, true, 2, AH>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
-            else
-                gemm_wg_body<WK, PAIR, true, 1, AH>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
+        switch (gw_q8_spg(flags, gs, G)) {
+        case 0:
+            gemm_wg_body<WK, PAIR, true, 0, AH>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
+            return;
+        case 2:
+            gemm_wg_body<WK, PAIR, true, 2, AH>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
+            return;
+        case 1:
+            gemm_wg_body<WK, PAIR, true, 1, AH>(C, mapA, mapW, sz, sz2, M, N, gs, G, kt0, kt1, out, epi, ny);
             return;
         }
     }
@@ -4361,7 +4387,8 @@ GEMM_WG_SEGS_ENTRY(gemm_wg_q8_segs, GH_Q8)
 // covers both as the planes of one tensor, plane 0 the one at the lower
 // address, the up weight where upFirst; sz and sz2 the planes' {scale,
 // zero}), its result tile 128 rows × 64 outputs (glu_tile; the _w forms:
-// two such tiles, 256 rows). No K split.
+// two such tiles, 256 rows, or for fp16 128 rows × 128 outputs, 128 rows
+// of each weight). No K split.
 #define GEMM_WG_GLU_ENTRY(name, WK, AH)                                                                          \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, __half* Ch, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapGU,   \
@@ -4374,6 +4401,7 @@ GEMM_WG_GLU_ENTRY(gemm_wg_f16_glu, GH_F16, 1)
 GEMM_WG_GLU_ENTRY(gemm_wg_bf16_glu, GH_BF16, 1)
 GEMM_WG_GLU_ENTRY(gemm_wg_q4_glu, GH_Q4, 1)
 GEMM_WG_GLU_ENTRY(gemm_wg_q8_glu, GH_Q8, 1)
+GEMM_WG_GLU_ENTRY(gemm_wg_f16_glu_w, GH_F16, 2)
 GEMM_WG_GLU_ENTRY(gemm_wg_bf16_glu_w, GH_BF16, 2)
 GEMM_WG_GLU_ENTRY(gemm_wg_q4_glu_w, GH_Q4, 2)
 GEMM_WG_GLU_ENTRY(gemm_wg_q8_glu_w, GH_Q8, 2)
@@ -4775,18 +4803,23 @@ GEMM_WG_S8_ENTRY(gemm_wg_s8_w, 2)
 // products in memory: a block's W tile is 64 rows of each weight
 // (gemm_wg_body's PAIR: mapGU covers both as the planes of one tensor,
 // plane 0 the one at the lower address, the up weight where upFirst), its
-// result tile 128 rows × 64 outputs (glu_tile). The SwiGLU goes to y [M, N]
-// as floats, or quantized to yq (QOut). No K split.
-extern "C" __global__ void __launch_bounds__(384, 1)
-    gemm_wg_s8_glu(float* y, int8_t* yq, float qs, float qo, const __grid_constant__ TmaMap mapA,
-                   const __grid_constant__ TmaMap mapGU, const int* __restrict__ gqb, const float* __restrict__ gdeq,
-                   const float* __restrict__ gbias, const int* __restrict__ uqb, const float* __restrict__ udeq,
-                   const float* __restrict__ ubias, const float* __restrict__ tok, int M, int N, int K, int upFirst) {
-    PDL_ENTRY();
-    gemm_wg_body<GH_S8, true>(y, &mapA, &mapGU, nullptr, nullptr, M, N, 128, 0, 0, (K + 127) / 128, OUT_STORE,
-                              GluEpi<W8A8Fin>{W8A8Fin{gqb, gdeq, gbias, tok}, W8A8Fin{uqb, udeq, ubias, tok},
-                                              upFirst != 0, QOut{yq, qs, qo}, nullptr});
-}
+// result tile 128 rows × 64 outputs (glu_tile; gemm_wg_s8_glu_w: 128 rows
+// of each weight, 128 outputs). The SwiGLU goes to y [M, N] as floats, or
+// quantized to yq (QOut). No K split.
+#define GEMM_WG_S8_GLU_ENTRY(name, AH)                                                                           \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
+        name(float* y, int8_t* yq, float qs, float qo, const __grid_constant__ TmaMap mapA,                      \
+             const __grid_constant__ TmaMap mapGU, const int* __restrict__ gqb, const float* __restrict__ gdeq,  \
+             const float* __restrict__ gbias, const int* __restrict__ uqb, const float* __restrict__ udeq,       \
+             const float* __restrict__ ubias, const float* __restrict__ tok, int M, int N, int K, int upFirst) { \
+        PDL_ENTRY();                                                                                             \
+        gemm_wg_body<GH_S8, true, false, 1, AH>(                                                                 \
+            y, &mapA, &mapGU, nullptr, nullptr, M, N, 128, 0, 0, (K + 127) / 128, OUT_STORE,                     \
+            GluEpi<W8A8Fin>{W8A8Fin{gqb, gdeq, gbias, tok}, W8A8Fin{uqb, udeq, ubias, tok}, upFirst != 0,        \
+                            QOut{yq, qs, qo}, nullptr});                                                         \
+    }
+GEMM_WG_S8_GLU_ENTRY(gemm_wg_s8_glu, 1)
+GEMM_WG_S8_GLU_ENTRY(gemm_wg_s8_glu_w, 2)
 #endif
 
 // ---------------------------------------------------------------------------

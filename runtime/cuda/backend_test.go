@@ -349,6 +349,8 @@ func TestWideWG(t *testing.T) {
 		{"gemm_wg_f16", 4 * 32, 4 * 16, 172, 0, true, false},     // fp16: 174 steps wide, 172 narrow
 		{"gemm_wg_q8", 4 * 32, 2 * 32, 224, 0, false, false},     // no split: a wide wave of 64 blocks
 		{"gemm_wg_q4_glu", 4 * 172, 2 * 172, 64, 0, false, true}, // 11008 gate/up pairs (64-row tiles): 6 narrow waves, 3 wide
+		{"gemm_wg_f16_glu", 4 * 172, 4 * 86, 64, 0, false, true}, // the fp16 pair: 128 rows of each weight a wide block
+		{"gemm_wg_s8_glu", 4 * 172, 4 * 86, 32, 0, false, true},  // the int8 pair (K steps of 128)
 		{"gemm_wg_q8", 16 * 32, 8 * 32, 64, 0, true, true},       // 2048 rows: 4 narrow waves, 2 wide
 		{"gemm_wg_q8", 1 * 1000, 1 * 1000, 64, 0, true, false},   // 128 rows: a half of each wide block idle
 		{"gemm_wg_q8", 2 * 1000, 1 * 1000, 64, 0, true, true},
@@ -368,6 +370,7 @@ func TestWideWG(t *testing.T) {
 		{"gemm_wg_q8", [3]uint32{5, 7, 1}, [3]uint32{3, 7, 1}},
 		{"gemm_wg_q4_glu", [3]uint32{4, 7, 1}, [3]uint32{2, 7, 1}},
 		{"gemm_wg_f16", [3]uint32{5, 7, 1}, [3]uint32{5, 4, 1}},
+		{"gemm_wg_s8_glu", [3]uint32{4, 7, 1}, [3]uint32{4, 4, 1}},
 	} {
 		if got := wideGrid(c.name, c.grid); got != c.want {
 			t.Errorf("wideGrid(%s, %v) = %v, want %v", c.name, c.grid, got, c.want)

@@ -354,11 +354,14 @@ func checkNormProducts(t *testing.T, b *Backend, x, h *Buf, nw, nb runtime.Vecto
 // themselves: equal bit for bit, at decode and prefill sizes. Weights with
 // different static quantizers take the fp32 norm. From 128 rows on Hopper,
 // NormSwiGLU's gate and up run as one gemm_wg_s8_glu launch (gluPair),
-// here checked against the two products and SiLUMul.
+// here checked against the two products and SiLUMul, in blocks of 64
+// rows of each weight and of 128 (gemm_wg_s8_glu_w, Options.WGWide, which
+// must then be launched: 170 outputs, two wide blocks, the second's
+// second box wholly past N; K = 1152, 9 steps through a ring of 4).
 func TestNormQuantized(t *testing.T) {
 	b := newTestBackend(t)
 	r := rand.New(rand.NewPCG(27, 28))
-	const K, eps = 512, 1e-5
+	const K, eps = 1152, 1e-5
 	w8a8 := func(n int, dynamic bool, inScale float32) runtime.Linear {
 		return uploadW8A8(t, b, r, n, K, dynamic, inScale)
 	}
@@ -373,18 +376,25 @@ func TestNormQuantized(t *testing.T) {
 		{"dynamic", true, [4]float32{}},
 		{"static-mixed", false, [4]float32{0.02, 0.03, 0.02, 0.02}},
 	} {
-		outs := []int{200, 72, 42, 42} // gate/up: N % 4 = 2, the SwiGLU epilogues' column tails
+		outs := []int{200, 72, 170, 170} // gate/up: N % 4 = 2, the SwiGLU epilogues' column tails
 		ws := make([]runtime.Linear, 4)
 		for i := range ws {
 			ws[i] = w8a8(outs[i], tc.dynamic, tc.scales[i])
 		}
-		for _, M := range []int{1, 5, 130} {
-			t.Run(fmt.Sprintf("%s/M=%d", tc.name, M), func(t *testing.T) {
-				x, h := normedInput(b, r, M, K, nw, nb, eps)
-				defer b.Free(x)
-				defer b.Free(h)
-				checkNormProducts(t, b, x, h, nw, nb, eps, ws[:3], ws[2], ws[3], 0)
-			})
+		for _, M := range []int{1, 5, 130, 300} {
+			for _, wide := range []int{-1, 1} {
+				b.opt.WGWide = wide
+				t.Run(fmt.Sprintf("%s/M=%d/wide=%d", tc.name, M, wide), func(t *testing.T) {
+					x, h := normedInput(b, r, M, K, nw, nb, eps)
+					defer b.Free(x)
+					defer b.Free(h)
+					l := launchedBy(b, func() { checkNormProducts(t, b, x, h, nw, nb, eps, ws[:3], ws[2], ws[3], 0) })
+					if want := wide > 0 && b.HasWideGEMM(ws[2], M); l["gemm_wg_s8_glu_w"] != want {
+						t.Errorf("gemm_wg_s8_glu_w launched %v, want %v", l["gemm_wg_s8_glu_w"], want)
+					}
+				})
+			}
+			b.opt.WGWide = 0
 		}
 	}
 }
@@ -451,10 +461,12 @@ func TestW8A8DP4A(t *testing.T) {
 // (gluPair: gemm_wg_*_glu) against RMSNorm, the two products and SiLUMul
 // (unsplit, as the pair): equal within 1e-6 of the largest value (the same
 // sums), for every weight kind of weightCases but the GEMV-only ones, at
-// 130 and 300 rows of 198 outputs (64-row planes with a tail, N % 4 = 2),
-// in blocks of 128 activation rows and, where the kind has them
-// (Options.WGWide), of 256 (the two products then also in 256-row blocks:
-// TestMatMul checks those against the CPU).
+// 130 and 300 rows of 170 outputs (64-row planes with a tail, N % 4 = 2),
+// in narrow blocks and, where the kind has them (Options.WGWide), in
+// blocks of two halves (256 activation rows; fp16: 128 rows of each
+// weight, 170 outputs in two such blocks, the second's second box wholly
+// past N) (the two products then also in wide blocks: TestMatMul checks
+// those against the CPU); each pair kernel must be launched.
 // Kinds a Hopper GEMM takes only widened (int4 g32, g_idx) keep their two
 // products. The W8A8 pair is TestNormQuantized's and TestMLPDownInput's.
 func TestGLUPair(t *testing.T) {
@@ -462,9 +474,9 @@ func TestGLUPair(t *testing.T) {
 	r := rand.New(rand.NewPCG(51, 52))
 	ran := map[string]bool{}
 	kernel := map[int]string{kindF16: "gemm_wg_f16_glu", kindBF16: "gemm_wg_bf16_glu", kindQ4: "gemm_wg_q4_glu", kindQ8: "gemm_wg_q8_glu"}
-	wide := map[int]string{kindBF16: "gemm_wg_bf16_glu_w", kindQ4: "gemm_wg_q4_glu_w", kindQ8: "gemm_wg_q8_glu_w"}
+	wide := map[int]string{kindF16: "gemm_wg_f16_glu_w", kindBF16: "gemm_wg_bf16_glu_w", kindQ4: "gemm_wg_q4_glu_w", kindQ8: "gemm_wg_q8_glu_w"}
 	defer func() { b.opt.WGWide = 0 }()
-	const N, eps = 198, 1e-5
+	const N, eps = 170, 1e-5
 	for _, wc := range weightCases {
 		if wc.tall > 0 || wc.k > 4096 { // the GEMVs' shapes
 			continue
@@ -489,14 +501,10 @@ func TestGLUPair(t *testing.T) {
 					x, h := normedInput(b, r, M, K, nw, nil, eps)
 					defer b.Free(x)
 					defer b.Free(h)
-					checkNormProducts(t, b, x, h, nw, nil, eps, ws[:1], ws[0], ws[1], 1e-6)
+					for k := range launchedBy(b, func() { checkNormProducts(t, b, x, h, nw, nil, eps, ws[:1], ws[0], ws[1], 1e-6) }) {
+						ran[k] = true
+					}
 				})
-			}
-		}
-		if g := lin(ws[0]); g.glu != nil {
-			ran[kernel[g.kind]] = true
-			if wide[g.kind] != "" {
-				ran[wide[g.kind]] = true
 			}
 		}
 	}
@@ -572,7 +580,8 @@ func checkFormed(t *testing.T, b *Backend, x []float32, M, K int, formed bool, s
 // Hopper, the mma.sync GEMM's epilogue, split or not; not formed for decode
 // rows, a per-token quantizer, or gate and up with different quantizers on
 // Hopper. fp16, bf16, 4- and 8-bit weights (fp16): the Hopper pair
-// kernels from 128 rows.
+// kernels from 128 rows, in both block forms (Options.WGWide 0 and 1:
+// the wide pairs' quantized and fp16 outputs).
 func TestMLPDownInput(t *testing.T) {
 	b := newTestBackend(t)
 	defer func() { b.maxSplits, b.opt.NoWGMMA = 0, false }()
@@ -622,13 +631,20 @@ func TestMLPDownInput(t *testing.T) {
 		b.maxSplits, b.opt.NoWGMMA = tc.maxSplits, tc.noWGMMA
 		gate, up, down := tc.weights()
 		for _, M := range []int{1, 5, 130, 300} {
-			t.Run(fmt.Sprintf("%s/M=%d", tc.name, M), func(t *testing.T) {
-				checkFormed(t, b, randVec(r, M*K, 1), M, K, tc.formed(M), func(x runtime.Buf) {
-					runtime.MLPSeq(b, x, nw, nb, eps, gate, up, down)
-				}, func(x runtime.Buf) {
-					b.MLP(x, nw, nb, eps, gate, up, down)
+			for _, wide := range []int{0, 1} { // 1: the wide pair and GEMMs where there are (Options.WGWide)
+				if wide > 0 && M < 128 {
+					continue
+				}
+				b.opt.WGWide = wide
+				t.Run(fmt.Sprintf("%s/M=%d/wide=%d", tc.name, M, wide), func(t *testing.T) {
+					checkFormed(t, b, randVec(r, M*K, 1), M, K, tc.formed(M), func(x runtime.Buf) {
+						runtime.MLPSeq(b, x, nw, nb, eps, gate, up, down)
+					}, func(x runtime.Buf) {
+						b.MLP(x, nw, nb, eps, gate, up, down)
+					})
 				})
-			})
+			}
+			b.opt.WGWide = 0
 		}
 	}
 }

@@ -1160,15 +1160,20 @@ func gemmWGStages(name string, ah int) int {
 // wideKernels maps Hopper GEMMs to their forms of blocks with two 128-row
 // halves (AH = 2 in qtool.cu): for the register-fragment kinds (and their
 // gate/up pairs) 256 activation rows, each weight fragment made once for
-// twice the rows; for fp16 and int8 256 weight rows (wideAlongN), one
-// wgmma m64n256 reading the activations once for both halves.
+// twice the rows; for fp16 and int8 256 weight rows (wideAlongN; their
+// pairs 128 rows of each weight), one wgmma m64n256 reading the
+// activations once for both halves.
 var wideKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_w", "gemm_wg_bf16": "gemm_wg_bf16_w", "gemm_wg_q4": "gemm_wg_q4_w",
-	"gemm_wg_q8": "gemm_wg_q8_w", "gemm_wg_s8": "gemm_wg_s8_w", "gemm_wg_bf16_glu": "gemm_wg_bf16_glu_w",
-	"gemm_wg_q4_glu": "gemm_wg_q4_glu_w", "gemm_wg_q8_glu": "gemm_wg_q8_glu_w"}
+	"gemm_wg_q8": "gemm_wg_q8_w", "gemm_wg_s8": "gemm_wg_s8_w", "gemm_wg_f16_glu": "gemm_wg_f16_glu_w",
+	"gemm_wg_bf16_glu": "gemm_wg_bf16_glu_w", "gemm_wg_q4_glu": "gemm_wg_q4_glu_w", "gemm_wg_q8_glu": "gemm_wg_q8_glu_w",
+	"gemm_wg_s8_glu": "gemm_wg_s8_glu_w"}
 
 // wideAlongN reports whether Hopper GEMM name's _w form doubles the weight
 // rows of a block rather than its activation rows.
-func wideAlongN(name string) bool { return name == "gemm_wg_f16" || name == "gemm_wg_s8" }
+func wideAlongN(name string) bool {
+	name = strings.TrimSuffix(name, "_glu")
+	return name == "gemm_wg_f16" || name == "gemm_wg_s8"
+}
 
 // wideCost is a wide block's time for one 128-row half of Hopper GEMM
 // name, relative to a narrow block of 128 rows: the fragments made half as
@@ -1230,7 +1235,7 @@ func (b *Backend) wideForm(name string, grid [3]uint32, shm, steps int, split bo
 	if wn == "" || !b.wideWG(name, int(grid[0]*grid[1]), int(wg[0]*wg[1]), steps, split) {
 		return name, grid, shm
 	}
-	shm = gemmWGSmem(strings.TrimSuffix(name, "_glu"), 2) // a pair's W tile: 64 rows of each weight, one tile's bytes
+	shm = gemmWGSmem(strings.TrimSuffix(name, "_glu"), 2) // a pair's stages as its kind's plain GEMM's
 	b.raiseSmem(wn, shm)
 	return wn, wg, shm
 }
@@ -1725,6 +1730,7 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 		}
 		xq, tok := b.quantized(in, gate)
 		shm := b.actMap(wg, xq, M, K)
+		name, grid, shm = b.wideForm(name, grid, shm, (K+127)/128, false) // K steps of 128 int8
 		b.raiseSmem(name, shm)
 		b.launchShm(name, grid, block384, shm, append(append([]any{d.p}, q.args()...), b.tmaps[0], gate.glu, gate.qbias, gate.deq,
 			gate.bias, up.qbias, up.deq, up.bias, tok, M, N, K, upFirst)...)
