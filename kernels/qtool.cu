@@ -5230,8 +5230,23 @@ __device__ __forceinline__ void exchange_body(float* __restrict__ x, int M, int 
                 int c = t + i * nt;
                 if (c < cols) put(rms_scaled(xv[i], inv, wv[i], bias != nullptr, bv[i]), c);
             }
-        } else {
-            for (int c = t; c < cols; c += nt) put(rms_normed(xr[c], inv, w, bias, c), c);
+        } else {  // wider rows (a 13B's 5 120, a 70B's 8 192): a chunk at a time, its sums, weights and biases loaded at once
+            for (int c0 = 0; c0 < cols; c0 += chunk) {
+                float xs[RN_REG], wv[RN_REG], bv[RN_REG];
+#pragma unroll
+                for (int i = 0; i < RN_REG; i++) {
+                    int c = c0 + t + i * nt;
+                    bool in = c < cols;
+                    xs[i] = in ? xr[c] : 0.f;  // this thread's own sums, stored above
+                    wv[i] = in ? __ldg(w + c) : 0.f;
+                    bv[i] = bias && in ? __ldg(bias + c) : 0.f;
+                }
+#pragma unroll
+                for (int i = 0; i < RN_REG; i++) {
+                    int c = c0 + t + i * nt;
+                    if (c < cols) put(rms_scaled(xs[i], inv, wv[i], bias != nullptr, bv[i]), c);
+                }
+            }
         }
     }
     if (mode == EX_NORM) ar_meet(area, AR_GATHER_SYNC, rank, world, e, timeout_ns);
