@@ -351,6 +351,10 @@ func TestWideWG(t *testing.T) {
 		{"gemm_wg_q4_glu", 4 * 172, 2 * 172, 64, 0, false, true}, // 11008 gate/up pairs (64-row tiles): 6 narrow waves, 3 wide
 		{"gemm_wg_f16_glu", 4 * 172, 4 * 86, 64, 0, false, true}, // the fp16 pair: 128 rows of each weight a wide block
 		{"gemm_wg_s8_glu", 4 * 172, 4 * 86, 32, 0, false, true},  // the int8 pair (K steps of 128)
+		{"gemm_wg_s8", 4 * 112, 4 * 56, 32, 0, true, true},       // int8 14336 × 4096 at 512 rows: 4 narrow waves, 2 wide (84.7 / 77.2 µs)
+		{"gemm_wg_s8", 8 * 112, 8 * 56, 32, 0, true, false},      // at 1 024 rows: 7 narrow waves, 4 wide (140.6 / 149.6 µs)
+		{"gemm_wg_s8", 16 * 112, 16 * 56, 32, 0, true, true},     // at 2 048 rows: 14 narrow, 7 wide (252.2 / 224.7 µs)
+		{"gemm_wg_s8", 8 * 86, 8 * 43, 32, 0, true, true},        // 11008 × 4096 at 1 024 rows: 6 narrow, 3 wide (126.3 / 112.8 µs)
 		{"gemm_wg_q8", 16 * 32, 8 * 32, 64, 0, true, true},       // 2048 rows: 4 narrow waves, 2 wide
 		{"gemm_wg_q8", 1 * 1000, 1 * 1000, 64, 0, true, false},   // 128 rows: a half of each wide block idle
 		{"gemm_wg_q8", 2 * 1000, 1 * 1000, 64, 0, true, true},

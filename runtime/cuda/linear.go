@@ -1179,9 +1179,13 @@ func wideAlongN(name string) bool {
 // name, relative to a narrow block of 128 rows: the fragments made half as
 // often (0.77–0.82 measured on an H200 at 512 rows, the 8/4-bit and bf16
 // kinds), or for fp16 and int8 the activations read half as often (0.85
-// for fp16; int8 taken alike).
+// for fp16; 0.89–0.93 for int8 at 512, 1 024 and 2 048 rows of 14336 ×
+// 4096, whose wide blocks then lost at 1 024 rows: 4 waves against 7).
 func wideCost(name string) float64 {
-	if wideAlongN(name) {
+	switch {
+	case strings.HasPrefix(name, "gemm_wg_s8"):
+		return 0.9
+	case wideAlongN(name):
 		return 0.85
 	}
 	return 0.8
