@@ -6,7 +6,7 @@
 # Needs: .devbin/*.gz or *.xz (CGO_ENABLED=0 builds of qtool and the test
 # binaries, compressed), .devdata/ (sotu-test.raw, synth_hf.py, torch_anchor.py);
 # kernels/gpu-prep.sh makes both. Usage:
-#   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncugemv ncusrc ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab kab bench anchor" kernels/gpu-run.sh
+#   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncugemv ncusrc ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab kab bench anchor int8anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
 # TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; TEST_COUNT: runs
@@ -435,5 +435,10 @@ fi
 if has anchor; then
   lim=$(left); [ "$lim" -gt 60 ] && timeout "$lim" python3 .devdata/torch_anchor.py ${ANCHOR_ARGS:-} --json "$OUT/anchor.json" > "$OUT/anchor.log" 2>&1
   grep -E "gptfast|copy_GBps|hf_fp16|cublas_f16_gemm" "$OUT/anchor.json" 2>/dev/null || tail -5 "$OUT/anchor.log"
+fi
+if has int8anchor; then # cuBLAS int8 (torch._int_mm) beside fp16 at the 7B/8B GEMM shapes (INT8_ROWS: the rows)
+  lim=$(left); [ "$lim" -gt 40 ] && timeout "$lim" python3 kernels/exp/int8_anchor.py --rows "${INT8_ROWS:-512,1024,2048}" \
+    --json "$OUT/int8anchor.json" > "$OUT/int8anchor.log" 2>&1
+  grep -E "^cublas|Error" "$OUT/int8anchor.log" || tail -5 "$OUT/int8anchor.log"
 fi
 echo "total $(( $(date +%s) - t0 )) s"
