@@ -306,9 +306,9 @@ func benchKernels(b *cuda.Backend, rep *benchReport, rows []int, out io.Writer) 
 }
 
 // gemmRounds is how many times benchGEMM times each form of a GEMM, the
-// forms taking turns, each figure their median: on an H200 one form timed
-// right after another read up to 10 % apart where each was timed once
-// (fifty-second session).
+// forms taking turns (each round starting one form further on), each
+// figure their median: on an H200 one form timed right after another read
+// up to 10 % apart where each was timed once (fifty-second session).
 const gemmRounds = 3
 
 // benchGEMM times w's product with M random activation rows on the
@@ -335,8 +335,12 @@ func benchGEMM(b *cuda.Backend, w runtime.Linear, format string, N, K, M int, se
 	if b.HasWideGEMM(w, M) {
 		forms = append(forms, &form{wide: 1}, &form{wide: -1})
 	}
-	for range gemmRounds {
-		for _, f := range forms {
+	for round := range gemmRounds {
+		// each round starts one form further on: no form always first
+		// (the dispatcher's int8 figure read 10 % above the same launch
+		// timed after it in its round, fifty-third session)
+		for i := range forms {
+			f := forms[(round+i)%len(forms)]
 			opt.NoWGMMA, opt.WGWide = f.noWGMMA, f.wide
 			f.times = append(f.times, b.Time(2, 10, func() { b.MatMul(ym, xm, w) }))
 		}
