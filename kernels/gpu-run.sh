@@ -160,9 +160,10 @@ if has ncugemv; then # NCU_GEMV's kernels (KERNEL or KERNEL:SKIP): the stall rea
   for k in ${NCU_GEMV:-gemv_q4_w4h gemv_q8_w4h}; do
     f="$OUT/ncu-${k/:/-}.txt"
     ncu_gemv "$k" "$f" --page raw --section ComputeWorkloadAnalysis \
-      --metrics "${stalls}gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,dram__bytes_read.sum"
+      --metrics "${stalls}gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,dram__bytes_read.sum,sm__cycles_elapsed.avg.per_second"
     echo "ncu $k rc=$?"
-    grep -E "stalled|gpu__time_duration.sum|dram__throughput.avg.pct|dram__bytes_read.sum|smsp__inst_executed.sum |issue_active.avg|warps_active.avg|launch__grid_size|launch__registers_per_thread |launch__occupancy_limit_(reg|shared)|pipe_.*avg.pct_of_peak_sustained_active" "$f" 2>/dev/null |
+    # sm__cycles_elapsed.avg.per_second: the SM clock (NCU_ARGS="--clock-control none" for the GPU's own)
+    grep -E "stalled|gpu__time_duration.sum|dram__throughput.avg.pct|dram__bytes_read.sum|smsp__inst_executed.sum |issue_active.avg|warps_active.avg|launch__grid_size|launch__registers_per_thread |launch__occupancy_limit_(reg|shared)|pipe_.*avg.pct_of_peak_sustained_active|sm__cycles_elapsed.avg.per_second" "$f" 2>/dev/null |
       sed -E 's/smsp__average_warps_issue_stalled_(.*)_per_issue_active.ratio/stall_\1/' | awk '{printf "  %-56s %s\n", $1, $NF}'
   done
 fi
