@@ -1182,10 +1182,10 @@ func wideAlongN(name string) bool {
 // for fp16; 0.89–0.93 for int8 at 512, 1 024 and 2 048 rows of 14336 ×
 // 4096, whose wide blocks then lost at 1 024 rows: 4 waves against 7).
 func wideCost(name string) float64 {
-	switch {
-	case strings.HasPrefix(name, "gemm_wg_s8"):
+	switch strings.TrimSuffix(name, "_glu") {
+	case "gemm_wg_s8":
 		return 0.9
-	case wideAlongN(name):
+	case "gemm_wg_f16":
 		return 0.85
 	}
 	return 0.8
@@ -1552,10 +1552,10 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 		n     [3]int
 		maps  [3]*driver.TensorMap
 	)
-	flags := wgQ8Normal
+	var ls [3]*Linear
 	for i, g := range segs {
 		c[i], sz[i], n[i], maps[i] = g.d.p, g.l.sz, g.l.out, b.weightMap(wg, g.l.w, g.l)
-		flags &= wgFlags(g.l)
+		ls[i] = g.l
 	}
 	if len(segs) == 2 {
 		maps[2] = maps[0] // unread: N2 = 0
@@ -1564,7 +1564,7 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 	b.raiseSmem(name, shm)
 	grid := [3]uint32{uint32(mt), uint32(tiles / mt), 1}
 	b.launchShm(name, grid, block384, shm, c[0], c[1], c[2], b.tmaps[0], maps[0], maps[1], maps[2], sz[0], sz[1], sz[2],
-		M, n[0], n[1], n[2], l0.in, max(l0.gs, gemmHBK), l0.groups, flags, outStore)
+		M, n[0], n[1], n[2], l0.in, max(l0.gs, gemmHBK), l0.groups, wgFlags(ls[:len(segs)]...), outStore)
 	return true
 }
 
