@@ -308,6 +308,17 @@ func normedInput(b *Backend, r *rand.Rand, M, K int, nw, nb runtime.Vector, eps 
 	return x, h
 }
 
+// normProductsLaunched runs checkNormProducts on a new normed input of M
+// rows and returns the kernels it launched.
+func normProductsLaunched(t *testing.T, b *Backend, r *rand.Rand, M, K int, nw, nb runtime.Vector, eps float32,
+	mm []runtime.Linear, gate, up runtime.Linear, tol float64) map[string]bool {
+	t.Helper()
+	x, h := normedInput(b, r, M, K, nw, nb, eps)
+	defer b.Free(x)
+	defer b.Free(h)
+	return launchedBy(b, func() { checkNormProducts(t, b, x, h, nw, nb, eps, mm, gate, up, tol) })
+}
+
 // checkNormProducts checks NormMatMulN of x by mm and NormSwiGLU of x by
 // gate and up against the products of h = RMSNorm(x) (MatMul, then
 // SiLUMul) within tol (arithTol); each fused output is compared once both
@@ -385,10 +396,7 @@ func TestNormQuantized(t *testing.T) {
 			for _, wide := range []int{-1, 1} {
 				b.opt.WGWide = wide
 				t.Run(fmt.Sprintf("%s/M=%d/wide=%d", tc.name, M, wide), func(t *testing.T) {
-					x, h := normedInput(b, r, M, K, nw, nb, eps)
-					defer b.Free(x)
-					defer b.Free(h)
-					l := launchedBy(b, func() { checkNormProducts(t, b, x, h, nw, nb, eps, ws[:3], ws[2], ws[3], 0) })
+					l := normProductsLaunched(t, b, r, M, K, nw, nb, eps, ws[:3], ws[2], ws[3], 0)
 					if want := wide > 0 && b.HasWideGEMM(ws[2], M); l["gemm_wg_s8_glu_w"] != want {
 						t.Errorf("gemm_wg_s8_glu_w launched %v, want %v", l["gemm_wg_s8_glu_w"], want)
 					}
@@ -498,10 +506,7 @@ func TestGLUPair(t *testing.T) {
 			for _, w := range []int{-1, 1} {
 				b.opt.WGWide = w
 				t.Run(fmt.Sprintf("%s/M=%d/wide=%d", wc.name, M, w), func(t *testing.T) {
-					x, h := normedInput(b, r, M, K, nw, nil, eps)
-					defer b.Free(x)
-					defer b.Free(h)
-					for k := range launchedBy(b, func() { checkNormProducts(t, b, x, h, nw, nil, eps, ws[:1], ws[0], ws[1], 1e-6) }) {
+					for k := range normProductsLaunched(t, b, r, M, K, nw, nil, eps, ws[:1], ws[0], ws[1], 1e-6) {
 						ran[k] = true
 					}
 				})
