@@ -771,23 +771,23 @@ func stepBreakdown(b *cuda.Backend, m *model.Model, cfg model.Config, T, pos0 in
 	return total, nil
 }
 
+// printSyntheticRatios prints, where the run benched fp16, every other
+// format's decode and prefill as ratios to fp16's of the same run, in the
+// order benched (W8A8's prefill against fp16 is one of issue 12's
+// criteria; kernels/ktable.py reads these lines).
 func printSyntheticRatios(rep *benchReport, out io.Writer) {
-	by := map[string]modelResult{}
-	for _, r := range rep.Models {
-		by[r.Format] = r
-	}
-	f16, ok := by["fp16"]
-	if !ok {
+	i := slices.IndexFunc(rep.Models, func(r modelResult) bool { return r.Format == "fp16" })
+	if i < 0 {
 		return
 	}
+	f16 := rep.Models[i]
 	fmt.Fprintf(out, "\nsame-run ratios against fp16:\n")
-	for _, f := range []string{"w4a16", "w8a16"} {
-		r, ok := by[f]
-		if !ok {
+	for _, r := range rep.Models {
+		if r.Format == "fp16" {
 			continue
 		}
 		fmt.Fprintf(out, "  %s: decode %.2fx fp16 (graph %.1f vs %.1f tok/s), %.0f%% of roofline; prefill %.0f%% of fp16 (%.0f vs %.0f tok/s)\n",
-			f, r.DecodeGraphTok/f16.DecodeGraphTok, r.DecodeGraphTok, f16.DecodeGraphTok, 100*r.DecodeGraphTok/r.RooflineTokS,
+			r.Format, r.DecodeGraphTok/f16.DecodeGraphTok, r.DecodeGraphTok, f16.DecodeGraphTok, 100*r.DecodeGraphTok/r.RooflineTokS,
 			100*r.PrefillTokS/f16.PrefillTokS, r.PrefillTokS, f16.PrefillTokS)
 	}
 }

@@ -1,0 +1,39 @@
+package main
+
+import (
+	"strings"
+	"testing"
+)
+
+// TestPrintSyntheticRatios checks the same-run ratio lines: one for every
+// format benched beside fp16 (W8A8 included: issue 12's prefill criterion),
+// in the order benched, none where the run has no fp16.
+func TestPrintSyntheticRatios(t *testing.T) {
+	f16 := modelResult{Format: "fp16", DecodeGraphTok: 200, PrefillTokS: 30000, RooflineTokS: 300}
+	w8a8 := modelResult{Format: "w8a8", DecodeGraphTok: 300, PrefillTokS: 45000, RooflineTokS: 600}
+	w4a16 := modelResult{Format: "w4a16", DecodeGraphTok: 500, PrefillTokS: 27000, RooflineTokS: 1000}
+	for _, c := range []struct {
+		name   string
+		models []modelResult
+		want   []string
+	}{
+		{"w8a8 and w4a16", []modelResult{w8a8, f16, w4a16}, []string{
+			"  w8a8: decode 1.50x fp16 (graph 300.0 vs 200.0 tok/s), 50% of roofline; prefill 150% of fp16 (45000 vs 30000 tok/s)",
+			"  w4a16: decode 2.50x fp16 (graph 500.0 vs 200.0 tok/s), 50% of roofline; prefill 90% of fp16 (27000 vs 30000 tok/s)",
+		}},
+		{"fp16 alone", []modelResult{f16}, nil},
+		{"no fp16", []modelResult{w8a8, w4a16}, nil},
+	} {
+		var out strings.Builder
+		printSyntheticRatios(&benchReport{Models: c.models}, &out)
+		var got []string
+		for _, l := range strings.Split(out.String(), "\n") {
+			if strings.HasPrefix(l, "  ") {
+				got = append(got, l)
+			}
+		}
+		if strings.Join(got, "\n") != strings.Join(c.want, "\n") {
+			t.Errorf("%s: ratio lines\n%s\nwant\n%s", c.name, strings.Join(got, "\n"), strings.Join(c.want, "\n"))
+		}
+	}
+}
