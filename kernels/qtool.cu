@@ -1022,6 +1022,20 @@ __device__ __forceinline__ void st_dsmem_f2(float2* p, unsigned rank, float2 v) 
     asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(dsmem_addr(p, rank)), "f"(v.x), "f"(v.y) : "memory");
 #endif
 }
+// st_dsmem4 stores four values at address a of a block's shared memory
+// in the cluster (dsmem_addr's), floats as f32 operands (an integer view
+// of a wgmma's float accumulators made NVVM copy them into integer
+// registers before the wgmma's wait, and ptxas serialize the wgmma: C7514)
+__device__ __forceinline__ void st_dsmem4(unsigned a, int x, int y, int z, int w) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+#endif
+}
+__device__ __forceinline__ void st_dsmem4(unsigned a, float x, float y, float z, float w) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(a), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+#endif
+}
 // dsmem_arrive adds one to the counter *p of block rank with release
 // semantics at cluster scope: what this thread wrote before, and what its
 // block's threads wrote before a __syncthreads it passed since, is visible
@@ -1039,6 +1053,22 @@ __device__ __forceinline__ unsigned cluster_count(const unsigned* p) {
     asm volatile("ld.acquire.cluster.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
 #endif
     return v;
+}
+// cluster_blocks and cluster_rank_of are the launch's blocks a cluster
+// (1 without clusters) and this block's rank in its cluster.
+__device__ __forceinline__ unsigned cluster_blocks() {
+    unsigned n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+    return n;
+}
+__device__ __forceinline__ unsigned cluster_rank_of() {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
 }
 #define ATT_MAX_SPLITS 256  // the grid's splits at most (attnMaxSplits)
 #define ATT_MERGE_U 8      // partial sums a thread of the merge loads at once
@@ -3997,6 +4027,53 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
         }
     }
 }
+// gw_merge_splits merges the sums d (N a thread, thread ct of the 256
+// consumers; fp32 or integers) of an fp16 or int8 Hopper GEMM block whose
+// launch runs the K splits of a tile as one cluster of ncl blocks along z
+// (cluster rank = split; runtime/cuda's splitPlan), in the rounds of a
+// tree: in round s (1, 2, 4, …) block r + s stores its sums into the
+// shared memory at area (the ring's start, free once the products are
+// done) of block r (r a multiple of 2s), which adds them to its own: the
+// same order whatever the timing, ((p0 + p1) + (p2 + p3)) + …. The
+// consumers of every block meet at a cluster barrier before a round's
+// stores (the receivers' areas free; a thread that exited counts as
+// arrived) and after them (the sums landed: release, acquire). A thread's
+// 16-byte unit e / 4 at (e / 4 · 256 + ct) · 16: a warp's stores and loads
+// 512 contiguous bytes. Returns whether the block goes on to the
+// epilogue: rank 0, its consumers past a barrier after their loads (the
+// epilogue's stage may reuse the area); a sender returns false once its
+// sums are sent.
+template <int N, typename T>
+__device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, int ncl, int ct) {
+    static_assert(N % 4 == 0, "four sums a unit");
+    using V = typename std::conditional<std::is_same<T, float>::value, float4, int4>::type;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cluster_wait();  // the first arrival: every block of the cluster has set up
+    const int rank = (int)cluster_rank_of();
+    for (int s = 1; s < ncl; s *= 2) {
+        cluster_arrive();
+        cluster_wait();  // the receivers' areas are free
+        if ((rank & (2 * s - 1)) == s) {
+            unsigned to = dsmem_addr(area, rank - s);
+#pragma unroll
+            for (int e = 0; e < N; e += 4) st_dsmem4(to + ((e / 4) * 256 + ct) * 16, d[e], d[e + 1], d[e + 2], d[e + 3]);
+            cluster_arrive();  // the sums landed
+            return false;
+        }
+        cluster_arrive();
+        cluster_wait();
+        if ((rank & (2 * s - 1)) == 0 && rank + s < ncl) {
+#pragma unroll
+            for (int e = 0; e < N; e += 4) {
+                V v = reinterpret_cast<const V*>(area)[(e / 4) * 256 + ct];
+                d[e] += v.x, d[e + 1] += v.y, d[e + 2] += v.z, d[e + 3] += v.w;
+            }
+        }
+    }
+    named_sync(1, 256);
+#endif
+    return true;
+}
 // GH_S8: A and W int8 tiles of 128 rows of 128 codes a K step, the
 // integer sums handed to epi(at, raw, stage) as out_tile_staged takes them.
 // PAIR: mapW is a 3-D map over two weights of N rows as planes, and a
@@ -4048,6 +4125,13 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
+    // a K split launched as one cluster (gw_merge_splits): every thread's
+    // first arrival, which the merge's first wait takes as all started
+    // (the plain fp16 and int8 GEMMs; not the pairs and peer forms, which
+    // do not split K)
+    constexpr bool MERGES = (WK == GH_F16 || WK == GH_S8) && !PAIR && !std::is_same<Epi, PeerMirror>::value;
+    const int ncl = MERGES ? (int)cluster_blocks() : 1;
+    if (ncl > 1) cluster_arrive();
     if (wg == 0) {
         // the kinds whose consumers make fragments in registers give the
         // producer's registers to them (setmaxnreg: 40 here, 232 there;
@@ -4115,6 +4199,9 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % GWS));
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        static_assert(64 * AH * 4 * 256 <= GWS * SB, "the merge's area fits in the ring");
+        if constexpr (MERGES)
+            if (ncl > 1 && !gw_merge_splits(d, at(base), ncl, tid - 128)) return;  // a sender: no epilogue
         // accumulator e of n8 chunk j: activation row 16·warp + lane/4 (+8
         // for e ≥ 2), weight row 8j + 2·(lane % 4) (+1 for odd e)
         // (unit u = 2j + h)
@@ -4301,15 +4388,19 @@ __device__ __forceinline__ void gemm_wg_run(int flags, float* C, const TmaMap* m
 // multiple of GW_BK) and count G of the quantized kinds, flags
 // (GW_Q8_NORMAL); dynamic shared memory gw_stage_bytes · gw_stages + the
 // barriers + 1024. The _w forms (AH = 2) take 256 activation rows a block
-// (gemm_wg_f16_w: 256 weight rows).
+// (gemm_wg_f16_w: 256 weight rows). K split along z: split z writes its
+// partial product to C + z·M·N for sum_splits (as SPLIT_OUT), except where
+// the splits run as one cluster (fp16: gw_merge_splits), whose rank 0
+// applies out to C itself.
 #define GEMM_WG_ENTRY(name, WK, AH)                                                                              \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \
              int M, int N, int K, int gs, int G, int flags, int out) {                                           \
         PDL_ENTRY();                                                                                             \
         KSplit ks = k_split((K + GW_BK - 1) / GW_BK, Q8_SPLIT_ALIGN(WK, flags, gs, G));                           \
-        gemm_wg_run<WK, false, AH>(flags, C + (size_t)blockIdx.z * M * N, &mapA, &mapW, sz, nullptr, M, N, gs, G, \
-                                   ks.kt0, ks.kt1, SPLIT_OUT, 0);                                                \
+        const bool partial = gridDim.z > 1 && cluster_blocks() == 1;                                             \
+        gemm_wg_run<WK, false, AH>(flags, partial ? C + (size_t)blockIdx.z * M * N : C, &mapA, &mapW, sz, nullptr, \
+                                   M, N, gs, G, ks.kt0, ks.kt1, partial ? OUT_STORE : out, 0);                   \
     }
 GEMM_WG_ENTRY(gemm_wg_f16, GH_F16, 1)
 GEMM_WG_ENTRY(gemm_wg_bf16, GH_BF16, 1)
@@ -4788,7 +4879,8 @@ extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __r
              const float* __restrict__ tok, int M, int N, int K, int out) {                                      \
         PDL_ENTRY();                                                                                             \
         KSplit ks = k_split((K + 127) / 128);                                                                    \
-        int* part = gridDim.z > 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;           \
+        int* part = gridDim.z > 1 && cluster_blocks() == 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N \
+                                                            : nullptr;                                           \
         gemm_wg_body<GH_S8, false, false, 1, AH>(                                                                \
             y, &mapA, &mapW, nullptr, nullptr, M, N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,                          \
             [&](auto at, auto raw, TileStage<int> st) {                                                          \

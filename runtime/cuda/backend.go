@@ -79,6 +79,12 @@ type Options struct {
 	// blocks merged through global memory (attention*), not as one cluster
 	// (attention_f16_cl, sm_90a; for comparisons, like NoDependentLaunch).
 	NoClusterAttention bool
+	// NoClusterSplit merges the K splits of the int8 Hopper GEMMs through
+	// global memory (w8a8_sum_splits) rather than in the splits' shared
+	// memory, launched as one cluster a tile (splitPlan; the fp16 ones
+	// merge so only where tests force it; for comparisons, like
+	// NoDependentLaunch).
+	NoClusterSplit bool
 	// WGWide chooses the Hopper GEMMs' blocks of two 128-row halves (the
 	// _w kernels: 256 activation rows for the register-fragment kinds,
 	// every fragment serving both; 256 weight rows for fp16 and int8, one
@@ -125,6 +131,16 @@ type Backend struct {
 	// attnClusterWide: attention_f16_cl may run clusters of more than 8
 	// blocks (clusterAttention).
 	attnClusterWide bool
+	// clusterFit[s] is how many clusters of s Hopper GEMM blocks (one a
+	// multiprocessor) the device runs at once (driver.MaxActiveClusters:
+	// what its GPCs hold), for s up to 8; clusterSplits: the driver said
+	// (CUDA 12, Hopper GEMMs), so K splits may merge in clusters
+	// (splitPlan).
+	clusterFit    [9]int
+	clusterSplits bool
+	// forceClusterSplit makes splitPlan merge in clusters wherever they
+	// fit, whatever they cost (tests: every form of the merge).
+	forceClusterSplit bool
 	// asyncEverywhere makes gemvWide pick the ring in shared memory
 	// wherever regRing would pick the one in registers, and streamRows
 	// (16 or 32; 0: the rule) makes gemvStreaming pick a kernel of that
@@ -311,6 +327,7 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 			}
 		}
 		b.wgmma, b.tmaps = true, driver.NewTensorMaps(2)
+		b.clusterSplits = b.measureClusterFit()
 	}
 	if b.cc[0] >= 9 && drv.CanLaunchDependent() {
 		b.dependent = waitingKernels(ptx)

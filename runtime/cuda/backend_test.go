@@ -367,6 +367,64 @@ func TestWideWG(t *testing.T) {
 				c.name, c.narrow, c.wide, c.steps, c.split, c.force, got, c.want)
 		}
 	}
+	// where the int8 kind's splits merge in a cluster (splitPlan:
+	// wgClusterRoundSteps a round, twice for a wide block), in as many
+	// splits as take least of those whose clusters the device runs all at
+	// once (clusterFit: an H200's). The µs: the fifty-fifth session's
+	// kernel tables, kernels/exp/README.md's cluster-split section.
+	fit := [9]int{2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
+	for _, c := range []struct {
+		name                string
+		narrow, wide, steps int
+		noCluster, want     bool
+	}{
+		{"gemm_wg_s8", 4 * 32, 4 * 16, 32, false, false},   // 4096 × 4096 at 512 rows: narrow unsplit 32, wide in two 16 · 1.8 + 12 (22.8 / 30.7 µs)
+		{"gemm_wg_s8", 4 * 32, 4 * 16, 86, false, false},   // 4096 × 11008: 86 against 43 · 1.8 + 12 (57.2 / 64.2 µs)
+		{"gemm_wg_s8", 4 * 32, 4 * 16, 112, false, false},  // 4096 × 14336: 112 against 56 · 1.8 + 12 (69.0 / 74.7 µs)
+		{"gemm_wg_s8", 4 * 32, 4 * 16, 200, false, true},   // K = 25600: 200 against 100 · 1.8 + 12
+		{"gemm_wg_s8", 4 * 32, 4 * 16, 200, true, false},   // through w8a8_sum_splits: 100 · 1.8 + 28
+		{"gemm_wg_s8", 2 * 32, 2 * 16, 32, false, false},   // 256 rows: narrow in two 16 + 6, wide in two 16 · 1.8 + 12 (18.0 / 27.7 µs)
+		{"gemm_wg_s8", 1 * 32, 1 * 16, 32, false, false},   // 128 rows: narrow in two 16 + 6, wide in eight through memory 4 · 1.8 + 28 (17.2 / 28.4 µs)
+		{"gemm_wg_s8", 4 * 112, 4 * 56, 32, false, true},   // unsplit as before: 2 wide waves against 4 narrow
+		{"gemm_wg_s8", 8 * 112, 8 * 56, 32, false, false},  // 4 wide waves against 7 narrow
+		{"gemm_wg_f16", 4 * 32, 4 * 16, 64, false, false},  // fp16 4096 × 4096 at 512 rows, merged through memory (mergeKernels): 64 against 32 · 1.7 + 28
+		{"gemm_wg_f16", 4 * 32, 4 * 16, 172, false, false}, // 4096 × 11008: 172 against 86 · 1.7 + 28 (in clusters 86 · 1.7 + 12 would win)
+	} {
+		b := &Backend{sms: 132, clusterSplits: true, clusterFit: fit, opt: Options{NoClusterSplit: c.noCluster}}
+		if got := b.wideWG(c.name, c.narrow, c.wide, c.steps, true); got != c.want {
+			t.Errorf("wideWG(%s, %d narrow blocks, %d wide, %d steps, NoClusterSplit %v) = %v, want %v",
+				c.name, c.narrow, c.wide, c.steps, c.noCluster, got, c.want)
+		}
+	}
+	for _, c := range []struct {
+		name            string
+		tiles, steps, S int
+		merge           float64
+		cluster         bool
+	}{
+		{"gemm_wg_s8", 64, 32, 2, 6, true},     // 256 rows of 4096 outputs: two splits in clusters, one round
+		{"gemm_wg_s8", 32, 32, 2, 6, true},     // 128 rows: four splits, but 30 clusters of 4 at once; of 3 11 + 12, of 2 16 + 6
+		{"gemm_wg_s8", 16, 32, 4, 12, true},    // 8 splits: clusters of 8 to 6 too many; of 4 8 + 12 (of 5 7 + 18)
+		{"gemm_wg_s8_w", 16, 32, 8, 28, false}, // wide: eight through memory 4 · 1.8 + 28, in clusters of 4 8 · 1.8 + 24
+		{"gemm_wg_s8", 20, 4, 1, 0, false},     // too few steps to split
+		{"gemm_wg_s8", 33, 400, 4, 28, false},  // 4 splits: clusters of 3 134 + 12, of 2 200 + 6, through memory 100 + 28
+		{"gemm_wg_bf16", 32, 64, 4, 28, false}, // not a merging kind
+		{"gemm_wg_f16", 64, 32, 2, 28, false},  // a merging kind the dispatcher does not merge so (mergeKernels)
+		{"gemm_wg_s8", 140, 32, 1, 0, false},   // a wave of tiles: no split
+	} {
+		b := &Backend{sms: 132, clusterSplits: true, clusterFit: fit}
+		if S, cl, m := b.splitPlan(c.name, c.tiles, c.steps, b.sms); S != c.S || cl != c.cluster || m != c.merge {
+			t.Errorf("splitPlan(%s, %d tiles, %d steps) = %d, %v, %g, want %d, %v, %g", c.name, c.tiles, c.steps, S, cl, m, c.S, c.cluster, c.merge)
+		}
+		b.opt.NoClusterSplit = true // as many splits as fit a wave, merged through memory
+		S, m := b.splits(c.tiles, c.steps, b.sms), 0.0
+		if S > 1 {
+			m = wgSplitSteps
+		}
+		if gS, cl, gm := b.splitPlan(c.name, c.tiles, c.steps, b.sms); gS != S || cl || gm != m {
+			t.Errorf("splitPlan(%s, %d tiles, %d steps) with NoClusterSplit = %d, %v, %g, want %d, false, %g", c.name, c.tiles, c.steps, gS, cl, gm, S, m)
+		}
+	}
 	for _, c := range []struct {
 		name       string
 		grid, want [3]uint32
@@ -860,6 +918,111 @@ func TestGemmSplits(t *testing.T) {
 	}
 }
 
+// TestClusterSplit checks the K splits of the fp16 and int8 Hopper GEMMs
+// merged in their cluster's shared memory (qtool.cu's gw_merge_splits: a
+// tree of rounds) against the same launches merged through global memory
+// (Options.NoClusterSplit): int8 equal bit for bit (integer sums;
+// TestW8A8 checks both against integer arithmetic), fp16 equal at two
+// splits (one sum either way) and within tolerance of float64 at any; at
+// 2, 3 (a round where the last block has no partner), 4 and 8 splits
+// (b.maxSplits), narrow and wide blocks, each in clusters wherever they
+// fit (b.forceClusterSplit: also the forms splitPlan's costs pass over,
+// three rounds of a wide block's sums, and the fp16 kinds, which the
+// dispatcher merges through memory: mergeKernels), int8 with static and per-token
+// quantizers, stored and added to a residual (MatMulAdd); and no
+// sum_splits or w8a8_sum_splits launch where the clusters merge.
+func TestClusterSplit(t *testing.T) {
+	b := newTestBackend(t)
+	if !b.wgmma || !b.clusterSplits {
+		t.Skip("no Hopper GEMMs or no cluster launches on this device")
+	}
+	defer func() {
+		b.maxSplits, b.opt.NoClusterSplit, b.opt.WGWide, b.forceClusterSplit = 0, false, 0, false
+	}()
+	b.forceClusterSplit = true
+	r := rand.New(rand.NewPCG(71, 72))
+	const M, N, K = 200, 136, 4096 // 2 × 2 narrow tiles, 32 K steps: 8 splits
+	x := randVec(r, M*K, 1)
+	xb := upload(b, M, K, x)
+	defer b.Free(xb)
+	res := randVec(r, M*N, 1) // the residual MatMulAdd adds to
+	t.Logf("clusters of s blocks the device runs at once (clusterFit, s = 2…8): %v", b.clusterFit[2:])
+	// fp16: the cluster's sums in a tree, sum_splits's in order: equal at
+	// two splits, within the GEMMs' tolerance of float64 at any; stored,
+	// and added to the residual by the cluster's rank 0 (sum_splits: out)
+	f16, wf := uploadCase(t, b, r, weightCaseNamed(t, "f16"), N, K)
+	want := matmulRef(x, wf, M, N, K)
+	wantAdd := slices.Clone(want)
+	for i, v := range res {
+		wantAdd[i] += float64(v)
+	}
+	for _, S := range []int{2, 3, 4, 8} {
+		for _, wide := range []int{-1, 1} {
+			for _, add := range []bool{false, true} {
+				b.maxSplits, b.opt.WGWide = S, wide
+				var got [2][]float32
+				for i, global := range []bool{false, true} {
+					b.opt.NoClusterSplit = global
+					name := fmt.Sprintf("fp16/S=%d/WGWide=%d/add=%v/NoClusterSplit=%v", S, wide, add, global)
+					y, ref := poisoned(b, M, N), want
+					before := b.KernelLaunches()["sum_splits"]
+					if add {
+						b.Free(y)
+						y, ref = upload(b, M, N, res), wantAdd
+						b.MatMulAdd(y, xb, f16)
+					} else {
+						b.MatMul(y, xb, f16)
+					}
+					if n, want := b.KernelLaunches()["sum_splits"]-before, map[bool]int{false: 0, true: 1}[global]; n != want {
+						t.Errorf("%s: %d launches of sum_splits, want %d", name, n, want)
+					}
+					got[i] = download(b, y)
+					checkClose(t, name, got[i], ref, 3e-3)
+					b.Free(y)
+				}
+				if S == 2 && !slices.Equal(got[0], got[1]) {
+					t.Errorf("fp16 S=2 WGWide=%d add=%v: merged in the cluster and through memory differ", wide, add)
+				}
+			}
+		}
+	}
+	b.FreeLinear(f16)
+	for _, dynamic := range []bool{false, true} { // a static quantizer; per token (the epilogue's token scales)
+		lw := uploadW8A8(t, b, r, N, K, dynamic, 0.02)
+		for _, S := range []int{2, 3, 4, 8} {
+			for _, wide := range []int{-1, 1} {
+				for _, add := range []bool{false, true} { // the epilogue's store; its add (OUT_ADD)
+					b.maxSplits, b.opt.WGWide = S, wide
+					name := fmt.Sprintf("dynamic=%v/S=%d/WGWide=%d/add=%v", dynamic, S, wide, add)
+					var got [2][]float32 // merged in clusters, through memory
+					for i, global := range []bool{false, true} {
+						b.opt.NoClusterSplit = global
+						y := upload(b, M, N, res)
+						before := b.KernelLaunches()["w8a8_sum_splits"]
+						if add {
+							b.MatMulAdd(y, xb, lw)
+						} else {
+							b.MatMul(y, xb, lw)
+						}
+						if n, want := b.KernelLaunches()["w8a8_sum_splits"]-before, map[bool]int{false: 0, true: 1}[global]; n != want {
+							t.Errorf("%s NoClusterSplit=%v: %d launches of w8a8_sum_splits, want %d", name, global, n, want)
+						}
+						got[i] = download(b, y)
+						b.Free(y)
+					}
+					for i, v := range got[0] {
+						if w := got[1][i]; v != w {
+							t.Errorf("%s: value %d merged in the cluster %v, through memory %v", name, i, v, w)
+							break
+						}
+					}
+				}
+			}
+		}
+		b.FreeLinear(lw)
+	}
+}
+
 // TestW8A8 checks the W8A8 products against integer arithmetic: the dp4a
 // GEMV (M ≤ GEMVMaxRows) and the int8 tensor-core GEMM (partial 128-tiles
 // in M and N, K not a multiple of the 64-wide K step; K split over the grid
@@ -867,7 +1030,8 @@ func TestGemmSplits(t *testing.T) {
 // rows, also unsplit over more K steps than its ring has stages, and its
 // form of 256 weight rows a block, gemm_wg_s8_w, forced (Options.WGWide):
 // the second half partly past N (136, 200, 454: two blocks along N) or
-// wholly (72, 42)).
+// wholly (72, 42); its splits merged in clusters where splitPlan says and
+// through memory, Options.NoClusterSplit).
 func TestW8A8(t *testing.T) {
 	for _, c := range [][3]int{{136, 256, 0}, {200, 80, 0}, {136, 1024, 0}, {200, 1040, 0}, {200, 1040, 1}, {454, 1040, 0},
 		// w8a8_gemm's whole batches of a lane's loads and a partial one with
@@ -919,13 +1083,15 @@ func testW8A8(t *testing.T, N, K, maxSplits int) {
 			if wide > 0 && !b.HasWideGEMM(lw, M) {
 				continue
 			}
-			b.opt.WGWide = wide
-			y := poisoned(b, M, N)
-			b.MatMul(y, xb, lw)
-			checkClose(t, fmt.Sprintf("w8a8 M=%d N=%d K=%d WGWide=%d", M, N, K, wide), download(b, y), want, 0) // exact: integers, then one product and one sum
-			b.Free(y)
+			for _, global := range []bool{false, true} { // its K splits merged in clusters where they may, or through memory
+				b.opt.WGWide, b.opt.NoClusterSplit = wide, global
+				y := poisoned(b, M, N)
+				b.MatMul(y, xb, lw)
+				checkClose(t, fmt.Sprintf("w8a8 M=%d N=%d K=%d WGWide=%d NoClusterSplit=%v", M, N, K, wide, global), download(b, y), want, 0) // exact: integers, then one product and one sum
+				b.Free(y)
+			}
 		}
-		b.opt.WGWide = 0
+		b.opt.WGWide, b.opt.NoClusterSplit = 0, false
 		b.Free(xb)
 	}
 }

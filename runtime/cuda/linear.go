@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/bits"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -1198,20 +1199,28 @@ func wideCost(name string) float64 {
 // in two splits, ~0.5 µs a step.
 const wgSplitSteps = 28
 
+// wgClusterRoundSteps is what one round of a cluster's merge of K splits
+// costs (splitPlan; log2 of the splits rounds, rounded up), in block steps
+// as wgSplitSteps, for a narrow block's 64 KB of sums (a wide block's 128
+// KB: twice): sent from block to block of the cluster, no second launch.
+// On an H200 (fifty-fifth session, a first form of the merge) the int8
+// GEMM of 4096 × 4096 at 256 rows took 17.8 µs in narrow blocks
+// split in two so (27.5 merged through memory), 27.7 in wide blocks split
+// in three; 4096 × 11008 at 512 rows 64.2 µs in wide blocks split in two
+// (74.2 through memory) against 57.2 narrow and unsplit.
+const wgClusterRoundSteps = 6
+
 // wgEstimate is a Hopper GEMM launch's time in block steps: tiles blocks
-// (times the K splits launchSplit makes where split; those of a gate/up
-// pair's launch do not split), b.sms at once, each through steps K steps
-// at cost a step, plus wgSplitSteps where K splits.
-func (b *Backend) wgEstimate(tiles, steps int, cost float64, split bool) float64 {
-	S := 1
+// of Hopper GEMM name (times the K splits launchSplit makes where split;
+// those of a gate/up pair's launch do not split), b.sms at once, each
+// through steps K steps at cost a step, plus what merging the splits
+// costs (splitPlan) where K splits.
+func (b *Backend) wgEstimate(name string, tiles, steps int, cost float64, split bool) float64 {
+	S, merge := 1, 0.0
 	if split {
-		S = b.splits(tiles, steps, b.sms)
+		S, _, merge = b.splitPlan(name, tiles, steps, b.sms)
 	}
-	e := float64((tiles*S+b.sms-1)/b.sms) * float64((steps+S-1)/S) * cost
-	if S > 1 {
-		e += wgSplitSteps
-	}
-	return e
+	return float64((tiles*S+b.sms-1)/b.sms)*float64((steps+S-1)/S)*cost + merge
 }
 
 // wideWG reports whether Hopper GEMM name, narrow blocks through steps K
@@ -1227,7 +1236,7 @@ func (b *Backend) wideWG(name string, narrow, wide, steps int, split bool) bool 
 	case b.opt.WGWide < 0 || wide >= narrow:
 		return false
 	}
-	return b.wgEstimate(wide, steps, 2*wideCost(name), split) < b.wgEstimate(narrow, steps, 1, split)
+	return b.wgEstimate(wideKernels[name], wide, steps, 2*wideCost(name), split) < b.wgEstimate(name, narrow, steps, 1, split)
 }
 
 // wideForm is Hopper GEMM name's launch, its narrow grid and shared memory
@@ -1379,16 +1388,109 @@ func (b *Backend) launchGEMM(name string, grid, block [3]uint32, shm, resident, 
 // partial products (4 bytes a value) at part into d by out; the kernel
 // gets out (the splits store whatever it says).
 func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, out int, args []any, sum func(part driver.DevicePtr, S int)) {
-	S := b.splits(int(grid[0]*grid[1]), steps, resident)
+	S, cluster, _ := b.splitPlan(name, int(grid[0]*grid[1]), steps, resident)
 	args = append(slices.Clip(args), out)
 	if S == 1 {
 		b.launchShm(name, grid, block, shm, append([]any{d.p}, args...)...)
+		return
+	}
+	if cluster {
+		grid[2] = uint32(S)
+		b.launchCluster(name, grid, block, [3]uint32{1, 1, uint32(S)}, shm, append([]any{d.p}, args...)...)
 		return
 	}
 	part := b.scratchBuf("gemm_part", 4*S*d.n())
 	grid[2] = uint32(S)
 	b.launchShm(name, grid, block, shm, append([]any{part}, args...)...)
 	sum(part, S)
+}
+
+// mergeKernels are the Hopper GEMMs whose K splits can merge in
+// distributed shared memory (qtool.cu's gw_merge_splits: the fp16 and int8
+// kinds, whose accumulators are the 64 or 128 values a consumer thread the
+// merge sends), each with whether the dispatcher picks that merge. It does
+// for int8 only: on an H200 (fifty-sixth session) the fp16 kernels merged
+// in clusters were faster alone (4096 × 4096 at 256 rows 22.7 µs against
+// 28.6) but fp16 prefill of 128 tokens lost 4–5 % on llama3-8b (its
+// kernels' summed times fell, the forward pass's time rose) and gained 3 %
+// at 256; W8A8 prefill gained 15–18 % (llama3-8b) and 31–34 % (llama2-7b)
+// at 128 and 256 tokens.
+var mergeKernels = map[string]bool{"gemm_wg_f16": false, "gemm_wg_f16_w": false, "gemm_wg_s8": true, "gemm_wg_s8_w": true}
+
+// mergesInCluster reports whether Hopper GEMM name may merge its K splits
+// in its blocks' shared memory (splitPlan): a kind the dispatcher merges
+// so (mergeKernels), or any kind that can where b.forceClusterSplit
+// (tests: the fp16 merge stays checked).
+func (b *Backend) mergesInCluster(name string) bool {
+	picked, can := mergeKernels[name]
+	return can && (picked || b.forceClusterSplit) && b.clusterSplits && !b.opt.NoClusterSplit
+}
+
+// measureClusterFit sets b.clusterFit from the driver (the int8 wide GEMM's
+// block and shared memory, the most of the kinds that merge in clusters;
+// every Hopper GEMM runs one block a multiprocessor), 0 for a size it
+// cannot say or run, and reports whether clusters of two run: a CUDA 12
+// driver, not a device too small for them.
+func (b *Backend) measureClusterFit() bool {
+	if !b.drv.CanLaunchDependent() {
+		return false
+	}
+	const name = "gemm_wg_s8_w"
+	shm := gemmWGSmem("gemm_wg_s8", 2)
+	if b.drv.SetFuncAttribute(b.fn[name], attrMaxDynSmem, shm) != nil {
+		return false
+	}
+	b.dynSmem[name] = shm
+	for s := 2; s < len(b.clusterFit); s++ {
+		if n, err := b.drv.MaxActiveClusters(b.fn[name], block384, [3]uint32{1, 1, uint32(s)}, uint32(shm)); err == nil {
+			b.clusterFit[s] = n
+		}
+	}
+	return b.clusterFit[2] > 0
+}
+
+// splitPlan is how a launch of tiles blocks of Hopper GEMM name (resident
+// at once) splits its steps K steps and what merging the splits costs,
+// in block steps as wgEstimate counts them (a wide block's step at
+// 2·wideCost): S ways (b.splits), merged through sum_splits
+// (wgSplitSteps); or, where the kind merges in clusters
+// (mergesInCluster), each tile's splits as one cluster along z merging in
+// shared memory (cluster set; wgClusterRoundSteps a round, twice for a
+// wide block's sums): the number of splits, of those whose clusters the
+// device runs all at once (clusterFit, which counts each GPC's
+// multiprocessors; at most 8, a portable cluster), that takes least,
+// where that is less than the global merge. b.forceClusterSplit (tests)
+// takes the most splits that fit, whatever they cost.
+func (b *Backend) splitPlan(name string, tiles, steps, resident int) (S int, cluster bool, merge float64) {
+	S = b.splits(tiles, steps, resident)
+	if S == 1 {
+		return 1, false, 0
+	}
+	if !b.mergesInCluster(name) {
+		return S, false, wgSplitSteps
+	}
+	halves, stepCost := 1, 1.0
+	if strings.HasSuffix(name, "_w") {
+		halves, stepCost = 2, 2*wideCost(strings.TrimSuffix(name, "_w"))
+	}
+	time := func(s int) float64 { return float64((steps+s-1)/s) * stepCost }
+	best, bestS := time(S)+wgSplitSteps, 0
+	for s := min(S, len(b.clusterFit)-1); s >= 2; s-- {
+		if tiles > b.clusterFit[s] {
+			continue
+		}
+		m := float64(bits.Len(uint(s-1)) * halves * wgClusterRoundSteps)
+		if b.forceClusterSplit {
+			return s, true, m
+		}
+		if t := time(s) + m; t < best {
+			best, bestS = t, s
+		}
+	}
+	if bestS == 0 {
+		return S, false, wgSplitSteps
+	}
+	return bestS, true, best - time(bestS)
 }
 
 // gemmSplits is how many ways the tensor-core GEMMs (gemm_h_*, gemm_wg_*,

@@ -95,6 +95,7 @@ type Driver struct {
 	cuModuleGetFunction         func(f *Function, m Module, name string) Result
 	cuFuncSetAttribute          func(f Function, attr int32, v int32) Result
 	cuOccupancyMaxBlocks        func(n *int32, f Function, blockSize int32, dynSmem uint64) Result
+	cuOccupancyMaxClusters      func(n *int32, f Function, cfg *launchConfig) Result // nil before CUDA 12
 	cuLaunchKernel              func(f Function, gx, gy, gz, bx, by, bz, shmem uint32, s Stream, params *unsafe.Pointer, extra *unsafe.Pointer) Result
 	cuLaunchKernelEx            func(cfg *launchConfig, f Function, params *unsafe.Pointer, extra *unsafe.Pointer) Result                                                           // nil before CUDA 12
 	cuTensorMapEncodeTiled      func(m *TensorMap, dtype, rank uint32, addr DevicePtr, dims, strides *uint64, box, elemStrides *uint32, interleave, swizzle, l2, oob uint32) Result // nil before CUDA 12
@@ -218,6 +219,7 @@ func Open() (*Driver, error) {
 	// newer or rarer entry points: nil where the driver lacks them
 	for _, s := range []entry{
 		{&d.cuLaunchKernelEx, "cuLaunchKernelEx"},
+		{&d.cuOccupancyMaxClusters, "cuOccupancyMaxActiveClusters"},
 		{&d.cuTensorMapEncodeTiled, "cuTensorMapEncodeTiled"},
 		{&d.cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer"},
 		{&d.cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess"},
@@ -473,6 +475,26 @@ func (d *Driver) LaunchCluster(f Function, grid, block, cluster [3]uint32, shmem
 		n = withSerialization(&attrs, n)
 	}
 	return d.launchEx(f, grid, block, shmem, s, params, &attrs, n)
+}
+
+// MaxActiveClusters returns how many clusters of cluster blocks of f
+// (block threads each, shmem bytes of dynamic shared memory) the device
+// runs at once: what fits in its multiprocessors' groups (GPCs), which
+// can be fewer than the multiprocessors divided by the cluster's size.
+// 0 where the driver lacks cuOccupancyMaxActiveClusters (before CUDA 12).
+func (d *Driver) MaxActiveClusters(f Function, block, cluster [3]uint32, shmem uint32) (int, error) {
+	if d.cuOccupancyMaxClusters == nil {
+		return 0, nil
+	}
+	attrs := [1]launchAttr{{id: attrClusterDimension}}
+	attrs[0].value[0] = uint64(cluster[0]) | uint64(cluster[1])<<32
+	attrs[0].value[1] = uint64(cluster[2])
+	// the grid a multiple of the cluster (the driver checks it)
+	cfg := launchConfig{grid: cluster, block: block, shmem: shmem, attrs: &attrs[0], numAttrs: 1}
+	var n int32
+	err := d.check("cuOccupancyMaxActiveClusters", d.cuOccupancyMaxClusters(&n, f, &cfg))
+	runtime.KeepAlive(&attrs)
+	return int(n), err
 }
 
 // TensorMap is a CUtensorMap: the description of a tensor in device memory
