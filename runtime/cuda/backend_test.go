@@ -371,7 +371,7 @@ func TestWideWG(t *testing.T) {
 	// wgClusterRoundSteps a round, twice for a wide block), in as many
 	// splits as take least of those whose clusters the device runs all at
 	// once (clusterFit: an H200's). The µs: the fifty-fifth session's
-	// kernel tables, kernels/exp/README.md's cluster-split section.
+	// kernel tables (kernels/NOTES.md, its stop section).
 	fit := [9]int{2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
 	for _, c := range []struct {
 		name                string
@@ -964,13 +964,14 @@ func TestClusterSplit(t *testing.T) {
 				for i, global := range []bool{false, true} {
 					b.opt.NoClusterSplit = global
 					name := fmt.Sprintf("fp16/S=%d/WGWide=%d/add=%v/NoClusterSplit=%v", S, wide, add, global)
-					y, ref := poisoned(b, M, N), want
+					var y *Buf
+					ref := want
 					before := b.KernelLaunches()["sum_splits"]
 					if add {
-						b.Free(y)
 						y, ref = upload(b, M, N, res), wantAdd
 						b.MatMulAdd(y, xb, f16)
 					} else {
+						y = poisoned(b, M, N)
 						b.MatMul(y, xb, f16)
 					}
 					if n, want := b.KernelLaunches()["sum_splits"]-before, map[bool]int{false: 0, true: 1}[global]; n != want {

@@ -1394,13 +1394,12 @@ func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident,
 		b.launchShm(name, grid, block, shm, append([]any{d.p}, args...)...)
 		return
 	}
+	grid[2] = uint32(S)
 	if cluster {
-		grid[2] = uint32(S)
 		b.launchCluster(name, grid, block, [3]uint32{1, 1, uint32(S)}, shm, append([]any{d.p}, args...)...)
 		return
 	}
 	part := b.scratchBuf("gemm_part", 4*S*d.n())
-	grid[2] = uint32(S)
 	b.launchShm(name, grid, block, shm, append([]any{part}, args...)...)
 	sum(part, S)
 }
@@ -1429,12 +1428,9 @@ func (b *Backend) mergesInCluster(name string) bool {
 // measureClusterFit sets b.clusterFit from the driver (the int8 wide GEMM's
 // block and shared memory, the most of the kinds that merge in clusters;
 // every Hopper GEMM runs one block a multiprocessor), 0 for a size it
-// cannot say or run, and reports whether clusters of two run: a CUDA 12
-// driver, not a device too small for them.
+// cannot say or run (every size without a CUDA 12 driver), and reports
+// whether clusters of two run.
 func (b *Backend) measureClusterFit() bool {
-	if !b.drv.CanLaunchDependent() {
-		return false
-	}
 	const name = "gemm_wg_s8_w"
 	shm := gemmWGSmem("gemm_wg_s8", 2)
 	if b.drv.SetFuncAttribute(b.fn[name], attrMaxDynSmem, shm) != nil {
