@@ -1032,7 +1032,8 @@ func TestClusterSplit(t *testing.T) {
 // form of 256 weight rows a block, gemm_wg_s8_w, forced (Options.WGWide):
 // the second half partly past N (136, 200, 454: two blocks along N) or
 // wholly (72, 42); its splits merged in clusters where splitPlan says and
-// through memory, Options.NoClusterSplit).
+// through memory, Options.NoClusterSplit). A fifth of the activations lie
+// on or next to the static quantizer's rounding boundaries.
 func TestW8A8(t *testing.T) {
 	for _, c := range [][3]int{{136, 256, 0}, {200, 80, 0}, {136, 1024, 0}, {200, 1040, 0}, {200, 1040, 1}, {454, 1040, 0},
 		// w8a8_gemm's whole batches of a lane's loads and a partial one with
@@ -1064,6 +1065,19 @@ func testW8A8(t *testing.T, N, K, maxSplits int) {
 	}
 	for _, M := range []int{1, 4, 7, 64, 130, 300} {
 		x := randVec(r, M*K, 2)
+		// every fifth value on or next to a rounding boundary of the
+		// quantizer, x/scale + offset = j + 0.5: where quant_act's product
+		// with the reciprocal would round otherwise than the division
+		for i := 0; i < len(x); i += 5 {
+			v := (float32(r.IntN(300)-150) + 0.5 - w.InputOffset) * w.InputScale
+			switch r.IntN(3) {
+			case 1:
+				v = math.Nextafter32(v, float32(math.Inf(1)))
+			case 2:
+				v = math.Nextafter32(v, float32(math.Inf(-1)))
+			}
+			x[i] = v
+		}
 		want := make([]float64, M*N)
 		for m := 0; m < M; m++ {
 			xq := make([]int32, K)
