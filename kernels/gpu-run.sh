@@ -378,9 +378,16 @@ ab_variants() {
       *) out="$out ${v%%=*}" ;;
     esac
   done
+  for v in ${AB_ENV:-}; do out="$out ${v%%=*}"; done
   echo "$out"
 }
+# AB_ENV="name=VAR=value ...": more variants of ab and kab, bin/qtool (this build's PTX) with VAR
+# set (a Go-side experiment's switch)
 variant_cmd() {
+  local e
+  for e in ${AB_ENV:-}; do
+    [ "${e%%=*}" = "$1" ] && { echo "env ${e#*=} bin/qtool"; return; }
+  done
   case $1 in
     new) echo bin/qtool ;;
     base) echo "$BASE" ;;
@@ -393,7 +400,7 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
   # (and bin/qtool with each AB_PTX build's PTX)
   # (a build whose cuda tests failed or timed out, perhaps hanging, is left out: ab_variants;
   # AB_MODEL, AB_FORMAT, AB_PROMPT, AB_DECODE and AB_ARGS change the bench's shapes, format, prompt, steps and flags;
-  # AB_MODEL="llama2-7b llama3-8b": both in each round)
+  # AB_MODEL="llama2-7b llama3-8b": both in each round; AB_ENV: Go-side variants, see variant_cmd)
   variants=$(ab_variants ab)
   [ "${failed_new:-0}" = 0 ] || { echo "ab: skipped (this build's cuda tests failed)"; AB_ROUNDS=0; }
   for i in $(seq "${AB_ROUNDS:-2}"); do
