@@ -1183,13 +1183,13 @@ func wideAlongN(name string) bool {
 // for fp16; 0.89–0.93 for int8 at 512, 1 024 and 2 048 rows of 14336 ×
 // 4096, whose wide blocks then lost at 1 024 rows: 4 waves against 7).
 func wideCost(name string) float64 {
-	switch strings.TrimSuffix(name, "_glu") {
-	case "gemm_wg_s8":
+	switch {
+	case !wideAlongN(name):
+		return 0.8
+	case strings.HasPrefix(name, "gemm_wg_s8"):
 		return 0.9
-	case "gemm_wg_f16":
-		return 0.85
 	}
-	return 0.8
+	return 0.85
 }
 
 // wgSplitSteps is what splitting K costs a Hopper GEMM launch, in block
@@ -1433,10 +1433,9 @@ func (b *Backend) mergesInCluster(name string) bool {
 func (b *Backend) measureClusterFit() bool {
 	const name = "gemm_wg_s8_w"
 	shm := gemmWGSmem("gemm_wg_s8", 2)
-	if b.drv.SetFuncAttribute(b.fn[name], attrMaxDynSmem, shm) != nil {
+	if b.trySmem(name, shm) != nil {
 		return false
 	}
-	b.dynSmem[name] = shm
 	for s := 2; s < len(b.clusterFit); s++ {
 		if n, err := b.drv.MaxActiveClusters(b.fn[name], block384, [3]uint32{1, 1, uint32(s)}, uint32(shm)); err == nil {
 			b.clusterFit[s] = n
@@ -1994,11 +1993,19 @@ const attrMaxDynSmem = 8
 // raiseSmem lets kernel name use shm bytes of dynamic shared memory (the
 // driver's default limit is 48 KB minus the kernel's static shared memory).
 func (b *Backend) raiseSmem(name string, shm int) {
+	b.must(b.trySmem(name, shm))
+}
+
+// trySmem is raiseSmem that returns the driver's refusal.
+func (b *Backend) trySmem(name string, shm int) error {
 	if b.dynSmem[name] >= shm {
-		return
+		return nil
 	}
-	b.must(b.drv.SetFuncAttribute(b.fn[name], attrMaxDynSmem, shm))
+	if err := b.drv.SetFuncAttribute(b.fn[name], attrMaxDynSmem, shm); err != nil {
+		return err
+	}
 	b.dynSmem[name] = shm
+	return nil
 }
 
 // gemvStreamMaxSmem bounds the streaming GEMV's staged activation row
