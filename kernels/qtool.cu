@@ -314,21 +314,47 @@ __device__ __forceinline__ int8_t quant_static(float v, float scale, float offse
 __device__ __forceinline__ int8_t quant_token(float v, float s) {
     return (int8_t)(s == 0.f ? 0.f : fminf(fmaxf(rintf(__fdiv_rn(v, s)), -127.f), 127.f));
 }
+// quot_rn is the correctly rounded quotient v/s without a division, from
+// inv = RN(1/s) (Markstein: with q0 = RN(v·inv), r = v − s·q0 is exact and
+// RN(q0 + r·inv) = RN(v/s) while 2^-60 ≤ |v|, |s| ≤ 2^60 keeps every step
+// normal), v taken as ±2^60 above that and as 0 below 2^-60 (NaN passes
+// through). The division's fast path is the same reciprocal and FMAs
+// behind a range check and a call of its slow path, a long dependent chain
+// a value: with it, attn_tc_f16_q took 3.9–4.6 µs more than attn_tc_f16_h
+// at 128–512 tokens on an H200 (kernels/exp/attn_form.cu).
+__device__ __forceinline__ float quot_rn(float v, float s, float inv) {
+    const float a = fabsf(v);
+    v = a > 0x1p60f ? copysignf(0x1p60f, v) : a < 0x1p-60f ? 0.f : v;
+    const float q0 = __fmul_rn(v, inv), r = __fmaf_rn(-q0, s, v);
+    return __fmaf_rn(r, inv, q0);
+}
+// quant_fast is quant_static through quot_rn (inv = RN(1/scale)): the same
+// codes for a quantizer with 2^-30 ≤ |scale| ≤ 2^30 and |offset| ≤ 2^8,
+// where a v that quot_rn clamps saturates, or rounds, alike (|v/s| ≥ 2^30,
+// or < 2^-30, which moves v/s + offset past no half-integer). The host
+// lets producers write codes only for such a quantizer (runtime/cuda's
+// actQuant.divisionFree); quant_act keeps quant_static for every other.
+__device__ __forceinline__ int8_t quant_fast(float v, float scale, float offset, float inv) {
+    return (int8_t)fminf(fmaxf(roundf(__fadd_rn(quot_rn(v, scale, inv), offset)), -128.f), 127.f);
+}
 // QOut asks a GEMM for its results quantized by quant_static (scale s,
 // offset o) to p, int8 codes at the float output's indices, instead of
 // floats: the SwiGLU of a W8A8 up GEMM written as the input of down
-// (runtime.Fused's MLP), with no fp32 copy and no quant_act. p = nullptr:
-// floats as usual.
+// (runtime.Fused's MLP), or the attention's output as o's (attn_tc_f16_q),
+// with no fp32 copy and no quant_act. p = nullptr:
+// floats as usual. The codes are quant_fast's (inv = RN(1/s)): the host
+// asks for them only where they equal quant_static's.
 struct QOut {
     int8_t* p;
     float s, o;
-    __device__ __forceinline__ void put1(size_t i, float v) const { p[i] = quant_static(v, s, o); }
+    float inv = __frcp_rn(s);
+    __device__ __forceinline__ void put1(size_t i, float v) const { p[i] = quant_fast(v, s, o, inv); }
     __device__ __forceinline__ void put2(size_t i, float a, float b) const {
-        *reinterpret_cast<char2*>(p + i) = make_char2(quant_static(a, s, o), quant_static(b, s, o));
+        *reinterpret_cast<char2*>(p + i) = make_char2(quant_fast(a, s, o, inv), quant_fast(b, s, o, inv));
     }
     __device__ __forceinline__ void put4(size_t i, float4 v) const {
-        *reinterpret_cast<char4*>(p + i) =
-            make_char4(quant_static(v.x, s, o), quant_static(v.y, s, o), quant_static(v.z, s, o), quant_static(v.w, s, o));
+        *reinterpret_cast<char4*>(p + i) = make_char4(quant_fast(v.x, s, o, inv), quant_fast(v.y, s, o, inv),
+                                                      quant_fast(v.z, s, o, inv), quant_fast(v.w, s, o, inv));
     }
 };
 
@@ -383,10 +409,11 @@ extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restr
     }
     const float inv = rms_inv(ss, cols, eps, sh);
     auto normed = [&](float xc, int c) { return rms_normed(xc, inv, w, bias, c); };
+    const float qinv = __frcp_rn(qs);
     auto put = [&](float v, int c) {
         size_t i = (size_t)r * cols + c;
         if (dstq)
-            dstq[i] = tok ? quant_token(v, qs) : quant_static(v, qs, qo);
+            dstq[i] = tok ? quant_token(v, qs) : quant_fast(v, qs, qo, qinv);
         else if (dst16)
             dst16[i] = __float2half_rn(v);
         else
@@ -1054,8 +1081,7 @@ __device__ __forceinline__ unsigned cluster_count(const unsigned* p) {
 #endif
     return v;
 }
-// cluster_blocks and cluster_rank_of are the launch's blocks a cluster
-// (1 without clusters) and this block's rank in its cluster.
+// cluster_blocks is the launch's blocks a cluster (1 without clusters).
 __device__ __forceinline__ unsigned cluster_blocks() {
     unsigned n = 1;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1063,13 +1089,12 @@ __device__ __forceinline__ unsigned cluster_blocks() {
 #endif
     return n;
 }
-__device__ __forceinline__ unsigned cluster_rank_of() {
-    unsigned r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-    return r;
-}
+// split_to_memory reports whether this block is one K split of a Hopper
+// GEMM launch whose splits merge through memory (its partial sums to the
+// output + z·M·N, for sum_splits or w8a8_sum_splits): a launch split along
+// z and not run as one cluster a tile (those merge in shared memory,
+// gw_merge_splits).
+__device__ __forceinline__ bool split_to_memory() { return gridDim.z > 1 && cluster_blocks() == 1; }
 #define ATT_MAX_SPLITS 256  // the grid's splits at most (attnMaxSplits)
 #define ATT_MERGE_U 8      // partial sums a thread of the merge loads at once
 // att_merge writes the row's output from its ns splits' partials, in
@@ -1439,6 +1464,27 @@ extern "C" __global__ void __launch_bounds__(128) attention_i8(ATTENTION_ARGS(in
     attention_run(dst, q, kc, vc, part_ml, part_acc, cnt, heads, kvHeads, hd, pos0, dpos, scale, nsplit,
                   KVQuant{ks, ko, vs, vo}, AttNew{kn, vn, rtab, layout});
 }
+// at_put2 stores a/l and b/l, a row's normalised outputs, through dst;
+// rl is at_rcp(dst, l), taken once a row: RN(1/l) for the int8 codes
+// (QOut) and fp16 (AtF16), which then take RN(a/l) from quot_rn (l in
+// [1, keys], |a| below l·65504; an a below 2^-60, taken as 0, is 0 in fp16
+// too), and the division for the fp32 output.
+template <typename Out>
+__device__ __forceinline__ float at_rcp(const Out&, float) {
+    return 0.f;
+}
+template <typename Out>
+__device__ __forceinline__ void at_put2(const Out& dst, size_t i, float a, float b, float l, float) {
+    dst.put2(i, a / l, b / l);
+}
+template <>
+__device__ __forceinline__ float at_rcp<QOut>(const QOut&, float l) {
+    return __frcp_rn(l);
+}
+template <>
+__device__ __forceinline__ void at_put2<QOut>(const QOut& dst, size_t i, float a, float b, float l, float rl) {
+    dst.put2(i, quot_rn(a, l, rl), quot_rn(b, l, rl));
+}
 
 // Prefill attention on the tensor cores (FlashAttention-2 style) for T ≥
 // a few dozen rows at positions pos0 + t: grid (heads, units), block 128
@@ -1520,6 +1566,15 @@ struct AtF16 {
         *reinterpret_cast<uint32_t*>(h + i) = pack_h2(a, b);
     }
 };
+// attn_tc_f16_h's o/l without a division, as QOut's (at_put2).
+template <>
+__device__ __forceinline__ float at_rcp<AtF16>(const AtF16&, float l) {
+    return __frcp_rn(l);
+}
+template <>
+__device__ __forceinline__ void at_put2<AtF16>(const AtF16& dst, size_t i, float a, float b, float l, float rl) {
+    dst.put2(i, quot_rn(a, l, rl), quot_rn(b, l, rl));
+}
 struct AtState {
     float o[16][4];
     float m0, m1, l0, l1;
@@ -1610,12 +1665,13 @@ struct AtState {
     __device__ __forceinline__ void store(const Out& dst, int tlo, int T, int heads, int hd, int h) {
         int tq = threadIdx.x & 3, thi = tlo + 8;
         sum_l();
+        const float rl0 = at_rcp(dst, l0), rl1 = at_rcp(dst, l1);
 #pragma unroll
         for (int nt = 0; nt < 16; nt++) {
             if (nt < (hd >> 3)) {
                 int d = nt * 8 + 2 * tq;
-                if (tlo < T) dst.put2((size_t)tlo * heads * hd + (size_t)h * hd + d, o[nt][0] / l0, o[nt][1] / l0);
-                if (thi < T) dst.put2((size_t)thi * heads * hd + (size_t)h * hd + d, o[nt][2] / l1, o[nt][3] / l1);
+                if (tlo < T) at_put2(dst, (size_t)tlo * heads * hd + (size_t)h * hd + d, o[nt][0], o[nt][1], l0, rl0);
+                if (thi < T) at_put2(dst, (size_t)thi * heads * hd + (size_t)h * hd + d, o[nt][2], o[nt][3], l1, rl1);
             }
         }
     }
@@ -1722,12 +1778,13 @@ __device__ __forceinline__ void at_finish(AtState& st, const AtUnit& u, const At
         }
     }
     int thi = tlo + 8;
+    const float rl0 = at_rcp(dst, L0), rl1 = at_rcp(dst, L1);
 #pragma unroll
     for (int nt = 0; nt < 16; nt++) {
         if (nt < nnt) {
             int d = nt * 8 + 2 * tq;
-            if (tlo < T) dst.put2((size_t)tlo * heads * hd + (size_t)h * hd + d, o[nt][0] / L0, o[nt][1] / L0);
-            if (thi < T) dst.put2((size_t)thi * heads * hd + (size_t)h * hd + d, o[nt][2] / L1, o[nt][3] / L1);
+            if (tlo < T) at_put2(dst, (size_t)tlo * heads * hd + (size_t)h * hd + d, o[nt][0], o[nt][1], L0, rl0);
+            if (thi < T) at_put2(dst, (size_t)thi * heads * hd + (size_t)h * hd + d, o[nt][2], o[nt][3], L1, rl1);
         }
     }
 }
@@ -4049,7 +4106,7 @@ __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, 
     using V = typename std::conditional<std::is_same<T, float>::value, float4, int4>::type;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     cluster_wait();  // the first arrival: every block of the cluster has set up
-    const int rank = (int)cluster_rank_of();
+    const int rank = (int)blockIdx.z;  // the split: clusters (1, 1, ncl) over a grid of ncl along z
     for (int s = 1; s < ncl; s *= 2) {
         cluster_arrive();
         cluster_wait();  // the receivers' areas are free
@@ -4127,8 +4184,9 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     __syncthreads();
     // a K split launched as one cluster (gw_merge_splits): every thread's
     // first arrival, which the merge's first wait takes as all started
-    // (the plain fp16 and int8 GEMMs; not the pairs and peer forms, which
-    // do not split K)
+    // (the plain fp16 and int8 GEMMs, which can; the dispatcher launches
+    // so the int8 ones only, runtime/cuda's mergeKernels, and tests the
+    // fp16 ones; not the pairs and peer forms, which do not split K)
     constexpr bool MERGES = (WK == GH_F16 || WK == GH_S8) && !PAIR && !std::is_same<Epi, PeerMirror>::value;
     const int ncl = MERGES ? (int)cluster_blocks() : 1;
     if (ncl > 1) cluster_arrive();
@@ -4398,7 +4456,7 @@ __device__ __forceinline__ void gemm_wg_run(int flags, float* C, const TmaMap* m
              int M, int N, int K, int gs, int G, int flags, int out) {                                           \
         PDL_ENTRY();                                                                                             \
         KSplit ks = k_split((K + GW_BK - 1) / GW_BK, Q8_SPLIT_ALIGN(WK, flags, gs, G));                           \
-        const bool partial = gridDim.z > 1 && cluster_blocks() == 1;                                             \
+        const bool partial = split_to_memory();                                                                  \
         gemm_wg_run<WK, false, AH>(flags, partial ? C + (size_t)blockIdx.z * M * N : C, &mapA, &mapW, sz, nullptr, \
                                    M, N, gs, G, ks.kt0, ks.kt1, partial ? OUT_STORE : out, 0);                   \
     }
@@ -4867,8 +4925,10 @@ extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __r
 // gemm_wg_s8(y, mapA, mapW, qbias, deq, bias, tok, M, N, K, out): w8a8_mma on
 // the Hopper GEMM (gemm_wg_body, GH_S8): mapA over the int8 activations xq
 // [M, K], mapW over the int8 weight [N, K]; split z of gridDim.z > 1 writes
-// its integer sums to the int32 array y + z·M·N for w8a8_sum_splits, else
-// w8a8_out into y by out. Dynamic shared memory as gemm_wg_f16's.
+// its integer sums to the int32 array y + z·M·N for w8a8_sum_splits, except
+// where the splits run as one cluster a tile (gw_merge_splits), whose rank
+// 0 applies w8a8_out into y by out as an unsplit launch does. Dynamic
+// shared memory as gemm_wg_f16's.
 // gemm_wg_s8_w: the same with 256 weight rows a block (AH = 2: one wgmma
 // m64n256k32 a k32 step; its grid.y half gemm_wg_s8's), its two 128-column
 // halves through the epilogue one after the other.
@@ -4879,8 +4939,7 @@ extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __r
              const float* __restrict__ tok, int M, int N, int K, int out) {                                      \
         PDL_ENTRY();                                                                                             \
         KSplit ks = k_split((K + 127) / 128);                                                                    \
-        int* part = gridDim.z > 1 && cluster_blocks() == 1 ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N \
-                                                            : nullptr;                                           \
+        int* part = split_to_memory() ? reinterpret_cast<int*>(y) + (size_t)blockIdx.z * M * N : nullptr;        \
         gemm_wg_body<GH_S8, false, false, 1, AH>(                                                                \
             y, &mapA, &mapW, nullptr, nullptr, M, N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,                          \
             [&](auto at, auto raw, TileStage<int> st) {                                                          \

@@ -3,6 +3,7 @@ package cuda
 import (
 	"fmt"
 	"maps"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -363,7 +364,8 @@ func checkNormProducts(t *testing.T, b *Backend, x, h *Buf, nw, nb runtime.Vecto
 // quantized (static: one scale and offset for all weights; per token)
 // against RMSNorm in fp32 followed by the products, which quantize it
 // themselves: equal bit for bit, at decode and prefill sizes. Weights with
-// different static quantizers take the fp32 norm. From 128 rows on Hopper,
+// different static quantizers take the fp32 norm, as does a static
+// quantizer whose codes need the division (actQuant.divisionFree). From 128 rows on Hopper,
 // NormSwiGLU's gate and up run as one gemm_wg_s8_glu launch (gluPair),
 // here checked against the two products and SiLUMul, in blocks of 64
 // rows of each weight and of 128 (gemm_wg_s8_glu_w, Options.WGWide, which
@@ -386,6 +388,7 @@ func TestNormQuantized(t *testing.T) {
 		{"static", false, [4]float32{0.02, 0.02, 0.02, 0.02}},
 		{"dynamic", true, [4]float32{}},
 		{"static-mixed", false, [4]float32{0.02, 0.03, 0.02, 0.02}},
+		{"static-divides", false, [4]float32{0x1p-31, 0x1p-31, 0x1p-31, 0x1p-31}}, // fp32 norm: actQuant.divisionFree
 	} {
 		outs := []int{200, 72, 170, 170} // gate/up: N % 4 = 2, the SwiGLU epilogues' column tails
 		ws := make([]runtime.Linear, 4)
@@ -404,6 +407,40 @@ func TestNormQuantized(t *testing.T) {
 			}
 			b.opt.WGWide = 0
 		}
+	}
+	// The static quantizer's rounding boundaries: a row of ones normed
+	// with eps 0 is the norm's weight, here every column's value on or
+	// next to v/scale + offset = j + 0.5, where a quantizer that rounds
+	// otherwise than the division (the rmsnorm's codes against quant_act's)
+	// shows.
+	ws := make([]runtime.Linear, 4)
+	for i, n := range []int{200, 72, 170, 170} {
+		ws[i] = w8a8(n, false, 0.02)
+	}
+	q := lin(ws[0]).actQuant()
+	edge := make([]float32, K)
+	for c := range edge {
+		edge[c] = (float32(r.IntN(300)-150) + 0.5 - q.offset) * q.scale
+		switch c % 3 {
+		case 1:
+			edge[c] = math.Nextafter32(edge[c], float32(math.Inf(1)))
+		case 2:
+			edge[c] = math.Nextafter32(edge[c], float32(math.Inf(-1)))
+		}
+	}
+	ew, _ := b.UploadVector("norm_edge", model.FromFloat32([]int{K}, edge))
+	for _, M := range []int{1, 5, 130} {
+		t.Run(fmt.Sprintf("static-boundaries/M=%d", M), func(t *testing.T) {
+			ones := make([]float32, M*K)
+			for i := range ones {
+				ones[i] = 1
+			}
+			x, h := upload(b, M, K, ones), poisoned(b, M, K)
+			defer b.Free(x)
+			defer b.Free(h)
+			b.RMSNorm(h, x, ew, nil, 0)
+			checkNormProducts(t, b, x, h, ew, nil, 0, ws[:3], ws[2], ws[3], 0)
+		})
 	}
 }
 
@@ -583,7 +620,8 @@ func checkFormed(t *testing.T, b *Backend, x []float32, M, K int, formed bool, s
 // no to_half) where the SwiGLU is so formed and the same launches where it
 // is not. W8A8 (int8 codes of down's static quantizer): gemm_wg_s8_glu on
 // Hopper, the mma.sync GEMM's epilogue, split or not; not formed for decode
-// rows, a per-token quantizer, or gate and up with different quantizers on
+// rows, a per-token quantizer, a static one whose codes need the division
+// (actQuant.divisionFree), or gate and up with different quantizers on
 // Hopper. fp16, bf16, 4- and 8-bit weights (fp16): the Hopper pair
 // kernels from 128 rows, in both block forms (Options.WGWide 0 and 1:
 // the wide pairs' quantized and fp16 outputs).
@@ -628,6 +666,9 @@ func TestMLPDownInput(t *testing.T) {
 		{"w8a8-static/mma.sync/unsplit", w8a8(0.02, false), 1, true, int8Formed(true)},
 		{"w8a8-static/gate≠up", w8a8(0.03, false), 0, false, int8Formed(false)},
 		{"w8a8-dynamic", w8a8(0.02, true), 0, false, never},
+		{"w8a8-static/divides", func() (gate, up, down runtime.Linear) {
+			return uploadW8A8(t, b, r, inter, K, false, 0.02), uploadW8A8(t, b, r, inter, K, false, 0.02), uploadW8A8(t, b, r, K, inter, false, 0x1p31)
+		}, 0, false, never},
 	}
 	for _, wc := range []string{"f16", "bf16", "awq-int4-asym-g128", "w8-g128-offset"} {
 		cases = append(cases, mlpCase{wc, float(wc), 0, false, pairFormed})
@@ -661,8 +702,9 @@ func TestMLPDownInput(t *testing.T) {
 // its query tiles split or not, after a prefix): int8 codes for a W8A8 o
 // with a static quantizer (attn_tc_f16_q: no quant_act), fp16 for an o
 // whose GEMM takes fp16 (attn_tc_f16_h: no to_half), and the same launches
-// where it does not (a per-token quantizer, an fp32 cache, head size 64,
-// rows too few for the tensor-core attention).
+// where it does not (a per-token quantizer, a static one whose codes need
+// the division, actQuant.divisionFree; an fp32 cache, head size 64, rows
+// too few for the tensor-core attention).
 func TestAttentionAdd(t *testing.T) {
 	b := newTestBackend(t)
 	defer func() { b.opt.KVHalf, b.opt.AttnSplit = false, 0 }()
@@ -679,6 +721,7 @@ func TestAttentionAdd(t *testing.T) {
 			}{
 				{"w8a8-static", func() runtime.Linear { return uploadW8A8(t, b, r, K, K, false, 0.01) }},
 				{"w8a8-dynamic", func() runtime.Linear { return uploadW8A8(t, b, r, K, K, true, 0.01) }},
+				{"w8a8-static-divides", func() runtime.Linear { return uploadW8A8(t, b, r, K, K, false, 0x1p-31) }},
 				{"f16", func() runtime.Linear { return uploadWeights(t, b, r, weightCaseNamed(t, "f16"), "o", []int{K}, K)[0] }},
 				{"awq-int4", func() runtime.Linear {
 					return uploadWeights(t, b, r, weightCaseNamed(t, "awq-int4-asym-g128"), "o", []int{K}, K)[0]
@@ -694,7 +737,7 @@ func TestAttentionAdd(t *testing.T) {
 						b.StoreKV(c, 0, tc.pos0, kv, kv)
 						q := upload(b, tc.T, K, randVec(r, tc.T*K, 1))
 						defer b.Free(q)
-						formable := oc.name == "w8a8-static" || oc.name != "w8a8-dynamic" && b.halfGEMM(lin(o), tc.T, false)
+						formable := oc.name == "w8a8-static" || !strings.HasPrefix(oc.name, "w8a8") && b.halfGEMM(lin(o), tc.T, false)
 						formed := formable && half && hd == 128 && tc.T >= attnTCMinRows
 						checkFormed(t, b, randVec(r, tc.T*K, 1), tc.T, K, formed, func(x runtime.Buf) {
 							runtime.AttentionAddSeq(b, x, q, c, 0, tc.pos0, heads, kvHeads, hd, o)

@@ -745,6 +745,16 @@ type actQuant struct {
 	scale, offset float32
 }
 
+// divisionFree reports whether a static quantizer's codes may come from
+// the producers' quant_fast (qtool.cu: a reciprocal and two FMAs a value,
+// the same codes as quant_act's division only for 2^-30 ≤ |scale| ≤ 2^30
+// and |offset| ≤ 2^8). Producers write codes only for such a quantizer
+// (formFor, normed); every other takes floats and quant_act.
+func (q actQuant) divisionFree() bool {
+	s := math.Abs(float64(q.scale))
+	return s >= 0x1p-30 && s <= 0x1p30 && math.Abs(float64(q.offset)) <= 0x1p8
+}
+
 // actQuant is how W8A8 layer l quantizes its input.
 func (l *Linear) actQuant() actQuant {
 	if l.dynamic {
@@ -948,7 +958,7 @@ const (
 // order; formNone otherwise.
 func (b *Backend) formFor(l *Linear, M int) int {
 	switch {
-	case l.kind == kindW8A8 && !l.dynamic:
+	case l.kind == kindW8A8 && !l.dynamic && l.actQuant().divisionFree():
 		return formInt8
 	case l.kind != kindW8A8 && b.halfGEMM(l, M, false) && l.perm == 0:
 		return formHalf
@@ -1722,7 +1732,7 @@ func (b *Backend) normed(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps flo
 	key := segs[0].l.actQuant()
 	for _, g := range segs {
 		half = half && b.halfGEMM(g.l, s.rows, false) && g.l.perm == 0
-		quant = quant && g.l.kind == kindW8A8 && g.l.actQuant() == key
+		quant = quant && g.l.kind == kindW8A8 && g.l.actQuant() == key && (key.dynamic || key.divisionFree())
 	}
 	in := &gemmIn{x: &Buf{rows: s.rows, cols: s.cols}}
 	switch {

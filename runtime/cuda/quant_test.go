@@ -3,6 +3,7 @@ package cuda
 import (
 	"fmt"
 	"math"
+	"math/big"
 	"math/rand/v2"
 	"path/filepath"
 	"testing"
@@ -170,5 +171,72 @@ func TestInt8KVCacheModel(t *testing.T) {
 	}
 	if d := gpu/float - 1; d > 3e-3 {
 		t.Errorf("the int8 cache costs %.3f %%", 100*d)
+	}
+}
+
+// TestQuantFastModel checks, in a float32 model with exact FMAs (math/big),
+// that qtool.cu's quant_fast (quot_rn: the reciprocal's product corrected
+// by two FMAs) gives quant_static's codes (the correctly rounded division)
+// for quantizers that actQuant.divisionFree admits, a quarter of the
+// values on or next to a rounding boundary and divisors with all-ones
+// significands among them; and which quantizers it admits. The kernels
+// themselves are checked against quant_act's codes on the GPU
+// (TestNormQuantized's boundaries, TestW8A8, TestAttentionAdd).
+func TestQuantFastModel(t *testing.T) {
+	for _, tc := range []struct {
+		scale, offset float32
+		want          bool
+	}{
+		{0.02, 2, true}, {-0x1p-30, -0x1p8, true}, {0x1p30, 0x1p8, true},
+		{0x1p-31, 0, false}, {0x1p31, 0, false}, {0.02, 257, false}, {0.02, -257, false},
+		{0, 0, false}, {float32(math.NaN()), 0, false}, {float32(math.Inf(1)), 0, false},
+	} {
+		if got := (actQuant{scale: tc.scale, offset: tc.offset}).divisionFree(); got != tc.want {
+			t.Errorf("divisionFree(scale %g, offset %g) = %v, want %v", tc.scale, tc.offset, got, tc.want)
+		}
+	}
+	fma := func(a, b, c float32) float32 { // RN32(a·b + c), one rounding
+		x := new(big.Float).SetPrec(200).SetFloat64(float64(a))
+		x.Mul(x, new(big.Float).SetFloat64(float64(b)))
+		x.Add(x, new(big.Float).SetFloat64(float64(c)))
+		f, _ := x.Float32()
+		return f
+	}
+	quotRN := func(v, s, inv float32) float32 {
+		switch a := float32(math.Abs(float64(v))); {
+		case a > 0x1p60:
+			v = float32(math.Copysign(0x1p60, float64(v)))
+		case a < 0x1p-60:
+			v = 0
+		}
+		q0 := float32(v * inv) // no fused multiply-add here (the Go spec would allow one)
+		return fma(fma(-q0, s, v), inv, q0)
+	}
+	code := func(t float32) int8 { return int8(min(max(float32(math.Round(float64(t))), -128), 127)) }
+	r := rand.New(rand.NewPCG(71, 72))
+	for i := 0; i < 20000; i++ {
+		s := float32(math.Ldexp(1+r.Float64(), r.IntN(61)-30)) * float32([]float64{1, -1}[r.IntN(2)])
+		if i%8 == 0 { // an all-ones significand
+			s = math.Float32frombits(math.Float32bits(s) | 0x7fffff)
+		}
+		o := float32(r.IntN(513) - 256)
+		if i%3 == 0 {
+			o = float32(r.Float64()*512 - 256)
+		}
+		var v float32
+		switch i % 4 {
+		case 0: // on or next to v/s + o = j + 0.5
+			v = (float32(r.IntN(300)-150) + 0.5 - o) * s
+			v = math.Nextafter32(v, float32(math.Inf(r.IntN(2)*2-1)))
+		case 1:
+			v = float32(math.Ldexp(r.Float64()*2-1, r.IntN(200)-100))
+		default:
+			v = float32(r.NormFloat64()*200) * s
+		}
+		inv := 1 / s
+		if got, want := code(quotRN(v, s, inv)+o), code(v/s+o); got != want {
+			t.Fatalf("v %g (%#x), scale %g (%#x), offset %g: quant_fast %d, the division %d",
+				v, math.Float32bits(v), s, math.Float32bits(s), o, got, want)
+		}
 	}
 }
