@@ -4948,6 +4948,38 @@ extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __r
     }
 GEMM_WG_S8_ENTRY(gemm_wg_s8, 1)
 GEMM_WG_S8_ENTRY(gemm_wg_s8_w, 2)
+// gemm_wg_s8_segs(mapA, mapW0, mapW1, mapW2, tok, M, K, out, then for each
+// weight i {y_i, qbias, deq, bias, N_i}): gemm_wg_s8 of one int8 input
+// [M, K] (mapA) with up to three W8A8 weights of one activation quantizer
+// (q, k and v) in one launch: grid.y walks the weight tiles of weight 0,
+// then 1, then 2 (N2 = 0: two weights), each tile's w8a8_out put into its
+// weight's y_i [M, N_i] by out. K splits along z only as clusters of a
+// tile (gw_merge_splits): a launch split otherwise would store each
+// split's sums as the result. One launch pays the fill, merge and
+// epilogue of a short K split once for the three products.
+#define W8A8_OUT(i) float *y##i, const int *qb##i, const float *dq##i, const float *bs##i, int N##i
+extern "C" __global__ void __launch_bounds__(384, 1)
+    gemm_wg_s8_segs(const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW0,
+                    const __grid_constant__ TmaMap mapW1, const __grid_constant__ TmaMap mapW2,
+                    const float* __restrict__ tok, int M, int K, int out, W8A8_OUT(0), W8A8_OUT(1), W8A8_OUT(2)) {
+    PDL_ENTRY();
+    KSplit ks = k_split((K + 127) / 128);
+    int ny = blockIdx.y;
+    const int t0 = (N0 + 127) / 128, t1 = (N1 + 127) / 128;
+    const TmaMap* mapW = &mapW0;
+    W8A8Seg s{y0, nullptr, qb0, dq0, bs0, N0};
+    if (ny >= t0 + t1) {
+        ny -= t0 + t1, mapW = &mapW2, s = W8A8Seg{y2, nullptr, qb2, dq2, bs2, N2};
+    } else if (ny >= t0) {
+        ny -= t0, mapW = &mapW1, s = W8A8Seg{y1, nullptr, qb1, dq1, bs1, N1};
+    }
+    gemm_wg_body<GH_S8, false, false, 1, 1>(
+        s.y, &mapA, mapW, nullptr, nullptr, M, s.N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,
+        [&](auto at, auto raw, TileStage<int> st) {
+            w8a8_tile<32, true>(s.y, nullptr, M, s.N, out, at, raw, s.qb, s.dq, s.bs, tok, QOut{}, st);
+        },
+        ny);
+}
 // gemm_wg_s8_glu(y, yq, qs, qo, mapA, mapGU, gate and up {qbias, deq, bias},
 // tok, M, N, K, upFirst): the W8A8 gate and up products of one int8 input
 // [M, K] (mapA) and their SwiGLU silu(gate)·up in one launch, with no gate

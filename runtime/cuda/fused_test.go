@@ -221,6 +221,68 @@ func TestMatMulNHopper(t *testing.T) {
 	}
 }
 
+// TestW8A8Segs checks the W8A8 products of one input with two or three
+// weights of one activation quantizer as one launch of gemm_wg_s8_segs
+// (w8a8WGSegs) against one MatMul per weight: the same values bit for bit
+// (integer sums, however K splits), with K unsplit (the products' tiles
+// together fill the device), split in clusters (few tiles), and where the
+// plan would merge the splits through memory (Options.NoClusterSplit) or
+// the quantizers differ, one product at a time; static and per-token
+// quantizers.
+func TestW8A8Segs(t *testing.T) {
+	b := newTestBackend(t)
+	if !b.wgmma {
+		t.Skip("no Hopper GEMMs on this device (sm_90a)")
+	}
+	defer func() { b.opt.NoClusterSplit = false }()
+	r := rand.New(rand.NewPCG(25, 26))
+	const K = 1152 // 9 K steps of 128: at most two splits
+	// wide weights: at 130 rows (two row tiles) each alone takes at most
+	// half the device and splits K, two or three together fill it
+	// (unsplit); at 300 rows (three row tiles) each alone fills half or
+	// more and does not split
+	nt := (b.sms/6 + 1) * 128
+	wide, narrow := []int{nt - 56, nt, nt - 8}, []int{200, 72, 40}
+	static, dynamic := [3]float32{0.02, 0.02, 0.02}, [3]float32{}
+	for _, tc := range []struct {
+		name      string
+		outs      []int
+		rows      []int
+		dynamic   bool
+		scales    [3]float32
+		noCluster bool
+		segs      bool // gemm_wg_s8_segs runs
+	}{
+		{"unsplit", wide, []int{130}, false, static, false, true},
+		{"unsplit/dynamic", wide, []int{130}, true, dynamic, false, true},
+		{"each-fills-half", wide, []int{300}, false, static, false, false},
+		{"clusters", narrow, []int{130, 300}, false, static, false, true},
+		{"clusters/dynamic", narrow, []int{130, 300}, true, dynamic, false, true},
+		{"through-memory", narrow, []int{130}, false, static, true, false},
+		{"quantizers-differ", narrow, []int{130}, false, [3]float32{0.02, 0.03, 0.02}, false, false},
+	} {
+		b.opt.NoClusterSplit = tc.noCluster
+		ws := make([]runtime.Linear, 3)
+		for i := range ws {
+			ws[i] = uploadW8A8(t, b, r, tc.outs[i], K, tc.dynamic, tc.scales[i])
+		}
+		for _, M := range tc.rows {
+			for _, nw := range []int{2, 3} {
+				t.Run(fmt.Sprintf("%s/M=%d/n=%d", tc.name, M, nw), func(t *testing.T) {
+					launched := checkMatMulN(t, b, r, M, K, tc.outs, ws[:nw])
+					if launched[w8a8SegsKernel] != tc.segs {
+						t.Errorf("%s launched %v, want %v (kernels %v)", w8a8SegsKernel, launched[w8a8SegsKernel], tc.segs,
+							slices.Sorted(maps.Keys(launched)))
+					}
+				})
+			}
+		}
+		for _, w := range ws {
+			b.FreeLinear(w)
+		}
+	}
+}
+
 // TestFusedLinearSteps checks NormMatMulN, NormSwiGLU and MatMulAdd against
 // the sequences of operations runtime.Fused names, for every weight case at
 // decode (M = 1, 3: the GEMV kernels, the streaming q4 one with the norm and
