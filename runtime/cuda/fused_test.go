@@ -181,42 +181,50 @@ func hopperUnsplit(t *testing.T, why string) *Backend {
 
 // TestMatMulNHopper checks the products of one input with two or three
 // weights of one kind as one launch of a Hopper GEMM (gemm_wg_*_segs: each
-// weight's tiles half the multiprocessors, all of them enough for every one)
-// against one MatMul per weight, K unsplit in both: the same values bit for
-// bit; every such kernel runs.
+// weight's tiles at most half the multiprocessors, all of them enough for
+// the device or a few) against one MatMul per weight, K unsplit in both:
+// the same values bit for bit; every such kernel runs with both sets of
+// weights.
 func TestMatMulNHopper(t *testing.T) {
 	b := hopperUnsplit(t, "no Hopper GEMMs on this device (sm_90a)")
 	r := rand.New(rand.NewPCG(23, 24))
-	ran := map[string]bool{}
 	const M = 256 // two row tiles
 	nt := b.sms / 4
-	outs := []int{nt*128 - 56, nt * 128, nt*128 - 8} // nt weight tiles each
-	for _, wc := range weightCases {
-		K := 512 // enough K steps for each product alone to split
-		if wc.k > 0 {
-			K = wc.k * ((512 + wc.k - 1) / wc.k) // a multiple of the case's K: its group size divides it
-		}
-		if K > 4096 || wc.tall > 0 {
-			continue
-		}
-		ws := uploadWeights(t, b, r, wc, "segs", outs, K)
-		for _, nw := range []int{2, 3} {
-			t.Run(fmt.Sprintf("%s/n=%d", wc.name, nw), func(t *testing.T) {
-				for k := range checkMatMulN(t, b, r, M, K, outs, ws[:nw]) {
-					if strings.HasSuffix(k, "_segs") {
-						ran[k] = true
-						t.Logf("one launch: %s", k)
+	for _, oc := range []struct {
+		name string
+		outs []int
+	}{
+		{"fill", []int{nt*128 - 56, nt * 128, nt*128 - 8}}, // nt weight tiles each
+		{"few", []int{200, 72, 40}},                        // 4, 2, 2 tiles
+	} {
+		ran := map[string]bool{}
+		for _, wc := range weightCases {
+			K := 512 // enough K steps for each product alone to split
+			if wc.k > 0 {
+				K = wc.k * ((512 + wc.k - 1) / wc.k) // a multiple of the case's K: its group size divides it
+			}
+			if K > 4096 || wc.tall > 0 {
+				continue
+			}
+			ws := uploadWeights(t, b, r, wc, "segs", oc.outs, K)
+			for _, nw := range []int{2, 3} {
+				t.Run(fmt.Sprintf("%s/%s/n=%d", oc.name, wc.name, nw), func(t *testing.T) {
+					for k := range checkMatMulN(t, b, r, M, K, oc.outs, ws[:nw]) {
+						if strings.HasSuffix(k, "_segs") {
+							ran[k] = true
+							t.Logf("one launch: %s", k)
+						}
 					}
-				}
-			})
+				})
+			}
+			for _, w := range ws {
+				b.FreeLinear(w)
+			}
 		}
-		for _, w := range ws {
-			b.FreeLinear(w)
-		}
-	}
-	for _, k := range segsKernels {
-		if !ran[k] && !t.Failed() {
-			t.Errorf("no case runs %s", k)
+		for _, k := range segsKernels {
+			if !ran[k] && !t.Failed() {
+				t.Errorf("%s: no case runs %s", oc.name, k)
+			}
 		}
 	}
 }
