@@ -1465,25 +1465,27 @@ extern "C" __global__ void __launch_bounds__(128) attention_i8(ATTENTION_ARGS(in
                   KVQuant{ks, ko, vs, vo}, AttNew{kn, vn, rtab, layout});
 }
 // at_put2 stores a/l and b/l, a row's normalised outputs, through dst;
-// rl is at_rcp(dst, l), taken once a row: RN(1/l) for the int8 codes
-// (QOut) and fp16 (AtF16), which then take RN(a/l) from quot_rn (l in
-// [1, keys], |a| below l·65504; an a below 2^-60, taken as 0, is 0 in fp16
-// too), and the division for the fp32 output.
+// rl is at_rcp(dst, l), taken once a row. Where at_quot<Out> (the int8
+// codes, QOut; fp16, AtF16) rl is RN(1/l) and the stores take RN(a/l)
+// from quot_rn (l in [1, keys], |a| below l·65504; an a below 2^-60, taken
+// as 0, is 0 in fp16 too); the fp32 output divides.
 template <typename Out>
-__device__ __forceinline__ float at_rcp(const Out&, float) {
-    return 0.f;
+constexpr bool at_quot = false;
+template <>
+constexpr bool at_quot<QOut> = true;
+template <typename Out>
+__device__ __forceinline__ float at_rcp(const Out&, float l) {
+    if constexpr (at_quot<Out>)
+        return __frcp_rn(l);
+    else
+        return 0.f;
 }
 template <typename Out>
-__device__ __forceinline__ void at_put2(const Out& dst, size_t i, float a, float b, float l, float) {
-    dst.put2(i, a / l, b / l);
-}
-template <>
-__device__ __forceinline__ float at_rcp<QOut>(const QOut&, float l) {
-    return __frcp_rn(l);
-}
-template <>
-__device__ __forceinline__ void at_put2<QOut>(const QOut& dst, size_t i, float a, float b, float l, float rl) {
-    dst.put2(i, quot_rn(a, l, rl), quot_rn(b, l, rl));
+__device__ __forceinline__ void at_put2(const Out& dst, size_t i, float a, float b, float l, float rl) {
+    if constexpr (at_quot<Out>)
+        dst.put2(i, quot_rn(a, l, rl), quot_rn(b, l, rl));
+    else
+        dst.put2(i, a / l, b / l);
 }
 
 // Prefill attention on the tensor cores (FlashAttention-2 style) for T ≥
@@ -1566,15 +1568,8 @@ struct AtF16 {
         *reinterpret_cast<uint32_t*>(h + i) = pack_h2(a, b);
     }
 };
-// attn_tc_f16_h's o/l without a division, as QOut's (at_put2).
 template <>
-__device__ __forceinline__ float at_rcp<AtF16>(const AtF16&, float l) {
-    return __frcp_rn(l);
-}
-template <>
-__device__ __forceinline__ void at_put2<AtF16>(const AtF16& dst, size_t i, float a, float b, float l, float rl) {
-    dst.put2(i, quot_rn(a, l, rl), quot_rn(b, l, rl));
-}
+constexpr bool at_quot<AtF16> = true;  // attn_tc_f16_h's o/l without a division, as QOut's
 struct AtState {
     float o[16][4];
     float m0, m1, l0, l1;
