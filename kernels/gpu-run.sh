@@ -19,6 +19,9 @@
 #   (KERNEL:SKIP: its launch after SKIP of them), NCU_BENCH_ARGS: more flags of their bench (--kernels=false),
 #   NCU_BIN=base: they profile HEAD's binary with its embedded PTX, not bin/qtool;
 #   NCU_ARGS: more Nsight Compute options for both, e.g. "--cache-control none --clock-control none")
+# AB_CLOCKS=1: nvidia-smi logs the SM clock, power draw and temperature every 100 ms while ab
+#   runs, to clocks.csv in logs.tgz, each run's start and end stamped in ab-times.txt (is a run's
+#   speed its clocks'?)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 FINAL=${OUT:-/tmp/out}
@@ -403,6 +406,11 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
   # AB_MODEL="llama2-7b llama3-8b": both in each round; AB_ENV: Go-side variants, see variant_cmd)
   variants=$(ab_variants ab)
   [ "${failed_new:-0}" = 0 ] || { echo "ab: skipped (this build's cuda tests failed)"; AB_ROUNDS=0; }
+  clocks=""
+  if [ "${AB_CLOCKS:-0}" = 1 ]; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,nounits -lms 100 > "$OUT/clocks.csv" 2>&1 &
+    clocks=$!
+  fi
   for i in $(seq "${AB_ROUNDS:-2}"); do
     for mdl in ${AB_MODEL:-llama2-7b}; do # AB_MODEL may list several (bench --synthetic's)
     for p in ${AB_PROMPT:-16}; do # AB_PROMPT may list several prompt lengths
@@ -410,13 +418,17 @@ if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX buil
       lim=$(left); [ "$lim" -lt 90 ] && { echo "ab: no time left"; break 4; }
       cmd=$(variant_cmd "$v")
       f="$OUT/ab-$v-$p-$i.txt"; [ "$mdl" = llama2-7b ] || f="$OUT/ab-$mdl-$v-$p-$i.txt"
+      echo "start ${f##*/} $(date +%Y/%m/%d\ %H:%M:%S.%3N)" >> "$OUT/ab-times.txt"
       timeout "$lim" $cmd bench --synthetic "$mdl" --format "${AB_FORMAT:-w4a16}" --kernels=false \
         --prompt "$p" --decode "${AB_DECODE:-256}" ${AB_ARGS:-} > "$f" 2>&1
-      echo "ab $mdl $v p$p $i rc=$?: $(grep -oE 'prefill [0-9]+ tokens: .*|decode batch 1: .*' "$f" | cut -c1-230 | paste -sd'|')"
+      rc=$?
+      echo "end ${f##*/} $(date +%Y/%m/%d\ %H:%M:%S.%3N)" >> "$OUT/ab-times.txt"
+      echo "ab $mdl $v p$p $i rc=$rc: $(grep -oE 'prefill [0-9]+ tokens: .*|decode batch 1: .*' "$f" | cut -c1-230 | paste -sd'|')"
     done
     done
     done
   done
+  [ -n "$clocks" ] && kill "$clocks"
 fi
 if has kab; then # kernel tables side by side: bin/qtool (with the PTX built here if build ran), each
   # AB_PTX build's PTX and bin/qtool-base (its embedded PTX), KAB_ROUNDS rounds (default 3) alternating
