@@ -315,10 +315,13 @@ __device__ __forceinline__ int8_t quant_token(float v, float s) {
     return (int8_t)(s == 0.f ? 0.f : fminf(fmaxf(rintf(__fdiv_rn(v, s)), -127.f), 127.f));
 }
 // quot_rn is the correctly rounded quotient v/s without a division, from
-// inv = RN(1/s) (Markstein: with q0 = RN(v·inv), r = v − s·q0 is exact and
-// RN(q0 + r·inv) = RN(v/s) while 2^-60 ≤ |v|, |s| ≤ 2^60 keeps every step
-// normal), v taken as ±2^60 above that and as 0 below 2^-60 (NaN passes
-// through). The division's fast path is the same reciprocal and FMAs
+// inv = RN(1/s) (Markstein's correction: with q0 = RN(v·inv) and r =
+// RN(v − s·q0) by one FMA, RN(q0 + r·inv) = RN(v/s) while 2^-60 ≤ |v|,
+// |s| ≤ 2^60 keeps every step normal; r itself is not always exact, the
+// result is: checked exhaustively at reduced precisions and over ~2·10^9
+// float32 pairs near rounding boundaries, kernels/NOTES.md, fifty-eighth
+// session), v taken as ±2^60 above that and as +0 below 2^-60 (so −0 and
+// tiny negatives give +0 where the division gives −0; NaN passes through). The division's fast path is the same reciprocal and FMAs
 // behind a range check and a call of its slow path, a long dependent chain
 // a value: with it, attn_tc_f16_q took 3.9–4.6 µs more than attn_tc_f16_h
 // at 128–512 tokens on an H200 (kernels/exp/attn_form.cu).
@@ -1468,7 +1471,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_i8(ATTENTION_ARGS(in
 // rl is at_rcp(dst, l), taken once a row. Where at_quot<Out> (the int8
 // codes, QOut; fp16, AtF16) rl is RN(1/l) and the stores take RN(a/l)
 // from quot_rn (l in [1, keys], |a| below l·65504; an a below 2^-60, taken
-// as 0, is 0 in fp16 too); the fp32 output divides.
+// as +0, is ±0 in fp16 too, the sign aside); the fp32 output divides.
 template <typename Out>
 constexpr bool at_quot = false;
 template <>

@@ -1,6 +1,6 @@
 // attn_form.cu: the prefill attention's output forms timed alone (fifty-seventh
-// session): attn_tc_f16_h (fp16), attn_tc_f16_q (W8A8's int8 codes through
-// quant_static) and two forms only here, the codes from the product with
+// session): attn_tc_f16_h (fp16), attn_tc_f16_q (W8A8's int8 codes; through
+// quant_static when written, quant_fast since 41f6c58) and two forms only here, the codes from the product with
 // the reciprocal (at_mul) and a plain cast (at_cast, no quantizer: the
 // floor). Device code only (qtool.cu's Hopper kernels have no host stubs);
 // attn_form_host.cpp loads its PTX with the driver API and times each form

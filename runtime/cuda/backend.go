@@ -1339,9 +1339,10 @@ const attnMaxCluster = 12
 
 // attnFormOut reports whether the prefill attention of T rows writes its
 // output in the form o's product takes (inputFor), where it has one: the
-// int8 input of a W8A8 o with a static quantizer (attn_tc_f16_q) or the
-// fp16 input of an o whose GEMM takes fp16 (attn_tc_f16_h); both for an
-// fp16 cache and head size 128.
+// int8 input of a W8A8 o with a static quantizer whose codes need no
+// division (actQuant.divisionFree; attn_tc_f16_q) or the fp16 input of an
+// o whose GEMM takes fp16 (attn_tc_f16_h); both for an fp16 cache and head
+// size 128.
 func (b *Backend) attnFormOut(o *Linear, kc *KVCache, T, headDim int) bool {
 	return kc.half && kc.quant == 0 && headDim == 128 && b.attnTC(T, headDim) && b.formFor(o, T) != formNone
 }
@@ -1349,9 +1350,9 @@ func (b *Backend) attnFormOut(o *Linear, kc *KVCache, T, headDim int) bool {
 // AttentionAdd implements runtime.Fused: Attention, then o's products
 // added to x; where the prefill attention of an fp16 cache can write o's
 // input in the form o's product takes (attnFormOut: int8 codes for a W8A8
-// o with a static quantizer, fp16 for a GEMM of fp16 inputs) it does, with
-// no fp32 output and no quant_act or to_half; elsewhere the sequence
-// (runtime.AttentionAddSeq).
+// o with a division-free static quantizer, fp16 for a GEMM of fp16
+// inputs) it does, with no fp32 output and no quant_act or to_half;
+// elsewhere the sequence (runtime.AttentionAddSeq).
 func (b *Backend) AttentionAdd(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear) {
 	d, qb, kc, l := buf(x), buf(q), cache(c), lin(o)
 	if !b.attnFormOut(l, kc, qb.rows, headDim) {

@@ -954,8 +954,9 @@ const (
 
 // formFor names the form in which a product with l of M input rows takes
 // its input, where the producer may write it so: l's int8 codes where l is
-// W8A8 with a static quantizer, fp16 where its GEMM takes fp16 in column
-// order; formNone otherwise.
+// W8A8 with a static quantizer whose codes need no division
+// (actQuant.divisionFree), fp16 where its GEMM takes fp16 in column order;
+// formNone otherwise.
 func (b *Backend) formFor(l *Linear, M int) int {
 	switch {
 	case l.kind == kindW8A8 && !l.dynamic && l.actQuant().divisionFree():
@@ -1788,7 +1789,8 @@ func (b *Backend) normStreamed(op string, s *Buf, segs []gemvSeg, w, bias runtim
 // normed writes RMSNorm(x) into a scratch buffer shaped like x, the input
 // of the products segs: in fp16 alone where every one of them is a
 // halfGEMM with the columns in order; quantized alone where every one is
-// W8A8 with one quantizer; in fp32 otherwise.
+// W8A8 with one quantizer, per token or static and division-free
+// (actQuant.divisionFree); in fp32 otherwise.
 func (b *Backend) normed(s *Buf, segs []gemvSeg, w, bias runtime.Vector, eps float32) *gemmIn {
 	half, quant := true, true
 	key := segs[0].l.actQuant()
@@ -1952,7 +1954,8 @@ func (b *Backend) gluMap(wg string, gate, up *Linear) bool {
 // MLP implements runtime.Fused: NormSwiGLU, then down's products added to
 // x. The GEMM that makes the SwiGLU writes it in the form down's GEMM
 // takes where it can (inputFor, normSwiGLU): int8 codes for a W8A8 down
-// with a static quantizer (no fp32 SwiGLU, no quant_act), fp16 for a down
+// with a division-free static quantizer (actQuant.divisionFree; no fp32
+// SwiGLU, no quant_act), fp16 for a down
 // on the fp16 GEMMs (no to_half).
 func (b *Backend) MLP(x runtime.Buf, w, bias runtime.Vector, eps float32, gate, up, down runtime.Linear) {
 	g := b.AllocRaw(x.Rows(), gate.Out())
