@@ -321,7 +321,8 @@ __device__ __forceinline__ int8_t quant_token(float v, float s) {
 // result is: checked exhaustively at reduced precisions and over ~2·10^9
 // float32 pairs near rounding boundaries, kernels/NOTES.md, fifty-eighth
 // session), v taken as ±2^60 above that and as +0 below 2^-60 (so −0 and
-// tiny negatives give +0 where the division gives −0; NaN passes through). The division's fast path is the same reciprocal and FMAs
+// tiny negatives give +0 where the division gives −0; NaN passes
+// through). The division's fast path is the same reciprocal and FMAs
 // behind a range check and a call of its slow path, a long dependent chain
 // a value: with it, attn_tc_f16_q took 3.9–4.6 µs more than attn_tc_f16_h
 // at 128–512 tokens on an H200 (kernels/exp/attn_form.cu).
