@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"cmp"
 	"fmt"
 	"maps"
 	"math"
@@ -251,7 +252,7 @@ func TestW8A8Segs(t *testing.T) {
 	}
 	defer func() { b.opt.NoClusterSplit = false }()
 	r := rand.New(rand.NewPCG(25, 26))
-	const K = 1152 // 9 K steps of 128: at most two splits
+	const K = 1152 // 9 K steps of 128: at most two splits (deep: 4 096, 32 steps, more)
 	// wide weights: at 130 rows (two row tiles) each alone takes at most
 	// half the device and splits K, two or three together more than half
 	// (unsplit); at 300 rows (three row tiles) each alone more than half,
@@ -267,15 +268,18 @@ func TestW8A8Segs(t *testing.T) {
 		scales    [3]float32
 		noCluster bool
 		segs      bool // gemm_wg_s8_segs runs (the "clusters" cases: where the driver runs clusters)
+		k         int  // K where not K
 	}{
-		{"unsplit", wide, []int{130}, false, static, false, true},
-		{"unsplit/dynamic", wide, []int{130}, true, dynamic, false, true},
-		{"each-fills-half", wide, []int{300}, false, static, false, false},
-		{"clusters", narrow, []int{130, 300}, false, static, false, b.clusterSplits},
-		{"clusters/dynamic", narrow, []int{130, 300}, true, dynamic, false, b.clusterSplits},
-		{"through-memory", narrow, []int{130}, false, static, true, false},
-		{"quantizers-differ", narrow, []int{130}, false, [3]float32{0.02, 0.03, 0.02}, false, false},
+		{"unsplit", wide, []int{130}, false, static, false, true, 0},
+		{"unsplit/dynamic", wide, []int{130}, true, dynamic, false, true, 0},
+		{"each-fills-half", wide, []int{300}, false, static, false, false, 0},
+		{"clusters", narrow, []int{130, 300}, false, static, false, b.clusterSplits, 0},
+		{"clusters/dynamic", narrow, []int{130, 300}, true, dynamic, false, b.clusterSplits, 0},
+		{"through-memory", narrow, []int{130}, false, static, true, false, 0},
+		{"quantizers-differ", narrow, []int{130}, false, [3]float32{0.02, 0.03, 0.02}, false, false, 0},
+		{"clusters/deep", narrow, []int{130}, false, static, false, b.clusterSplits, 4096}, // a merge of more rounds where splitPlan picks more splits
 	} {
+		K := cmp.Or(tc.k, K)
 		b.opt.NoClusterSplit = tc.noCluster
 		ws := make([]runtime.Linear, 3)
 		for i := range ws {
