@@ -1069,14 +1069,7 @@ func testW8A8(t *testing.T, N, K, maxSplits int) {
 		// quantizer, x/scale + offset = j + 0.5: where quant_act's product
 		// with the reciprocal would round otherwise than the division
 		for i := 0; i < len(x); i += 5 {
-			v := (float32(r.IntN(300)-150) + 0.5 - w.InputOffset) * w.InputScale
-			switch r.IntN(3) {
-			case 1:
-				v = math.Nextafter32(v, float32(math.Inf(1)))
-			case 2:
-				v = math.Nextafter32(v, float32(math.Inf(-1)))
-			}
-			x[i] = v
+			x[i] = roundingEdge(r, w.InputScale, w.InputOffset, r.IntN(3)-1)
 		}
 		want := make([]float64, M*N)
 		for m := 0; m < M; m++ {

@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"fmt"
 	"maps"
-	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -232,6 +231,38 @@ func TestMatMulNHopper(t *testing.T) {
 			if !ran[k] && !t.Failed() {
 				t.Errorf("%s: no case runs %s", oc.name, k)
 			}
+		}
+	}
+}
+
+// TestSegsTiles checks the rule both segs launches share (segsTiles): one
+// launch only where each product alone would split K, on a device of 132
+// multiprocessors (no GPU needed).
+func TestSegsTiles(t *testing.T) {
+	b := &Backend{sms: 132}
+	segs := func(outs ...int) []gemvSeg {
+		s := make([]gemvSeg, len(outs))
+		for i, n := range outs {
+			s[i].l = &Linear{out: n}
+		}
+		return s
+	}
+	for _, c := range []struct {
+		name    string
+		segs    []gemvSeg
+		M, K    int // K steps
+		tiles   int
+		eachSpl bool
+	}{
+		{"7B q/k/v at 128 rows", segs(4096, 4096, 4096), 128, 32, 96, true},
+		{"8B q/k/v at 128 rows", segs(4096, 1024, 1024), 128, 32, 48, true},
+		{"7B q/k/v at 256 rows", segs(4096, 4096, 4096), 256, 32, 192, true},
+		{"7B q at 512 rows fills the device", segs(4096, 4096, 4096), 512, 32, 0, false},
+		{"too few K steps to split", segs(4096, 4096), 128, 7, 0, false},
+		{"partial tiles", segs(200, 72, 40), 130, 9, 8, true},
+	} {
+		if tiles, each := b.segsTiles(c.segs, c.M, c.K); tiles != c.tiles || each != c.eachSpl {
+			t.Errorf("%s: segsTiles = %d, %v, want %d, %v", c.name, tiles, each, c.tiles, c.eachSpl)
 		}
 	}
 }
@@ -501,13 +532,7 @@ func TestNormQuantized(t *testing.T) {
 	q := lin(ws[0]).actQuant()
 	edge := make([]float32, K)
 	for c := range edge {
-		edge[c] = (float32(r.IntN(300)-150) + 0.5 - q.offset) * q.scale
-		switch c % 3 {
-		case 1:
-			edge[c] = math.Nextafter32(edge[c], float32(math.Inf(1)))
-		case 2:
-			edge[c] = math.Nextafter32(edge[c], float32(math.Inf(-1)))
-		}
+		edge[c] = roundingEdge(r, q.scale, q.offset, c%3-1)
 	}
 	ew, _ := b.UploadVector("norm_edge", model.FromFloat32([]int{K}, edge))
 	for _, M := range []int{1, 5, 130} {

@@ -1089,13 +1089,15 @@ func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 	if len(segs) < 2 || len(segs) > 3 || b.wgmmaKernel("w8a8_mma", M) == "" {
 		return false
 	}
-	mt, steps, tiles := (M+127)/128, (l0.in+127)/128, 0
 	for _, g := range segs {
-		l := g.l
-		if l.kind != kindW8A8 || l.in != l0.in || l.actQuant() != l0.actQuant() || gemmSplits(mt*((l.out+127)/128), steps, b.sms) == 1 {
+		if l := g.l; l.kind != kindW8A8 || l.in != l0.in || l.actQuant() != l0.actQuant() {
 			return false
 		}
-		tiles += mt * ((l.out + 127) / 128)
+	}
+	mt, steps := (M+127)/128, (l0.in+127)/128
+	tiles, ok := b.segsTiles(segs, M, steps)
+	if !ok {
+		return false
 	}
 	S, cluster, _ := b.splitPlan(w8a8SegsKernel, tiles, steps, b.sms)
 	if S > 1 && !cluster {
@@ -1708,14 +1710,15 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 	if name == "" {
 		return false
 	}
-	tiles, mt, steps := 0, (M+127)/128, (l0.in+gemmHBK-1)/gemmHBK
 	for _, g := range segs {
-		l := g.l
-		if l.kind != l0.kind || l.in != l0.in || l.gs != l0.gs || l.groups != l0.groups || l.perm != 0 || l.gidx != 0 ||
-			gemmSplits(mt*((l.out+127)/128), steps, b.sms) == 1 {
+		if l := g.l; l.kind != l0.kind || l.in != l0.in || l.gs != l0.gs || l.groups != l0.groups || l.perm != 0 || l.gidx != 0 {
 			return false
 		}
-		tiles += mt * ((l.out + 127) / 128)
+	}
+	mt := (M + 127) / 128
+	tiles, ok := b.segsTiles(segs, M, (l0.in+gemmHBK-1)/gemmHBK)
+	if !ok {
+		return false
 	}
 	var (
 		c, sz [3]driver.DevicePtr
@@ -1736,6 +1739,23 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 	b.launchShm(name, grid, block384, shm, c[0], c[1], c[2], b.tmaps[0], maps[0], maps[1], maps[2], sz[0], sz[1], sz[2],
 		M, n[0], n[1], n[2], l0.in, max(l0.gs, gemmHBK), l0.groups, wgFlags(ls[:len(segs)]...), outStore)
 	return true
+}
+
+// segsTiles is the 128 × 128 tiles of one launch of M rows by every
+// weight of segs, and whether each product alone would split its steps
+// K steps (gemmSplits: its tiles at most half the device), which the segs
+// launches ask (wgSegs, w8a8WGSegs): such a short split pays a launch's
+// fill and merge for few steps, paid once for the products together.
+func (b *Backend) segsTiles(segs []gemvSeg, M, steps int) (tiles int, eachSplits bool) {
+	mt := (M + 127) / 128
+	for _, g := range segs {
+		t := mt * ((g.l.out + 127) / 128)
+		if gemmSplits(t, steps, b.sms) == 1 {
+			return 0, false
+		}
+		tiles += t
+	}
+	return tiles, true
 }
 
 // segments checks the operands of a product of x with several weights.

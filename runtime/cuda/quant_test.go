@@ -174,6 +174,18 @@ func TestInt8KVCacheModel(t *testing.T) {
 	}
 }
 
+// roundingEdge is a value v on a rounding boundary of the static
+// quantizer (scale, offset), v/scale + offset = j + 0.5 for a random j in
+// [−150, 150), moved ulps (−1, 0 or 1) floats toward +∞ or −∞: where a
+// quantizer that rounds otherwise than the division shows.
+func roundingEdge(r *rand.Rand, scale, offset float32, ulps int) float32 {
+	v := (float32(r.IntN(300)-150) + 0.5 - offset) * scale
+	if ulps != 0 {
+		v = math.Nextafter32(v, float32(math.Inf(ulps)))
+	}
+	return v
+}
+
 // TestQuantFastModel checks, in a float32 model with exact FMAs (math/big),
 // that qtool.cu's quant_fast (quot_rn: the reciprocal's product corrected
 // by two FMAs) gives quant_static's codes (the correctly rounded division)
@@ -226,8 +238,7 @@ func TestQuantFastModel(t *testing.T) {
 		var v float32
 		switch i % 4 {
 		case 0: // on or next to v/s + o = j + 0.5
-			v = (float32(r.IntN(300)-150) + 0.5 - o) * s
-			v = math.Nextafter32(v, float32(math.Inf(r.IntN(2)*2-1)))
+			v = roundingEdge(r, s, o, r.IntN(2)*2-1)
 		case 1:
 			v = float32(math.Ldexp(r.Float64()*2-1, r.IntN(200)-100))
 		default:

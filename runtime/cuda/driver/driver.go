@@ -460,6 +460,14 @@ const (
 	FuncAttrNonPortableClusterSize = 14
 )
 
+// clusterDim is the launch attribute of clusters of cluster blocks.
+func clusterDim(cluster [3]uint32) launchAttr {
+	a := launchAttr{id: attrClusterDimension}
+	a.value[0] = uint64(cluster[0]) | uint64(cluster[1])<<32 // struct {x, y, z uint32}
+	a.value[1] = uint64(cluster[2])
+	return a
+}
+
 // LaunchCluster is Launch with the grid's blocks grouped in clusters of
 // cluster blocks (sm_90; each grid dimension a multiple of the cluster's),
 // as a programmatic dependent launch (LaunchDependent) when dependent is set.
@@ -467,9 +475,7 @@ func (d *Driver) LaunchCluster(f Function, grid, block, cluster [3]uint32, shmem
 	if d.cuLaunchKernelEx == nil {
 		return fmt.Errorf("cuda: cluster launches need cuLaunchKernelEx (a CUDA 12 driver)")
 	}
-	attrs := [2]launchAttr{{id: attrClusterDimension}}
-	attrs[0].value[0] = uint64(cluster[0]) | uint64(cluster[1])<<32 // struct {x, y, z uint32}
-	attrs[0].value[1] = uint64(cluster[2])
+	attrs := [2]launchAttr{clusterDim(cluster)}
 	n := 1
 	if dependent {
 		n = withSerialization(&attrs, n)
@@ -486,9 +492,7 @@ func (d *Driver) MaxActiveClusters(f Function, block, cluster [3]uint32, shmem u
 	if d.cuOccupancyMaxClusters == nil {
 		return 0, nil
 	}
-	attrs := [1]launchAttr{{id: attrClusterDimension}}
-	attrs[0].value[0] = uint64(cluster[0]) | uint64(cluster[1])<<32
-	attrs[0].value[1] = uint64(cluster[2])
+	attrs := [1]launchAttr{clusterDim(cluster)}
 	// the grid a multiple of the cluster (the driver checks it)
 	cfg := launchConfig{grid: cluster, block: block, shmem: shmem, attrs: &attrs[0], numAttrs: 1}
 	var n int32

@@ -28,3 +28,13 @@ func TestLaunchConfigLayout(t *testing.T) {
 		}
 	}
 }
+
+// TestClusterDim checks the cluster attribute's value against
+// CUlaunchAttributeValue's clusterDim {x, y, z unsigned int}: x and y in
+// the first 8 bytes (x low), z in the next 4.
+func TestClusterDim(t *testing.T) {
+	a := clusterDim([3]uint32{2, 3, 8})
+	if a.id != attrClusterDimension || a.value[0] != 2|3<<32 || a.value[1] != 8 {
+		t.Errorf("clusterDim({2, 3, 8}) = id %d, value %#x %#x, want id %d, value 0x300000002 0x8", a.id, a.value[0], a.value[1], attrClusterDimension)
+	}
+}
