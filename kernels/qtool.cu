@@ -320,15 +320,14 @@ __device__ __forceinline__ int8_t quant_token(float v, float s) {
 // |s| ≤ 2^60 keeps every step normal; r itself is not always exact, the
 // result is: checked exhaustively at reduced precisions and over ~2·10^9
 // float32 pairs near rounding boundaries, kernels/NOTES.md, fifty-eighth
-// session), v taken as ±2^60 above that and as +0 below 2^-60 (so −0 and
-// tiny negatives give +0 where the division gives −0; NaN passes
-// through). The division's fast path is the same reciprocal and FMAs
+// session), v taken as ±2^60 above that and as ±0 below 2^-60 (the
+// division's signed zero; NaN passes through). The division's fast path is the same reciprocal and FMAs
 // behind a range check and a call of its slow path, a long dependent chain
 // a value: with it, attn_tc_f16_q took 3.9–4.6 µs more than attn_tc_f16_h
 // at 128–512 tokens on an H200 (kernels/exp/attn_form.cu).
 __device__ __forceinline__ float quot_rn(float v, float s, float inv) {
     const float a = fabsf(v);
-    v = a > 0x1p60f ? copysignf(0x1p60f, v) : a < 0x1p-60f ? 0.f : v;
+    v = copysignf(a > 0x1p60f ? 0x1p60f : a < 0x1p-60f ? 0.f : a, v);
     const float q0 = __fmul_rn(v, inv), r = __fmaf_rn(-q0, s, v);
     return __fmaf_rn(r, inv, q0);
 }
@@ -1472,7 +1471,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_i8(ATTENTION_ARGS(in
 // rl is at_rcp(dst, l), taken once a row. Where at_quot<Out> (the int8
 // codes, QOut; fp16, AtF16) rl is RN(1/l) and the stores take RN(a/l)
 // from quot_rn (l in [1, keys], |a| below l·65504; an a below 2^-60, taken
-// as +0, is ±0 in fp16 too, the sign aside); the fp32 output divides.
+// as ±0, is ±0 in fp16 too); the fp32 output divides.
 template <typename Out>
 constexpr bool at_quot = false;
 template <>
@@ -4498,6 +4497,21 @@ GEMM_WG_TP_ENTRY(gemm_wg_f16_tp, GH_F16)
 GEMM_WG_TP_ENTRY(gemm_wg_bf16_tp, GH_BF16)
 GEMM_WG_TP_ENTRY(gemm_wg_q4_tp, GH_Q4)
 GEMM_WG_TP_ENTRY(gemm_wg_q8_tp, GH_Q8)
+// seg_of is the weight (0, 1, 2) whose 128-row tiles grid.y tile ny of a
+// segs launch falls in (weights 0 and 1 of N0 and N1 rows first), ny made
+// that weight's own tile index.
+__device__ __forceinline__ int seg_of(int& ny, int N0, int N1) {
+    const int t0 = (N0 + 127) / 128, t1 = (N1 + 127) / 128;
+    if (ny >= t0 + t1) {
+        ny -= t0 + t1;
+        return 2;
+    }
+    if (ny >= t0) {
+        ny -= t0;
+        return 1;
+    }
+    return 0;
+}
 // name_segs(C0, C1, C2, mapA, mapW0, mapW1, mapW2, sz0, sz1, sz2, M, N0, N1,
 // N2, K, gs, G, flags, out): WK's GEMM of one fp16 input [M, K] (mapA) with up to
 // three weights of WK's kind, group size and count (q, k and v) in one
@@ -4511,16 +4525,12 @@ GEMM_WG_TP_ENTRY(gemm_wg_q8_tp, GH_Q8)
              const __grid_constant__ TmaMap mapW2, const float2* sz0, const float2* sz1, const float2* sz2, int M, \
              int N0, int N1, int N2, int K, int gs, int G, int flags, int out) {                                 \
         PDL_ENTRY();                                                                                             \
-        int ny = blockIdx.y, t0 = (N0 + 127) / 128, t1 = (N1 + 127) / 128;                                      \
-        const TmaMap* mapW = &mapW0;                                                                             \
-        float* C = C0;                                                                                           \
-        const float2* sz = sz0;                                                                                  \
-        int N = N0;                                                                                              \
-        if (ny >= t0 + t1) {                                                                                     \
-            ny -= t0 + t1, mapW = &mapW2, C = C2, sz = sz2, N = N2;                                              \
-        } else if (ny >= t0) {                                                                                   \
-            ny -= t0, mapW = &mapW1, C = C1, sz = sz1, N = N1;                                                   \
-        }                                                                                                        \
+        int ny = blockIdx.y;                                                                                     \
+        const int w = seg_of(ny, N0, N1);                                                                        \
+        const TmaMap* mapW = w == 0 ? &mapW0 : w == 1 ? &mapW1 : &mapW2;                                         \
+        float* C = w == 0 ? C0 : w == 1 ? C1 : C2;                                                               \
+        const float2* sz = w == 0 ? sz0 : w == 1 ? sz1 : sz2;                                                    \
+        const int N = w == 0 ? N0 : w == 1 ? N1 : N2;                                                            \
         gemm_wg_run<WK>(flags, C, &mapA, mapW, sz, nullptr, M, N, gs, G, 0, (K + GW_BK - 1) / GW_BK, out, 0, ny); \
     }
 GEMM_WG_SEGS_ENTRY(gemm_wg_f16_segs, GH_F16)
@@ -4962,16 +4972,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                     const __grid_constant__ TmaMap mapW1, const __grid_constant__ TmaMap mapW2,
                     const float* __restrict__ tok, int M, int K, int out, W8A8_OUT(0), W8A8_OUT(1), W8A8_OUT(2)) {
     PDL_ENTRY();
+    if (split_to_memory()) __trap();  // a host error: the splits would each store their sums as the result
     KSplit ks = k_split((K + 127) / 128);
     int ny = blockIdx.y;
-    const int t0 = (N0 + 127) / 128, t1 = (N1 + 127) / 128;
-    const TmaMap* mapW = &mapW0;
-    W8A8Seg s{y0, nullptr, qb0, dq0, bs0, N0};
-    if (ny >= t0 + t1) {
-        ny -= t0 + t1, mapW = &mapW2, s = W8A8Seg{y2, nullptr, qb2, dq2, bs2, N2};
-    } else if (ny >= t0) {
-        ny -= t0, mapW = &mapW1, s = W8A8Seg{y1, nullptr, qb1, dq1, bs1, N1};
-    }
+    const int w = seg_of(ny, N0, N1);
+    const TmaMap* mapW = w == 0 ? &mapW0 : w == 1 ? &mapW1 : &mapW2;
+    const W8A8Seg s = w == 0   ? W8A8Seg{y0, nullptr, qb0, dq0, bs0, N0}
+                      : w == 1 ? W8A8Seg{y1, nullptr, qb1, dq1, bs1, N1}
+                               : W8A8Seg{y2, nullptr, qb2, dq2, bs2, N2};
     gemm_wg_body<GH_S8, false, false, 1, 1>(
         s.y, &mapA, mapW, nullptr, nullptr, M, s.N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,
         [&](auto at, auto raw, TileStage<int> st) {
