@@ -244,9 +244,10 @@ func TestMatMulNHopper(t *testing.T) {
 	}
 }
 
-// TestSegsTiles checks the rule both segs launches share (segsTiles): one
-// launch only where each product alone would split K, on a device of 132
-// multiprocessors (no GPU needed).
+// TestSegsTiles checks the rules of the segs launches on a device of 132
+// multiprocessors (no GPU needed): whether each product alone would split
+// K (segsTiles, both launches) and whether one launch saves a wave
+// (segsSaveWave, W8A8's).
 func TestSegsTiles(t *testing.T) {
 	b := &Backend{sms: 132}
 	segs := func(outs ...int) []gemvSeg {
@@ -262,16 +263,24 @@ func TestSegsTiles(t *testing.T) {
 		M, K    int // K steps
 		tiles   int
 		eachSpl bool
+		wave    bool // one launch saves a wave
 	}{
-		{"7B q/k/v at 128 rows", segs(4096, 4096, 4096), 128, 32, 96, true},
-		{"8B q/k/v at 128 rows", segs(4096, 1024, 1024), 128, 32, 48, true},
-		{"7B q/k/v at 256 rows", segs(4096, 4096, 4096), 256, 32, 192, true},
-		{"7B q at 512 rows fills the device", segs(4096, 4096, 4096), 512, 32, 0, false},
-		{"too few K steps to split", segs(4096, 4096), 128, 7, 0, false},
-		{"partial tiles", segs(200, 72, 40), 130, 9, 8, true},
+		{"7B q/k/v at 128 rows", segs(4096, 4096, 4096), 128, 32, 96, true, true},
+		{"8B q/k/v at 128 rows", segs(4096, 1024, 1024), 128, 32, 48, true, true},
+		{"7B q/k/v at 256 rows", segs(4096, 4096, 4096), 256, 32, 192, true, true},
+		{"7B q at 512 rows fills the device", segs(4096, 4096, 4096), 512, 32, 384, false, false},
+		{"7B at 1 024 rows", segs(4096, 4096, 4096), 1024, 32, 768, false, false},
+		{"8B at 512 rows: 128, 32 and 32 tiles", segs(4096, 1024, 1024), 512, 32, 192, false, true},
+		{"8B at 1 024 rows", segs(4096, 1024, 1024), 1024, 32, 384, false, true},
+		{"8B at 2 048 rows: 512, 128 and 128 tiles", segs(4096, 1024, 1024), 2048, 32, 768, false, false},
+		{"too few K steps to split", segs(4096, 4096), 128, 7, 64, false, true},
+		{"partial tiles", segs(200, 72, 40), 130, 9, 8, true, true},
 	} {
 		if tiles, each := b.segsTiles(c.segs, c.M, c.K); tiles != c.tiles || each != c.eachSpl {
 			t.Errorf("%s: segsTiles = %d, %v, want %d, %v", c.name, tiles, each, c.tiles, c.eachSpl)
+		}
+		if w := b.segsSaveWave(c.segs, c.M); w != c.wave {
+			t.Errorf("%s: segsSaveWave = %v, want %v", c.name, w, c.wave)
 		}
 	}
 }
@@ -296,7 +305,8 @@ func TestW8A8Segs(t *testing.T) {
 	// wide weights: at 130 rows (two row tiles) each alone takes at most
 	// half the device and splits K, two or three together more than half
 	// (unsplit); at 300 rows (three row tiles) each alone more than half,
-	// unsplit
+	// unsplit, a wave each: two take two waves together as apart, three
+	// two waves together and three apart (segsSaveWave)
 	nt := (b.sms/6 + 1) * 128
 	wide, narrow := []int{nt - 56, nt, nt - 8}, []int{200, 72, 40}
 	static, dynamic := [3]float32{0.02, 0.02, 0.02}, [3]float32{}
@@ -307,17 +317,17 @@ func TestW8A8Segs(t *testing.T) {
 		dynamic   bool
 		scales    [3]float32
 		noCluster bool
-		segs      bool // gemm_wg_s8_segs runs (the "clusters" cases: where the driver runs clusters)
-		k         int  // K where not K
+		segs      [2]bool // gemm_wg_s8_segs runs for two and three weights (the "clusters" cases: where the driver runs clusters)
+		k         int     // K where not K
 	}{
-		{"unsplit", wide, []int{130}, false, static, false, true, 0},
-		{"unsplit/dynamic", wide, []int{130}, true, dynamic, false, true, 0},
-		{"each-fills-half", wide, []int{300}, false, static, false, false, 0},
-		{"clusters", narrow, []int{130, 300}, false, static, false, b.clusterSplits, 0},
-		{"clusters/dynamic", narrow, []int{130, 300}, true, dynamic, false, b.clusterSplits, 0},
-		{"through-memory", narrow, []int{130}, false, static, true, false, 0},
-		{"quantizers-differ", narrow, []int{130}, false, [3]float32{0.02, 0.03, 0.02}, false, false, 0},
-		{"clusters/deep", narrow, []int{130}, false, static, false, b.clusterSplits, 4096}, // a merge of more rounds where splitPlan picks more splits
+		{"unsplit", wide, []int{130}, false, static, false, [2]bool{true, true}, 0},
+		{"unsplit/dynamic", wide, []int{130}, true, dynamic, false, [2]bool{true, true}, 0},
+		{"each-fills-half", wide, []int{300}, false, static, false, [2]bool{false, true}, 0},
+		{"clusters", narrow, []int{130, 300}, false, static, false, [2]bool{b.clusterSplits, b.clusterSplits}, 0},
+		{"clusters/dynamic", narrow, []int{130, 300}, true, dynamic, false, [2]bool{b.clusterSplits, b.clusterSplits}, 0},
+		{"through-memory", narrow, []int{130}, false, static, true, [2]bool{}, 0},
+		{"quantizers-differ", narrow, []int{130}, false, [3]float32{0.02, 0.03, 0.02}, false, [2]bool{}, 0},
+		{"clusters/deep", narrow, []int{130}, false, static, false, [2]bool{b.clusterSplits, b.clusterSplits}, 4096}, // a merge of more rounds where splitPlan picks more splits
 	} {
 		K := cmp.Or(tc.k, K)
 		b.opt.NoClusterSplit = tc.noCluster
@@ -329,8 +339,8 @@ func TestW8A8Segs(t *testing.T) {
 			for _, nw := range []int{2, 3} {
 				t.Run(fmt.Sprintf("%s/M=%d/n=%d", tc.name, M, nw), func(t *testing.T) {
 					launched := checkMatMulN(t, b, r, M, K, tc.outs, ws[:nw])
-					if launched[w8a8SegsKernel] != tc.segs {
-						t.Errorf("%s launched %v, want %v (kernels %v)", w8a8SegsKernel, launched[w8a8SegsKernel], tc.segs,
+					if want := tc.segs[nw-2]; launched[w8a8SegsKernel] != want {
+						t.Errorf("%s launched %v, want %v (kernels %v)", w8a8SegsKernel, launched[w8a8SegsKernel], want,
 							slices.Sorted(maps.Keys(launched)))
 					}
 				})

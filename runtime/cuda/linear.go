@@ -1075,15 +1075,20 @@ const w8a8SegsKernel = "gemm_wg_s8_segs"
 // w8a8WGSegs runs the products segs (two or three W8A8 weights of one
 // activation quantizer sharing in: q, k and v) as one launch of
 // gemm_wg_s8_segs where the Hopper int8 GEMM takes in's rows and each
-// product alone would split K (its tiles fill at most half the device),
-// the launch's K splits, if any, merging in clusters (splitPlan over all
-// the products' tiles; where it would merge them through memory, the
-// products run one at a time); it reports whether it did. A K split of
-// few steps costs a launch ~10 µs of fill, merge and epilogue whatever
-// its size (kernels/NOTES.md), paid here once, not a product: on an H200
-// W8A8 prefill of 128 tokens ran 15 % faster (llama2-7b and llama3-8b),
-// of 256 6 % and 13 %. The sums are integers, so the values are each
-// product's alone however K splits.
+// product alone would split K (its tiles fill at most half the device) or
+// the launch takes fewer waves than the products one by one
+// (segsSaveWave), the launch's K splits, if any, merging in clusters
+// (splitPlan over all the products' tiles; where it would merge them
+// through memory, the products run one at a time); it reports whether it
+// did. A K split of few steps costs a launch ~10 µs of fill, merge and
+// epilogue whatever its size (kernels/NOTES.md), paid here once, not a
+// product: on an H200 W8A8 prefill of 128 tokens ran 15 % faster
+// (llama2-7b and llama3-8b), of 256 6 % and 13 %; the saved wave gave
+// llama3-8b's prefill of 512 tokens 4 %, of 1 024 1.7 % (where one
+// launch saves no wave it lost up to 2.6 %: llama2-7b at 1 024 and 2 048
+// tokens). The sums
+// are integers, so the values are each product's alone however K
+// splits.
 func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 	M, l0 := in.x.rows, segs[0].l
 	if len(segs) < 2 || len(segs) > 3 || b.wgmmaKernel("w8a8_mma", M) == "" {
@@ -1095,8 +1100,8 @@ func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 		}
 	}
 	mt, steps := (M+127)/128, (l0.in+127)/128
-	tiles, ok := b.segsTiles(segs, M, steps)
-	if !ok {
+	tiles, eachSplits := b.segsTiles(segs, M, steps)
+	if !eachSplits && !b.segsSaveWave(segs, M) {
 		return false
 	}
 	S, cluster, _ := b.splitPlan(w8a8SegsKernel, tiles, steps, b.sms)
@@ -1748,14 +1753,29 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 // fill and merge for few steps, paid once for the products together.
 func (b *Backend) segsTiles(segs []gemvSeg, M, steps int) (tiles int, eachSplits bool) {
 	mt := (M + 127) / 128
+	eachSplits = true
 	for _, g := range segs {
 		t := mt * ((g.l.out + 127) / 128)
-		if gemmSplits(t, steps, b.sms) == 1 {
-			return 0, false
-		}
+		eachSplits = eachSplits && gemmSplits(t, steps, b.sms) > 1
 		tiles += t
 	}
-	return tiles, true
+	return tiles, eachSplits
+}
+
+// segsSaveWave reports whether one launch of M rows by every weight of
+// segs runs fewer waves of 128 × 128 tiles, a block a multiprocessor,
+// than a launch a product: their partial last waves fill one another
+// (llama3-8b's q, k and v at 512 rows: 128, 32 and 32 tiles, three waves
+// one by one and two together on 132 multiprocessors).
+func (b *Backend) segsSaveWave(segs []gemvSeg, M int) bool {
+	mt := (M + 127) / 128
+	tiles, apart := 0, 0
+	for _, g := range segs {
+		t := mt * ((g.l.out + 127) / 128)
+		tiles += t
+		apart += (t + b.sms - 1) / b.sms
+	}
+	return (tiles+b.sms-1)/b.sms < apart
 }
 
 // segments checks the operands of a product of x with several weights.
