@@ -104,13 +104,20 @@ type kernelResult struct {
 }
 
 type modelResult struct {
-	Name           string  `json:"name"`
-	Format         string  `json:"format"`
-	WeightBytes    int64   `json:"weight_bytes"` // read a decode step (cuda.Linear.DecodeBytes)
-	GPUMemBytes    uint64  `json:"gpu_mem_used_bytes"`
-	PrefillTokS    float64 `json:"prefill_tok_s"`
-	DecodeTokS     float64 `json:"decode_tok_s"`
-	DecodeGraphTok float64 `json:"decode_graph_tok_s"`
+	Name        string  `json:"name"`
+	Format      string  `json:"format"`
+	WeightBytes int64   `json:"weight_bytes"` // read a decode step (cuda.Linear.DecodeBytes)
+	GPUMemBytes uint64  `json:"gpu_mem_used_bytes"`
+	PrefillTokS float64 `json:"prefill_tok_s"`
+	// PrefillMinTokS and PrefillMaxTokS are the slowest and fastest of the
+	// prefillRuns timed prefills PrefillTokS is the median of.
+	PrefillMinTokS float64 `json:"prefill_min_tok_s"`
+	PrefillMaxTokS float64 `json:"prefill_max_tok_s"`
+	// PrefillPlainTokS is PrefillTokS without programmatic dependent
+	// launches, measured in the same run.
+	PrefillPlainTokS float64 `json:"prefill_plain_launch_tok_s"`
+	DecodeTokS       float64 `json:"decode_tok_s"`
+	DecodeGraphTok   float64 `json:"decode_graph_tok_s"`
 	// DecodeGraphPlainTok is DecodeGraphTok without programmatic dependent
 	// launches, measured in the same run.
 	DecodeGraphPlainTok float64 `json:"decode_graph_plain_launch_tok_s"`
@@ -426,18 +433,17 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 	}
 
 	// Prefill: the median of prefillRuns timed runs after a warm-up (one
-	// slow run moves a mean of three by 10-20 %, as seen on the H100).
+	// slow run moves a mean of three by 10-20 %, as seen on the H100), the
+	// runs' spread, and the same without dependent launches.
 	prefill := func() {
 		lg := rm.Forward(ids, 0, cache)
 		b.Free(lg)
 	}
-	prefill()
-	runs := make([]float64, prefillRuns)
-	for i := range runs {
-		runs[i] = b.Time(0, 1, prefill)
-	}
-	slices.Sort(runs)
+	runs := prefillSeconds(b, prefill, nil)
 	res.PrefillTokS = float64(prompt) / runs[len(runs)/2]
+	res.PrefillMinTokS, res.PrefillMaxTokS = float64(prompt)/runs[len(runs)-1], float64(prompt)/runs[0]
+	plain := prefillSeconds(b, prefill, func(o *cuda.Options) { o.NoDependentLaunch = true })
+	res.PrefillPlainTokS = float64(prompt) / plain[len(plain)/2]
 
 	// Decode, one token at a time with a host round trip (Argmax) per token.
 	lg := rm.Forward(ids, 0, cache)
@@ -537,7 +543,8 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 
 	fmt.Fprintf(out, "\nmodel %s (%s): weights %.2f GB read a token, GPU memory used %.2f GB (incl. KV cache of %d positions)\n",
 		name, format, float64(weightBytes)/1e9, float64(res.GPUMemBytes)/1e9, maxSeq)
-	fmt.Fprintf(out, "  prefill %d tokens: %.0f tok/s\n", prompt, res.PrefillTokS)
+	fmt.Fprintf(out, "  prefill %d tokens: %.0f tok/s (runs %.0f-%.0f; %.0f without dependent launches)\n",
+		prompt, res.PrefillTokS, res.PrefillMinTokS, res.PrefillMaxTokS, res.PrefillPlainTokS)
 	fmt.Fprintf(out, "  decode batch 1: %.1f tok/s plain, %.1f tok/s CUDA graph (%.1f without dependent launches, %.1f without row sums, %.1f with the GEMV rings in registers, %.1f with the attention's splits merged through global memory); roofline %.1f tok/s (%.0f%% reached)\n",
 		res.DecodeTokS, res.DecodeGraphTok, res.DecodeGraphPlainTok, res.DecodeGraphNoSumsTok, res.DecodeGraphNoAsyncTok, res.DecodeGraphNoClusterTok,
 		res.RooflineTokS, 100*res.DecodeGraphTok/res.RooflineTokS)
@@ -554,6 +561,24 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 // decodeGraphTokS captures one greedy decode step at position prompt and
 // replays it steps times from token next: tokens per second. change, when
 // set, alters the backend's options for this capture only.
+// prefillSeconds times prefillRuns runs of prefill after a warm-up, with
+// b's options changed by change (nil: as they are) for the runs, and
+// returns their times, sorted.
+func prefillSeconds(b *cuda.Backend, prefill func(), change func(*cuda.Options)) []float64 {
+	opt := b.Options()
+	defer func(was cuda.Options) { *opt = was }(*opt)
+	if change != nil {
+		change(opt)
+	}
+	prefill()
+	runs := make([]float64, prefillRuns)
+	for i := range runs {
+		runs[i] = b.Time(0, 1, prefill)
+	}
+	slices.Sort(runs)
+	return runs
+}
+
 func decodeGraphTokS(b *cuda.Backend, rm *runtime.Model, cache runtime.KVCache, prompt, maxSeq, next, steps int, change func(*cuda.Options)) (float64, error) {
 	opt := b.Options()
 	defer func(was cuda.Options) { *opt = was }(*opt)
