@@ -558,9 +558,6 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 	return res, nil
 }
 
-// decodeGraphTokS captures one greedy decode step at position prompt and
-// replays it steps times from token next: tokens per second. change, when
-// set, alters the backend's options for this capture only.
 // prefillSeconds times prefillRuns runs of prefill after a warm-up, with
 // b's options changed by change (nil: as they are) for the runs, and
 // returns their times, sorted.
@@ -579,6 +576,9 @@ func prefillSeconds(b *cuda.Backend, prefill func(), change func(*cuda.Options))
 	return runs
 }
 
+// decodeGraphTokS captures one greedy decode step at position prompt and
+// replays it steps times from token next: tokens per second. change, when
+// set, alters the backend's options for this capture only.
 func decodeGraphTokS(b *cuda.Backend, rm *runtime.Model, cache runtime.KVCache, prompt, maxSeq, next, steps int, change func(*cuda.Options)) (float64, error) {
 	opt := b.Options()
 	defer func(was cuda.Options) { *opt = was }(*opt)

@@ -1086,9 +1086,8 @@ const w8a8SegsKernel = "gemm_wg_s8_segs"
 // (llama2-7b and llama3-8b), of 256 6 % and 13 %; the saved wave gave
 // llama3-8b's prefill of 512 tokens 4 %, of 1 024 1.7 % (where one
 // launch saves no wave it lost up to 2.6 %: llama2-7b at 1 024 and 2 048
-// tokens). The sums
-// are integers, so the values are each product's alone however K
-// splits.
+// tokens). The sums are integers, so the values are each product's alone
+// however K splits.
 func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 	M, l0 := in.x.rows, segs[0].l
 	if len(segs) < 2 || len(segs) > 3 || b.wgmmaKernel("w8a8_mma", M) == "" {
