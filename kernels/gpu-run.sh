@@ -9,7 +9,7 @@
 #   STEPS="build fixtures topo tests gemvwaves attnbench ncu ncugemv ncusrc ncuprefill rankbench 7b one one-base tp tpctx tpab tpdec tl tp-base tpprof tpspeed kld 7b-sq 7b-gptq w8a8 kv16 c8 7b-c8 kbench kbench16 kbench-base ab kab bench anchor int8anchor" kernels/gpu-run.sh
 # (ANCHOR_ARGS=--skip-decode: the anchor without the compiled gpt-fast decoders;
 # KBENCH_ARGS: more flags of the synthetic bench, e.g. --kv-cache fp32 as qtool-base;
-# TEST_TIMEOUT: a test binary's limit in s, a timed-out one stops the call; TEST_COUNT: runs
+# TEST_TIMEOUT: a test binary's limit in s (cut to the BUDGET left: within), a timed-out one stops the call; TEST_COUNT: runs
 # of each test (-test.count: a race's rate, with TESTRUN); TESTSKIP: tests
 # the test binaries leave out (-test.skip: TestKernelNamesInPTX for an experiment that adds
 # kernels, which reads the embedded PTX and would fail the suite and so skip ab); RUN_LIMIT: a
@@ -41,6 +41,10 @@ trap finish EXIT
 STEPS=${STEPS:-build tests 7b tp}
 t0=$(date +%s)
 left() { echo $(( ${BUDGET:-570} - ($(date +%s) - t0) )); }
+# within S: a step's limit of S seconds cut to the budget left, less 20 s
+# for the logs (a call the device stops returns nothing: the fifty-ninth
+# session's first call ran its tests past its 600 s so)
+within() { local l; l=$(($(left) - 20)); echo $(( $1 < l ? $1 : (l > 1 ? l : 1) )); }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1) # Nsight Compute, for the ncu steps
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -82,7 +86,7 @@ if has tests; then
   for t in ${TESTS:-cuda kld gputest}; do
     [ -x "bin/$t.test" ] || continue
     dir=runtime/$t; [ "$t" = gputest ] && dir=runtime/tp/gputest
-    (cd "$dir" && timeout "${TEST_TIMEOUT:-240}" "$OLDPWD/bin/$t.test" -test.v ${TESTRUN:+-test.run "$TESTRUN"} ${TESTSKIP:+-test.skip "$TESTSKIP"} \
+    (cd "$dir" && timeout "$(within "${TEST_TIMEOUT:-240}")" "$OLDPWD/bin/$t.test" -test.v ${TESTRUN:+-test.run "$TESTRUN"} ${TESTSKIP:+-test.skip "$TESTSKIP"} \
       ${TEST_COUNT:+-test.count "$TEST_COUNT"} > "$OUT/test-$t.log" 2>&1)
     rc=$?; [ "$t" = cuda ] && failed_new=$rc
     echo "test $t rc=$rc $(grep -c -- '--- PASS' "$OUT/test-$t.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-$t.log") fail, $(grep -c -- '--- SKIP' "$OUT/test-$t.log") skip"
@@ -96,7 +100,7 @@ if has tests; then
   for v in ${AB_PTX:-}; do
     n=${v%%=*}
     [ -x bin/cuda.test ] || break
-    (cd runtime/cuda && QTOOL_CUDA_PTX="$OUT/ptx-$n/qtool_sm90.ptx" timeout 240 "$OLDPWD/bin/cuda.test" -test.v \
+    (cd runtime/cuda && QTOOL_CUDA_PTX="$OUT/ptx-$n/qtool_sm90.ptx" timeout "$(within 240)" "$OLDPWD/bin/cuda.test" -test.v \
       -test.run "${AB_TESTRUN:-TestAttention|TestModels|TestKVHalf}" > "$OUT/test-cuda-$n.log" 2>&1)
     rc=$?; [ $rc = 0 ] || failed_variants="${failed_variants:-} $n"
     echo "test cuda ($n) rc=$rc $(grep -c -- '--- PASS' "$OUT/test-cuda-$n.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-cuda-$n.log") fail"
