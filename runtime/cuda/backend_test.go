@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -888,15 +889,21 @@ func testGEMMRing(t *testing.T, b *Backend, r *rand.Rand, M, K, N0, wide int) {
 // matmulRef is x[M, K] · w[N, K]ᵀ in float64.
 func matmulRef(x []float32, w []float64, M, N, K int) []float64 {
 	out := make([]float64, M*N)
-	for m := 0; m < M; m++ {
-		for n := 0; n < N; n++ {
-			var s float64
-			for k := 0; k < K; k++ {
-				s += float64(x[m*K+k]) * w[n*K+k]
+	// rows on every core (each sum in k order as before: the same values);
+	// TestMatMul's huge-K cases took two minutes of a device call serially
+	var wg sync.WaitGroup
+	for m := range M {
+		wg.Go(func() {
+			for n := range N {
+				var s float64
+				for k := range K {
+					s += float64(x[m*K+k]) * w[n*K+k]
+				}
+				out[m*N+n] = s
 			}
-			out[m*N+n] = s
-		}
+		})
 	}
+	wg.Wait()
 	return out
 }
 
