@@ -328,8 +328,8 @@ func benchGEMM(b *cuda.Backend, w runtime.Linear, format string, N, K, M int, se
 	defer b.Free(xm)
 	defer b.Free(ym)
 	b.FillRandom(xm, seed, 1)
+	defer withOptions(b, nil)() // the forms below change NoWGMMA and WGWide
 	opt := b.Options()
-	defer func(noWGMMA bool, wide int) { opt.NoWGMMA, opt.WGWide = noWGMMA, wide }(opt.NoWGMMA, opt.WGWide)
 	type form struct {
 		noWGMMA bool
 		wide    int
@@ -558,15 +558,22 @@ func benchModel(m *model.Model, name, format string, prompt, steps int, kvHalf b
 	return res, nil
 }
 
+// withOptions changes b's options by change (nil: none) and returns what
+// puts them back as they were.
+func withOptions(b *cuda.Backend, change func(*cuda.Options)) (restore func()) {
+	opt := b.Options()
+	was := *opt
+	if change != nil {
+		change(opt)
+	}
+	return func() { *opt = was }
+}
+
 // prefillSeconds times prefillRuns runs of prefill after a warm-up, with
 // b's options changed by change (nil: as they are) for the runs, and
 // returns their times, sorted.
 func prefillSeconds(b *cuda.Backend, prefill func(), change func(*cuda.Options)) []float64 {
-	opt := b.Options()
-	defer func(was cuda.Options) { *opt = was }(*opt)
-	if change != nil {
-		change(opt)
-	}
+	defer withOptions(b, change)()
 	prefill()
 	runs := make([]float64, prefillRuns)
 	for i := range runs {
@@ -580,11 +587,7 @@ func prefillSeconds(b *cuda.Backend, prefill func(), change func(*cuda.Options))
 // replays it steps times from token next: tokens per second. change, when
 // set, alters the backend's options for this capture only.
 func decodeGraphTokS(b *cuda.Backend, rm *runtime.Model, cache runtime.KVCache, prompt, maxSeq, next, steps int, change func(*cuda.Options)) (float64, error) {
-	opt := b.Options()
-	defer func(was cuda.Options) { *opt = was }(*opt)
-	if change != nil {
-		change(opt)
-	}
+	defer withOptions(b, change)()
 	if err := b.BeginCapture(prompt, maxSeq); err != nil {
 		return 0, err
 	}

@@ -244,10 +244,10 @@ func TestMatMulNHopper(t *testing.T) {
 	}
 }
 
-// TestSegsTiles checks the rules of the segs launches on a device of 132
-// multiprocessors (no GPU needed): whether each product alone would split
-// K (segsTiles, both launches) and whether one launch saves a wave
-// (segsSaveWave, W8A8's).
+// TestSegsTiles checks the rules of the segs launches (segsTiles) on a
+// device of 132 multiprocessors (no GPU needed): whether each product
+// alone would split K (both launches) and whether one launch saves a wave
+// (W8A8's).
 func TestSegsTiles(t *testing.T) {
 	b := &Backend{sms: 132}
 	segs := func(outs ...int) []gemvSeg {
@@ -276,11 +276,8 @@ func TestSegsTiles(t *testing.T) {
 		{"too few K steps to split", segs(4096, 4096), 128, 7, 64, false, true},
 		{"partial tiles", segs(200, 72, 40), 130, 9, 8, true, true},
 	} {
-		if tiles, each := b.segsTiles(c.segs, c.M, c.K); tiles != c.tiles || each != c.eachSpl {
-			t.Errorf("%s: segsTiles = %d, %v, want %d, %v", c.name, tiles, each, c.tiles, c.eachSpl)
-		}
-		if w := b.segsSaveWave(c.segs, c.M); w != c.wave {
-			t.Errorf("%s: segsSaveWave = %v, want %v", c.name, w, c.wave)
+		if tiles, each, wave := b.segsTiles(c.segs, c.M, c.K); tiles != c.tiles || each != c.eachSpl || wave != c.wave {
+			t.Errorf("%s: segsTiles = %d, %v, %v, want %d, %v, %v", c.name, tiles, each, wave, c.tiles, c.eachSpl, c.wave)
 		}
 	}
 }
@@ -306,7 +303,7 @@ func TestW8A8Segs(t *testing.T) {
 	// half the device and splits K, two or three together more than half
 	// (unsplit); at 300 rows (three row tiles) each alone more than half,
 	// unsplit, a wave each: two take two waves together as apart, three
-	// two waves together and three apart (segsSaveWave)
+	// two waves together and three apart (segsTiles)
 	nt := (b.sms/6 + 1) * 128
 	wide, narrow := []int{nt - 56, nt, nt - 8}, []int{200, 72, 40}
 	static, dynamic := [3]float32{0.02, 0.02, 0.02}, [3]float32{}

@@ -1077,7 +1077,7 @@ const w8a8SegsKernel = "gemm_wg_s8_segs"
 // gemm_wg_s8_segs where the Hopper int8 GEMM takes in's rows and each
 // product alone would split K (its tiles fill at most half the device) or
 // the launch takes fewer waves than the products one by one
-// (segsSaveWave), the launch's K splits, if any, merging in clusters
+// (segsTiles), the launch's K splits, if any, merging in clusters
 // (splitPlan over all the products' tiles; where it would merge them
 // through memory, the products run one at a time); it reports whether it
 // did. A K split of few steps costs a launch ~10 µs of fill, merge and
@@ -1099,8 +1099,8 @@ func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 		}
 	}
 	mt, steps := (M+127)/128, (l0.in+127)/128
-	tiles, eachSplits := b.segsTiles(segs, M, steps)
-	if !eachSplits && !b.segsSaveWave(segs, M) {
+	tiles, eachSplits, savesWave := b.segsTiles(segs, M, steps)
+	if !eachSplits && !savesWave {
 		return false
 	}
 	S, cluster, _ := b.splitPlan(w8a8SegsKernel, tiles, steps, b.sms)
@@ -1720,8 +1720,8 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 		}
 	}
 	mt := (M + 127) / 128
-	tiles, ok := b.segsTiles(segs, M, (l0.in+gemmHBK-1)/gemmHBK)
-	if !ok {
+	tiles, eachSplits, _ := b.segsTiles(segs, M, (l0.in+gemmHBK-1)/gemmHBK)
+	if !eachSplits {
 		return false
 	}
 	var (
@@ -1746,35 +1746,25 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 }
 
 // segsTiles is the 128 × 128 tiles of one launch of M rows by every
-// weight of segs, and whether each product alone would split its steps
-// K steps (gemmSplits: its tiles at most half the device), which the segs
-// launches ask (wgSegs, w8a8WGSegs): such a short split pays a launch's
-// fill and merge for few steps, paid once for the products together.
-func (b *Backend) segsTiles(segs []gemvSeg, M, steps int) (tiles int, eachSplits bool) {
+// weight of segs, and what the segs launches (wgSegs, w8a8WGSegs) ask of
+// them: whether each product alone would split its steps K steps
+// (gemmSplits: its tiles at most half the device), where such a short
+// split pays a launch's fill and merge for few steps, paid once for the
+// products together; and whether the one launch runs fewer waves of
+// tiles, a block a multiprocessor, than a launch a product, their partial
+// last waves filling one another (llama3-8b's q, k and v at 512 rows:
+// 128, 32 and 32 tiles, three waves one by one and two together on 132
+// multiprocessors).
+func (b *Backend) segsTiles(segs []gemvSeg, M, steps int) (tiles int, eachSplits, savesWave bool) {
 	mt := (M + 127) / 128
-	eachSplits = true
+	eachSplits, apart := true, 0
 	for _, g := range segs {
 		t := mt * ((g.l.out + 127) / 128)
 		eachSplits = eachSplits && gemmSplits(t, steps, b.sms) > 1
 		tiles += t
-	}
-	return tiles, eachSplits
-}
-
-// segsSaveWave reports whether one launch of M rows by every weight of
-// segs runs fewer waves of 128 × 128 tiles, a block a multiprocessor,
-// than a launch a product: their partial last waves fill one another
-// (llama3-8b's q, k and v at 512 rows: 128, 32 and 32 tiles, three waves
-// one by one and two together on 132 multiprocessors).
-func (b *Backend) segsSaveWave(segs []gemvSeg, M int) bool {
-	mt := (M + 127) / 128
-	tiles, apart := 0, 0
-	for _, g := range segs {
-		t := mt * ((g.l.out + 127) / 128)
-		tiles += t
 		apart += (t + b.sms - 1) / b.sms
 	}
-	return (tiles+b.sms-1)/b.sms < apart
+	return tiles, eachSplits, (tiles+b.sms-1)/b.sms < apart
 }
 
 // segments checks the operands of a product of x with several weights.
