@@ -4129,6 +4129,27 @@ __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, 
 #endif
     return true;
 }
+// gw_put puts a Hopper GEMM tile's sums (at, raw as out_tile_staged takes
+// them) through the stage t by the writer of gemm_wg_body's kind, the one
+// choice for a whole tile and for each half of a wide block's: a pair's
+// SwiGLU (glu_tile, epi the GluEpi), W8A8's finish epi (integer sums
+// through the stage as ints), the peer mirror (epi a PeerMirror) or the
+// plain store into C by out.
+template <int WK, bool PAIR, typename Epi, typename At, typename Raw>
+__device__ __forceinline__ void gw_put(float* C, int M, int N, int out, At at, Raw raw, const Epi& epi,
+                                       TileStage<float> t) {
+    const TileStage<int> ti{reinterpret_cast<int*>(t.s), t.m0, t.n0, t.bar, t.nthr, t.tid};
+    if constexpr (PAIR && WK == GH_S8)
+        glu_tile<32, 2>(C, M, N, at, raw, epi, ti);
+    else if constexpr (PAIR)
+        glu_tile<32, 2>(C, M, N, at, raw, epi, t);
+    else if constexpr (WK == GH_S8)
+        epi(at, raw, ti);
+    else if constexpr (std::is_same<Epi, PeerMirror>::value)
+        out_tile_staged<32, 2, float>(C, M, N, out, at, raw, AsIs{}, t, epi);
+    else
+        out_tile_staged<32, 2, float>(C, M, N, out, at, raw, AsIs{}, t);
+}
 // GH_S8: A and W int8 tiles of 128 rows of 128 codes a K step, the
 // integer sums handed to epi(at, raw, stage) as out_tile_staged takes them.
 // PAIR: mapW is a 3-D map over two weights of N rows as planes, and a
@@ -4267,49 +4288,24 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             n = n0 + (u >> 1) * 8 + 2 * (lane & 3);
         };
         auto raw = [&](int u, int e) { return d[4 * (u >> 1) + 2 * (u & 1) + e]; };
+        auto put = [&](auto at_t, auto raw_t, TileStage<float> t) { gw_put<WK, PAIR>(C, M, N, out, at_t, raw_t, epi, t); };
         if constexpr (AH == 2) {
             // the two 128-column halves one after the other through the
-            // stage, each put by put(at, raw, stage): half h's outputs NH·h
-            // on (a pair's half: 64 columns of each weight, the narrow pair
-            // tile of the outputs n0 + 64h on)
-            auto halves = [&](auto put) {
-                auto half = [&](auto hc) {
-                    constexpr int h = decltype(hc)::value;
-                    auto at_h = [&](int u, int& m, int& n) {
-                        at(u + 32 * h, m, n);
-                        n -= (128 - NH) * h;
-                    };
-                    auto raw_h = [&](int u, int e) { return raw(u + 32 * h, e); };
-                    put(at_h, raw_h, TileStage<float>{st.s, st.m0, st.n0 + NH * h, st.bar, st.nthr, st.tid});
+            // stage: half h's outputs NH·h on (a pair's half: 64 columns of
+            // each weight, the narrow pair tile of the outputs n0 + 64h on)
+            auto half = [&](auto hc) {
+                constexpr int h = decltype(hc)::value;
+                auto at_h = [&](int u, int& m, int& n) {
+                    at(u + 32 * h, m, n);
+                    n -= (128 - NH) * h;
                 };
-                half(std::integral_constant<int, 0>{});
-                if (n0 + NH < N) half(std::integral_constant<int, 1>{});
+                auto raw_h = [&](int u, int e) { return raw(u + 32 * h, e); };
+                put(at_h, raw_h, TileStage<float>{st.s, st.m0, st.n0 + NH * h, st.bar, st.nthr, st.tid});
             };
-            if constexpr (PAIR && WK == GH_S8)
-                halves([&](auto at_h, auto raw_h, TileStage<float> sh) {
-                    glu_tile<32, 2>(C, M, N, at_h, raw_h, epi,
-                                    TileStage<int>{reinterpret_cast<int*>(sh.s), sh.m0, sh.n0, sh.bar, sh.nthr, sh.tid});
-                });
-            else if constexpr (PAIR)
-                halves([&](auto at_h, auto raw_h, TileStage<float> sh) { glu_tile<32, 2>(C, M, N, at_h, raw_h, epi, sh); });
-            else if constexpr (WK == GH_S8)
-                halves([&](auto at_h, auto raw_h, TileStage<float> sh) {
-                    epi(at_h, raw_h, TileStage<int>{reinterpret_cast<int*>(sh.s), sh.m0, sh.n0, sh.bar, sh.nthr, sh.tid});
-                });
-            else
-                halves([&](auto at_h, auto raw_h, TileStage<float> sh) {
-                    out_tile_staged<32, 2, float>(C, M, N, out, at_h, raw_h, AsIs{}, sh);
-                });
-        } else if constexpr (PAIR && WK == GH_S8)
-            glu_tile<32, 2>(C, M, N, at, raw, epi, TileStage<int>{reinterpret_cast<int*>(st.s), st.m0, st.n0, st.bar, st.nthr, st.tid});
-        else if constexpr (PAIR)
-            glu_tile<32, 2>(C, M, N, at, raw, epi, st);
-        else if constexpr (WK == GH_S8)
-            epi(at, raw, TileStage<int>{reinterpret_cast<int*>(st.s), st.m0, st.n0, st.bar, st.nthr, st.tid});
-        else if constexpr (std::is_same<Epi, PeerMirror>::value)
-            out_tile_staged<32, 2, float>(C, M, N, out, at, raw, AsIs{}, st, epi);
-        else
-            out_tile_staged<32, 2, float>(C, M, N, out, at, raw, AsIs{}, st);
+            half(std::integral_constant<int, 0>{});
+            if (n0 + NH < N) half(std::integral_constant<int, 1>{});
+        } else
+            put(at, raw, st);
     } else {
         // Dᵀ = W · Aᵀ: the 64 weight rows of warpgroup c, widened or
         // dequantized from shared memory into registers, by the 128
