@@ -1054,17 +1054,28 @@ func (b *Backend) w8a8GEMV(xq, tok driver.DevicePtr, M, K int, segs []gemvSeg, o
 // activation quantizer sharing in: q, k and v) as one launch of w8a8_gemm
 // where the dp4a kernels take in's rows; it reports whether it did.
 func (b *Backend) w8a8Segs(in *gemmIn, segs []gemvSeg) bool {
-	if len(segs) < 2 || len(segs) > 3 || !b.w8a8DP4A(in.x.rows) {
+	if !w8a8OneInput(segs) || !b.w8a8DP4A(in.x.rows) {
+		return false
+	}
+	l0 := segs[0].l
+	xq, tok := b.quantized(in, l0)
+	b.w8a8GEMV(xq, tok, in.x.rows, l0.in, segs, outStore)
+	return true
+}
+
+// w8a8OneInput reports whether segs are two or three W8A8 weights of one
+// input width and activation quantizer, whose products one launch of
+// quantized inputs can run (w8a8Segs, w8a8WGSegs).
+func w8a8OneInput(segs []gemvSeg) bool {
+	if len(segs) < 2 || len(segs) > 3 {
 		return false
 	}
 	l0 := segs[0].l
 	for _, g := range segs {
-		if g.l.kind != kindW8A8 || g.l.in != l0.in || g.l.actQuant() != l0.actQuant() {
+		if l := g.l; l.kind != kindW8A8 || l.in != l0.in || l.actQuant() != l0.actQuant() {
 			return false
 		}
 	}
-	xq, tok := b.quantized(in, l0)
-	b.w8a8GEMV(xq, tok, in.x.rows, l0.in, segs, outStore)
 	return true
 }
 
@@ -1090,13 +1101,8 @@ const w8a8SegsKernel = "gemm_wg_s8_segs"
 // however K splits.
 func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 	M, l0 := in.x.rows, segs[0].l
-	if len(segs) < 2 || len(segs) > 3 || b.wgmmaKernel("w8a8_mma", M) == "" {
+	if !w8a8OneInput(segs) || b.wgmmaKernel("w8a8_mma", M) == "" {
 		return false
-	}
-	for _, g := range segs {
-		if l := g.l; l.kind != kindW8A8 || l.in != l0.in || l.actQuant() != l0.actQuant() {
-			return false
-		}
 	}
 	mt, steps := (M+127)/128, (l0.in+127)/128
 	tiles, eachSplits, savesWave := b.segsTiles(segs, M, steps)
