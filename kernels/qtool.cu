@@ -19,6 +19,7 @@
 
 #define FULL 0xffffffffu
 
+
 // Programmatic dependent launch (sm_90; no-ops when compiled for sm_80). The
 // backend launches every kernel whose PTX holds griddepcontrol.wait so that
 // it may start while the kernel ahead of it in the stream is finishing. A
@@ -387,7 +388,9 @@ __device__ __forceinline__ float rms_normed(float xc, float inv, const float* __
                                             const float* __restrict__ bias, int c) {
     return rms_scaled(xc, inv, w[c], bias != nullptr, bias ? bias[c] : 0.f);
 }
-extern "C" __global__ void rmsnorm(float* __restrict__ dst, const float* __restrict__ x,
+// rmsnorm's blocks: up to 1 024 threads (runtime/cuda's rowBlock), so at
+// most 64 registers a thread.
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm(float* __restrict__ dst, const float* __restrict__ x,
                                    const float* __restrict__ w, const float* __restrict__ bias,
                                    int cols, float eps, __half* __restrict__ dst16, int8_t* __restrict__ dstq,
                                    float* __restrict__ tok, float qs, float qo) {
@@ -856,6 +859,9 @@ template <> struct kv_quantized<int8_t> { static constexpr bool value = true; };
 // (int8 caches only).
 struct KVQuant { const float *ks, *ko, *vs, *vo; };
 
+// ROPE_BATCH: the heads whose loads store_kv_body issues at once (runtime/cuda's
+// ropeHeads, the heads of an item from ropeGroupRows rows on)
+#define ROPE_BATCH 8
 // store_kv_body writes rows of k and v (positions pos0..) into the cache.
 // With q set (runtime.Fused.RoPEStoreKV) it first rotates q [rows, qcols] in
 // place and k by RoPE (heads of hd values), as the rope kernel would, and
@@ -882,32 +888,51 @@ __device__ __forceinline__ void store_kv_body(KV* __restrict__ kc, KV* __restric
     }
     // Items as rope's over the heads of q, then those of k; an item that
     // rotates a pair of keys also stores them and the two values at the
-    // same places.
-    int half = hd / 2, qh = qcols / hd, heads = qh + kvDim / hd;
-    int items = rows * half * ((heads + hg - 1) / hg);
+    // same places. An item issues the loads of up to ROPE_BATCH heads (the
+    // pair of each, and a key head's two values) before any rotation or
+    // store: one round trip to memory, not one every few heads (prefill of
+    // 128 tokens on an H200: the launch 8.2 → 6.0 µs, kernels/NOTES.md,
+    // sixty-first session).
+    const int half = hd / 2, qh = qcols / hd, heads = qh + kvDim / hd;
+    const int items = rows * half * ((heads + hg - 1) / hg);
     for (int j = (int)it; j < items; j += (int)stride) {
         RopeItem ri = rope_item(j, half, heads, hg);
-        int r = ri.r, pos = row_pos(pos0, dpos, r);
-        RopePair rp = rope_pair(ri.i, hd, pos, theta, layout);
-#pragma unroll 4
-        for (int h = ri.h0; h < ri.h1; h++) {
-            if (h < qh) {
-                rope_apply(q + (size_t)r * qcols + (size_t)h * hd, rp);
-                continue;
+        const int r = ri.r, pos = row_pos(pos0, dpos, r);
+        const int a = layout ? 2 * ri.i : ri.i, b = layout ? 2 * ri.i + 1 : ri.i + half;  // rope_pair's
+        for (int h0 = ri.h0; h0 < ri.h1; h0 += ROPE_BATCH) {
+            const int nh = min(ROPE_BATCH, ri.h1 - h0);
+            float xa[ROPE_BATCH], xb[ROPE_BATCH], va[ROPE_BATCH], vb[ROPE_BATCH];
+            float* px[ROPE_BATCH];
+#pragma unroll
+            for (int e = 0; e < ROPE_BATCH; e++) {
+                const int h = h0 + e;
+                const bool in = e < nh, key = in && h >= qh;
+                px[e] = h < qh ? q + (size_t)r * qcols + (size_t)h * hd : k + (size_t)r * kvDim + (size_t)(h - qh) * hd;
+                const float* pv = v + (size_t)r * kvDim + (size_t)(h - qh) * hd;
+                xa[e] = in ? px[e][a] : 0.f;
+                xb[e] = in ? px[e][b] : 0.f;
+                va[e] = key ? pv[a] : 0.f;
+                vb[e] = key ? pv[b] : 0.f;
             }
-            int c0 = (h - qh) * hd;
-            size_t off = (size_t)r * kvDim + c0;
-            float2 o = rope_apply(k + off, rp);
-            if (pos >= maxSeq) continue;
-            int ca = c0 + rp.a, cb = c0 + rp.b;
-            size_t row = (size_t)pos * kvDim;
-            float ks = 1.f, ko = 0.f, vs = 1.f, vo = 0.f;
-            if constexpr (kv_quantized<KV>::value) { ks = kq.ks[ca]; ko = kq.ko[ca]; vs = kq.vs[ca]; vo = kq.vo[ca]; }
-            kv_store(kc, row + ca, o.x, ks, ko);
-            kv_store(vc, row + ca, v[off + rp.a], vs, vo);
-            if constexpr (kv_quantized<KV>::value) { ks = kq.ks[cb]; ko = kq.ko[cb]; vs = kq.vs[cb]; vo = kq.vo[cb]; }
-            kv_store(kc, row + cb, o.y, ks, ko);
-            kv_store(vc, row + cb, v[off + rp.b], vs, vo);
+            const RopePair rp = rope_pair(ri.i, hd, pos, theta, layout);  // its angle while the loads are out
+#pragma unroll
+            for (int e = 0; e < ROPE_BATCH; e++) {
+                if (e >= nh) break;
+                const int h = h0 + e;
+                const float2 o = rope_rotate(rp, xa[e], xb[e]);
+                px[e][a] = o.x;
+                px[e][b] = o.y;
+                if (h < qh || pos >= maxSeq) continue;
+                const int c0 = (h - qh) * hd, ca = c0 + a, cb = c0 + b;
+                const size_t row = (size_t)pos * kvDim;
+                float ks = 1.f, ko = 0.f, vs = 1.f, vo = 0.f;
+                if constexpr (kv_quantized<KV>::value) { ks = kq.ks[ca]; ko = kq.ko[ca]; vs = kq.vs[ca]; vo = kq.vo[ca]; }
+                kv_store(kc, row + ca, o.x, ks, ko);
+                kv_store(vc, row + ca, va[e], vs, vo);
+                if constexpr (kv_quantized<KV>::value) { ks = kq.ks[cb]; ko = kq.ko[cb]; vs = kq.vs[cb]; vo = kq.vo[cb]; }
+                kv_store(kc, row + cb, o.y, ks, ko);
+                kv_store(vc, row + cb, vb[e], vs, vo);
+            }
         }
     }
 }

@@ -1098,7 +1098,8 @@ func (b *Backend) RoPEStoreKV(c runtime.KVCache, layer, pos0 int, q, k, v runtim
 
 // ropeHeads is how many heads share one RoPE angle in rope and store_kv*
 // from ropeGroupRows rows on (prefill: a quarter of the launch's work is
-// the angles otherwise); fewer rows take one head an item, so that a decode
+// the angles otherwise; store_kv* issues the loads of up to ROPE_BATCH = 8
+// heads at once); fewer rows take one head an item, so that a decode
 // step's few items each wait on one head's loads only.
 const (
 	ropeHeads     = 8
