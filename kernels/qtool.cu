@@ -19,7 +19,6 @@
 
 #define FULL 0xffffffffu
 
-
 // Programmatic dependent launch (sm_90; no-ops when compiled for sm_80). The
 // backend launches every kernel whose PTX holds griddepcontrol.wait so that
 // it may start while the kernel ahead of it in the stream is finishing. A
