@@ -48,3 +48,7 @@ for src in qtool calib; do
   echo "built $out/${src}_sm80.ptx $out/${src}_sm90.ptx (source $h)"
 done
 cat "$tmp"/ptxas-*.txt > "$out/ptxas.txt"
+# the sm_90a cubin of the same build, which runtime/cuda loads without the
+# driver's ~50 s compile of the PTX where QTOOL_CUDA_CUBIN names it
+# (gpu-run.sh's CUBIN=1; kernel development only: never committed)
+cp "$tmp/qtool90.cubin" "$out/qtool_sm90a.cubin"

@@ -19,6 +19,8 @@
 #   (KERNEL:SKIP: its launch after SKIP of them), NCU_BENCH_ARGS: more flags of their bench (--kernels=false),
 #   NCU_BIN=base: they profile HEAD's binary with its embedded PTX, not bin/qtool;
 #   NCU_ARGS: more Nsight Compute options for both, e.g. "--cache-control none --clock-control none")
+# CUBIN=1: every run of a build here loads its sm_90a cubin (QTOOL_CUDA_CUBIN, beside its PTX):
+#   no driver compile of the 10 MB PTX (~50 s a build and machine; A/B calls), see kenv below
 # AB_CLOCKS=1: nvidia-smi logs the SM clock, power draw and temperature every 100 ms while ab
 #   runs, to clocks.csv in logs.tgz, each run's start and end stamped in ab-times.txt (is a run's
 #   speed its clocks'?)
@@ -35,7 +37,7 @@ finish() {
   for d in "$OUT"/ptx-*; do # each AB_PTX variant's qtool PTX, should it win
     [ -d "$d" ] && mkdir -p "$FINAL/${d##*/}" && cp "$d"/qtool_sm*.ptx "$FINAL/${d##*/}"/ 2>/dev/null
   done
-  tar -C "$OUT" -czf "$FINAL/logs.tgz" --exclude='*.ptx' . 2>/dev/null
+  tar -C "$OUT" -czf "$FINAL/logs.tgz" --exclude='*.ptx' --exclude='*.cubin' . 2>/dev/null
 }
 trap finish EXIT
 STEPS=${STEPS:-build tests 7b tp}
@@ -56,19 +58,30 @@ for f in .devbin/*.gz .devbin/*.xz; do
 done
 # the A/B steps' base: the previous commit's binary (bin/qtool where there is none) with its embedded PTX
 base=bin/qtool-base; [ -x "$base" ] || base=bin/qtool
-BASE="env -u QTOOL_CUDA_PTX -u QTOOL_CALIB_PTX $base"
+BASE="env -u QTOOL_CUDA_PTX -u QTOOL_CUDA_CUBIN -u QTOOL_CALIB_PTX $base"
+# kenv DIR: the environment that runs the kernels a build put in DIR (its PTX;
+# with CUBIN=1 also its sm_90a cubin, which the driver loads without
+# compiling the PTX: ~50 s saved a build and machine, the kernels as nvcc's
+# ptxas made them rather than the driver's; the criteria's figures come
+# from the PTX, the shipped path)
+kenv() {
+  local e="QTOOL_CUDA_PTX=$1/qtool_sm90.ptx"
+  [ "${CUBIN:-0}" = 1 ] && [ -f "$1/qtool_sm90a.cubin" ] && e="$e QTOOL_CUDA_CUBIN=$1/qtool_sm90a.cubin"
+  echo "$e"
+}
 if has build; then
   ab_builds=()
   # this build and each AB_PTX variant's (below) at once: nvcc's runs are a few threads each
   bash kernels/build.sh "$OUT/ptx" > "$OUT/build.log" 2>&1 & main_build=$!
   for v in ${AB_PTX:-}; do
-    NVCC_FLAGS="${v#*=}" bash kernels/build.sh "$OUT/ptx-${v%%=*}" > "$OUT/build-${v%%=*}.log" 2>&1 &
+    NVCC_FLAGS="$(echo "${v#*=}" | tr , ' ')" bash kernels/build.sh "$OUT/ptx-${v%%=*}" > "$OUT/build-${v%%=*}.log" 2>&1 &
     ab_builds+=("$!=${v%%=*}")
   done
   wait "$main_build" || { tail -30 "$OUT/build.log"; wait; exit 1; } # the variants' builds ended too, not half-written
   ls -l "$OUT"/ptx/*.ptx | awk '{print $5, $9}'
-  export QTOOL_CUDA_PTX="$OUT/ptx/qtool_sm90.ptx" QTOOL_CALIB_PTX="$OUT/ptx/calib_sm90.ptx"
+  export QTOOL_CALIB_PTX="$OUT/ptx/calib_sm90.ptx" $(kenv "$OUT/ptx")
   # AB_PTX="name=-DFLAG ...": more builds of the same source with an experiment's switches, for ab
+  # (several switches of one build joined by commas: "tlrn=-DQTOOL_TIMELINE,-DQTOOL_EXP_RN_VEC")
   for b in "${ab_builds[@]}"; do
     wait "${b%%=*}" || { tail -30 "$OUT/build-${b#*=}.log"; exit 1; }
     echo "built ${b#*=}"
@@ -100,7 +113,7 @@ if has tests; then
   for v in ${AB_PTX:-}; do
     n=${v%%=*}
     [ -x bin/cuda.test ] || break
-    (cd runtime/cuda && QTOOL_CUDA_PTX="$OUT/ptx-$n/qtool_sm90.ptx" timeout "$(within 240)" "$OLDPWD/bin/cuda.test" -test.v \
+    (cd runtime/cuda && env $(kenv "$OUT/ptx-$n") timeout "$(within 240)" "$OLDPWD/bin/cuda.test" -test.v \
       -test.run "${AB_TESTRUN:-TestAttention|TestModels|TestKVHalf}" > "$OUT/test-cuda-$n.log" 2>&1)
     rc=$?; [ $rc = 0 ] || failed_variants="${failed_variants:-} $n"
     echo "test cuda ($n) rc=$rc $(grep -c -- '--- PASS' "$OUT/test-cuda-$n.log") pass, $(grep -c -- '--- FAIL' "$OUT/test-cuda-$n.log") fail"
@@ -255,7 +268,7 @@ if has tpab; then # TP=2 at TP_CTX-token chunks, alternating: this build's PTX, 
       [ "$r" = 1 ] && run "$m-1gpu-base" $BASE verify --json --ppl .devdata/sotu-test.raw $C1 /tmp/$m
       run "$m-tp2-ab$r" bin/qtool verify --json --ppl .devdata/sotu-test.raw $C /tmp/$m
       for v in ${AB_PTX:-}; do
-        run "$m-tp2-${v%%=*}-ab$r" env QTOOL_CUDA_PTX="$OUT/ptx-${v%%=*}/qtool_sm90.ptx" bin/qtool verify --json \
+        run "$m-tp2-${v%%=*}-ab$r" env $(kenv "$OUT/ptx-${v%%=*}") bin/qtool verify --json \
           --ppl .devdata/sotu-test.raw $C /tmp/$m
       done
       for x in ${TPAB_BINS:-}; do # bin/qtool-NAME: a Go-side variant built here, with this build's PTX
@@ -284,7 +297,7 @@ if has tl; then # timelines (kernels/exp/timeline.diff applied, AB_PTX="tl=-DQTO
         *) args="--ppl .devdata/sotu-test.raw --ctx 2048 --max-chunks ${TL_CHUNKS:-2}" ;;
       esac
       rm -f /tmp/tl-$m-$v.*
-      run "$m-tl-$v" env QTOOL_TIMELINE=/tmp/tl-$m-$v QTOOL_CUDA_PTX="$OUT/ptx-tl/qtool_sm90.ptx" bin/qtool verify --json \
+      run "$m-tl-$v" env QTOOL_TIMELINE=/tmp/tl-$m-$v $(kenv "$OUT/ptx-tl") bin/qtool verify --json \
         $args --device cuda /tmp/$m
       python3 kernels/exp/tl_analyze.py /tmp/tl-$m-$v.gpu*.qtl > "$OUT/tl-$m-$v.txt" 2>&1; head -"${TL_LINES:-40}" "$OUT/tl-$m-$v.txt"
     done
@@ -398,7 +411,7 @@ variant_cmd() {
   case $1 in
     new) echo bin/qtool ;;
     base) echo "$BASE" ;;
-    *) echo "env QTOOL_CUDA_PTX=$OUT/ptx-$1/qtool_sm90.ptx bin/qtool" ;;
+    *) echo "env $(kenv "$OUT/ptx-$1") bin/qtool" ;;
   esac
 }
 if has ab; then # graph decode of the synthetic 7B, bin/qtool (with the PTX built here if build ran) and

@@ -15,6 +15,7 @@
 package cuda
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"maps"
@@ -49,6 +50,14 @@ type Options struct {
 	// PTXPath, when set, loads the kernels from this PTX file instead of the
 	// embedded ones (kernel development). New sets it from $QTOOL_CUDA_PTX.
 	PTXPath string
+	// CubinPath, when set with PTXPath, loads the kernels from this cubin
+	// instead: nvcc's build of the same source for this GPU, which the
+	// driver takes without compiling PTX (~50 s for the sm_90a PTX on an
+	// H200, once per PTX and machine); the kernels' properties are still
+	// read from PTXPath's text. Kernel development only: the shipped path
+	// is the PTX, and nothing checks that the two come from one source.
+	// New sets it from $QTOOL_CUDA_CUBIN.
+	CubinPath string
 	// CalibPTXPath likewise replaces the calibration kernels
 	// ($QTOOL_CALIB_PTX).
 	CalibPTXPath string
@@ -225,11 +234,11 @@ type scratch struct {
 func New() (*Backend, error) { return NewDevice(0) }
 
 // NewDevice opens CUDA device d with default options ($QTOOL_CUDA_PTX,
-// $QTOOL_CALIB_PTX and $QTOOL_CUDA_KERNEL_TIMES are honoured, for kernel
-// work).
+// $QTOOL_CUDA_CUBIN, $QTOOL_CALIB_PTX and $QTOOL_CUDA_KERNEL_TIMES are
+// honoured, for kernel work).
 func NewDevice(d int) (*Backend, error) {
-	return NewWithOptions(Options{Device: d, PTXPath: os.Getenv("QTOOL_CUDA_PTX"), CalibPTXPath: os.Getenv("QTOOL_CALIB_PTX"),
-		KernelTimes: os.Getenv("QTOOL_CUDA_KERNEL_TIMES") == "1"})
+	return NewWithOptions(Options{Device: d, PTXPath: os.Getenv("QTOOL_CUDA_PTX"), CubinPath: os.Getenv("QTOOL_CUDA_CUBIN"),
+		CalibPTXPath: os.Getenv("QTOOL_CALIB_PTX"), KernelTimes: os.Getenv("QTOOL_CUDA_KERNEL_TIMES") == "1"})
 }
 
 // DeviceCount returns the number of CUDA devices (an error wrapping
@@ -256,6 +265,9 @@ func NewRank(d int) (runtime.Backend, error) {
 func NewWithOptions(opt Options) (b *Backend, err error) {
 	if opt.GEMVMaxRows <= 0 {
 		opt.GEMVMaxRows = 4
+	}
+	if opt.CubinPath != "" && opt.PTXPath == "" {
+		return nil, fmt.Errorf("cuda: the cubin %s needs the PTX it was built from (QTOOL_CUDA_PTX) for its kernels' properties", opt.CubinPath)
 	}
 	drv, err := driver.Open()
 	if err != nil {
@@ -312,7 +324,14 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 	if ptx == nil {
 		return nil, fmt.Errorf("cuda: %s has compute capability %d.%d; qtool's kernels need 8.0 or newer", devName, b.cc[0], b.cc[1])
 	}
-	if b.mod, err = drv.ModuleLoadData(ptx); err != nil {
+	image, form := ptx, "PTX"
+	if opt.CubinPath != "" {
+		if image, err = readCubin(opt.CubinPath); err != nil {
+			return nil, err
+		}
+		arch, form = opt.CubinPath, "cubin"
+	}
+	if b.mod, err = drv.ModuleLoadData(image); err != nil {
 		return nil, fmt.Errorf("cuda: loading %s kernels: %w", arch, err)
 	}
 	for _, k := range kernelNames() {
@@ -335,8 +354,20 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 	if b.stream, err = drv.StreamCreate(0); err != nil {
 		return nil, err
 	}
-	b.name = fmt.Sprintf("cuda:%s (sm_%d%d, %d SMs, %s PTX)", devName, b.cc[0], b.cc[1], b.sms, arch)
+	b.name = fmt.Sprintf("cuda:%s (sm_%d%d, %d SMs, %s %s)", devName, b.cc[0], b.cc[1], b.sms, arch, form)
 	return b, nil
+}
+
+// readCubin reads the cubin at path (Options.CubinPath), an ELF image.
+func readCubin(path string) ([]byte, error) {
+	image, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: %w", err)
+	}
+	if !bytes.HasPrefix(image, []byte("\x7fELF")) {
+		return nil, fmt.Errorf("cuda: %s is not a cubin (no ELF header)", path)
+	}
+	return image, nil
 }
 
 // attributes reads the device attributes attrs (CUdevice_attribute
