@@ -9,6 +9,8 @@
 # machine's ptxas has a cp.async through uniform registers that nothing
 # writes (sass_check.py; OUTDIR/sass-check-*.txt). The driver compiles the
 # PTX again when qtool loads it; this vets the build machine's compiler.
+# The vetted sm_90a cubin stays as OUTDIR/qtool_sm90a.cubin (ignored by git),
+# which QTOOL_CUDA_CUBIN loads in place of the PTX in development runs.
 # The nvcc runs go in parallel. NVCC_FLAGS adds flags to every nvcc run (an
 # experiment's -D switches; the committed PTX is built without).
 set -euo pipefail

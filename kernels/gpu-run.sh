@@ -20,7 +20,10 @@
 #   NCU_BIN=base: they profile HEAD's binary with its embedded PTX, not bin/qtool;
 #   NCU_ARGS: more Nsight Compute options for both, e.g. "--cache-control none --clock-control none")
 # CUBIN=1: every run of a build here loads its sm_90a cubin (QTOOL_CUDA_CUBIN, beside its PTX):
-#   no driver compile of the 10 MB PTX (~50 s a build and machine; A/B calls), see kenv below
+#   no driver compile of the 10 MB PTX (~50 s a build and machine; A/B calls), see kenv below;
+#   compare such builds with each other, not with base (the embedded PTX, the driver's compile)
+# VARIANT_PTX: the AB_PTX builds whose PTX comes back (default all: two files each, and a call
+#   returns at most 8); AB_TESTS_FOR: the AB_PTX builds tests runs AB_TESTRUN with (default all)
 # AB_CLOCKS=1: nvidia-smi logs the SM clock, power draw and temperature every 100 ms while ab
 #   runs, to clocks.csv in logs.tgz, each run's start and end stamped in ab-times.txt (is a run's
 #   speed its clocks'?)
@@ -34,8 +37,10 @@ finish() {
   for f in "$OUT"/ptx/*.ptx; do
     [ -f "$f" ] && ! cmp -s "$f" "kernels/${f##*/}" && cp "$f" "$FINAL"/
   done
-  for d in "$OUT"/ptx-*; do # each AB_PTX variant's qtool PTX, should it win
-    [ -d "$d" ] && mkdir -p "$FINAL/${d##*/}" && cp "$d"/qtool_sm*.ptx "$FINAL/${d##*/}"/ 2>/dev/null
+  for d in "$OUT"/ptx-*; do # each AB_PTX variant's qtool PTX, should it win (VARIANT_PTX: only these names')
+    [ -d "$d" ] || continue
+    [ -n "${VARIANT_PTX:-}" ] && [[ " $VARIANT_PTX " != *" ${d##*/ptx-} "* ]] && continue
+    mkdir -p "$FINAL/${d##*/}" && cp "$d"/qtool_sm*.ptx "$FINAL/${d##*/}"/ 2>/dev/null
   done
   tar -C "$OUT" -czf "$FINAL/logs.tgz" --exclude='*.ptx' --exclude='*.cubin' . 2>/dev/null
 }
@@ -64,10 +69,12 @@ BASE="env -u QTOOL_CUDA_PTX -u QTOOL_CUDA_CUBIN -u QTOOL_CALIB_PTX $base"
 # compiling the PTX: ~50 s saved a build and machine, the kernels as nvcc's
 # ptxas made them rather than the driver's; the criteria's figures come
 # from the PTX, the shipped path)
-kenv() {
-  local e="QTOOL_CUDA_PTX=$1/qtool_sm90.ptx"
-  [ "${CUBIN:-0}" = 1 ] && [ -f "$1/qtool_sm90a.cubin" ] && e="$e QTOOL_CUDA_CUBIN=$1/qtool_sm90a.cubin"
-  echo "$e"
+kenv() { # (QTOOL_CUDA_CUBIN= otherwise: no cubin inherited from another build's export)
+  if [ "${CUBIN:-0}" = 1 ] && [ -f "$1/qtool_sm90a.cubin" ]; then
+    echo "QTOOL_CUDA_PTX=$1/qtool_sm90.ptx QTOOL_CUDA_CUBIN=$1/qtool_sm90a.cubin"
+  else
+    echo "QTOOL_CUDA_PTX=$1/qtool_sm90.ptx QTOOL_CUDA_CUBIN="
+  fi
 }
 if has build; then
   ab_builds=()
@@ -113,6 +120,7 @@ if has tests; then
   for v in ${AB_PTX:-}; do
     n=${v%%=*}
     [ -x bin/cuda.test ] || break
+    [ -n "${AB_TESTS_FOR:-}" ] && [[ " $AB_TESTS_FOR " != *" $n "* ]] && { echo "test cuda ($n): not run (AB_TESTS_FOR)"; continue; }
     (cd runtime/cuda && env $(kenv "$OUT/ptx-$n") timeout "$(within 240)" "$OLDPWD/bin/cuda.test" -test.v \
       -test.run "${AB_TESTRUN:-TestAttention|TestModels|TestKVHalf}" > "$OUT/test-cuda-$n.log" 2>&1)
     rc=$?; [ $rc = 0 ] || failed_variants="${failed_variants:-} $n"
