@@ -37,7 +37,7 @@ finish() {
   for f in "$OUT"/ptx/*.ptx; do
     [ -f "$f" ] && ! cmp -s "$f" "kernels/${f##*/}" && cp "$f" "$FINAL"/
   done
-  for d in "$OUT"/ptx-*; do # each AB_PTX variant's qtool PTX, should it win (VARIANT_PTX: only these names')
+  for d in "$OUT"/ptx-*; do # each AB_PTX variant's qtool PTX, should it win (VARIANT_PTX: only the builds it names)
     [ -d "$d" ] || continue
     [ -n "${VARIANT_PTX:-}" ] && [[ " $VARIANT_PTX " != *" ${d##*/ptx-} "* ]] && continue
     mkdir -p "$FINAL/${d##*/}" && cp "$d"/qtool_sm*.ptx "$FINAL/${d##*/}"/ 2>/dev/null
