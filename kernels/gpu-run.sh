@@ -39,7 +39,7 @@ finish() {
   done
   for d in "$OUT"/ptx-*; do # each AB_PTX variant's qtool PTX, should it win (VARIANT_PTX: only the builds it names)
     [ -d "$d" ] || continue
-    [ -n "${VARIANT_PTX:-}" ] && [[ " $VARIANT_PTX " != *" ${d##*/ptx-} "* ]] && continue
+    [ -n "${VARIANT_PTX:-}" ] && ! listed "$VARIANT_PTX" "${d##*/ptx-}" && continue
     mkdir -p "$FINAL/${d##*/}" && cp "$d"/qtool_sm*.ptx "$FINAL/${d##*/}"/ 2>/dev/null
   done
   tar -C "$OUT" -czf "$FINAL/logs.tgz" --exclude='*.ptx' --exclude='*.cubin' . 2>/dev/null
@@ -52,7 +52,8 @@ left() { echo $(( ${BUDGET:-570} - ($(date +%s) - t0) )); }
 # for the logs (a call the device stops returns nothing: the fifty-ninth
 # session's first call ran its tests past its 600 s so)
 within() { local l; l=$(($(left) - 20)); echo $(( $1 < l ? $1 : (l > 1 ? l : 1) )); }
-has() { [[ " $STEPS " == *" $1 "* ]]; }
+listed() { [[ " $1 " == *" $2 "* ]]; } # listed LIST NAME: NAME is a word of LIST
+has() { listed "$STEPS" "$1"; }
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1) # Nsight Compute, for the ncu steps
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 has topo && nvidia-smi topo -m
@@ -120,7 +121,7 @@ if has tests; then
   for v in ${AB_PTX:-}; do
     n=${v%%=*}
     [ -x bin/cuda.test ] || break
-    [ -n "${AB_TESTS_FOR:-}" ] && [[ " $AB_TESTS_FOR " != *" $n "* ]] && { echo "test cuda ($n): not run (AB_TESTS_FOR)"; continue; }
+    [ -n "${AB_TESTS_FOR:-}" ] && ! listed "$AB_TESTS_FOR" "$n" && { echo "test cuda ($n): not run (AB_TESTS_FOR)"; continue; }
     (cd runtime/cuda && env $(kenv "$OUT/ptx-$n") timeout "$(within 240)" "$OLDPWD/bin/cuda.test" -test.v \
       -test.run "${AB_TESTRUN:-TestAttention|TestModels|TestKVHalf}" > "$OUT/test-cuda-$n.log" 2>&1)
     rc=$?; [ $rc = 0 ] || failed_variants="${failed_variants:-} $n"

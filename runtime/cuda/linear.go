@@ -1129,12 +1129,7 @@ func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 		outs = append(outs, d.p, l.qbias, l.deq, l.bias, l.out)
 	}
 	args := append([]any{b.tmaps[0], maps[0], maps[1], maps[2], tok, M, l0.in, outStore}, outs...)
-	grid := [3]uint32{uint32(mt), uint32(tiles / mt), uint32(S)}
-	if S > 1 {
-		b.launchCluster(w8a8SegsKernel, grid, block384, [3]uint32{1, 1, uint32(S)}, shm, args...)
-	} else {
-		b.launchShm(w8a8SegsKernel, grid, block384, shm, args...)
-	}
+	b.launchMerged(w8a8SegsKernel, [3]uint32{uint32(mt), uint32(tiles / mt), 1}, block384, shm, S, args...)
 	return true
 }
 
@@ -1471,18 +1466,27 @@ func (b *Backend) launchGEMM(name string, grid, block [3]uint32, shm, resident, 
 func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, out int, args []any, sum func(part driver.DevicePtr, S int)) {
 	S, cluster, _ := b.splitPlan(name, int(grid[0]*grid[1]), steps, resident)
 	args = append(slices.Clip(args), out)
-	if S == 1 {
-		b.launchShm(name, grid, block, shm, append([]any{d.p}, args...)...)
+	if S == 1 || cluster {
+		b.launchMerged(name, grid, block, shm, S, append([]any{d.p}, args...)...)
 		return
 	}
 	grid[2] = uint32(S)
-	if cluster {
-		b.launchCluster(name, grid, block, [3]uint32{1, 1, uint32(S)}, shm, append([]any{d.p}, args...)...)
-		return
-	}
 	part := b.scratchBuf("gemm_part", 4*S*d.n())
 	b.launchShm(name, grid, block, shm, append([]any{part}, args...)...)
 	sum(part, S)
+}
+
+// launchMerged launches Hopper GEMM name on grid (z ignored) with K
+// split S ways along z, a tile's splits one cluster that merges them in
+// its blocks' shared memory (gw_merge_splits); S = 1: a plain launch.
+func (b *Backend) launchMerged(name string, grid, block [3]uint32, shm, S int, args ...any) {
+	if S == 1 {
+		grid[2] = 1
+		b.launchShm(name, grid, block, shm, args...)
+		return
+	}
+	grid[2] = uint32(S)
+	b.launchCluster(name, grid, block, [3]uint32{1, 1, uint32(S)}, shm, args...)
 }
 
 // mergeKernels are the Hopper GEMMs whose K splits can merge in
