@@ -4676,12 +4676,41 @@ GEMM_ENTRY(gemm_f32, WF32)
 GEMM_ENTRY(gemm_q8, WQ8)
 GEMM_ENTRY(gemm_q4, WQ4)
 
+// SUM_BATCH: the splits whose float4 sum_splits loads at once.
+#define SUM_BATCH 8
 // sum_splits puts Σ_z part[z·n + i] over the S splits, in order, into C[i]
-// by out.
+// by out. With n a multiple of 4 and C and part 16-byte aligned (runtime/cuda's
+// launchGEMM then launches n / 4 threads), a thread takes four values at
+// once, issuing the loads of up to SUM_BATCH splits and C's before any add:
+// this kernel is latency-bound (two of them a layer in a prefill of 128
+// tokens, kernels/NOTES.md, sixty-second session). The sums stay in order,
+// from 0, so the values are the scalar loop's.
 extern "C" __global__ void sum_splits(float* __restrict__ C, const float* __restrict__ part, int S, long long n,
                                       int out) {
     PDL_ENTRY();
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const long long it = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    if ((n & 3) == 0 && (((uintptr_t)C | (uintptr_t)part) & 15) == 0) {
+        const float4* p4 = reinterpret_cast<const float4*>(part);
+        float4* C4 = reinterpret_cast<float4*>(C);
+        const long long n4 = n / 4;
+        for (long long i = it; i < n4; i += stride) {
+            float4 c = out != OUT_STORE ? C4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int z0 = 0; z0 < S; z0 += SUM_BATCH) {
+                float4 pz[SUM_BATCH];
+#pragma unroll
+                for (int e = 0; e < SUM_BATCH; e++)
+                    if (z0 + e < S) pz[e] = p4[(z0 + e) * n4 + i];
+#pragma unroll
+                for (int e = 0; e < SUM_BATCH; e++)
+                    if (z0 + e < S) v = make_float4(v.x + pz[e].x, v.y + pz[e].y, v.z + pz[e].z, v.w + pz[e].w);
+            }
+            C4[i] = make_float4(out_val(&c.x, v.x, out), out_val(&c.y, v.y, out), out_val(&c.z, v.z, out),
+                                out_val(&c.w, v.w, out));
+        }
+        return;
+    }
+    for (long long i = it; i < n; i += stride) {
         float v = 0.f;
         for (int z = 0; z < S; z++) v += part[z * n + i];
         C[i] = out_val(C + i, v, out);

@@ -16,6 +16,7 @@ import (
 	"qtool/formats/model"
 	"qtool/kernels"
 	"qtool/runtime"
+	"qtool/runtime/cuda/driver"
 )
 
 // newTestBackend opens the GPU or skips the test.
@@ -921,6 +922,61 @@ func TestGemmSplits(t *testing.T) {
 	} {
 		if got := gemmSplits(c.tiles, c.steps, c.resident); got != c.want {
 			t.Errorf("gemmSplits(%d tiles, %d steps, %d resident) = %d, want %d", c.tiles, c.steps, c.resident, got, c.want)
+		}
+	}
+}
+
+// TestSumSplits checks sum_splits, the sum of a K split's partial products
+// through memory: its four-values-a-thread form (n a multiple of 4, C and
+// the parts 16-byte aligned) against the sums in order in float32 on the
+// host, bit for bit, stored and added to C; and against its value-a-thread
+// form, which the same launch takes on buffers 4 bytes off alignment, bit
+// for bit for every out (the SwiGLU's too). S = 9 and 16 take a second
+// batch of loads (SUM_BATCH is 8).
+func TestSumSplits(t *testing.T) {
+	b := newTestBackend(t)
+	r := rand.New(rand.NewPCG(73, 74))
+	for _, tc := range []struct{ S, n int }{{1, 4096}, {3, 4096}, {8, 1 << 19}, {9, 4100}, {16, 8192}, {4, 1030}} {
+		for _, out := range []int{outStore, outAdd, outSwiGLU} {
+			name := fmt.Sprintf("S=%d/n=%d/out=%d", tc.S, tc.n, out)
+			parts, c0 := randVec(r, tc.S*tc.n, 1), randVec(r, tc.n, 2)
+			var got [2][]float32
+			for i, off := range []int{0, 1} { // aligned; one float off
+				pb := upload(b, 1, tc.S*tc.n+4, slices.Concat(make([]float32, off), parts, make([]float32, 4-off)))
+				cb := upload(b, 1, tc.n+4, slices.Concat(make([]float32, off), c0, make([]float32, 4-off)))
+				func() {
+					defer b.enter()()
+					threads := tc.n
+					if tc.n%4 == 0 {
+						threads = tc.n / 4 // as launchGEMM: the scalar form then loops over the rest
+					}
+					b.launch("sum_splits", b.gridFor(threads), block256, cb.p+driver.DevicePtr(4*off),
+						pb.p+driver.DevicePtr(4*off), tc.S, int64(tc.n), out)
+				}()
+				got[i] = download(b, cb)[off : off+tc.n]
+				b.Free(pb)
+				b.Free(cb)
+			}
+			if !slices.Equal(got[0], got[1]) {
+				t.Errorf("%s: the float4 form and the scalar form differ", name)
+			}
+			if out == outSwiGLU {
+				continue
+			}
+			bad := 0
+			for i := range tc.n {
+				var v float32
+				for z := range tc.S {
+					v += parts[z*tc.n+i]
+				}
+				if out == outAdd {
+					v = c0[i] + v
+				}
+				if got[0][i] != v && bad < 3 {
+					t.Errorf("%s: [%d] = %v, want %v (the sum in order)", name, i, got[0][i], v)
+					bad++
+				}
+			}
 		}
 	}
 }

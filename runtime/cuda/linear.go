@@ -1455,8 +1455,12 @@ var block384 = [3]uint32{384, 1, 1}
 // products to a scratch buffer and sum_splits puts their sum into d by out.
 func (b *Backend) launchGEMM(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, out int, args ...any) {
 	n := d.n()
+	threads := n // sum_splits takes four values a thread where n is a multiple of 4
+	if n%4 == 0 {
+		threads = n / 4
+	}
 	b.launchSplit(name, grid, block, shm, resident, steps, d, out, args, func(part driver.DevicePtr, S int) {
-		b.launch("sum_splits", b.gridFor(n), block256, d.p, part, S, int64(n), out)
+		b.launch("sum_splits", b.gridFor(threads), block256, d.p, part, S, int64(n), out)
 	})
 }
 
