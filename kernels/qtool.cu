@@ -393,6 +393,26 @@ __device__ __forceinline__ float rms_normed(float xc, float inv, const float* __
 // the weight's and bias's loads issued with the row's, before the sum of
 // squares; stores of four values at once.
 #define RN_V 4
+// rn_vec_fits reports whether a row of cols values over nt threads, its
+// input and weights at the addresses or-ed in addrs, takes rmsnorm_vec's
+// partition (the float4s t + i·nt of thread t) and rn_vec_sumsq's order
+// of sums; exchange_peer's norm asks too, so that its bits stay rmsnorm's.
+__device__ __forceinline__ bool rn_vec_fits(int cols, int nt, uintptr_t addrs) {
+    return (cols & 3) == 0 && cols <= 4 * RN_V * nt && (addrs & 15) == 0;
+}
+// rn_vec_sumsq is a thread's sum of the squares of its RN_V float4s in
+// order, each product fused into the sum.
+__device__ __forceinline__ float rn_vec_sumsq(const float4 (&xv)[RN_V]) {
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < RN_V; i++) {
+        ss = __fmaf_rn(xv[i].x, xv[i].x, ss);
+        ss = __fmaf_rn(xv[i].y, xv[i].y, ss);
+        ss = __fmaf_rn(xv[i].z, xv[i].z, ss);
+        ss = __fmaf_rn(xv[i].w, xv[i].w, ss);
+    }
+    return ss;
+}
 __device__ __forceinline__ void rmsnorm_vec(float* __restrict__ dst, const float* __restrict__ x,
                                             const float* __restrict__ w, const float* __restrict__ bias, int cols,
                                             float eps, __half* __restrict__ dst16, int8_t* __restrict__ dstq,
@@ -409,15 +429,7 @@ __device__ __forceinline__ void rmsnorm_vec(float* __restrict__ dst, const float
         wv[i] = in ? __ldg(reinterpret_cast<const float4*>(w) + c) : z4;
         bv[i] = in && bias ? __ldg(reinterpret_cast<const float4*>(bias) + c) : z4;
     }
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < RN_V; i++) {
-        ss += xv[i].x * xv[i].x;
-        ss += xv[i].y * xv[i].y;
-        ss += xv[i].z * xv[i].z;
-        ss += xv[i].w * xv[i].w;
-    }
-    const float inv = rms_inv(ss, cols, eps, sh);
+    const float inv = rms_inv(rn_vec_sumsq(xv), cols, eps, sh);
     const bool hb = bias != nullptr;
 #pragma unroll
     for (int i = 0; i < RN_V; i++) {
@@ -464,9 +476,8 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm(float* __restrict__ d
     PDL_ENTRY();
     __shared__ float sh[32];
     int r = blockIdx.x, nt = blockDim.x;
-    if ((cols & 3) == 0 && cols <= 4 * RN_V * nt &&
-        (((uintptr_t)x | (uintptr_t)w | (uintptr_t)bias | (uintptr_t)dst) & 15) == 0 && ((uintptr_t)dst16 & 7) == 0 &&
-        ((uintptr_t)dstq & 3) == 0) {
+    if (rn_vec_fits(cols, nt, (uintptr_t)x | (uintptr_t)w | (uintptr_t)bias | (uintptr_t)dst) &&
+        ((uintptr_t)dst16 & 7) == 0 && ((uintptr_t)dstq & 3) == 0) {
         rmsnorm_vec(dst, x, w, bias, cols, eps, dst16, dstq, tok, qs, qo, sh);
         return;
     }
@@ -5520,6 +5531,15 @@ __device__ __forceinline__ void exchange_body(float* __restrict__ x, int M, int 
             }
         }
         if (mode != EX_NORM) continue;
+        if (rn_vec_fits(cols, nt, (uintptr_t)x | (uintptr_t)w | (uintptr_t)bias)) {  // as rmsnorm sums such rows
+            __syncthreads();  // the row's sums, stored above by every thread of the block
+            const float4* x4 = reinterpret_cast<const float4*>(xr);
+            float4 xq[RN_V];
+#pragma unroll
+            for (int i = 0; i < RN_V; i++)
+                xq[i] = t + i * nt < cols / 4 ? x4[t + i * nt] : make_float4(0.f, 0.f, 0.f, 0.f);
+            ss = rn_vec_sumsq(xq);
+        }
         const float inv = rms_inv(ss, cols, eps, sh);
         auto put = [&](float v, int c) {  // a normed value, to every rank's gather area
             __half h = __float2half_rn(v);
