@@ -37,6 +37,8 @@ if [ "${NOBASE:-0}" != 1 ] && ! git diff --quiet "$base" -- . ':!kernels/exp'; t
   wt=$(mktemp -d)
   git worktree add -q --detach "$wt" "$base"
   (cd "$wt" && go build -trimpath -ldflags='-s -w' -o "$root/bin/qtool-base" ./cmd/qtool)
+  # its kernels' source: gpu-run.sh's build makes base's cubin from it where CUBIN=1
+  git show "$base":kernels/qtool.cu > .devdata/qtool-base.cu
   git worktree remove --force "$wt"
   bins+=(bin/qtool-base)
 fi

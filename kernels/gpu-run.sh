@@ -21,7 +21,9 @@
 #   NCU_ARGS: more Nsight Compute options for both, e.g. "--cache-control none --clock-control none")
 # CUBIN=1: every run of a build here loads its sm_90a cubin (QTOOL_CUDA_CUBIN, beside its PTX):
 #   no driver compile of the 10 MB PTX (~50 s a build and machine; A/B calls), see kenv below;
-#   compare such builds with each other, not with base (the embedded PTX, the driver's compile)
+#   compare such builds with each other, or with base where gpu-prep.sh left the base's source
+#   (.devdata/qtool-base.cu, beside qtool-base): build then makes its PTX and cubin too ($OUT/base-ptx)
+#   and base runs them (the embedded PTX, the driver's compile, otherwise)
 # VARIANT_PTX: the AB_PTX builds whose PTX comes back (default all: two files each, and a call
 #   returns at most 8); AB_TESTS_FOR: the AB_PTX builds tests runs AB_TESTRUN with (default all)
 # AB_CLOCKS=1: nvidia-smi logs the SM clock, power draw and temperature every 100 ms while ab
@@ -81,6 +83,14 @@ if has build; then
   ab_builds=()
   # this build and each AB_PTX variant's (below) at once: nvcc's runs are a few threads each
   bash kernels/build.sh "$OUT/ptx" > "$OUT/build.log" 2>&1 & main_build=$!
+  base_build=""
+  if [ "${CUBIN:-0}" = 1 ] && [ -f .devdata/qtool-base.cu ] && [ -x bin/qtool-base ]; then
+    # the base commit's qtool.cu, so that base runs a cubin too (a like-for-like A/B)
+    mkdir -p "$OUT/base-ptx"
+    { nvcc -ptx -O3 -std=c++17 -arch=compute_90a -o "$OUT/base-ptx/qtool_sm90.ptx" .devdata/qtool-base.cu &&
+      nvcc -cubin -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o "$OUT/base-ptx/qtool_sm90a.cubin" .devdata/qtool-base.cu
+    } > "$OUT/build-base.log" 2>&1 & base_build=$!
+  fi
   for v in ${AB_PTX:-}; do
     NVCC_FLAGS="$(echo "${v#*=}" | tr , ' ')" bash kernels/build.sh "$OUT/ptx-${v%%=*}" > "$OUT/build-${v%%=*}.log" 2>&1 &
     ab_builds+=("$!=${v%%=*}")
@@ -94,6 +104,14 @@ if has build; then
     wait "${b%%=*}" || { tail -30 "$OUT/build-${b#*=}.log"; exit 1; }
     echo "built ${b#*=}"
   done
+  if [ -n "$base_build" ]; then
+    if wait "$base_build"; then
+      BASE="env -u QTOOL_CALIB_PTX $(kenv "$OUT/base-ptx") $base"
+      echo "built base: $BASE"
+    else
+      echo "base's cubin not built (base runs its embedded PTX):"; tail -5 "$OUT/build-base.log"
+    fi
+  fi
 fi
 if has fixtures; then # TestFixtures' quantized models, written here from testdata by this qtool (no carry)
   fx=/tmp/gpu-fixtures; rm -rf "$fx"; mkdir -p "$fx"
