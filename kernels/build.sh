@@ -12,9 +12,12 @@
 # The vetted sm_90a cubin stays as OUTDIR/qtool_sm90a.cubin (ignored by git),
 # which QTOOL_CUDA_CUBIN loads in place of the PTX in development runs.
 # The nvcc runs go in parallel. NVCC_FLAGS adds flags to every nvcc run (an
-# experiment's -D switches; the committed PTX is built without).
+# experiment's -D switches; the committed PTX is built without). KERNEL_SRC
+# names another folder holding qtool.cu and calib.cu (gpu-run.sh: the base
+# commit's sources, built as this tree's are for a like-for-like A/B).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+src_dir=${KERNEL_SRC:-$here}
 out=${1:-$here}
 mkdir -p "$out"
 tmp=$(mktemp -d)
@@ -23,9 +26,9 @@ pids=()
 for src in qtool calib; do
   # qtool's Hopper PTX is arch-specific (sm_90a: wgmma); calib's stays sm_90
   a90=sm_90; [ $src = qtool ] && a90=sm_90a
-  nvcc -ptx -O3 -std=c++17 ${NVCC_FLAGS:-} -arch=sm_80 -o "$tmp/${src}80.ptx" "$here/$src.cu" & pids+=($!)
-  nvcc -ptx -O3 -std=c++17 ${NVCC_FLAGS:-} -arch=compute_${a90#sm_} -o "$tmp/${src}90.ptx" "$here/$src.cu" & pids+=($!)
-  nvcc -cubin -O3 -std=c++17 ${NVCC_FLAGS:-} -gencode=arch=compute_${a90#sm_},code=$a90 -Xptxas -v -o "$tmp/${src}90.cubin" "$here/$src.cu" > "$tmp/ptxas-$src.txt" 2>&1 & pids+=($!)
+  nvcc -ptx -O3 -std=c++17 ${NVCC_FLAGS:-} -arch=sm_80 -o "$tmp/${src}80.ptx" "$src_dir/$src.cu" & pids+=($!)
+  nvcc -ptx -O3 -std=c++17 ${NVCC_FLAGS:-} -arch=compute_${a90#sm_} -o "$tmp/${src}90.ptx" "$src_dir/$src.cu" & pids+=($!)
+  nvcc -cubin -O3 -std=c++17 ${NVCC_FLAGS:-} -gencode=arch=compute_${a90#sm_},code=$a90 -Xptxas -v -o "$tmp/${src}90.cubin" "$src_dir/$src.cu" > "$tmp/ptxas-$src.txt" 2>&1 & pids+=($!)
 done
 for p in "${pids[@]}"; do
   wait "$p" || { cat "$tmp"/ptxas-*.txt; exit 1; }
@@ -43,7 +46,7 @@ for src in qtool calib; do
   esac
 done
 for src in qtool calib; do
-  h=$(sha256sum "$here/$src.cu" | cut -d' ' -f1)
+  h=$(sha256sum "$src_dir/$src.cu" | cut -d' ' -f1)
   for arch in 80 90; do
     { echo "// qtool-source-sha256: $h"; cat "$tmp/${src}${arch}.ptx"; } > "$out/${src}_sm$arch.ptx"
   done

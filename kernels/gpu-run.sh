@@ -85,11 +85,9 @@ if has build; then
   bash kernels/build.sh "$OUT/ptx" > "$OUT/build.log" 2>&1 & main_build=$!
   base_build=""
   if [ "${CUBIN:-0}" = 1 ] && [ -f .devdata/qtool-base.cu ] && [ -x bin/qtool-base ]; then
-    # the base commit's qtool.cu, so that base runs a cubin too (a like-for-like A/B)
-    mkdir -p "$OUT/base-ptx"
-    { nvcc -ptx -O3 -std=c++17 -arch=compute_90a -o "$OUT/base-ptx/qtool_sm90.ptx" .devdata/qtool-base.cu &&
-      nvcc -cubin -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o "$OUT/base-ptx/qtool_sm90a.cubin" .devdata/qtool-base.cu
-    } > "$OUT/build-base.log" 2>&1 & base_build=$!
+    # the base commit's qtool.cu through build.sh too, so that base runs a cubin (a like-for-like A/B)
+    mkdir -p "$OUT/base-src" && cp .devdata/qtool-base.cu "$OUT/base-src/qtool.cu" && cp kernels/calib.cu "$OUT/base-src/"
+    KERNEL_SRC="$OUT/base-src" bash kernels/build.sh "$OUT/base-ptx" > "$OUT/build-base.log" 2>&1 & base_build=$!
   fi
   for v in ${AB_PTX:-}; do
     NVCC_FLAGS="$(echo "${v#*=}" | tr , ' ')" bash kernels/build.sh "$OUT/ptx-${v%%=*}" > "$OUT/build-${v%%=*}.log" 2>&1 &

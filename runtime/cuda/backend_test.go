@@ -945,12 +945,8 @@ func TestSumSplits(t *testing.T) {
 				pb := upload(b, 1, tc.S*tc.n+4, slices.Concat(make([]float32, off), parts, make([]float32, 4-off)))
 				cb := upload(b, 1, tc.n+4, slices.Concat(make([]float32, off), c0, make([]float32, 4-off)))
 				func() {
-					defer b.enter()()
-					threads := tc.n
-					if tc.n%4 == 0 {
-						threads = tc.n / 4 // as launchGEMM: the scalar form then loops over the rest
-					}
-					b.launch("sum_splits", b.gridFor(threads), block256, cb.p+driver.DevicePtr(4*off),
+					defer b.enter()() // launchGEMM's grid: the scalar form loops over the rest
+					b.launch("sum_splits", b.sumSplitsGrid(tc.n), block256, cb.p+driver.DevicePtr(4*off),
 						pb.p+driver.DevicePtr(4*off), tc.S, int64(tc.n), out)
 				}()
 				got[i] = download(b, cb)[off : off+tc.n]

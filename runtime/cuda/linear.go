@@ -1455,13 +1455,19 @@ var block384 = [3]uint32{384, 1, 1}
 // products to a scratch buffer and sum_splits puts their sum into d by out.
 func (b *Backend) launchGEMM(name string, grid, block [3]uint32, shm, resident, steps int, d *Buf, out int, args ...any) {
 	n := d.n()
-	threads := n // sum_splits takes four values a thread where n is a multiple of 4
-	if n%4 == 0 {
-		threads = n / 4
-	}
 	b.launchSplit(name, grid, block, shm, resident, steps, d, out, args, func(part driver.DevicePtr, S int) {
-		b.launch("sum_splits", b.gridFor(threads), block256, d.p, part, S, int64(n), out)
+		b.launch("sum_splits", b.sumSplitsGrid(n), block256, d.p, part, S, int64(n), out)
 	})
+}
+
+// sumSplitsGrid is sum_splits's grid for n values: four a thread where n
+// is a multiple of 4 (the kernel's float4 form, on aligned buffers), else
+// one.
+func (b *Backend) sumSplitsGrid(n int) [3]uint32 {
+	if n%4 == 0 {
+		return b.gridFor(n / 4)
+	}
+	return b.gridFor(n)
 }
 
 // launchSplit is launchGEMM with sum, which puts the sum of the S splits'
