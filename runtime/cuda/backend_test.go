@@ -2037,3 +2037,70 @@ func BenchmarkGEMVWaves(bm *testing.B) {
 		}
 	}
 }
+
+// BenchmarkGEMMSplitPlans times the Hopper GEMMs of the 7B/8B shapes whose
+// output has few tiles at few activation rows (o, down: N = 4096) under
+// each way of splitting K the dispatcher could take — unsplit (S1), S
+// splits merged through memory (memS: sum_splits), S splits merged in
+// clusters (clS: the most up to S whose clusters fit), the wide form — so
+// the split rule (splitPlan, its step costs) can be checked against one
+// run: each kernel's device time a call (Options.KernelTimes: launches
+// ordered, no dependent-launch overlap) and the call's time with its
+// launches back to back. The dispatcher's own pick is the plan "auto".
+// (Sixty-third session, H200, W8A8 4096² at 128 rows: 15.8–17.7 µs a
+// call whatever the plan; kernels/NOTES.md has where a block's time goes.)
+func BenchmarkGEMMSplitPlans(bm *testing.B) {
+	b := newTestBackend(bm)
+	if !b.HasWGMMA() {
+		bm.Skip("no Hopper GEMMs on this device (sm_90a): the split plans are theirs")
+	}
+	type plan struct {
+		name    string
+		S       int // b.maxSplits; 0: the dispatcher's
+		mem, cl bool
+		wide    int
+	}
+	plans := []plan{{name: "auto"}, {name: "S1", S: 1}, {name: "wide-auto", wide: 1}}
+	for S := 2; S <= 4; S++ {
+		plans = append(plans, plan{name: fmt.Sprintf("mem%d", S), S: S, mem: true}, plan{name: fmt.Sprintf("cl%d", S), S: S, cl: true})
+	}
+	for _, format := range []string{"w8a8", "fp16"} {
+		for si, sh := range [][2]int{{4096, 4096}, {4096, 11008}, {4096, 14336}} {
+			N, K := sh[0], sh[1]
+			w, err := b.UploadLinear("bench", &Synthetic{Format: format, Dims: []int{N, K}, GroupSize: 128, Seed: uint64(si + 7)})
+			if err != nil {
+				bm.Fatal(err)
+			}
+			for _, M := range []int{128, 256} {
+				x, y := b.Alloc(M, K), b.Alloc(M, N)
+				b.FillRandom(x, 9, 1)
+				for _, p := range plans {
+					b.maxSplits, b.opt.NoClusterSplit, b.forceClusterSplit, b.opt.WGWide = p.S, p.mem, p.cl, p.wide
+					bm.Run(fmt.Sprintf("%s/%dx%d/M=%d/%s", format, N, K, M, p.name), func(bm *testing.B) {
+						var call float64
+						var kt map[string]float64
+						for bm.Loop() {
+							call = b.Time(3, 20, func() { b.MatMul(y, x, w) })
+							b.opt.KernelTimes = true
+							b.kt.total = nil
+							for range 20 {
+								b.MatMul(y, x, w)
+							}
+							kt = b.KernelTimes()
+							b.opt.KernelTimes = false
+						}
+						bm.ReportMetric(call*1e6, "us/call")
+						names := slices.Sorted(maps.Keys(kt))
+						for _, k := range names {
+							bm.ReportMetric(kt[k]/20*1e6, "us/"+k)
+						}
+					})
+				}
+				b.maxSplits, b.opt.NoClusterSplit, b.forceClusterSplit, b.opt.WGWide = 0, false, false, 0
+				b.Free(x)
+				b.Free(y)
+			}
+			b.FreeLinear(w)
+		}
+	}
+}
