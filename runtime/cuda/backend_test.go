@@ -326,6 +326,35 @@ func TestNormalScales(t *testing.T) {
 	}
 }
 
+// TestOneTileNarrow checks the shapes whose launch stays narrow whatever
+// wideWG estimates: the plain fp16 GEMM at one tile of activation rows,
+// not at two, not the int8 or pair kinds, and what wideForm makes of it.
+func TestOneTileNarrow(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		grid [3]uint32
+		want bool
+	}{
+		{"gemm_wg_f16", [3]uint32{1, 32, 1}, true},      // 4096 outputs at 128 rows or fewer
+		{"gemm_wg_f16", [3]uint32{2, 32, 1}, false},     // 256 rows
+		{"gemm_wg_s8", [3]uint32{1, 32, 1}, false},      // int8: splitPlan's clusters decide
+		{"gemm_wg_f16_glu", [3]uint32{1, 86, 1}, false}, // a gate/up pair
+	} {
+		if got := oneTileNarrow(c.name, c.grid); got != c.want {
+			t.Errorf("oneTileNarrow(%s, grid %v) = %v, want %v", c.name, c.grid, got, c.want)
+		}
+	}
+	// wideWG alone would take the wide form there (eight splits of 8 steps
+	// at 1.7 against four of 16); wideForm keeps the narrow one
+	b := &Backend{sms: 132}
+	if !b.wideWG("gemm_wg_f16", 32, 16, 64, true) {
+		t.Errorf("wideWG(gemm_wg_f16, 32 narrow blocks, 16 wide, 64 steps) = false: the case oneTileNarrow overrides is gone")
+	}
+	if name, grid, shm := b.wideForm("gemm_wg_f16", [3]uint32{1, 32, 1}, 1000, 64, true); name != "gemm_wg_f16" || grid != [3]uint32{1, 32, 1} || shm != 1000 {
+		t.Errorf("wideForm(gemm_wg_f16, one row tile) = %s %v %d, want the narrow launch", name, grid, shm)
+	}
+}
+
 // TestWideWG checks wideWG's choice of the Hopper GEMMs' blocks of two
 // halves on 132 multiprocessors against what bench's kernel table measured
 // on an H200 at 512 rows (kernels/NOTES.md, fifty-second session): wide

@@ -1321,12 +1321,29 @@ func (b *Backend) wideWG(name string, narrow, wide, steps int, split bool) bool 
 // grid and shm as they are.
 func (b *Backend) wideForm(name string, grid [3]uint32, shm, steps int, split bool) (string, [3]uint32, int) {
 	wn, wg := wideKernels[name], wideGrid(name, grid)
-	if wn == "" || !b.wideWG(name, int(grid[0]*grid[1]), int(wg[0]*wg[1]), steps, split) {
+	if wn == "" || b.opt.WGWide <= 0 && oneTileNarrow(name, grid) || !b.wideWG(name, int(grid[0]*grid[1]), int(wg[0]*wg[1]), steps, split) {
 		return name, grid, shm
 	}
 	shm = gemmWGSmem(strings.TrimSuffix(name, "_glu"), 2) // a pair's stages as its kind's plain GEMM's
 	b.raiseSmem(wn, shm)
 	return wn, wg, shm
+}
+
+// oneTileNarrow reports whether Hopper GEMM name on its narrow grid stays
+// narrow whatever wideWG estimates: the plain fp16 GEMM with one tile of
+// activation rows (128 or fewer; grid.x walks them), whose wide blocks of
+// two weight halves split K in twice as many ways. wgEstimate counts only
+// K steps and the merge; a block's fill and epilogue, which a wide block
+// pays for two halves (3.5 and 3.7 µs against 1.8 and 1.9 on an H200,
+// sixty-third session), decide at one tile: 4096 × 4096, 4096 × 11008 and
+// 4096 × 14336 at 128 rows took 18.8, 35.8 and 43.2 µs a call narrow in
+// four splits against 22.6, 40.3 and 49.0 wide in eight
+// (BenchmarkGEMMSplitPlans), and fp16 prefill of 128 tokens ran 4 % faster
+// narrow (llama2-7b 22 224 and 22 197 tok/s against 21 348 and 21 292;
+// llama3-8b 20 618 against 19 754). At 256 rows (two tiles) the wide form
+// stays: narrow lost 2 % there.
+func oneTileNarrow(name string, grid [3]uint32) bool {
+	return name == "gemm_wg_f16" && grid[0] == 1
 }
 
 // wideGrid is the grid of Hopper GEMM name's _w form for the narrow grid.
