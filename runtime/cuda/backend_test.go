@@ -2077,7 +2077,8 @@ func BenchmarkGEMVWaves(bm *testing.B) {
 // ordered, no dependent-launch overlap) and the call's time with its
 // launches back to back. The dispatcher's own pick is the plan "auto".
 // (Sixty-third session, H200, W8A8 4096² at 128 rows: 15.8–17.7 µs a
-// call whatever the plan; kernels/NOTES.md has where a block's time goes.)
+// call unsplit or in clusters, for 4 µs of weight bytes; kernels/NOTES.md
+// has where a block's time goes.)
 func BenchmarkGEMMSplitPlans(bm *testing.B) {
 	b := newTestBackend(bm)
 	if !b.HasWGMMA() {

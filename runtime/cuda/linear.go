@@ -1317,11 +1317,13 @@ func (b *Backend) wideWG(name string, narrow, wide, steps int, split bool) bool 
 
 // wideForm is Hopper GEMM name's launch, its narrow grid and shared memory
 // shm for steps K steps (split: launchSplit may split K), in the form
-// wideWG picks: its _w form, its grid and shared memory (raised), or name,
+// wideWG picks (narrow where oneTileNarrow says, unless Options.WGWide
+// forces the wide one): its _w form, its grid and shared memory (raised), or name,
 // grid and shm as they are.
 func (b *Backend) wideForm(name string, grid [3]uint32, shm, steps int, split bool) (string, [3]uint32, int) {
 	wn, wg := wideKernels[name], wideGrid(name, grid)
-	if wn == "" || b.opt.WGWide <= 0 && oneTileNarrow(name, grid) || !b.wideWG(name, int(grid[0]*grid[1]), int(wg[0]*wg[1]), steps, split) {
+	if wn == "" || b.opt.WGWide <= 0 && oneTileNarrow(name, grid) ||
+		!b.wideWG(name, int(grid[0]*grid[1]), int(wg[0]*wg[1]), steps, split) {
 		return name, grid, shm
 	}
 	shm = gemmWGSmem(strings.TrimSuffix(name, "_glu"), 2) // a pair's stages as its kind's plain GEMM's
