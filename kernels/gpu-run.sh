@@ -25,7 +25,8 @@
 #   (.devdata/qtool-base.cu, beside qtool-base): build then makes its PTX and cubin too ($OUT/base-ptx)
 #   and base runs them (the embedded PTX, the driver's compile, otherwise)
 # VARIANT_PTX: the AB_PTX builds whose PTX comes back (default all: two files each, and a call
-#   returns at most 8); AB_TESTS_FOR: the AB_PTX builds tests runs AB_TESTRUN with (default all)
+#   returns at most 8); AB_TESTS_FOR: the AB_PTX builds tests runs AB_TESTRUN with (default all);
+#   AB_SKIP: the AB_PTX builds ab and kab leave out (a timing build's, say -DQTOOL_EXP_PHASES)
 # AB_CLOCKS=1: nvidia-smi logs the SM clock, power draw and temperature every 100 ms while ab
 #   runs, to clocks.csv in logs.tgz, each run's start and end stamped in ab-times.txt (is a run's
 #   speed its clocks'?)
@@ -415,9 +416,10 @@ fi
 # PTX built here) and each AB_PTX build's, leaving out (and saying so on stderr) one whose cuda
 # tests failed or timed out, perhaps hanging (the callers skip the whole step when this build's
 # did); variant_cmd V is the command that runs build V
-ab_variants() {
+ab_variants() { # AB_SKIP: AB_PTX builds ab and kab leave out (a timing build's, e.g. -DQTOOL_EXP_PHASES)
   local v out=new
   for v in ${AB_PTX:-}; do
+    [ -n "${AB_SKIP:-}" ] && listed "$AB_SKIP" "${v%%=*}" && continue
     case " ${failed_variants:-} " in
       *" ${v%%=*} "*) echo "$1: ${v%%=*} left out (its cuda tests failed)" >&2 ;;
       *) out="$out ${v%%=*}" ;;
