@@ -1343,7 +1343,11 @@ func (b *Backend) wideForm(name string, grid [3]uint32, shm, steps int, split bo
 // (BenchmarkGEMMSplitPlans), and fp16 prefill of 128 tokens ran 4 % faster
 // narrow (llama2-7b 22 224 and 22 197 tok/s against 21 348 and 21 292;
 // llama3-8b 20 618 against 19 754). At 256 rows (two tiles) the wide form
-// stays: narrow lost 2 % there.
+// stays: narrow lost 2 % there. (A rule here rather than in wgEstimate: a
+// per-block cost of fill and epilogue added to it, once a narrow block and
+// twice a wide one, turns all three shapes narrow from 10 steps a block
+// on, but from 8 on turns two of TestWideWG's 512-row choices wrong (8-bit
+// 4096 × 11008, int8 at K = 25 600): no one constant fits both.)
 func oneTileNarrow(name string, grid [3]uint32) bool {
 	return name == "gemm_wg_f16" && grid[0] == 1
 }
