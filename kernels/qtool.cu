@@ -598,7 +598,9 @@ __device__ __forceinline__ float out_val(const float* C, float v, int out) {
 // TileStage is shared memory free for a whole result tile of TS_ROWS ×
 // TS_COLS from row m0, column n0 (a Hopper GEMM's stages once
 // its products are done), shared by the nthr threads (this one: tid) that
-// meet at named barrier bar; nthr is a multiple of TS_COLS / 4.
+// meet at named barrier bar; nthr is a multiple of TS_COLS / 4. The tile's
+// rows r0..r1 − 1 are the ones out_tile_staged finishes (a cluster pair's
+// block: its half, gw_pair_scatter).
 #define TS_ROWS 128
 #define TS_COLS 128
 #define TS_LD (TS_COLS + 8)  // the fragments' float2 writes hit 32 banks a half warp
@@ -606,6 +608,7 @@ template <typename T>
 struct TileStage {
     T* s;
     int m0, n0, bar, nthr, tid;
+    int r0 = 0, r1 = TS_ROWS;
 };
 __device__ __forceinline__ void named_sync(int bar, int nthr) {
     asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(nthr) : "memory");
@@ -716,11 +719,11 @@ template <int NU, int W, typename T, typename At, typename Raw, typename Fin, ty
 __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out, At at, Raw raw, Fin fin,
                                                 TileStage<T> st, Mir mir = Mir{}) {
     stage_tile<NU, W>(at, raw, st);
-    const int items = TS_ROWS * TS_COLS / 4, c = st.tid % (TS_COLS / 4) * 4, n = st.n0 + c;
+    const int items = st.r1 * TS_COLS / 4, c = st.tid % (TS_COLS / 4) * 4, n = st.n0 + c;
     const bool vec = (N & 3) == 0 && n < N;  // this thread's four columns as one float4 (the same in every row)
     const typename Fin::Cols fc = fin.cols(n, N);
 #pragma unroll 1
-    for (int e0 = st.tid; e0 < items; e0 += OTS_BATCH * st.nthr) {
+    for (int e0 = st.r0 * TS_COLS / 4 + st.tid; e0 < items; e0 += OTS_BATCH * st.nthr) {
         float4 g[OTS_BATCH];
         if (vec && out != OUT_STORE) {
 #pragma unroll
@@ -1205,7 +1208,7 @@ __device__ __forceinline__ unsigned cluster_blocks() {
 // GEMM launch whose splits merge through memory (its partial sums to the
 // output + z·M·N, for sum_splits or w8a8_sum_splits): a launch split along
 // z and not run as one cluster a tile (those merge in shared memory,
-// gw_merge_splits).
+// gw_pair_scatter or gw_merge_splits).
 __device__ __forceinline__ bool split_to_memory() { return gridDim.z > 1 && cluster_blocks() == 1; }
 #define ATT_MAX_SPLITS 256  // the grid's splits at most (attnMaxSplits)
 #define ATT_MERGE_U 8      // partial sums a thread of the merge loads at once
@@ -4206,7 +4209,8 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
 // 512 contiguous bytes. Returns whether the block goes on to the
 // epilogue: rank 0, its consumers past a barrier after their loads (the
 // epilogue's stage may reuse the area); a sender returns false once its
-// sums are sent.
+// sums are sent. gemm_wg_body merges a narrow block's pair with
+// gw_pair_scatter instead, and more splits or a wide block's pair so.
 template <int N, typename T>
 __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, int ncl, int ct) {
     static_assert(N % 4 == 0, "four sums a unit");
@@ -4238,6 +4242,46 @@ __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, 
 #endif
     return true;
 }
+// gw_pair_scatter merges the sums d (N a thread, thread ct of the 256
+// consumers, of warpgroup c = ct / 128) of an fp16 or int8 Hopper GEMM
+// block whose launch runs the two K splits of a tile as one cluster of
+// two (gw_merge_splits's tree for more): each block finishes half the
+// tile, block r (its rank) the 64 rows of its warpgroup r. Warpgroup 1 − r
+// stores its sums into the other block's shared memory at area (the ring's
+// start, free once the products are done; 32 KB, a thread's 16-byte unit
+// e / 4 at (e / 4 · 128 + ct % 128) · 16), and warpgroup r adds what the
+// other block's warpgroup r stored there: both blocks send at once, half
+// a tile each, where the tree sends a whole tile one way, and each
+// epilogue finishes half the rows (the tile stage's r0, r1). The sums are
+// p0 + p1 as the tree's. The consumers of both blocks meet at a cluster
+// barrier before the stores (the areas free; a thread that exited counts
+// as arrived) and after them (release, acquire).
+template <int N, typename T>
+__device__ __forceinline__ void gw_pair_scatter(T (&d)[N], unsigned char* area, int ct) {
+    static_assert(N % 4 == 0, "four sums a unit");
+    using V = typename std::conditional<std::is_same<T, float>::value, float4, int4>::type;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cluster_wait();  // the first arrival: both blocks have set up
+    const int rank = (int)blockIdx.z, c = ct >> 7, t = ct & 127;
+    cluster_arrive();
+    cluster_wait();  // both areas are free
+    if (c != rank) {
+        unsigned to = dsmem_addr(area, rank ^ 1);
+#pragma unroll
+        for (int e = 0; e < N; e += 4) st_dsmem4(to + ((e / 4) * 128 + t) * 16, d[e], d[e + 1], d[e + 2], d[e + 3]);
+    }
+    cluster_arrive();
+    cluster_wait();  // the halves landed
+    if (c == rank) {
+#pragma unroll
+        for (int e = 0; e < N; e += 4) {
+            V v = reinterpret_cast<const V*>(area)[(e / 4) * 128 + t];
+            d[e] += v.x, d[e + 1] += v.y, d[e + 2] += v.z, d[e + 3] += v.w;
+        }
+    }
+    named_sync(1, 256);
+#endif
+}
 // gw_put puts a Hopper GEMM tile's sums (at, raw as out_tile_staged takes
 // them) through the stage t by the writer of gemm_wg_body's kind, the one
 // choice for a whole tile and for each half of a wide block's: a pair's
@@ -4247,7 +4291,7 @@ __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, 
 template <int WK, bool PAIR, typename Epi, typename At, typename Raw>
 __device__ __forceinline__ void gw_put(float* C, int M, int N, int out, At at, Raw raw, const Epi& epi,
                                        TileStage<float> t) {
-    const TileStage<int> ti{reinterpret_cast<int*>(t.s), t.m0, t.n0, t.bar, t.nthr, t.tid};
+    const TileStage<int> ti{reinterpret_cast<int*>(t.s), t.m0, t.n0, t.bar, t.nthr, t.tid, t.r0, t.r1};
     if constexpr (PAIR && WK == GH_S8)
         glu_tile<32, 2>(C, M, N, at, raw, epi, ti);
     else if constexpr (PAIR)
@@ -4310,8 +4354,9 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    // a K split launched as one cluster (gw_merge_splits): every thread's
-    // first arrival, which the merge's first wait takes as all started
+    // a K split launched as one cluster (gw_pair_scatter,
+    // gw_merge_splits): every thread's first arrival, which the merge's
+    // first wait takes as all started
     // (the plain fp16 and int8 GEMMs, which can; the dispatcher launches
     // so the int8 ones only, runtime/cuda's mergeKernels, and tests the
     // fp16 ones; not the pairs and peer forms, which do not split K)
@@ -4386,8 +4431,14 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         static_assert(64 * AH * 4 * 256 <= GWS * SB, "the merge's area fits in the ring");
+        if constexpr (MERGES && AH == 1)
+            if (ncl == 2) {  // each block finishes the half of the tile its warpgroup blockIdx.z holds
+                gw_pair_scatter(d, at(base), tid - 128);
+                st.r0 = 64 * (int)blockIdx.z, st.r1 = st.r0 + 64;
+            }
         if constexpr (MERGES)
-            if (ncl > 1 && !gw_merge_splits(d, at(base), ncl, tid - 128)) return;  // a sender: no epilogue
+            if (ncl > 2 || (AH == 2 && ncl == 2))
+                if (!gw_merge_splits(d, at(base), ncl, tid - 128)) return;  // a sender: no epilogue
         // accumulator e of n8 chunk j: activation row 16·warp + lane/4 (+8
         // for e ≥ 2), weight row 8j + 2·(lane % 4) (+1 for odd e)
         // (unit u = 2j + h)
@@ -4409,6 +4460,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
                     n -= (128 - NH) * h;
                 };
                 auto raw_h = [&](int u, int e) { return raw(u + 32 * h, e); };
+                // the whole tile's rows (r0, r1 left out): only narrow blocks scatter
                 put(at_h, raw_h, TileStage<float>{st.s, st.m0, st.n0 + NH * h, st.bar, st.nthr, st.tid});
             };
             half(std::integral_constant<int, 0>{});
@@ -4551,8 +4603,9 @@ __device__ __forceinline__ void gemm_wg_run(int flags, float* C, const TmaMap* m
 // barriers + 1024. The _w forms (AH = 2) take 256 activation rows a block
 // (gemm_wg_f16_w: 256 weight rows). K split along z: split z writes its
 // partial product to C + z·M·N for sum_splits (as SPLIT_OUT), except where
-// the splits run as one cluster (fp16: gw_merge_splits), whose rank 0
-// applies out to C itself.
+// the splits run as one cluster, which applies out to C itself: a narrow
+// pair's blocks each to their half of the tile's rows (gw_pair_scatter),
+// else the tree's rank 0 (gw_merge_splits).
 #define GEMM_WG_ENTRY(name, WK, AH)                                                                              \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \
@@ -4775,7 +4828,13 @@ __device__ __forceinline__ float w8a8_out(int acc, int m, int n, const int* __re
 }
 // W8A8Fin is w8a8_out as the fin of out_tile and out_tile_staged (see
 // AsIs): a thread's four columns' qbias, deq and bias loaded once (cols;
-// zeros past N) for all its rows.
+// zeros past N) for all its rows. at gives w8a8_val's bits without a
+// choice a value: ((acc + qb) · t) · d + b with qb 0 and t = tok[m] where
+// dynamic, t = 1 where static, b = −0 without a bias (x · 1 and x + (−0)
+// are x exactly, −0 and NaN included). (Until the sixty-fourth session at
+// called w8a8_val a value, whose two forms and bias choice NVVM computed
+// both of and selected: ~22 instructions a value, the int8 GEMMs'
+// epilogue issue-bound at 3.0 µs a 128 × 128 tile against fp16's 1.7.)
 struct W8A8Fin {
     const int* __restrict__ qbias;
     const float* __restrict__ deq;
@@ -4795,12 +4854,13 @@ struct W8A8Fin {
             bool in = n + i < N;
             c.qb[i] = in && !tok ? qbias[n + i] : 0;
             c.d[i] = in ? deq[n + i] : 0.f;
-            c.b[i] = in && bias ? bias[n + i] : 0.f;
+            c.b[i] = in && bias ? bias[n + i] : -0.f;
         }
         return c;
     }
     __device__ __forceinline__ float at(const Cols& c, int m, int i, int acc) const {
-        return w8a8_val(acc, tok, tok ? tok[m] : 0.f, c.qb[i], c.d[i], bias, c.b[i]);
+        const float t = tok ? tok[m] : 1.f;
+        return __fadd_rn(__fmul_rn(__fmul_rn((float)(acc + c.qb[i]), t), c.d[i]), c.b[i]);
     }
 };
 // w8a8_tile is the epilogue of a W8A8 GEMM tile (units as out_tile's, two
@@ -5069,8 +5129,9 @@ extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __r
 // the Hopper GEMM (gemm_wg_body, GH_S8): mapA over the int8 activations xq
 // [M, K], mapW over the int8 weight [N, K]; split z of gridDim.z > 1 writes
 // its integer sums to the int32 array y + z·M·N for w8a8_sum_splits, except
-// where the splits run as one cluster a tile (gw_merge_splits), whose rank
-// 0 applies w8a8_out into y by out as an unsplit launch does. Dynamic
+// where the splits run as one cluster a tile (gw_pair_scatter: each block
+// of a narrow pair its half of the rows; gw_merge_splits: the tree's rank
+// 0), which applies w8a8_out into y by out as an unsplit launch does. Dynamic
 // shared memory as gemm_wg_f16's.
 // gemm_wg_s8_w: the same with 256 weight rows a block (AH = 2: one wgmma
 // m64n256k32 a k32 step; its grid.y half gemm_wg_s8's), its two 128-column
@@ -5097,9 +5158,9 @@ GEMM_WG_S8_ENTRY(gemm_wg_s8_w, 2)
 // (q, k and v) in one launch: grid.y walks the weight tiles of weight 0,
 // then 1, then 2 (N2 = 0: two weights), each tile's w8a8_out put into its
 // weight's y_i [M, N_i] by out. K splits along z only as clusters of a
-// tile (gw_merge_splits): a launch split otherwise would store each
-// split's sums as the result. One launch pays the fill, merge and
-// epilogue of a short K split once for the three products.
+// tile (gw_pair_scatter, gw_merge_splits): a launch split otherwise
+// would store each split's sums as the result. One launch pays the fill,
+// merge and epilogue of a short K split once for the three products.
 #define W8A8_OUT(i) float *y##i, const int *qb##i, const float *dq##i, const float *bs##i, int N##i
 extern "C" __global__ void __launch_bounds__(384, 1)
     gemm_wg_s8_segs(const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW0,

@@ -1007,8 +1007,8 @@ func TestSumSplits(t *testing.T) {
 }
 
 // TestClusterSplit checks the K splits of the fp16 and int8 Hopper GEMMs
-// merged in their cluster's shared memory (qtool.cu's gw_merge_splits: a
-// tree of rounds) against the same launches merged through global memory
+// merged in their cluster's shared memory (qtool.cu's gw_pair_scatter for
+// a narrow pair, gw_merge_splits's tree of rounds otherwise) against the same launches merged through global memory
 // (Options.NoClusterSplit): int8 equal bit for bit (integer sums;
 // TestW8A8 checks both against integer arithmetic), fp16 equal at two
 // splits (one sum either way) and within tolerance of float64 at any; at
@@ -1037,7 +1037,8 @@ func TestClusterSplit(t *testing.T) {
 	t.Logf("clusters of s blocks the device runs at once (clusterFit, s = 2…8): %v", b.clusterFit[2:])
 	// fp16: the cluster's sums in a tree, sum_splits's in order: equal at
 	// two splits, within the GEMMs' tolerance of float64 at any; stored,
-	// and added to the residual by the cluster's rank 0 (sum_splits: out)
+	// and added to the residual by the block that finishes the rows (a
+	// narrow pair: each block half the tile; else rank 0; sum_splits: out)
 	f16, wf := uploadCase(t, b, r, weightCaseNamed(t, "f16"), N, K)
 	want := matmulRef(x, wf, M, N, K)
 	wantAdd := slices.Clone(want)

@@ -1283,7 +1283,11 @@ const wgSplitSteps = 28
 // GEMM of 4096 × 4096 at 256 rows took 17.8 µs in narrow blocks
 // split in two so (27.5 merged through memory), 27.7 in wide blocks split
 // in three; 4096 × 11008 at 512 rows 64.2 µs in wide blocks split in two
-// (74.2 through memory) against 57.2 narrow and unsplit.
+// (74.2 through memory) against 57.2 narrow and unsplit. A narrow pair's
+// round (qtool.cu's gw_pair_scatter since the sixty-fourth session: 32 KB
+// each way at once, each block finishing half the rows) is cheaper, 1.9 µs
+// against the tree's 2.8 (4096 × 4096 int8 at 128 rows), but priced the
+// same: the dispatcher's choices were measured at this price.
 const wgClusterRoundSteps = 6
 
 // wgEstimate is a Hopper GEMM launch's time in block steps: tiles blocks
@@ -1511,7 +1515,8 @@ func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident,
 
 // launchMerged launches Hopper GEMM name on grid (z ignored) with K
 // split S ways along z, a tile's splits one cluster that merges them in
-// its blocks' shared memory (gw_merge_splits); S = 1: a plain launch.
+// its blocks' shared memory (gw_pair_scatter, gw_merge_splits); S = 1: a
+// plain launch.
 func (b *Backend) launchMerged(name string, grid, block [3]uint32, shm, S int, args ...any) {
 	if S == 1 {
 		grid[2] = 1
@@ -1523,9 +1528,10 @@ func (b *Backend) launchMerged(name string, grid, block [3]uint32, shm, S int, a
 }
 
 // mergeKernels are the Hopper GEMMs whose K splits can merge in
-// distributed shared memory (qtool.cu's gw_merge_splits: the fp16 and int8
-// kinds, whose accumulators are the 64 or 128 values a consumer thread the
-// merge sends), each with whether the dispatcher picks that merge. It does
+// distributed shared memory (qtool.cu's gw_pair_scatter and
+// gw_merge_splits: the fp16 and int8 kinds, whose accumulators are the 64
+// or 128 values a consumer thread the merge sends), each with whether the
+// dispatcher picks that merge. It does
 // for int8 only: on an H200 (fifty-sixth session) the fp16 kernels merged
 // in clusters were faster alone (4096 × 4096 at 256 rows 22.7 µs against
 // 28.6) but fp16 prefill of 128 tokens lost 4–5 % on llama3-8b (its
