@@ -1008,17 +1008,18 @@ func TestSumSplits(t *testing.T) {
 
 // TestClusterSplit checks the K splits of the fp16 and int8 Hopper GEMMs
 // merged in their cluster's shared memory (qtool.cu's gw_pair_scatter for
-// a narrow pair, gw_merge_splits's tree of rounds otherwise) against the same launches merged through global memory
-// (Options.NoClusterSplit): int8 equal bit for bit (integer sums;
-// TestW8A8 checks both against integer arithmetic), fp16 equal at two
-// splits (one sum either way) and within tolerance of float64 at any; at
-// 2, 3 (a round where the last block has no partner), 4 and 8 splits
-// (b.maxSplits), narrow and wide blocks, each in clusters wherever they
-// fit (b.forceClusterSplit: also the forms splitPlan's costs pass over,
-// three rounds of a wide block's sums, and the fp16 kinds, which the
-// dispatcher merges through memory: mergeKernels), int8 with static and per-token
-// quantizers, stored and added to a residual (MatMulAdd); and no
-// sum_splits or w8a8_sum_splits launch where the clusters merge.
+// a narrow pair, gw_merge_splits's tree of rounds otherwise) against the
+// same launches merged through global memory (Options.NoClusterSplit):
+// int8 equal bit for bit (integer sums; TestW8A8 checks both against
+// integer arithmetic), fp16 equal at two splits (one sum either way) and
+// within tolerance of float64 at any; at 2, 3 (a round where the last
+// block has no partner), 4 and 8 splits (b.maxSplits), narrow and wide
+// blocks, each in clusters wherever they fit (b.forceClusterSplit: also
+// the forms splitPlan's costs pass over, three rounds of a wide block's
+// sums, and the fp16 kinds, which the dispatcher merges through memory:
+// mergeKernels), int8 with static and per-token quantizers, stored and
+// added to a residual (MatMulAdd); and no sum_splits or w8a8_sum_splits
+// launch where the clusters merge.
 func TestClusterSplit(t *testing.T) {
 	b := newTestBackend(t)
 	if !b.wgmma || !b.clusterSplits {
