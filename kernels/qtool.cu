@@ -710,8 +710,14 @@ __device__ __forceinline__ void stage_tile(At at, Raw raw, const TileStage<T>& s
     }
     named_sync(st.bar, st.nthr);
 }
-// NoMirror is out_tile_staged's mir where the values go to C alone.
+// NoMirror is out_tile_staged's mir where the values go to C alone. A mir
+// whose takes is true (QKVSink) stores a thread's four values of a row
+// itself instead (take4), the tile then a whole number of warps a row
+// (the host's checks: N a multiple of 4 and of 128, out OUT_STORE).
 struct NoMirror {
+    static constexpr bool takes = false;
+    struct Pre {};
+    __device__ __forceinline__ Pre pre(int, int) const { return {}; }
     __device__ __forceinline__ void put4(size_t, float4) const {}
     __device__ __forceinline__ void put1(size_t, float) const {}
 };
@@ -725,6 +731,15 @@ __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out,
 #pragma unroll 1
     for (int e0 = st.r0 * TS_COLS / 4 + st.tid; e0 < items; e0 += OTS_BATCH * st.nthr) {
         float4 g[OTS_BATCH];
+        typename Mir::Pre pre[OTS_BATCH];  // what take4 loads, issued for the batch at once
+        if constexpr (Mir::takes)
+            if (vec) {
+#pragma unroll
+                for (int j = 0; j < OTS_BATCH; j++) {
+                    int m = st.m0 + (e0 + j * st.nthr) / (TS_COLS / 4);
+                    if (e0 + j * st.nthr < items && m < M) pre[j] = mir.pre(m, n);
+                }
+            }
         if (vec && out != OUT_STORE) {
 #pragma unroll
             for (int j = 0; j < OTS_BATCH; j++) {
@@ -744,17 +759,25 @@ __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out,
                 if (out != OUT_STORE)
                     v = make_float4(out_val(&g[j].x, v.x, out), out_val(&g[j].y, v.y, out), out_val(&g[j].z, v.z, out),
                                     out_val(&g[j].w, v.w, out));
-                *reinterpret_cast<float4*>(cp) = v;
-                mir.put4((size_t)m * N + n, v);
+                if constexpr (Mir::takes) {
+                    mir.take4(cp, m, N, n, v, pre[j]);
+                } else {
+                    *reinterpret_cast<float4*>(cp) = v;
+                    mir.put4((size_t)m * N + n, v);
+                }
                 continue;
             }
+            if constexpr (Mir::takes) {
+                __trap();  // a host error: the columns are not whole float4s
+            } else {
 #pragma unroll 1
-            for (int i = 0; i < 4; i++)
-                if (n + i < N) {
-                    float v = out_val(cp + i, fin(m, n + i, kp[i]), out);
-                    cp[i] = v;
-                    mir.put1((size_t)m * N + n + i, v);
-                }
+                for (int i = 0; i < 4; i++)
+                    if (n + i < N) {
+                        float v = out_val(cp + i, fin(m, n + i, kp[i]), out);
+                        cp[i] = v;
+                        mir.put1((size_t)m * N + n + i, v);
+                    }
+            }
         }
     }
 }
@@ -1106,6 +1129,70 @@ extern "C" __global__ void rope_table(float2* __restrict__ tab, int npos, int hd
         tab[j] = make_float2(p.s, p.c);
     }
 }
+
+// QKVSink is the mir of out_tile_staged in a q/k/v launch with RoPE and
+// the KV store fused (gemm_wg_*_segs_kv; runtime.Fused.NormMatMulStoreKV):
+// a thread's four values of row m, columns n..n + 3 of the product of
+// role 0 (q: rotated, into C as fp32), 1 (k: rotated, into the fp16 cache
+// kc at row pos0 + m) or 2 (v: into vc). The rotation is store_kv's bit
+// for bit: rope_rotate with rope_table's angles of (position, pair) from
+// tab (hd/2 a position); layout 1 pairs the thread's own values (n even),
+// layout 0 pairs column i of a head with i ± hd/2, lane ^ hd/8's (a warp
+// holds 128 consecutive columns of one row, heads of 64 or 128 aligned to
+// them: the host's checks, which also keep every position below the
+// cache's maxSeq and the table's).
+struct QKVSink {
+    static constexpr bool takes = true;
+    __half *kc, *vc;
+    const float2* __restrict__ tab;
+    int pos0, hd, layout, role;
+    // Pre is the (sin, cos) of a thread's four values' pairs in a row
+    // (layout 1: two pairs, in a), loaded by pre before the batch's values.
+    struct Pre {
+        float4 a, b;
+    };
+    __device__ __forceinline__ Pre pre(int m, int n) const {
+        Pre p{};
+        if (role == 2) return p;
+        const int h2 = hd / 2, i = n % hd;
+        const float4* t = reinterpret_cast<const float4*>(
+            tab + (size_t)(pos0 + m) * h2 + (layout ? i / 2 : i < h2 ? i : i - h2));
+        p.a = t[0];
+        if (!layout) p.b = t[1];
+        return p;
+    }
+    __device__ __forceinline__ void take4(float* cp, int m, int N, int n, float4 v, const Pre& pr) const {
+        const int pos = pos0 + m;
+        if (role != 2) {
+            const int h2 = hd / 2, i = n % hd;
+            float x[4] = {v.x, v.y, v.z, v.w};
+            if (layout) {
+                const float2 o0 = rope_rotate(RopePair{0, 0, pr.a.x, pr.a.y}, x[0], x[1]);
+                const float2 o1 = rope_rotate(RopePair{0, 0, pr.a.z, pr.a.w}, x[2], x[3]);
+                x[0] = o0.x, x[1] = o0.y, x[2] = o1.x, x[3] = o1.y;
+            } else {
+                float p[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) p[e] = __shfl_xor_sync(FULL, x[e], h2 / 4);
+                const bool low = i < h2;
+                const float4 a = pr.a, b = pr.b;
+                const float sn[4] = {a.x, a.z, b.x, b.z}, cs[4] = {a.y, a.w, b.y, b.w};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const RopePair rp{0, 0, sn[e], cs[e]};
+                    x[e] = low ? rope_rotate(rp, x[e], p[e]).x : rope_rotate(rp, p[e], x[e]).y;
+                }
+            }
+            v = make_float4(x[0], x[1], x[2], x[3]);
+        }
+        if (role == 0) {
+            *reinterpret_cast<float4*>(cp) = v;
+            return;
+        }
+        __half2 h[2] = {__floats2half2_rn(v.x, v.y), __floats2half2_rn(v.z, v.w)};
+        *reinterpret_cast<uint2*>((role == 1 ? kc : vc) + (size_t)pos * N + n) = *reinterpret_cast<const uint2*>(h);
+    }
+};
 
 // AttNew is a decode row's own key and value (runtime.Fused.RoPEAttention):
 // k and v [1, kvDim] as the products left them, the RoPE angles (rope_table,
@@ -2302,6 +2389,9 @@ __device__ __forceinline__ void ar_meet(char* area, long long sync_off, int rank
 // (the all-reduce's lane 1: allreduce_peer, whose write phase then has
 // nothing left to do).
 struct PeerMirror {
+    static constexpr bool takes = false;
+    struct Pre {};
+    __device__ __forceinline__ Pre pre(int, int) const { return {}; }
     float* d[AR_MAX_RANKS - 1];
     int n;
     __device__ __forceinline__ void put4(size_t i, float4 v) const {
@@ -4286,8 +4376,8 @@ __device__ __forceinline__ void gw_pair_scatter(T (&d)[N], unsigned char* area, 
 // them) through the stage t by the writer of gemm_wg_body's kind, the one
 // choice for a whole tile and for each half of a wide block's: a pair's
 // SwiGLU (glu_tile, epi the GluEpi), W8A8's finish epi (integer sums
-// through the stage as ints), the peer mirror (epi a PeerMirror) or the
-// plain store into C by out.
+// through the stage as ints), the peer mirror (epi a PeerMirror), the
+// fused RoPE and KV store (epi a QKVSink) or the plain store into C by out.
 template <int WK, bool PAIR, typename Epi, typename At, typename Raw>
 __device__ __forceinline__ void gw_put(float* C, int M, int N, int out, At at, Raw raw, const Epi& epi,
                                        TileStage<float> t) {
@@ -4298,7 +4388,7 @@ __device__ __forceinline__ void gw_put(float* C, int M, int N, int out, At at, R
         glu_tile<32, 2>(C, M, N, at, raw, epi, t);
     else if constexpr (WK == GH_S8)
         epi(at, raw, ti);
-    else if constexpr (std::is_same<Epi, PeerMirror>::value)
+    else if constexpr (std::is_same<Epi, PeerMirror>::value || std::is_same<Epi, QKVSink>::value)
         out_tile_staged<32, 2, float>(C, M, N, out, at, raw, AsIs{}, t, epi);
     else
         out_tile_staged<32, 2, float>(C, M, N, out, at, raw, AsIs{}, t);
@@ -4549,7 +4639,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
             TileStage<float> sh{st.s, mh, st.n0, st.bar, st.nthr, st.tid};
             if constexpr (PAIR)
                 glu_tile<64, 1>(C, M, N, unit, raw, epi, sh);
-            else if constexpr (std::is_same<Epi, PeerMirror>::value)
+            else if constexpr (std::is_same<Epi, PeerMirror>::value || std::is_same<Epi, QKVSink>::value)
                 out_tile_staged<64, 1, float>(C, M, N, out, unit, raw, AsIs{}, sh, epi);
             else
                 out_tile_staged<64, 1, float>(C, M, N, out, unit, raw, AsIs{}, sh);
@@ -4695,6 +4785,28 @@ GEMM_WG_SEGS_ENTRY(gemm_wg_f16_segs, GH_F16)
 GEMM_WG_SEGS_ENTRY(gemm_wg_bf16_segs, GH_BF16)
 GEMM_WG_SEGS_ENTRY(gemm_wg_q4_segs, GH_Q4)
 GEMM_WG_SEGS_ENTRY(gemm_wg_q8_segs, GH_Q8)
+// name_segs_kv(C0, mapA, mapW0, mapW1, mapW2, sz0, sz1, sz2, M, N0, N1, K,
+// gs, G, flags, kc, vc, tab, pos0, hd, layout): name_segs of q, k and v
+// (weights 0, 1, 2; N2 = N1) stored as OUT_STORE with RoPE and the KV
+// store fused (QKVSink, role = the weight): q rotated into C0 [M, N0], k
+// rotated and v into the fp16 cache rows kc, vc [maxSeq, N1] from pos0.
+#define GEMM_WG_SEGS_KV_ENTRY(name, WK)                                                                          \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
+        name(float* C0, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW0,               \
+             const __grid_constant__ TmaMap mapW1, const __grid_constant__ TmaMap mapW2, const float2* sz0,      \
+             const float2* sz1, const float2* sz2, int M, int N0, int N1, int K, int gs, int G, int flags,       \
+             __half* kc, __half* vc, const float2* __restrict__ tab, int pos0, int hd, int layout) {             \
+        PDL_ENTRY();                                                                                             \
+        int ny = blockIdx.y;                                                                                     \
+        const int w = seg_of(ny, N0, N1);                                                                        \
+        const TmaMap* mapW = w == 0 ? &mapW0 : w == 1 ? &mapW1 : &mapW2;                                         \
+        const float2* sz = w == 0 ? sz0 : w == 1 ? sz1 : sz2;                                                    \
+        const QKVSink kv{kc, vc, tab, pos0, hd, layout, w};                                                      \
+        gemm_wg_run<WK>(flags, C0, &mapA, mapW, sz, nullptr, M, w == 0 ? N0 : N1, gs, G, 0,                      \
+                        (K + GW_BK - 1) / GW_BK, OUT_STORE, kv, ny);                                             \
+    }
+GEMM_WG_SEGS_KV_ENTRY(gemm_wg_f16_segs_kv, GH_F16)
+GEMM_WG_SEGS_KV_ENTRY(gemm_wg_q4_segs_kv, GH_Q4)
 // name_glu(C, Ch, mapA, mapGU, sz, sz2, M, N, K, gs, G, flags, upFirst): the gate
 // and up products of one fp16 input [M, K] (mapA) and their SwiGLU
 // silu(gate)·up into C [M, N] (or rounded to fp16 into Ch [M, N] where Ch
@@ -4866,12 +4978,12 @@ struct W8A8Fin {
 // w8a8_tile is the epilogue of a W8A8 GEMM tile (units as out_tile's, two
 // integer sums each): split K, the sums stored to part; else w8a8_out put
 // into y by out, the SwiGLU quantized to q where q.p is set (STAGED:
-// through out_tile_staged and st, q unset).
-template <int NU, bool STAGED = false, typename At, typename Raw>
+// through out_tile_staged, st and mir, q unset).
+template <int NU, bool STAGED = false, typename At, typename Raw, typename Mir = NoMirror>
 __device__ __forceinline__ void w8a8_tile(float* y, int* part, int M, int N, int out, At at, Raw raw,
                                           const int* __restrict__ qbias, const float* __restrict__ deq,
                                           const float* __restrict__ bias, const float* __restrict__ tok,
-                                          QOut q = QOut{}, TileStage<int> st = TileStage<int>{}) {
+                                          QOut q = QOut{}, TileStage<int> st = TileStage<int>{}, Mir mir = Mir{}) {
     if (part) {
 #pragma unroll
         for (int u = 0; u < NU; u++) {
@@ -4885,7 +4997,7 @@ __device__ __forceinline__ void w8a8_tile(float* y, int* part, int M, int N, int
     }
     W8A8Fin fin{qbias, deq, bias, tok};
     if constexpr (STAGED)
-        out_tile_staged<NU, 2, int>(y, M, N, out, at, raw, fin, st);
+        out_tile_staged<NU, 2, int>(y, M, N, out, at, raw, fin, st, mir);
     else
         out_tile<NU, 2, int>(y, M, N, out, at, raw, fin, q);
 }
@@ -5162,25 +5274,50 @@ GEMM_WG_S8_ENTRY(gemm_wg_s8_w, 2)
 // would store each split's sums as the result. One launch pays the fill,
 // merge and epilogue of a short K split once for the three products.
 #define W8A8_OUT(i) float *y##i, const int *qb##i, const float *dq##i, const float *bs##i, int N##i
+// gemm_wg_s8_segs_run is the body of gemm_wg_s8_segs and its _kv form:
+// the weights s0..s2, mir the staged epilogue's (QKVSink: its role set to
+// the block's weight).
+template <typename Mir>
+__device__ __forceinline__ void gemm_wg_s8_segs_run(const TmaMap& mapA, const TmaMap& mapW0, const TmaMap& mapW1,
+                                                    const TmaMap& mapW2, const float* __restrict__ tok, int M, int K,
+                                                    int out, const W8A8Seg& s0, const W8A8Seg& s1, const W8A8Seg& s2,
+                                                    Mir mir) {
+    if (split_to_memory()) __trap();  // a host error: the splits would each store their sums as the result
+    KSplit ks = k_split((K + 127) / 128);
+    int ny = blockIdx.y;
+    const int w = seg_of(ny, s0.N, s1.N);
+    const TmaMap* mapW = w == 0 ? &mapW0 : w == 1 ? &mapW1 : &mapW2;
+    const W8A8Seg s = w == 0 ? s0 : w == 1 ? s1 : s2;
+    if constexpr (Mir::takes) mir.role = w;
+    gemm_wg_body<GH_S8, false, false, 1, 1>(
+        s.y, &mapA, mapW, nullptr, nullptr, M, s.N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,
+        [&](auto at, auto raw, TileStage<int> st) {
+            w8a8_tile<32, true>(s.y, nullptr, M, s.N, out, at, raw, s.qb, s.dq, s.bs, tok, QOut{}, st, mir);
+        },
+        ny);
+}
 extern "C" __global__ void __launch_bounds__(384, 1)
     gemm_wg_s8_segs(const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW0,
                     const __grid_constant__ TmaMap mapW1, const __grid_constant__ TmaMap mapW2,
                     const float* __restrict__ tok, int M, int K, int out, W8A8_OUT(0), W8A8_OUT(1), W8A8_OUT(2)) {
     PDL_ENTRY();
-    if (split_to_memory()) __trap();  // a host error: the splits would each store their sums as the result
-    KSplit ks = k_split((K + 127) / 128);
-    int ny = blockIdx.y;
-    const int w = seg_of(ny, N0, N1);
-    const TmaMap* mapW = w == 0 ? &mapW0 : w == 1 ? &mapW1 : &mapW2;
-    const W8A8Seg s = w == 0   ? W8A8Seg{y0, nullptr, qb0, dq0, bs0, N0}
-                      : w == 1 ? W8A8Seg{y1, nullptr, qb1, dq1, bs1, N1}
-                               : W8A8Seg{y2, nullptr, qb2, dq2, bs2, N2};
-    gemm_wg_body<GH_S8, false, false, 1, 1>(
-        s.y, &mapA, mapW, nullptr, nullptr, M, s.N, 128, 0, ks.kt0, ks.kt1, OUT_STORE,
-        [&](auto at, auto raw, TileStage<int> st) {
-            w8a8_tile<32, true>(s.y, nullptr, M, s.N, out, at, raw, s.qb, s.dq, s.bs, tok, QOut{}, st);
-        },
-        ny);
+    gemm_wg_s8_segs_run(mapA, mapW0, mapW1, mapW2, tok, M, K, out, W8A8Seg{y0, nullptr, qb0, dq0, bs0, N0},
+                        W8A8Seg{y1, nullptr, qb1, dq1, bs1, N1}, W8A8Seg{y2, nullptr, qb2, dq2, bs2, N2}, NoMirror{});
+}
+// gemm_wg_s8_segs_kv(mapA, mapW0, mapW1, mapW2, tok, M, K, then for each
+// weight i {qbias, deq, bias, N_i}, y0, kc, vc, tab, pos0, hd, layout):
+// gemm_wg_s8_segs of q, k and v (N2 = N1) stored with RoPE and the KV
+// store fused as gemm_wg_f16_segs_kv's (QKVSink).
+#define W8A8_FIN(i) const int *qb##i, const float *dq##i, const float *bs##i, int N##i
+extern "C" __global__ void __launch_bounds__(384, 1)
+    gemm_wg_s8_segs_kv(const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW0,
+                       const __grid_constant__ TmaMap mapW1, const __grid_constant__ TmaMap mapW2,
+                       const float* __restrict__ tok, int M, int K, W8A8_FIN(0), W8A8_FIN(1), W8A8_FIN(2), float* y0,
+                       __half* kc, __half* vc, const float2* __restrict__ tab, int pos0, int hd, int layout) {
+    PDL_ENTRY();
+    gemm_wg_s8_segs_run(mapA, mapW0, mapW1, mapW2, tok, M, K, OUT_STORE, W8A8Seg{y0, nullptr, qb0, dq0, bs0, N0},
+                        W8A8Seg{y0, nullptr, qb1, dq1, bs1, N1}, W8A8Seg{y0, nullptr, qb2, dq2, bs2, N2},
+                        QKVSink{kc, vc, tab, pos0, hd, layout, 0});
 }
 // gemm_wg_s8_glu(y, yq, qs, qo, mapA, mapGU, gate and up {qbias, deq, bias},
 // tok, M, N, K, upFirst): the W8A8 gate and up products of one int8 input

@@ -116,6 +116,12 @@ type Fused interface {
 	// RoPEStoreKV is RoPE(q, …), RoPE(k, …), then StoreKV(c, layer, pos0,
 	// k, v): q and k are left rotated.
 	RoPEStoreKV(c KVCache, layer, pos0 int, q, k, v Buf, headDim int, theta float64, layout model.RopeLayout)
+	// NormMatMulStoreKV is NormMatMulN(qkv, x, w, bias, eps, ws) then
+	// RoPEStoreKV(kv.Cache, kv.Layer, kv.Pos0, q, k, v, kv.HeadDim,
+	// kv.Theta, kv.Layout) with q, k, v = qkv: a prefill's attention input
+	// where the products need no finishing (no biases or head norms after
+	// them). q is left rotated; k and v may be left unwritten.
+	NormMatMulStoreKV(qkv []Buf, x Buf, w, bias Vector, eps float32, ws []Linear, kv RoPEKV)
 	// AttentionAdd is Attention(a, q, c, layer, pos0, heads, kvHeads,
 	// headDim) then MatMulAdd(x, a, o) with a a temporary: the attention
 	// output o's input alone.
@@ -209,6 +215,11 @@ func (u Unfused) RoPEStoreKV(c KVCache, layer, pos0 int, q, k, v Buf, headDim in
 	u.StoreKV(c, layer, pos0, k, v)
 }
 
+// NormMatMulStoreKV implements Fused.
+func (u Unfused) NormMatMulStoreKV(qkv []Buf, x Buf, w, bias Vector, eps float32, ws []Linear, kv RoPEKV) {
+	NormMatMulStoreKVSeq(u, qkv, x, w, bias, eps, ws, kv)
+}
+
 // AttentionAdd implements Fused.
 func (u Unfused) AttentionAdd(x, q Buf, c KVCache, layer, pos0, heads, kvHeads, headDim int, o Linear) {
 	AttentionAddSeq(u, x, q, c, layer, pos0, heads, kvHeads, headDim, o)
@@ -238,6 +249,24 @@ func AttentionAddSeq(f FusedBackend, x, q Buf, c KVCache, layer, pos0, heads, kv
 	f.Attention(a, q, c, layer, pos0, heads, kvHeads, headDim)
 	f.MatMulAdd(x, a, o)
 	f.Free(a)
+}
+
+// RoPEKV is where NormMatMulStoreKV rotates and stores the keys and values:
+// layer Layer of Cache from position Pos0, heads of HeadDim values rotated
+// with Theta in Layout.
+type RoPEKV struct {
+	Cache       KVCache
+	Layer, Pos0 int
+	HeadDim     int
+	Theta       float64
+	Layout      model.RopeLayout
+}
+
+// NormMatMulStoreKVSeq runs Fused.NormMatMulStoreKV as the sequence its
+// comment names, on f's NormMatMulN and RoPEStoreKV.
+func NormMatMulStoreKVSeq(f FusedBackend, qkv []Buf, x Buf, w, bias Vector, eps float32, ws []Linear, kv RoPEKV) {
+	f.NormMatMulN(qkv, x, w, bias, eps, ws)
+	f.RoPEStoreKV(kv.Cache, kv.Layer, kv.Pos0, qkv[0], qkv[1], qkv[2], kv.HeadDim, kv.Theta, kv.Layout)
 }
 
 // RoPEAttentionSeq runs Fused.RoPEAttention as the sequence its comment

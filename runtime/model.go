@@ -377,26 +377,39 @@ func (m *Model) storeKV(l int, q, k, v Buf, pos0 int, cache KVCache, ov Override
 // finishQKV is storeKV up to RoPE: the products finished, the cache and
 // layer to store k and v in and read q's attention from.
 func (m *Model) finishQKV(l int, q, k, v Buf, pos0 int, cache KVCache, ov Overrides) (KVCache, int) {
-	c := &m.cfg
-	be := m.be
-	T := q.Rows()
+	cache, cl := m.kvTarget(l, q.Rows(), pos0, cache)
+	m.finishProduct(l, model.Q, q, ov)
+	m.finishProduct(l, model.K, k, ov)
+	m.finishProduct(l, model.V, v, ov)
+	return cache, cl
+}
+
+// kvTarget is the cache and layer that T rows at positions pos0.. of layer
+// l store their keys and values in and read q's attention from: cache,
+// or the scratch cache where cache is nil.
+func (m *Model) kvTarget(l, T, pos0 int, cache KVCache) (KVCache, int) {
 	cl := l
 	if cache == nil {
 		if pos0 != 0 {
 			panic("runtime: Attention without a cache needs pos0 = 0")
 		}
 		if m.scratch == nil || m.scratch.MaxSeq() < T {
-			m.scratch = be.NewKVCache(1, max(T, 512), c.KVDim())
+			m.scratch = m.be.NewKVCache(1, max(T, 512), m.cfg.KVDim())
 		}
 		cache, cl = m.scratch, 0
 	}
 	if pos0+T > cache.MaxSeq() {
 		panic(fmt.Sprintf("runtime: positions %d..%d exceed the KV cache of %d", pos0, pos0+T-1, cache.MaxSeq()))
 	}
-	m.finishProduct(l, model.Q, q, ov)
-	m.finishProduct(l, model.K, k, ov)
-	m.finishProduct(l, model.V, v, ov)
 	return cache, cl
+}
+
+// plainQKV reports whether the layer's q, k and v products need no finishing
+// (finishProduct does nothing: no biases outside the projections, no head
+// norms).
+func (w *layerWeights) plainQKV() bool {
+	return (w.qBias == nil || w.biasInLinear[0]) && (w.kBias == nil || w.biasInLinear[1]) &&
+		(w.vBias == nil || w.biasInLinear[2]) && w.qNorm == nil && w.kNorm == nil
 }
 
 // KV returns the keys and values layer l caches for its normed input h
@@ -478,6 +491,17 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 	// a capture sees the normed inputs, so the norms run on their own
 	q, k, v := AllocRaw(be, T, c.QDim()), AllocRaw(be, T, c.KVDim()), AllocRaw(be, T, c.KVDim())
 	qkv, wqkv := []Buf{q, k, v}, []Linear{w.q, w.k, w.v}
+	if capture == nil && T > 1 && w.plainQKV() { // a prefill: RoPE and the KV store with the products where the backend can
+		kc, cl := m.kvTarget(l, T, pos0, cache)
+		f.NormMatMulStoreKV(qkv, x, w.attnNorm, w.attnNormBias, eps, wqkv,
+			RoPEKV{Cache: kc, Layer: cl, Pos0: pos0, HeadDim: c.HeadDim, Theta: c.RopeTheta, Layout: c.Rope})
+		be.Free(k)
+		be.Free(v)
+		f.AttentionAdd(x, q, kc, cl, pos0, c.Heads, c.KVHeads, c.HeadDim, w.o)
+		be.Free(q)
+		f.MLP(x, w.mlpNorm, w.mlpNormBias, eps, w.gate, w.up, w.down)
+		return
+	}
 	if capture == nil {
 		f.NormMatMulN(qkv, x, w.attnNorm, w.attnNormBias, eps, wqkv)
 	} else {

@@ -399,11 +399,12 @@ func kernelNames() []string {
 }
 
 // hopperKernels are the kernels only the sm_90a PTX holds (wgmma: the
-// values of hopperGEMM, gluKernels, segsKernels and tileSendKernels, and
+// values of hopperGEMM, gluKernels, segsKernels, segsKVKernels and tileSendKernels, and
 // w8a8SegsKernel; clusters: the decode attention's attention_f16_cl),
 // looked up where it is loaded.
 var hopperKernels = slices.Concat(slices.Sorted(maps.Values(hopperGEMM)), slices.Sorted(maps.Values(gluKernels)), slices.Sorted(maps.Values(wideKernels)),
-	slices.Sorted(maps.Values(segsKernels)), slices.Sorted(maps.Values(tileSendKernels)), []string{"attention_f16_cl", w8a8SegsKernel})
+	slices.Sorted(maps.Values(segsKernels)), slices.Sorted(maps.Values(segsKVKernels)), slices.Sorted(maps.Values(tileSendKernels)),
+	[]string{"attention_f16_cl", w8a8SegsKernel})
 
 // enter binds the context to the calling thread; call the result when done.
 func (b *Backend) enter() func() {

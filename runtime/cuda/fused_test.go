@@ -1111,6 +1111,110 @@ func TestRoPEStoreKV(t *testing.T) {
 	}
 }
 
+// TestNormMatMulStoreKV checks the q/k/v products with RoPE and the KV
+// store in their epilogue (qtool.cu's gemm_wg_*_segs_kv) against the
+// sequence runtime.Fused names (NormMatMulN, then RoPEStoreKV): q and the
+// fp16 cache bit for bit, for fp16, 4-bit and W8A8 weights (static and
+// per-token quantizers), both RoPE layouts and heads of 64 and 128, 130 rows (a partial row tile)
+// from position 7 and 200 from 0; the fused kernel launched and no
+// store_kv. An fp32 cache, which the epilogue does not take, runs the
+// sequence (store_kv launched) with the same results.
+func TestNormMatMulStoreKV(t *testing.T) {
+	b := newTestBackend(t)
+	if !b.wgmma {
+		t.Skip("no Hopper GEMMs on this device (sm_90a)")
+	}
+	defer func() { b.opt.KVHalf = false }()
+	r := rand.New(rand.NewPCG(81, 82))
+	const K, theta = 2048, 1e4
+	nw, err := b.UploadVector("norm", model.FromFloat32([]int{K}, randVec(r, K, 1)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.FreeVector(nw)
+	for _, kind := range []string{"f16", "awq-int4-asym-g128", "w8a8", "w8a8-dynamic"} {
+		for _, hd := range []int{64, 128} {
+			heads, kvHeads := 8, 2
+			qDim, kvDim := heads*hd, kvHeads*hd
+			ws := make([]runtime.Linear, 3)
+			for i, n := range []int{qDim, kvDim, kvDim} {
+				switch kind {
+				case "w8a8", "w8a8-dynamic":
+					ws[i] = uploadW8A8(t, b, r, n, K, kind == "w8a8-dynamic", 0.02)
+				default:
+					ws[i], _ = uploadCase(t, b, r, weightCaseNamed(t, kind), n, K)
+				}
+			}
+			for _, half := range []bool{true, false} {
+				for _, layout := range []model.RopeLayout{model.RopeHalf, model.RopeInterleaved} {
+					for _, tc := range []struct{ M, pos0 int }{{130, 7}, {200, 0}} {
+						name := fmt.Sprintf("%s/hd=%d/f16cache=%v/%v/M=%d", kind, hd, half, layout, tc.M)
+						t.Run(name, func(t *testing.T) {
+							checkNormMatMulStoreKV(t, b, r, ws, nw, K, qDim, kvDim, tc.M, tc.pos0, half, runtime.RoPEKV{
+								Layer: 1, Pos0: tc.pos0, HeadDim: hd, Theta: theta, Layout: layout})
+						})
+					}
+				}
+			}
+			for _, w := range ws {
+				b.FreeLinear(w)
+			}
+		}
+	}
+}
+
+// checkNormMatMulStoreKV runs NormMatMulStoreKV and its sequence on caches
+// of maxSeq 256 and two layers (fp16 where half) for TestNormMatMulStoreKV.
+func checkNormMatMulStoreKV(t *testing.T, b *Backend, r *rand.Rand, ws []runtime.Linear, nw runtime.Vector, K, qDim, kvDim, M, pos0 int, half bool, kv runtime.RoPEKV) {
+	t.Helper()
+	b.opt.KVHalf = half
+	ca, cb := b.NewKVCache(2, 256, kvDim), b.NewKVCache(2, 256, kvDim)
+	defer b.FreeKVCache(ca)
+	defer b.FreeKVCache(cb)
+	x := upload(b, M, K, randVec(r, M*K, 1))
+	defer b.Free(x)
+	var qkv [2][]runtime.Buf
+	for i := range qkv {
+		qkv[i] = []runtime.Buf{poisoned(b, M, qDim), poisoned(b, M, kvDim), poisoned(b, M, kvDim)}
+		for _, y := range qkv[i] {
+			defer b.Free(y)
+		}
+	}
+	seq := kv
+	seq.Cache = ca
+	runtime.NormMatMulStoreKVSeq(b, qkv[0], x, nw, nil, 1e-5, ws, seq)
+	kv.Cache = cb
+	launched := launchedBy(b, func() { b.NormMatMulStoreKV(qkv[1], x, nw, nil, 1e-5, ws, kv) })
+	fusedKernel := ""
+	for k := range launched {
+		if strings.HasSuffix(k, "_segs_kv") {
+			fusedKernel = k
+		}
+	}
+	switch {
+	case half && (fusedKernel == "" || launched["store_kv_f16"]):
+		t.Errorf("launched %v, want a _segs_kv kernel and no store_kv_f16", slices.Sorted(maps.Keys(launched)))
+	case !half && (fusedKernel != "" || !launched["store_kv"]):
+		t.Errorf("an fp32 cache launched %v, want store_kv", slices.Sorted(maps.Keys(launched)))
+	}
+	if g, w := download(b, qkv[1][0]), download(b, qkv[0][0]); !slices.Equal(g, w) {
+		i := 0
+		for g[i] == w[i] {
+			i++
+		}
+		t.Errorf("q differs from the sequence's at %d (row %d, column %d): %v against %v", i, i/qDim, i%qDim, g[i], w[i])
+	}
+	if g, w := cacheBytes(b, cb), cacheBytes(b, ca); !slices.Equal(g, w) {
+		n := 0
+		for j := range g {
+			if g[j] != w[j] {
+				n++
+			}
+		}
+		t.Errorf("the cache differs from the sequence's in %d of %d bytes", n, len(g))
+	}
+}
+
 // TestRoPEAttention checks runtime.Fused's RoPEAttention against the
 // sequence it stands for (RoPEStoreKV, then Attention) for every cache
 // type, both RoPE layouts and head sizes 64, 128 and 256, at positions whose

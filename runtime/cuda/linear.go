@@ -736,6 +736,9 @@ type gemmIn struct {
 	a16, perm driver.DevicePtr
 	xq, tok   driver.DevicePtr
 	xqKey     actQuant
+	// kv, where set, asks a segs launch of q, k and v to rotate and store
+	// them (NormMatMulStoreKV); the launch that does sets kv.done.
+	kv *qkvStore
 }
 
 // actQuant is how W8A8 quantizes a layer's input: per token, or with one
@@ -1098,7 +1101,9 @@ const w8a8SegsKernel = "gemm_wg_s8_segs"
 // llama3-8b's prefill of 512 tokens 4 %, of 1 024 1.7 % (where one
 // launch saves no wave it lost up to 2.6 %: llama2-7b at 1 024 and 2 048
 // tokens). The sums are integers, so the values are each product's alone
-// however K splits.
+// however K splits. Where in.kv asks for it (segsKV) the launch is of
+// gemm_wg_s8_segs_kv, which rotates q and k and stores k and v into the
+// cache.
 func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 	M, l0 := in.x.rows, segs[0].l
 	if !w8a8OneInput(segs) || b.wgmmaKernel("w8a8_mma", M) == "" {
@@ -1115,7 +1120,11 @@ func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 	}
 	xq, tok := b.quantized(in, l0)
 	shm := b.actMap("gemm_wg_s8", xq, M, l0.in)
-	b.raiseSmem(w8a8SegsKernel, shm)
+	name, kv := w8a8SegsKernel, b.segsKV(in, w8a8SegsKernel, segs)
+	if kv {
+		name = segsKVKernels[name]
+	}
+	b.raiseSmem(name, shm)
 	var maps [3]*driver.TensorMap
 	var outs []any
 	for i := range maps {
@@ -1126,11 +1135,28 @@ func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 		}
 		d, l := segs[i].d, segs[i].l
 		maps[i] = b.weightMap("gemm_wg_s8", l.w, l)
+		if kv { // {qbias, deq, bias, N} each, then q's output and the store's
+			outs = append(outs, l.qbias, l.deq, l.bias, l.out)
+			continue
+		}
 		outs = append(outs, d.p, l.qbias, l.deq, l.bias, l.out)
 	}
-	args := append([]any{b.tmaps[0], maps[0], maps[1], maps[2], tok, M, l0.in, outStore}, outs...)
-	b.launchMerged(w8a8SegsKernel, [3]uint32{uint32(mt), uint32(tiles / mt), 1}, block384, shm, S, args...)
+	args := []any{b.tmaps[0], maps[0], maps[1], maps[2], tok, M, l0.in}
+	if kv {
+		args = append(append(append(args, outs...), segs[0].d.p), in.kv.args()...)
+		in.kv.done = true
+	} else {
+		args = append(append(args, outStore), outs...)
+	}
+	b.launchMerged(name, [3]uint32{uint32(mt), uint32(tiles / mt), 1}, block384, shm, S, args...)
 	return true
+}
+
+// segsKV reports whether the segs launch of kernel name over segs takes
+// in.kv's fused RoPE and KV store (segsKVKernels): q, k and v, the last two
+// of one shape.
+func (b *Backend) segsKV(in *gemmIn, name string, segs []gemvSeg) bool {
+	return in.kv != nil && segsKVKernels[name] != "" && len(segs) == 3 && segs[1].l.out == segs[2].l.out
 }
 
 // w8a8GLU runs gate's and up's products of in and their SwiGLU into d as
@@ -1752,7 +1778,9 @@ var segsKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_segs", "gemm_wg_
 // kernel's tiles are those of the products one at a time, so the values
 // are theirs unsplit. (Where one product fills the device alone, as a GQA
 // model's q, the others split K beside it in less time than a second wave
-// of tiles.)
+// of tiles.) Where in.kv asks for it (segsKV) and the kind has one
+// (segsKVKernels: fp16, 4-bit) the launch is of the _kv form, which rotates
+// q and k and stores k and v into the cache.
 func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 	M, l0 := in.x.rows, segs[0].l
 	if len(segs) < 2 || len(segs) > 3 || l0.perm != 0 {
@@ -1787,8 +1815,16 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 		maps[2] = maps[0] // unread: N2 = 0
 	}
 	shm := b.actMap(wg, b.half(in, l0), M, l0.in)
-	b.raiseSmem(name, shm)
 	grid := [3]uint32{uint32(mt), uint32(tiles / mt), 1}
+	if b.segsKV(in, name, segs) {
+		name = segsKVKernels[name]
+		b.raiseSmem(name, shm)
+		b.launchShm(name, grid, block384, shm, append([]any{c[0], b.tmaps[0], maps[0], maps[1], maps[2], sz[0], sz[1], sz[2],
+			M, n[0], n[1], l0.in, max(l0.gs, gemmHBK), l0.groups, wgFlags(ls[:len(segs)]...)}, in.kv.args()...)...)
+		in.kv.done = true
+		return true
+	}
+	b.raiseSmem(name, shm)
 	b.launchShm(name, grid, block384, shm, c[0], c[1], c[2], b.tmaps[0], maps[0], maps[1], maps[2], sz[0], sz[1], sz[2],
 		M, n[0], n[1], n[2], l0.in, max(l0.gs, gemmHBK), l0.groups, wgFlags(ls[:len(segs)]...), outStore)
 	return true

@@ -191,6 +191,12 @@ type PeerSender interface {
 	AttentionAllReduce(x, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int, o runtime.Linear, add bool) bool
 }
 
+// NormMatMulStoreKV implements runtime.Fused as its sequence: the group's
+// NormMatMulN, then its RoPEStoreKV.
+func (b *Backend) NormMatMulStoreKV(qkv []runtime.Buf, x runtime.Buf, w, bias runtime.Vector, eps float32, ws []runtime.Linear, kv runtime.RoPEKV) {
+	runtime.NormMatMulStoreKVSeq(b, qkv, x, w, bias, eps, ws, kv)
+}
+
 // RoPEStoreKV implements runtime.Fused: each rank rotates its heads of q
 // and k and stores its KV heads.
 func (b *Backend) RoPEStoreKV(c runtime.KVCache, layer, pos0 int, q, k, v runtime.Buf, headDim int, theta float64, layout model.RopeLayout) {

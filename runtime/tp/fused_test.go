@@ -41,6 +41,10 @@ func (f fusingCPU) RoPEStoreKV(c runtime.KVCache, layer, pos0 int, q, k, v runti
 	f.unfused().RoPEStoreKV(c, layer, pos0, q, k, v, headDim, theta, layout)
 }
 
+func (f fusingCPU) NormMatMulStoreKV(qkv []runtime.Buf, x runtime.Buf, w, bias runtime.Vector, eps float32, ws []runtime.Linear, kv runtime.RoPEKV) {
+	f.unfused().NormMatMulStoreKV(qkv, x, w, bias, eps, ws, kv)
+}
+
 // checkFusedRanks runs ids through m at TP=2 over ranks that fuse: the
 // logits match want (the unsplit CPU backend's) within 1e-5 of the largest
 // logit, as TestLogits asks of plain TP=2 (only the order of the residual
