@@ -4284,6 +4284,18 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
         }
     }
 }
+// gw_add_units adds to a thread's sums d the 16-byte units another block
+// stored into this block's area for it: unit e / 4 at (e / 4 · stride +
+// slot) · 16 (gw_merge_splits: 256 slots, gw_pair_scatter: 128).
+template <int N, typename T>
+__device__ __forceinline__ void gw_add_units(T (&d)[N], const unsigned char* area, int stride, int slot) {
+    using V = typename std::conditional<std::is_same<T, float>::value, float4, int4>::type;
+#pragma unroll
+    for (int e = 0; e < N; e += 4) {
+        V v = reinterpret_cast<const V*>(area)[(e / 4) * stride + slot];
+        d[e] += v.x, d[e + 1] += v.y, d[e + 2] += v.z, d[e + 3] += v.w;
+    }
+}
 // gw_merge_splits merges the sums d (N a thread, thread ct of the 256
 // consumers; fp32 or integers) of an fp16 or int8 Hopper GEMM block whose
 // launch runs the K splits of a tile as one cluster of ncl blocks along z
@@ -4304,7 +4316,6 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
 template <int N, typename T>
 __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, int ncl, int ct) {
     static_assert(N % 4 == 0, "four sums a unit");
-    using V = typename std::conditional<std::is_same<T, float>::value, float4, int4>::type;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     cluster_wait();  // the first arrival: every block of the cluster has set up
     const int rank = (int)blockIdx.z;  // the split: clusters (1, 1, ncl) over a grid of ncl along z
@@ -4321,11 +4332,7 @@ __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, 
         cluster_arrive();
         cluster_wait();
         if ((rank & (2 * s - 1)) == 0 && rank + s < ncl) {
-#pragma unroll
-            for (int e = 0; e < N; e += 4) {
-                V v = reinterpret_cast<const V*>(area)[(e / 4) * 256 + ct];
-                d[e] += v.x, d[e + 1] += v.y, d[e + 2] += v.z, d[e + 3] += v.w;
-            }
+            gw_add_units(d, area, 256, ct);
         }
     }
     named_sync(1, 256);
@@ -4349,7 +4356,6 @@ __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, 
 template <int N, typename T>
 __device__ __forceinline__ void gw_pair_scatter(T (&d)[N], unsigned char* area, int ct) {
     static_assert(N % 4 == 0, "four sums a unit");
-    using V = typename std::conditional<std::is_same<T, float>::value, float4, int4>::type;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     cluster_wait();  // the first arrival: both blocks have set up
     const int rank = (int)blockIdx.z, c = ct >> 7, t = ct & 127;
@@ -4362,13 +4368,7 @@ __device__ __forceinline__ void gw_pair_scatter(T (&d)[N], unsigned char* area, 
     }
     cluster_arrive();
     cluster_wait();  // the halves landed
-    if (c == rank) {
-#pragma unroll
-        for (int e = 0; e < N; e += 4) {
-            V v = reinterpret_cast<const V*>(area)[(e / 4) * 128 + t];
-            d[e] += v.x, d[e + 1] += v.y, d[e + 2] += v.z, d[e + 3] += v.w;
-        }
-    }
+    if (c == rank) gw_add_units(d, area, 128, t);
     named_sync(1, 256);
 #endif
 }
