@@ -693,7 +693,8 @@ struct AsIs {
 // before they use any (one round trip to memory a batch instead of one an
 // item: the epilogue runs after the products, with nothing else to hide
 // it). mir gets every value stored into C as well (PeerMirror: the
-// tensor-parallel peers' stages; NoMirror: nothing).
+// tensor-parallel peers' stages; NoMirror: nothing), or, where it takes
+// them (QKVSink), stores them itself instead of C.
 #define OTS_BATCH 4
 // stage_tile puts a thread's NU units of W values (as out_tile's) into the
 // tile stage st once every thread of st is done with the stages, and

@@ -1440,7 +1440,8 @@ func (b *Backend) RoPEAttention(dst, q, k, v runtime.Buf, c runtime.KVCache, lay
 // use outside a graph capture, which gets 0 (the unfused sequence) like a
 // capture that finds none and a head size or theta other than the table's:
 // the attention reads the angles before its wait, so the table's kernel
-// must be at least two launches before it.
+// must be at least two launches before it. (qkvStoreFor uses a table made
+// just now: its GEMM reads the angles after its wait.)
 func (b *Backend) ropeTable(c *KVCache, hd int, theta float64) driver.DevicePtr {
 	switch {
 	case c.rope != 0 && c.ropeHD == hd && c.ropeTheta == theta:

@@ -1118,7 +1118,11 @@ func TestRoPEStoreKV(t *testing.T) {
 // per-token quantizers), both RoPE layouts and heads of 64 and 128, 130 rows (a partial row tile)
 // from position 7 and 200 from 0; the fused kernel launched and no
 // store_kv. An fp32 cache, which the epilogue does not take, runs the
-// sequence (store_kv launched) with the same results.
+// sequence (store_kv launched) with the same results. (The shapes are ones
+// whose products alone split K, so that the sequence too runs them as one
+// segs launch and its sums are the fused launch's: kvSegs takes that launch
+// up to 512 rows also where the sequence would split K one product at a
+// time, and the values then differ in float32 rounding.)
 func TestNormMatMulStoreKV(t *testing.T) {
 	b := newTestBackend(t)
 	if !b.wgmma {

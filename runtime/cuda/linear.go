@@ -1103,7 +1103,8 @@ const w8a8SegsKernel = "gemm_wg_s8_segs"
 // tokens). The sums are integers, so the values are each product's alone
 // however K splits. Where in.kv asks for it (segsKV) the launch is of
 // gemm_wg_s8_segs_kv, which rotates q and k and stores k and v into the
-// cache.
+// cache, and up to kvSegsMaxRows rows it is taken whatever segsTiles says
+// (kvSegs).
 func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 	M, l0 := in.x.rows, segs[0].l
 	if !w8a8OneInput(segs) || b.wgmmaKernel("w8a8_mma", M) == "" {
@@ -1797,7 +1798,10 @@ var segsKernels = map[string]string{"gemm_wg_f16": "gemm_wg_f16_segs", "gemm_wg_
 // model's q, the others split K beside it in less time than a second wave
 // of tiles.) Where in.kv asks for it (segsKV) and the kind has one
 // (segsKVKernels: fp16, 4-bit) the launch is of the _kv form, which rotates
-// q and k and stores k and v into the cache.
+// q and k and stores k and v into the cache; up to kvSegsMaxRows rows it is
+// taken then even where the products alone would not split K (kvSegs), so
+// that their values are the unsplit sums where one by one they would be
+// split ones.
 func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 	M, l0 := in.x.rows, segs[0].l
 	if len(segs) < 2 || len(segs) > 3 || l0.perm != 0 {

@@ -30,9 +30,13 @@ func (s *qkvStore) args() []any {
 // NormMatMulStoreKV implements runtime.Fused: where one Hopper segs launch
 // takes q, k and v (wgSegs, w8a8WGSegs) its epilogue rotates q and k with
 // the cache's table of angles (ropeTable) and stores k and v into the fp16
-// cache (qtool.cu's gemm_wg_*_segs_kv, store_kv_f16's values bit for bit):
-// no store_kv launch, k and v never in memory as floats. Otherwise, or for
-// a cache or shape the epilogue does not take (qkvStoreFor), the sequence.
+// cache (qtool.cu's gemm_wg_*_segs_kv; the rotation and rounding
+// store_kv_f16's bit for bit): no store_kv launch, k and v never in memory
+// as floats. Up to kvSegsMaxRows rows the products go in that launch even
+// where the sequence runs them one by one, K split through memory (fp16,
+// 4-bit): their sums then differ in float32 rounding, as runtime.Fused
+// allows. Otherwise, or for a cache or shape the epilogue does not take
+// (qkvStoreFor), the sequence.
 func (b *Backend) NormMatMulStoreKV(qkv []runtime.Buf, x runtime.Buf, w, bias runtime.Vector, eps float32, ws []runtime.Linear, kv runtime.RoPEKV) {
 	st := b.qkvStoreFor(qkv, kv)
 	if st == nil {
@@ -59,7 +63,8 @@ func (b *Backend) NormMatMulStoreKV(qkv []runtime.Buf, x runtime.Buf, w, bias ru
 // a graph capture (positions from the device, no table made), positions
 // past the cache, heads other than 64 or 128 values, products not whole
 // 128-column tiles of heads (every warp of the epilogue a row of whole
-// heads), or no table of angles yet for kv's head size and theta.
+// heads), or a cache whose table of angles (ropeTable, made here where
+// there is none) is of another head size or theta.
 func (b *Backend) qkvStoreFor(qkv []runtime.Buf, kv runtime.RoPEKV) *qkvStore {
 	if !b.wgmma || b.capturing || len(qkv) != 3 {
 		return nil
