@@ -488,30 +488,12 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 	eps := float32(c.NormEps)
 	f := m.ops
 
-	// a capture sees the normed inputs, so the norms run on their own
 	q, k, v := AllocRaw(be, T, c.QDim()), AllocRaw(be, T, c.KVDim()), AllocRaw(be, T, c.KVDim())
 	qkv, wqkv := []Buf{q, k, v}, []Linear{w.q, w.k, w.v}
-	if capture == nil && T > 1 && w.plainQKV() { // a prefill: RoPE and the KV store with the products where the backend can
-		kc, cl := m.kvTarget(l, T, pos0, cache)
-		f.NormMatMulStoreKV(qkv, x, w.attnNorm, w.attnNormBias, eps, wqkv,
-			RoPEKV{Cache: kc, Layer: cl, Pos0: pos0, HeadDim: c.HeadDim, Theta: c.RopeTheta, Layout: c.Rope})
-		be.Free(k)
-		be.Free(v)
-		f.AttentionAdd(x, q, kc, cl, pos0, c.Heads, c.KVHeads, c.HeadDim, w.o)
-		be.Free(q)
-		f.MLP(x, w.mlpNorm, w.mlpNormBias, eps, w.gate, w.up, w.down)
-		return
-	}
 	if capture == nil {
-		f.NormMatMulN(qkv, x, w.attnNorm, w.attnNormBias, eps, wqkv)
-	} else {
-		h := m.AttnNorm(l, x)
-		capture(l, CaptureQKV, h)
-		f.MatMulN(qkv, h, wqkv)
-		be.Free(h)
-	}
-	if capture == nil {
-		if T == 1 { // a decode row: RoPE and the KV store inside the attention where the backend can
+		switch {
+		case T == 1: // a decode row: RoPE and the KV store inside the attention where the backend can
+			f.NormMatMulN(qkv, x, w.attnNorm, w.attnNormBias, eps, wqkv)
 			kc, cl := m.finishQKV(l, q, k, v, pos0, cache, nil)
 			att := AllocRaw(be, T, c.QDim())
 			f.RoPEAttention(att, q, k, v, kc, cl, pos0, c.Heads, c.KVHeads, c.HeadDim, c.RopeTheta, c.Rope)
@@ -520,21 +502,37 @@ func (m *Model) Layer(l int, x Buf, pos0 int, cache KVCache, capture Capture) {
 			be.Free(v)
 			f.MatMulAdd(x, att, w.o)
 			be.Free(att)
-		} else { // AttentionAdd may write o's input in the form its product takes
-			kc, cl := m.storeKV(l, q, k, v, pos0, cache, nil)
+		default: // AttentionAdd may write o's input in the form its product takes
+			var kc KVCache
+			var cl int
+			if w.plainQKV() { // RoPE and the KV store with the products where the backend can
+				kc, cl = m.kvTarget(l, T, pos0, cache)
+				f.NormMatMulStoreKV(qkv, x, w.attnNorm, w.attnNormBias, eps, wqkv,
+					RoPEKV{Cache: kc, Layer: cl, Pos0: pos0, HeadDim: c.HeadDim, Theta: c.RopeTheta, Layout: c.Rope})
+				be.Free(k)
+				be.Free(v)
+			} else {
+				f.NormMatMulN(qkv, x, w.attnNorm, w.attnNormBias, eps, wqkv)
+				kc, cl = m.storeKV(l, q, k, v, pos0, cache, nil)
+			}
 			f.AttentionAdd(x, q, kc, cl, pos0, c.Heads, c.KVHeads, c.HeadDim, w.o)
 			be.Free(q)
 		}
 		f.MLP(x, w.mlpNorm, w.mlpNormBias, eps, w.gate, w.up, w.down)
 		return
 	}
+	// a capture sees the normed inputs, so the norms run on their own
+	h := m.AttnNorm(l, x)
+	capture(l, CaptureQKV, h)
+	f.MatMulN(qkv, h, wqkv)
+	be.Free(h)
 	kc, cl := m.storeKV(l, q, k, v, pos0, cache, nil)
 	att := m.attend(q, kc, cl, pos0)
 	capture(l, CaptureO, att)
 	f.MatMulAdd(x, att, w.o)
 	be.Free(att)
 
-	h := m.MLPNorm(l, x)
+	h = m.MLPNorm(l, x)
 	capture(l, CaptureGateUp, h)
 	g := m.MLPHidden(l, h, nil)
 	be.Free(h)

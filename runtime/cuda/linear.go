@@ -1121,7 +1121,7 @@ func (b *Backend) w8a8WGSegs(in *gemmIn, segs []gemvSeg) bool {
 	}
 	xq, tok := b.quantized(in, l0)
 	shm := b.actMap("gemm_wg_s8", xq, M, l0.in)
-	name, kv := w8a8SegsKernel, b.segsKV(in, w8a8SegsKernel, segs)
+	name, kv := w8a8SegsKernel, segsKV(in, w8a8SegsKernel)
 	if kv {
 		name = segsKVKernels[name]
 	}
@@ -1167,14 +1167,14 @@ const kvSegsMaxRows = 512
 // kernel name for the fused RoPE and KV store whatever segsTiles says
 // (kvSegsMaxRows).
 func kvSegs(in *gemmIn, name string) bool {
-	return in.kv != nil && in.x.rows <= kvSegsMaxRows && segsKVKernels[name] != ""
+	return segsKV(in, name) && in.x.rows <= kvSegsMaxRows
 }
 
-// segsKV reports whether the segs launch of kernel name over segs takes
-// in.kv's fused RoPE and KV store (segsKVKernels): q, k and v, the last two
-// of one shape.
-func (b *Backend) segsKV(in *gemmIn, name string, segs []gemvSeg) bool {
-	return in.kv != nil && segsKVKernels[name] != "" && len(segs) == 3 && segs[1].l.out == segs[2].l.out
+// segsKV reports whether the segs launch of kernel name takes in.kv's
+// fused RoPE and KV store (segsKVKernels; qkvStoreFor has checked that the
+// products are q, k and v, k and v of one shape).
+func segsKV(in *gemmIn, name string) bool {
+	return in.kv != nil && segsKVKernels[name] != ""
 }
 
 // w8a8GLU runs gate's and up's products of in and their SwiGLU into d as
@@ -1836,18 +1836,20 @@ func (b *Backend) wgSegs(in *gemmIn, segs []gemvSeg) bool {
 		maps[2] = maps[0] // unread: N2 = 0
 	}
 	shm := b.actMap(wg, b.half(in, l0), M, l0.in)
+	gs, flags := max(l0.gs, gemmHBK), wgFlags(ls[:len(segs)]...)
 	grid := [3]uint32{uint32(mt), uint32(tiles / mt), 1}
-	if b.segsKV(in, name, segs) {
+	var args []any
+	if segsKV(in, name) { // q's output alone, k and v's shape once, the store's arguments
 		name = segsKVKernels[name]
-		b.raiseSmem(name, shm)
-		b.launchShm(name, grid, block384, shm, append([]any{c[0], b.tmaps[0], maps[0], maps[1], maps[2], sz[0], sz[1], sz[2],
-			M, n[0], n[1], l0.in, max(l0.gs, gemmHBK), l0.groups, wgFlags(ls[:len(segs)]...)}, in.kv.args()...)...)
+		args = append([]any{c[0], b.tmaps[0], maps[0], maps[1], maps[2], sz[0], sz[1], sz[2],
+			M, n[0], n[1], l0.in, gs, l0.groups, flags}, in.kv.args()...)
 		in.kv.done = true
-		return true
+	} else {
+		args = []any{c[0], c[1], c[2], b.tmaps[0], maps[0], maps[1], maps[2], sz[0], sz[1], sz[2],
+			M, n[0], n[1], n[2], l0.in, gs, l0.groups, flags, outStore}
 	}
 	b.raiseSmem(name, shm)
-	b.launchShm(name, grid, block384, shm, c[0], c[1], c[2], b.tmaps[0], maps[0], maps[1], maps[2], sz[0], sz[1], sz[2],
-		M, n[0], n[1], n[2], l0.in, max(l0.gs, gemmHBK), l0.groups, wgFlags(ls[:len(segs)]...), outStore)
+	b.launchShm(name, grid, block384, shm, args...)
 	return true
 }
 
