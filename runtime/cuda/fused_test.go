@@ -1136,6 +1136,14 @@ func TestNormMatMulStoreKV(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.FreeVector(nw)
+	ran := map[string]bool{} // the fused kernels the cases launched
+	defer func() {
+		for _, k := range segsKVKernels {
+			if !ran[k] && !t.Failed() {
+				t.Errorf("no case runs %s", k)
+			}
+		}
+	}()
 	for _, kind := range []string{"f16", "awq-int4-asym-g128", "w8a8", "w8a8-dynamic"} {
 		for _, hd := range []int{64, 128} {
 			heads, kvHeads := 8, 2
@@ -1154,8 +1162,8 @@ func TestNormMatMulStoreKV(t *testing.T) {
 					for _, tc := range []struct{ M, pos0 int }{{130, 7}, {200, 0}} {
 						name := fmt.Sprintf("%s/hd=%d/f16cache=%v/%v/M=%d", kind, hd, half, layout, tc.M)
 						t.Run(name, func(t *testing.T) {
-							checkNormMatMulStoreKV(t, b, r, ws, nw, K, qDim, kvDim, tc.M, tc.pos0, half, runtime.RoPEKV{
-								Layer: 1, Pos0: tc.pos0, HeadDim: hd, Theta: theta, Layout: layout})
+							ran[checkNormMatMulStoreKV(t, b, r, ws, nw, K, qDim, kvDim, tc.M, tc.pos0, half, runtime.RoPEKV{
+								Layer: 1, Pos0: tc.pos0, HeadDim: hd, Theta: theta, Layout: layout})] = true
 						})
 					}
 				}
@@ -1168,8 +1176,9 @@ func TestNormMatMulStoreKV(t *testing.T) {
 }
 
 // checkNormMatMulStoreKV runs NormMatMulStoreKV and its sequence on caches
-// of maxSeq 256 and two layers (fp16 where half) for TestNormMatMulStoreKV.
-func checkNormMatMulStoreKV(t *testing.T, b *Backend, r *rand.Rand, ws []runtime.Linear, nw runtime.Vector, K, qDim, kvDim, M, pos0 int, half bool, kv runtime.RoPEKV) {
+// of maxSeq 256 and two layers (fp16 where half) for TestNormMatMulStoreKV
+// and returns the _segs_kv kernel the fused call launched ("" if none).
+func checkNormMatMulStoreKV(t *testing.T, b *Backend, r *rand.Rand, ws []runtime.Linear, nw runtime.Vector, K, qDim, kvDim, M, pos0 int, half bool, kv runtime.RoPEKV) string {
 	t.Helper()
 	b.opt.KVHalf = half
 	ca, cb := b.NewKVCache(2, 256, kvDim), b.NewKVCache(2, 256, kvDim)
@@ -1217,6 +1226,7 @@ func checkNormMatMulStoreKV(t *testing.T, b *Backend, r *rand.Rand, ws []runtime
 		}
 		t.Errorf("the cache differs from the sequence's in %d of %d bytes", n, len(g))
 	}
+	return fusedKernel
 }
 
 // TestRoPEAttention checks runtime.Fused's RoPEAttention against the
