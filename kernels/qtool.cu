@@ -600,7 +600,8 @@ __device__ __forceinline__ float out_val(const float* C, float v, int out) {
 // its products are done), shared by the nthr threads (this one: tid) that
 // meet at named barrier bar; nthr is a multiple of TS_COLS / 4. The tile's
 // rows r0..r1 − 1 are the ones out_tile_staged finishes (a cluster pair's
-// block: its half, gw_pair_scatter).
+// block: its half, gw_pair_scatter; a cluster of three's: its part,
+// gw_trio_scatter).
 #define TS_ROWS 128
 #define TS_COLS 128
 #define TS_LD (TS_COLS + 8)  // the fragments' float2 writes hit 32 banks a half warp
@@ -1296,7 +1297,7 @@ __device__ __forceinline__ unsigned cluster_blocks() {
 // GEMM launch whose splits merge through memory (its partial sums to the
 // output + z·M·N, for sum_splits or w8a8_sum_splits): a launch split along
 // z and not run as one cluster a tile (those merge in shared memory,
-// gw_pair_scatter or gw_merge_splits).
+// gw_pair_scatter, gw_trio_scatter or gw_merge_splits).
 __device__ __forceinline__ bool split_to_memory() { return gridDim.z > 1 && cluster_blocks() == 1; }
 #define ATT_MAX_SPLITS 256  // the grid's splits at most (attnMaxSplits)
 #define ATT_MERGE_U 8      // partial sums a thread of the merge loads at once
@@ -4313,7 +4314,8 @@ __device__ __forceinline__ void gw_add_units(T (&d)[N], const unsigned char* are
 // epilogue: rank 0, its consumers past a barrier after their loads (the
 // epilogue's stage may reuse the area); a sender returns false once its
 // sums are sent. gemm_wg_body merges a narrow block's pair with
-// gw_pair_scatter instead, and more splits or a wide block's pair so.
+// gw_pair_scatter instead and its three with gw_trio_scatter, and more
+// splits or a wide block's so.
 template <int N, typename T>
 __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, int ncl, int ct) {
     static_assert(N % 4 == 0, "four sums a unit");
@@ -4343,7 +4345,7 @@ __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, 
 // gw_pair_scatter merges the sums d (N a thread, thread ct of the 256
 // consumers, of warpgroup c = ct / 128) of an fp16 or int8 Hopper GEMM
 // block whose launch runs the two K splits of a tile as one cluster of
-// two (gw_merge_splits's tree for more): each block finishes half the
+// two (gw_trio_scatter for three, gw_merge_splits's tree for more): each block finishes half the
 // tile, block r (its rank) the 64 rows of its warpgroup r. Warpgroup 1 − r
 // stores its sums into the other block's shared memory at area (the ring's
 // start, free once the products are done; 32 KB, a thread's 16-byte unit
@@ -4370,6 +4372,51 @@ __device__ __forceinline__ void gw_pair_scatter(T (&d)[N], unsigned char* area, 
     cluster_arrive();
     cluster_wait();  // the halves landed
     if (c == rank) gw_add_units(d, area, 128, t);
+    named_sync(1, 256);
+#endif
+}
+// gw_trio_scatter is gw_pair_scatter for a cluster of three (the K
+// splits of a narrow block's tile): block 0 finishes the 64 rows of
+// warpgroup 0, block 1 rows 64–95, block 2 rows 96–127 (a thread's rows
+// are the 32 of quarter ct / 64: warpgroup ct / 128, its warps 0–1 or
+// 2–3). Every thread whose quarter another block finishes stores its sums
+// there, into the slot of its rank among that block's two senders (T =
+// 128 threads' units a slot at block 0, 64 at the others; a thread's
+// 16-byte unit e / 4 at (slot · N / 4 + e / 4) · nt + t, nt those threads); the finishing
+// threads add the parts in the tree's order, (p0 + p1) + p2, all in one
+// round where gw_merge_splits takes two. 64 KB of area at block 0.
+template <int N, typename T>
+__device__ __forceinline__ void gw_trio_scatter(T (&d)[N], unsigned char* area, int ct) {
+    static_assert(N % 4 == 0, "four sums a unit");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using V = typename std::conditional<std::is_same<T, float>::value, float4, int4>::type;
+    cluster_wait();  // the first arrival: every block has set up
+    const int rank = (int)blockIdx.z, q = ct >> 6;
+    const int to = q < 2 ? 0 : q - 1;  // the block that finishes this thread's rows
+    cluster_arrive();
+    cluster_wait();  // the areas are free
+    if (to != rank) {
+        const int nt = to == 0 ? 128 : 64, t = ct & (nt - 1);
+        const int slot = rank < to ? rank : rank - 1;  // among to's senders, by rank
+        unsigned a = dsmem_addr(area, to);
+#pragma unroll
+        for (int e = 0; e < N; e += 4)
+            st_dsmem4(a + ((slot * (N / 4) + e / 4) * nt + t) * 16, d[e], d[e + 1], d[e + 2], d[e + 3]);
+    }
+    cluster_arrive();
+    cluster_wait();  // the parts landed
+    if (to == rank) {
+        const int nt = rank == 0 ? 128 : 64, t = ct & (nt - 1);
+        const V* in = reinterpret_cast<const V*>(area);
+#pragma unroll
+        for (int e = 0; e < N; e += 4) {
+            const V u0 = in[(e / 4) * nt + t], u1 = in[(N / 4 + e / 4) * nt + t];  // the senders, lower rank first
+            const V o = V{d[e], d[e + 1], d[e + 2], d[e + 3]};
+            const V p0 = rank == 0 ? o : u0, p1 = rank == 1 ? o : rank == 0 ? u0 : u1, p2 = rank == 2 ? o : u1;
+            d[e] = (p0.x + p1.x) + p2.x, d[e + 1] = (p0.y + p1.y) + p2.y;
+            d[e + 2] = (p0.z + p1.z) + p2.z, d[e + 3] = (p0.w + p1.w) + p2.w;
+        }
+    }
     named_sync(1, 256);
 #endif
 }
@@ -4445,7 +4492,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    // a K split launched as one cluster (gw_pair_scatter,
+    // a K split launched as one cluster (gw_pair_scatter, gw_trio_scatter,
     // gw_merge_splits): every thread's first arrival, which the merge's
     // first wait takes as all started
     // (the plain fp16 and int8 GEMMs, which can; the dispatcher launches
@@ -4522,13 +4569,18 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         static_assert(64 * AH * 4 * 256 <= GWS * SB, "the merge's area fits in the ring");
-        if constexpr (MERGES && AH == 1)
+        if constexpr (MERGES && AH == 1) {
             if (ncl == 2) {  // each block finishes the half of the tile its warpgroup blockIdx.z holds
                 gw_pair_scatter(d, at(base), tid - 128);
                 st.r0 = 64 * (int)blockIdx.z, st.r1 = st.r0 + 64;
             }
+            if (ncl == 3) {  // block 0 rows 0–63, block 1 64–95, block 2 96–127
+                gw_trio_scatter(d, at(base), tid - 128);
+                st.r0 = blockIdx.z == 0 ? 0 : 32 + 32 * (int)blockIdx.z, st.r1 = blockIdx.z == 0 ? 64 : st.r0 + 32;
+            }
+        }
         if constexpr (MERGES)
-            if (ncl > 2 || (AH == 2 && ncl == 2))
+            if (ncl > 3 || (AH == 2 && ncl >= 2))
                 if (!gw_merge_splits(d, at(base), ncl, tid - 128)) return;  // a sender: no epilogue
         // accumulator e of n8 chunk j: activation row 16·warp + lane/4 (+8
         // for e ≥ 2), weight row 8j + 2·(lane % 4) (+1 for odd e)
@@ -4696,7 +4748,8 @@ __device__ __forceinline__ void gemm_wg_run(int flags, float* C, const TmaMap* m
 // partial product to C + z·M·N for sum_splits (as SPLIT_OUT), except where
 // the splits run as one cluster, which applies out to C itself: a narrow
 // pair's blocks each to their half of the tile's rows (gw_pair_scatter),
-// else the tree's rank 0 (gw_merge_splits).
+// a narrow three's each to its part (gw_trio_scatter), else the tree's
+// rank 0 (gw_merge_splits).
 #define GEMM_WG_ENTRY(name, WK, AH)                                                                              \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(float* C, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW, const float2* sz, \
@@ -5243,8 +5296,8 @@ extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __r
 // [M, K], mapW over the int8 weight [N, K]; split z of gridDim.z > 1 writes
 // its integer sums to the int32 array y + z·M·N for w8a8_sum_splits, except
 // where the splits run as one cluster a tile (gw_pair_scatter: each block
-// of a narrow pair its half of the rows; gw_merge_splits: the tree's rank
-// 0), which applies w8a8_out into y by out as an unsplit launch does. Dynamic
+// of a narrow pair its half of the rows; gw_trio_scatter: of a narrow
+// three its part; gw_merge_splits: the tree's rank 0), which applies w8a8_out into y by out as an unsplit launch does. Dynamic
 // shared memory as gemm_wg_f16's.
 // gemm_wg_s8_w: the same with 256 weight rows a block (AH = 2: one wgmma
 // m64n256k32 a k32 step; its grid.y half gemm_wg_s8's), its two 128-column
@@ -5271,7 +5324,7 @@ GEMM_WG_S8_ENTRY(gemm_wg_s8_w, 2)
 // (q, k and v) in one launch: grid.y walks the weight tiles of weight 0,
 // then 1, then 2 (N2 = 0: two weights), each tile's w8a8_out put into its
 // weight's y_i [M, N_i] by out. K splits along z only as clusters of a
-// tile (gw_pair_scatter, gw_merge_splits): a launch split otherwise
+// tile (gw_pair_scatter, gw_trio_scatter, gw_merge_splits): a launch split otherwise
 // would store each split's sums as the result. One launch pays the fill,
 // merge and epilogue of a short K split once for the three products.
 #define W8A8_OUT(i) float *y##i, const int *qb##i, const float *dq##i, const float *bs##i, int N##i

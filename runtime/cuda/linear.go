@@ -1331,7 +1331,11 @@ const wgSplitSteps = 28
 // round (qtool.cu's gw_pair_scatter since the sixty-fourth session: 32 KB
 // each way at once, each block finishing half the rows) is cheaper, 1.9 µs
 // against the tree's 2.8 (4096 × 4096 int8 at 128 rows), but priced the
-// same: the dispatcher's choices were measured at this price.
+// same: the dispatcher's choices were measured at this price. A narrow
+// three merges in one round too since the sixty-fifth session
+// (gw_trio_scatter) and is still priced at two: priced at one, o's
+// 4096 × 4096 int8 at 128 rows moved from pairs to threes with no gain
+// (W8A8 prefill within ±1 % on both 7B/8B models).
 const wgClusterRoundSteps = 6
 
 // wgEstimate is a Hopper GEMM launch's time in block steps: tiles blocks
@@ -1559,7 +1563,8 @@ func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident,
 
 // launchMerged launches Hopper GEMM name on grid (z ignored) with K
 // split S ways along z, a tile's splits one cluster that merges them in
-// its blocks' shared memory (gw_pair_scatter, gw_merge_splits); S = 1: a
+// its blocks' shared memory (gw_pair_scatter, gw_trio_scatter,
+// gw_merge_splits); S = 1: a
 // plain launch.
 func (b *Backend) launchMerged(name string, grid, block [3]uint32, shm, S int, args ...any) {
 	if S == 1 {
@@ -1572,8 +1577,8 @@ func (b *Backend) launchMerged(name string, grid, block [3]uint32, shm, S int, a
 }
 
 // mergeKernels are the Hopper GEMMs whose K splits can merge in
-// distributed shared memory (qtool.cu's gw_pair_scatter and
-// gw_merge_splits: the fp16 and int8 kinds, whose accumulators are the 64
+// distributed shared memory (qtool.cu's gw_pair_scatter, gw_trio_scatter
+// and gw_merge_splits: the fp16 and int8 kinds, whose accumulators are the 64
 // or 128 values a consumer thread the merge sends), each with whether the
 // dispatcher picks that merge. It does
 // for int8 only: on an H200 (fifty-sixth session) the fp16 kernels merged
