@@ -4380,9 +4380,9 @@ __device__ __forceinline__ void gw_pair_scatter(T (&d)[N], unsigned char* area, 
 // warpgroup 0, block 1 rows 64–95, block 2 rows 96–127 (a thread's rows
 // are the 32 of quarter ct / 64: warpgroup ct / 128, its warps 0–1 or
 // 2–3). Every thread whose quarter another block finishes stores its sums
-// there, into the slot of its rank among that block's two senders (T =
+// there, into the slot of its rank among that block's two senders (nt =
 // 128 threads' units a slot at block 0, 64 at the others; a thread's
-// 16-byte unit e / 4 at (slot · N / 4 + e / 4) · nt + t, nt those threads); the finishing
+// 16-byte unit e / 4 at (slot · N / 4 + e / 4) · nt + t); the finishing
 // threads add the parts in the tree's order, (p0 + p1) + p2, all in one
 // round where gw_merge_splits takes two. 64 KB of area at block 0.
 template <int N, typename T>

@@ -1013,7 +1013,8 @@ func TestSumSplits(t *testing.T) {
 // memory (Options.NoClusterSplit): int8 equal bit for bit (integer sums;
 // TestW8A8 checks both against integer arithmetic), fp16 equal at two
 // splits (one sum either way) and at three narrow ones ((p0 + p1) + p2
-// either way), within tolerance of float64 at any; at 2, 3 (a round where the last
+// either way), within tolerance of float64 at any; at 2, 3 (a narrow
+// block's three in one round, a wide block's tree a round where the last
 // block has no partner), 4 and 8 splits (b.maxSplits), narrow and wide
 // blocks, each in clusters wherever they fit (b.forceClusterSplit: also
 // the forms splitPlan's costs pass over, three rounds of a wide block's
@@ -1037,10 +1038,12 @@ func TestClusterSplit(t *testing.T) {
 	defer b.Free(xb)
 	res := randVec(r, M*N, 1) // the residual MatMulAdd adds to
 	t.Logf("clusters of s blocks the device runs at once (clusterFit, s = 2…8): %v", b.clusterFit[2:])
-	// fp16: the cluster's sums in a tree, sum_splits's in order: equal at
-	// two splits, within the GEMMs' tolerance of float64 at any; stored,
-	// and added to the residual by the block that finishes the rows (a
-	// narrow pair: each block half the tile; else rank 0; sum_splits: out)
+	// fp16: the cluster's sums in a tree (a narrow three: in its order),
+	// sum_splits's in order: equal at two splits and three narrow ones,
+	// within the GEMMs' tolerance of float64 at any; stored, and added to
+	// the residual by the block that finishes the rows (a narrow pair: each
+	// block half the tile; a narrow three: each its part; else rank 0;
+	// sum_splits: out)
 	f16, wf := uploadCase(t, b, r, weightCaseNamed(t, "f16"), N, K)
 	want := matmulRef(x, wf, M, N, K)
 	wantAdd := slices.Clone(want)
