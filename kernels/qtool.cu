@@ -4345,12 +4345,13 @@ __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, 
 // gw_pair_scatter merges the sums d (N a thread, thread ct of the 256
 // consumers, of warpgroup c = ct / 128) of an fp16 or int8 Hopper GEMM
 // block whose launch runs the two K splits of a tile as one cluster of
-// two (gw_trio_scatter for three, gw_merge_splits's tree for more): each block finishes half the
-// tile, block r (its rank) the 64 rows of its warpgroup r. Warpgroup 1 − r
-// stores its sums into the other block's shared memory at area (the ring's
-// start, free once the products are done; 32 KB, a thread's 16-byte unit
-// e / 4 at (e / 4 · 128 + ct % 128) · 16), and warpgroup r adds what the
-// other block's warpgroup r stored there: both blocks send at once, half
+// two (gw_trio_scatter for three, gw_merge_splits's tree for more): each
+// block finishes half the tile, block r (its rank) the 64 rows of its
+// warpgroup r. Warpgroup 1 − r stores its sums into the other block's
+// shared memory at area (the ring's start, free once the products are
+// done; 32 KB, a thread's 16-byte unit e / 4 at (e / 4 · 128 + ct % 128)
+// · 16), and warpgroup r adds what the other block's warpgroup r stored
+// there: both blocks send at once, half
 // a tile each, where the tree sends a whole tile one way, and each
 // epilogue finishes half the rows (the tile stage's r0, r1). The sums are
 // p0 + p1 as the tree's. The consumers of both blocks meet at a cluster
@@ -5297,8 +5298,9 @@ extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __r
 // its integer sums to the int32 array y + z·M·N for w8a8_sum_splits, except
 // where the splits run as one cluster a tile (gw_pair_scatter: each block
 // of a narrow pair its half of the rows; gw_trio_scatter: of a narrow
-// three its part; gw_merge_splits: the tree's rank 0), which applies w8a8_out into y by out as an unsplit launch does. Dynamic
-// shared memory as gemm_wg_f16's.
+// three its part; gw_merge_splits: the tree's rank 0), which applies
+// w8a8_out into y by out as an unsplit launch does. Dynamic shared memory
+// as gemm_wg_f16's.
 // gemm_wg_s8_w: the same with 256 weight rows a block (AH = 2: one wgmma
 // m64n256k32 a k32 step; its grid.y half gemm_wg_s8's), its two 128-column
 // halves through the epilogue one after the other.
@@ -5324,8 +5326,8 @@ GEMM_WG_S8_ENTRY(gemm_wg_s8_w, 2)
 // (q, k and v) in one launch: grid.y walks the weight tiles of weight 0,
 // then 1, then 2 (N2 = 0: two weights), each tile's w8a8_out put into its
 // weight's y_i [M, N_i] by out. K splits along z only as clusters of a
-// tile (gw_pair_scatter, gw_trio_scatter, gw_merge_splits): a launch split otherwise
-// would store each split's sums as the result. One launch pays the fill,
+// tile (gw_pair_scatter, gw_trio_scatter, gw_merge_splits): a launch
+// split otherwise would store each split's sums as the result. One launch pays the fill,
 // merge and epilogue of a short K split once for the three products.
 #define W8A8_OUT(i) float *y##i, const int *qb##i, const float *dq##i, const float *bs##i, int N##i
 // gemm_wg_s8_segs_run is the body of gemm_wg_s8_segs and its _kv form:

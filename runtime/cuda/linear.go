@@ -1564,8 +1564,7 @@ func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident,
 // launchMerged launches Hopper GEMM name on grid (z ignored) with K
 // split S ways along z, a tile's splits one cluster that merges them in
 // its blocks' shared memory (gw_pair_scatter, gw_trio_scatter,
-// gw_merge_splits); S = 1: a
-// plain launch.
+// gw_merge_splits); S = 1: a plain launch.
 func (b *Backend) launchMerged(name string, grid, block [3]uint32, shm, S int, args ...any) {
 	if S == 1 {
 		grid[2] = 1
