@@ -2015,6 +2015,10 @@ func BenchmarkPrefillAttention(bm *testing.B) {
 // 32-row shared-memory ring read 49 % of copy here against the 16-row
 // kernel's 42 %, and decode lost 3 % with it (kernels/NOTES.md,
 // forty-fifth session); a rule change wants bench's graph decode too.
+// The 32-row shape is a launch's floor: one or two blocks whose 64 KB
+// weights and their copies stay in L2, so its µs a launch is what a
+// product of any size pays beyond its bytes in a chain of launches (the
+// programmatic wait for the one before, x's round trip, the reduction).
 func BenchmarkGEMVWaves(bm *testing.B) {
 	b := newTestBackend(bm)
 	copyBps := b.CopyBandwidth(1 << 30) // as bench measures it
@@ -2023,7 +2027,7 @@ func BenchmarkGEMVWaves(bm *testing.B) {
 		pc   bool // one group a row (the _pc forms)
 	}
 	var shapes []shape
-	for _, N := range []int{2048, 3072, 4096, 6144, 11008, 12288, 14336, 22016, 24576, 28672} {
+	for _, N := range []int{32, 2048, 3072, 4096, 6144, 11008, 12288, 14336, 22016, 24576, 28672} {
 		shapes = append(shapes, shape{N: N, K: 4096})
 	}
 	// a TP=2 rank's o (4096×2048), and per-channel scales at the row
