@@ -46,22 +46,11 @@ func (r *reference) num(t testing.TB, key string) float64 {
 	return f
 }
 
-func readJSON(t testing.TB, path string, v any) {
-	t.Helper()
-	data, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := json.Unmarshal(data, v); err != nil {
-		t.Fatalf("%s: %v", path, err)
-	}
-}
-
 func loadReference(t testing.TB, name string) *reference {
 	t.Helper()
 	r := &reference{}
-	readJSON(t, filepath.Join(testdata, name, "reference.json"), r)
-	readJSON(t, filepath.Join(testdata, name, "reference.json"), &r.raw)
+	runtimetest.ReadJSON(t, filepath.Join(testdata, name, "reference.json"), r)
+	runtimetest.ReadJSON(t, filepath.Join(testdata, name, "reference.json"), &r.raw)
 	return r
 }
 
@@ -94,7 +83,7 @@ func loadModel(t testing.TB, name string) *runtime.Model {
 func loadIDs(t testing.TB, dir, file string) []int {
 	t.Helper()
 	var ids []int
-	readJSON(t, filepath.Join(dir, "ids-"+file+".json"), &ids)
+	runtimetest.ReadJSON(t, filepath.Join(dir, "ids-"+file+".json"), &ids)
 	return ids
 }
 
@@ -287,7 +276,7 @@ func TestPerplexityFirst20(t *testing.T) {
 			t.Run(name+"/"+file, func(t *testing.T) {
 				ref := loadReference(t, name)
 				var chunkNLL map[string][]float64
-				readJSON(t, filepath.Join(testdata, name, "chunk_nll.json"), &chunkNLL)
+				runtimetest.ReadJSON(t, filepath.Join(testdata, name, "chunk_nll.json"), &chunkNLL)
 				m := loadModel(t, name)
 				ids := loadIDs(t, filepath.Join(testdata, name), file)
 				n := 20
@@ -421,7 +410,7 @@ func pplOf(t *testing.T, m *runtime.Model, idsDir, file string, maxChunks int) r
 // model's (int8 costs far less than that; quantSanity).
 func TestMsModelSlim(t *testing.T) {
 	var ref map[string]map[string]float64
-	readJSON(t, filepath.Join(testdata, "msmodelslim", "reference.json"), &ref)
+	runtimetest.ReadJSON(t, filepath.Join(testdata, "msmodelslim", "reference.json"), &ref)
 	for _, name := range []string{"llama-mini-w8a8-smooth", "llama-mini-w8a16-perchannel", "llama-mini-w8a16-g128"} {
 		t.Run(name, func(t *testing.T) {
 			dir := filepath.Join(testdata, "msmodelslim", name)
@@ -867,7 +856,7 @@ const sanityChunks = 8
 func prefixPPL(t *testing.T, name, file string, n int) float64 {
 	t.Helper()
 	var chunkNLL map[string][]float64
-	readJSON(t, filepath.Join(testdata, name, "chunk_nll.json"), &chunkNLL)
+	runtimetest.ReadJSON(t, filepath.Join(testdata, name, "chunk_nll.json"), &chunkNLL)
 	c := chunkNLL[file]
 	if len(c) < n {
 		t.Fatalf("chunk_nll.json has %d chunks of %s, want %d", len(c), file, n)

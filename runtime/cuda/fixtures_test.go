@@ -11,6 +11,7 @@ import (
 	"qtool/formats/model"
 	"qtool/runtime"
 	"qtool/runtime/cpu"
+	"qtool/runtime/runtimetest"
 )
 
 // TestFixtures checks quantized model files end to end, GPU against the CPU
@@ -70,9 +71,9 @@ func TestFixtures(t *testing.T) {
 			}
 			defer m.Close()
 			var ids []int
-			readJSON(t, filepath.Join(f.ids, "ids-sotu-test.raw.json"), &ids)
+			runtimetest.ReadJSON(t, filepath.Join(f.ids, "ids-sotu-test.raw.json"), &ids)
 			var ref reference
-			readJSON(t, filepath.Join(f.ids, "reference.json"), &ref)
+			runtimetest.ReadJSON(t, filepath.Join(f.ids, "reference.json"), &ref)
 
 			gm, err := runtime.Load(m, b)
 			if err != nil {
@@ -111,7 +112,7 @@ func TestFixtures(t *testing.T) {
 				t.Fatal(err)
 			}
 			var refs map[string]any
-			readJSON(t, f.refFile, &refs)
+			runtimetest.ReadJSON(t, f.refFile, &refs)
 			var want float64
 			if v, ok := refs[f.refKey].(float64); ok {
 				want = v

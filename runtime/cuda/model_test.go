@@ -1,7 +1,6 @@
 package cuda
 
 import (
-	"encoding/json"
 	"math"
 	"os"
 	"path/filepath"
@@ -9,6 +8,7 @@ import (
 
 	"qtool/formats/hf"
 	"qtool/runtime"
+	"qtool/runtime/runtimetest"
 )
 
 type reference struct {
@@ -20,22 +20,11 @@ type reference struct {
 	PPLFull         float64   `json:"ppl_fp32/sotu-test.raw"`
 }
 
-func readJSON(t *testing.T, path string, v any) {
-	t.Helper()
-	data, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("reading %s: %v", path, err)
-	}
-	if err := json.Unmarshal(data, v); err != nil {
-		t.Fatalf("parsing %s: %v", path, err)
-	}
-}
-
 // loadFixture loads the float test model in dir on b, with its reference.
 func loadFixture(t *testing.T, b *Backend, dir string) (*runtime.Model, reference) {
 	t.Helper()
 	var ref reference
-	readJSON(t, filepath.Join(dir, "reference.json"), &ref)
+	runtimetest.ReadJSON(t, filepath.Join(dir, "reference.json"), &ref)
 	m, err := hf.Open(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -152,7 +141,7 @@ func TestModels(t *testing.T) {
 
 			// Perplexity.
 			var ids []int
-			readJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
+			runtimetest.ReadJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
 			opt, wantPPL := runtime.PPLOptions{MaxChunks: 20}, ref.PPLFirst20
 			if os.Getenv("QTOOL_GPU_LONG") != "" {
 				opt.MaxChunks, wantPPL = 0, ref.PPLFull
@@ -177,7 +166,7 @@ func TestKVHalf(t *testing.T) {
 	dir := filepath.Join("..", "..", "testdata", "llama-mini")
 	rm, ref := loadFixture(t, b, dir)
 	var ids []int
-	readJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
+	runtimetest.ReadJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
 	defer func() { b.Options().KVHalf = false }()
 	var ppl [2]float64
 	for i, half := range []bool{false, true} {

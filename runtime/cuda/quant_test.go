@@ -13,6 +13,7 @@ import (
 	"qtool/quantize/calib"
 	"qtool/runtime"
 	"qtool/runtime/cpu"
+	"qtool/runtime/runtimetest"
 )
 
 // TestW8A8Dynamic checks the per-token dynamic W8A8 product (GEMV and
@@ -129,7 +130,7 @@ func TestInt8KVCacheModel(t *testing.T) {
 	b := newTestBackend(t)
 	dir := filepath.Join("..", "..", "testdata", "llama-mini")
 	var ids []int
-	readJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
+	runtimetest.ReadJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
 	m, err := hf.Open(dir)
 	if err != nil {
 		t.Fatal(err)

@@ -1,9 +1,12 @@
 // Package runtimetest holds helpers for the tests of the forward pass and
-// its backends (runtime, runtime/tp).
+// its backends (runtime, runtime/tp, runtime/cuda, runtime/tp/gputest).
 package runtimetest
 
 import (
+	"encoding/json"
 	"math"
+	"os"
+	"testing"
 
 	"qtool/runtime"
 )
@@ -19,4 +22,17 @@ func AllocNaN(be runtime.Backend, rows, cols int) runtime.Buf {
 	}
 	be.Upload(x, nan)
 	return x
+}
+
+// ReadJSON decodes the JSON file at path (a fixture's reference.json, a
+// token-id list) into v, failing the test with the path on any error.
+func ReadJSON(t testing.TB, path string, v any) {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("reading %s: %v", path, err)
+	}
+	if err := json.Unmarshal(data, v); err != nil {
+		t.Fatalf("parsing %s: %v", path, err)
+	}
 }

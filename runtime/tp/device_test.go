@@ -12,6 +12,7 @@ import (
 
 	"qtool/runtime"
 	"qtool/runtime/cpu"
+	"qtool/runtime/runtimetest"
 )
 
 // memory stands in for device memory in the tests of the device paths:
@@ -188,7 +189,7 @@ func TestDevicePaths(t *testing.T) {
 					t.Errorf("argmax %v, want %v", a, b)
 				}
 				var cids []int
-				readJSON(t, filepath.Join(testdata, name, "ids-sotu-test.raw.json"), &cids)
+				runtimetest.ReadJSON(t, filepath.Join(testdata, name, "ids-sotu-test.raw.json"), &cids)
 				opt := runtime.PPLOptions{MaxChunks: 1}
 				p1, err := runtime.Perplexity(host, cids, opt)
 				if err != nil {

@@ -10,6 +10,7 @@ import (
 	"qtool/formats/model"
 	"qtool/runtime"
 	"qtool/runtime/cpu"
+	"qtool/runtime/runtimetest"
 )
 
 // scatterPeer is a fake peer-memory rank (fusingPeer, declining its
@@ -191,7 +192,7 @@ func TestSequenceParallel(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			m := openHF(t, name)
 			var ids []int
-			readJSON(t, filepath.Join(testdata, name, "ids-sotu-test.raw.json"), &ids)
+			runtimetest.ReadJSON(t, filepath.Join(testdata, name, "ids-sotu-test.raw.json"), &ids)
 			ids = ids[:600]
 			b := scatterTP(t, m, len(ids)*m.Config.Hidden)
 			rm := load(t, m, b)

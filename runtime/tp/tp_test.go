@@ -1,7 +1,6 @@
 package tp
 
 import (
-	"encoding/json"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -18,6 +17,7 @@ import (
 	"qtool/quantize"
 	"qtool/runtime"
 	"qtool/runtime/cpu"
+	"qtool/runtime/runtimetest"
 )
 
 const testdata = "../../testdata"
@@ -45,20 +45,9 @@ func checkGreedy(t testing.TB, rm *runtime.Model, ref reference, n int) {
 	}
 }
 
-func readJSON(t testing.TB, path string, v any) {
-	t.Helper()
-	data, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := json.Unmarshal(data, v); err != nil {
-		t.Fatalf("%s: %v", path, err)
-	}
-}
-
 func loadRef(t testing.TB, name string) reference {
 	var ref reference
-	readJSON(t, filepath.Join(testdata, name, "reference.json"), &ref)
+	runtimetest.ReadJSON(t, filepath.Join(testdata, name, "reference.json"), &ref)
 	return ref
 }
 
@@ -190,9 +179,9 @@ func TestPerplexity(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			m := openHF(t, name)
 			var ids []int
-			readJSON(t, filepath.Join(testdata, name, "ids-sotu-test.raw.json"), &ids)
+			runtimetest.ReadJSON(t, filepath.Join(testdata, name, "ids-sotu-test.raw.json"), &ids)
 			var chunkNLL map[string][]float64
-			readJSON(t, filepath.Join(testdata, name, "chunk_nll.json"), &chunkNLL)
+			runtimetest.ReadJSON(t, filepath.Join(testdata, name, "chunk_nll.json"), &chunkNLL)
 			opt := runtime.PPLOptions{MaxChunks: chunks}
 			want, err := runtime.Perplexity(load(t, m, cpu.New(0)), ids, opt)
 			if err != nil {

@@ -4,7 +4,6 @@
 package gputest
 
 import (
-	"encoding/json"
 	"math"
 	"os"
 	"path/filepath"
@@ -16,6 +15,7 @@ import (
 	"qtool/runtime"
 	"qtool/runtime/cuda"
 	"qtool/runtime/cuda/driver"
+	"qtool/runtime/runtimetest"
 	"qtool/runtime/tp"
 )
 
@@ -33,17 +33,6 @@ type reference struct {
 	LogitsLast      []float64 `json:"logits_last"`
 	GreedyPromptIDs []int     `json:"greedy_prompt_ids"`
 	GreedyIDs       []int     `json:"greedy_ids"`
-}
-
-func readJSON(t *testing.T, path string, v any) {
-	t.Helper()
-	data, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := json.Unmarshal(data, v); err != nil {
-		t.Fatal(err)
-	}
 }
 
 func needGPUs(t *testing.T, n int) {
@@ -95,9 +84,9 @@ func TestCUDATP2(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			dir := filepath.Join(testdata, name)
 			var ref reference
-			readJSON(t, filepath.Join(dir, "reference.json"), &ref)
+			runtimetest.ReadJSON(t, filepath.Join(dir, "reference.json"), &ref)
 			var ids []int
-			readJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
+			runtimetest.ReadJSON(t, filepath.Join(dir, "ids-sotu-test.raw.json"), &ids)
 			m, err := hf.Open(dir)
 			if err != nil {
 				t.Fatal(err)
