@@ -2144,3 +2144,71 @@ func BenchmarkGEMMSplitPlans(bm *testing.B) {
 		}
 	}
 }
+
+// BenchmarkGLUForms times the gate/up products with their SwiGLU
+// (NormSwiGLU: the norm, then on Hopper one GLU launch) of the 7B/8B
+// intermediate sizes at 128–512 activation rows, in the form the
+// dispatcher picks (auto) and forced wide or narrow (Options.WGWide), as
+// BenchmarkGEMMSplitPlans times its launches: each kernel's device time a
+// call and the call's time with its launches back to back. At 128 rows the
+// wide W8A8 GLU fills 86 of the H200's 132 multiprocessors (11 008 / 128);
+// this says what such a launch costs against its blocks (kernels/exp's
+// order, item 1).
+func BenchmarkGLUForms(bm *testing.B) {
+	b := newTestBackend(bm)
+	if !b.HasWGMMA() {
+		bm.Skip("no Hopper GEMMs on this device (sm_90a): the GLU launches are theirs")
+	}
+	const K = 4096
+	nw, err := b.UploadVector("norm", model.FromFloat32([]int{K}, slices.Repeat([]float32{1}, K)))
+	if err != nil {
+		bm.Fatal(err)
+	}
+	defer b.FreeVector(nw)
+	forms := []struct {
+		name string
+		wide int
+	}{{"auto", 0}, {"wide", 1}, {"narrow", -1}}
+	for _, format := range []string{"w8a8", "fp16"} {
+		for si, inter := range []int{11008, 14336} {
+			var gu [2]runtime.Linear
+			for i := range gu {
+				if gu[i], err = b.UploadLinear("bench", &Synthetic{Format: format, Dims: []int{inter, K}, GroupSize: 128, Seed: uint64(10*si + i + 31)}); err != nil {
+					bm.Fatal(err)
+				}
+			}
+			for _, M := range []int{128, 256, 512} {
+				x, y := b.Alloc(M, K), b.Alloc(M, inter)
+				b.FillRandom(x, 9, 1)
+				for _, f := range forms {
+					b.opt.WGWide = f.wide
+					bm.Run(fmt.Sprintf("%s/%dx%d/M=%d/%s", format, inter, K, M, f.name), func(bm *testing.B) {
+						run := func() { b.NormSwiGLU(y, x, nw, nil, 1e-5, gu[0], gu[1]) }
+						var call float64
+						var kt map[string]float64
+						for bm.Loop() {
+							call = b.Time(3, 20, run)
+							b.opt.KernelTimes = true
+							b.kt.total = nil
+							for range 20 {
+								run()
+							}
+							kt = b.KernelTimes()
+							b.opt.KernelTimes = false
+						}
+						bm.ReportMetric(call*1e6, "us/call")
+						for _, k := range slices.Sorted(maps.Keys(kt)) {
+							bm.ReportMetric(kt[k]/20*1e6, "us/"+k)
+						}
+					})
+				}
+				b.opt.WGWide = 0
+				b.Free(x)
+				b.Free(y)
+			}
+			for _, w := range gu {
+				b.FreeLinear(w)
+			}
+		}
+	}
+}
