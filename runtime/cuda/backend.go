@@ -1424,7 +1424,10 @@ func (b *Backend) RoPEAttention(dst, q, k, v runtime.Buf, c runtime.KVCache, lay
 			panic(fmt.Sprintf("cuda backend: RoPEAttention [%d %d] of q [%d %d], k [%d %d], v [%d %d] at position %d",
 				d.rows, d.cols, qb.rows, qb.cols, kb.rows, kb.cols, vb.rows, vb.cols, pos0))
 		}
-		tab = b.ropeTable(kc, headDim, theta)
+		// the attention reads the angles before its wait: not a table made just now
+		if t, made := b.ropeTable(kc, headDim, theta); !made {
+			tab = t
+		}
 	}
 	if tab == 0 {
 		runtime.RoPEAttentionSeq(b, dst, q, k, v, c, layer, pos0, heads, kvHeads, headDim, theta, layout)
@@ -1436,24 +1439,25 @@ func (b *Backend) RoPEAttention(dst, q, k, v runtime.Buf, c runtime.KVCache, lay
 
 // ropeTable returns c's table of RoPE angles for head size hd and theta,
 // the (sin, cos) of every pair at every position of the cache (qtool.cu's
-// rope_table, computed as the rope kernels compute them), made by its first
-// use outside a graph capture, which gets 0 (the unfused sequence) like a
-// capture that finds none and a head size or theta other than the table's:
-// the attention reads the angles before its wait, so the table's kernel
-// must be at least two launches before it. (qkvStoreFor uses a table made
-// just now: its GEMM reads the angles after its wait.)
-func (b *Backend) ropeTable(c *KVCache, hd int, theta float64) driver.DevicePtr {
+// rope_table, computed as the rope kernels compute them), and whether this
+// call made it (its kernel the last one queued): its first use outside a
+// graph capture makes it; a capture that finds none and a head size or
+// theta other than the table's get 0 (the unfused sequence). A kernel that
+// reads the angles before its wait (the decode attention) must not take a
+// table made just now; one that reads them after (the fused q/k/v store)
+// may.
+func (b *Backend) ropeTable(c *KVCache, hd int, theta float64) (tab driver.DevicePtr, made bool) {
 	switch {
 	case c.rope != 0 && c.ropeHD == hd && c.ropeTheta == theta:
-		return c.rope
+		return c.rope, false
 	case c.rope != 0 || b.capturing:
-		return 0
+		return 0, false
 	}
 	defer b.enter()()
 	n := c.maxSeq * hd / 2
 	c.rope, c.ropeHD, c.ropeTheta = b.alloc(8*n), hd, theta
 	b.launch("rope_table", b.gridFor(n), block256, c.rope, c.maxSeq, hd, theta)
-	return 0
+	return c.rope, true
 }
 
 // NLL implements runtime.Backend.

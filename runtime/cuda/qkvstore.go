@@ -84,10 +84,7 @@ func (b *Backend) qkvStoreFor(qkv []runtime.Buf, kv runtime.RoPEKV) *qkvStore {
 	case kv.Pos0 < 0 || kv.Pos0+q.rows > kc.maxSeq:
 		return nil
 	}
-	tab := b.ropeTable(kc, hd, kv.Theta)
-	if tab == 0 && kc.rope != 0 && kc.ropeHD == hd && kc.ropeTheta == kv.Theta {
-		tab = kc.rope // made just now: the GEMM reads it after its wait, unlike the decode attention
-	}
+	tab, _ := b.ropeTable(kc, hd, kv.Theta) // made just now or not: the GEMM reads it after its wait
 	if tab == 0 {
 		return nil
 	}
