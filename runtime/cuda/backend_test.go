@@ -2117,23 +2117,7 @@ func BenchmarkGEMMSplitPlans(bm *testing.B) {
 				for _, p := range plans {
 					b.maxSplits, b.opt.NoClusterSplit, b.forceClusterSplit, b.opt.WGWide = p.S, p.mem, p.cl, p.wide
 					bm.Run(fmt.Sprintf("%s/%dx%d/M=%d/%s", format, N, K, M, p.name), func(bm *testing.B) {
-						var call float64
-						var kt map[string]float64
-						for bm.Loop() {
-							call = b.Time(3, 20, func() { b.MatMul(y, x, w) })
-							b.opt.KernelTimes = true
-							b.kt.total = nil
-							for range 20 {
-								b.MatMul(y, x, w)
-							}
-							kt = b.KernelTimes()
-							b.opt.KernelTimes = false
-						}
-						bm.ReportMetric(call*1e6, "us/call")
-						names := slices.Sorted(maps.Keys(kt))
-						for _, k := range names {
-							bm.ReportMetric(kt[k]/20*1e6, "us/"+k)
-						}
+						benchCalls(bm, b, func() { b.MatMul(y, x, w) })
 					})
 				}
 				b.maxSplits, b.opt.NoClusterSplit, b.forceClusterSplit, b.opt.WGWide = 0, false, false, 0
@@ -2145,12 +2129,34 @@ func BenchmarkGEMMSplitPlans(bm *testing.B) {
 	}
 }
 
+// benchCalls reports on bm the device time of a call of run (which queues
+// kernels only) with its launches back to back (us/call), and each
+// kernel's device time a call (Options.KernelTimes: launches ordered, no
+// dependent-launch overlap), 20 calls of each.
+func benchCalls(bm *testing.B, b *Backend, run func()) {
+	var call float64
+	var kt map[string]float64
+	for bm.Loop() {
+		call = b.Time(3, 20, run)
+		b.opt.KernelTimes = true
+		b.kt.total = nil
+		for range 20 {
+			run()
+		}
+		kt = b.KernelTimes()
+		b.opt.KernelTimes = false
+	}
+	bm.ReportMetric(call*1e6, "us/call")
+	for _, k := range slices.Sorted(maps.Keys(kt)) {
+		bm.ReportMetric(kt[k]/20*1e6, "us/"+k)
+	}
+}
+
 // BenchmarkGLUForms times the gate/up products with their SwiGLU
 // (NormSwiGLU: the norm, then on Hopper one GLU launch) of the 7B/8B
 // intermediate sizes at 128–512 activation rows, in the form the
 // dispatcher picks (auto) and forced wide or narrow (Options.WGWide), as
-// BenchmarkGEMMSplitPlans times its launches: each kernel's device time a
-// call and the call's time with its launches back to back. At 128 rows the
+// BenchmarkGEMMSplitPlans times its launches (benchCalls). At 128 rows the
 // wide W8A8 GLU fills 86 of the H200's 132 multiprocessors (11 008 / 128);
 // this says what such a launch costs against its blocks (kernels/exp's
 // order, item 1).
@@ -2183,23 +2189,7 @@ func BenchmarkGLUForms(bm *testing.B) {
 				for _, f := range forms {
 					b.opt.WGWide = f.wide
 					bm.Run(fmt.Sprintf("%s/%dx%d/M=%d/%s", format, inter, K, M, f.name), func(bm *testing.B) {
-						run := func() { b.NormSwiGLU(y, x, nw, nil, 1e-5, gu[0], gu[1]) }
-						var call float64
-						var kt map[string]float64
-						for bm.Loop() {
-							call = b.Time(3, 20, run)
-							b.opt.KernelTimes = true
-							b.kt.total = nil
-							for range 20 {
-								run()
-							}
-							kt = b.KernelTimes()
-							b.opt.KernelTimes = false
-						}
-						bm.ReportMetric(call*1e6, "us/call")
-						for _, k := range slices.Sorted(maps.Keys(kt)) {
-							bm.ReportMetric(kt[k]/20*1e6, "us/"+k)
-						}
+						benchCalls(bm, b, func() { b.NormSwiGLU(y, x, nw, nil, 1e-5, gu[0], gu[1]) })
 					})
 				}
 				b.opt.WGWide = 0
