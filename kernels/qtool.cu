@@ -5327,8 +5327,9 @@ GEMM_WG_S8_ENTRY(gemm_wg_s8_w, 2)
 // then 1, then 2 (N2 = 0: two weights), each tile's w8a8_out put into its
 // weight's y_i [M, N_i] by out. K splits along z only as clusters of a
 // tile (gw_pair_scatter, gw_trio_scatter, gw_merge_splits): a launch
-// split otherwise would store each split's sums as the result. One launch pays the fill,
-// merge and epilogue of a short K split once for the three products.
+// split otherwise would store each split's sums as the result. One launch
+// pays the fill, merge and epilogue of a short K split once for the three
+// products.
 #define W8A8_OUT(i) float *y##i, const int *qb##i, const float *dq##i, const float *bs##i, int N##i
 // gemm_wg_s8_segs_run is the body of gemm_wg_s8_segs and its _kv form:
 // the weights s0..s2, mir the staged epilogue's (QKVSink: its role set to
