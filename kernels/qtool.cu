@@ -579,9 +579,30 @@ extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restri
         x[i] += b[i % cols];
 }
 
+// silu_quot is RN(g/d) for d = 1 + e^-g as silu_times computes it, the
+// bits of the division g / d without its branch: the division's fast
+// path (the reciprocal, one Newton step, Markstein's correction) with
+// both operands scaled by 2^-64 where d > 2^60 (g < -41.5: an exact
+// scaling that keeps every step normal), and the division's results
+// where the path fails: g itself for g = +inf (d = 1) and ±0 (the path's
+// last sum would give +0 for -0), the signed zero g·0 for d = +inf
+// (g < -88.7), NaN from -inf or NaN. Checked against g / d over all
+// 2^32 values of g on an H200 (kernels/exp/silu_div.cu). The division's
+// range check and call of its slow path made each value's chain a
+// region of its own that the compiler would not interleave with the
+// next value's: the W8A8 GLU epilogue of 128 × 128 outputs took 8.6 µs of
+// a 34.5 µs block at 128 rows, 7.5 without (sixty-sixth session).
+__device__ __forceinline__ float silu_quot(float g, float d) {
+    const float s = d > 0x1p60f ? 0x1p-64f : 1.f, gs = __fmul_rn(g, s), ds = __fmul_rn(d, s);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(ds));
+    const float inv = __fmaf_rn(r, __fmaf_rn(-ds, r, 1.f), r);
+    const float q0 = __fmul_rn(gs, inv), q = __fmaf_rn(inv, __fmaf_rn(-ds, q0, gs), q0);
+    return g == INFINITY || g == 0.f ? g : d < INFINITY ? q : __fmul_rn(g, 0.f);
+}
 // silu_times is SwiGLU's silu(g)·u, the one formula of silu_mul, the
 // GEMVs' SwiGLU epilogue and the GEMMs' OUT_SWIGLU.
-__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
+__device__ __forceinline__ float silu_times(float g, float u) { return silu_quot(g, 1.f + expf(-g)) * u; }
 // How a product's results v land in its output C (the out argument of the
 // tensor-core GEMMs, sum_splits and the W8A8 products): stored; added to
 // C (MatMulAdd, as add_inplace); or, with C holding the gate's products
@@ -700,7 +721,9 @@ struct AsIs {
 // stage_tile puts a thread's NU units of W values (as out_tile's) into the
 // tile stage st once every thread of st is done with the stages, and
 // returns when all of st's threads have.
-template <int NU, int W, typename T, typename At, typename Raw>
+// (LD: the stage's row pitch in values, TS_LD but for the GLU fill forms'
+// wider tiles.)
+template <int NU, int W, int LD = TS_LD, typename T, typename At, typename Raw>
 __device__ __forceinline__ void stage_tile(At at, Raw raw, const TileStage<T>& st) {
     named_sync(st.bar, st.nthr);  // every thread is done with the stages
 #pragma unroll
@@ -708,7 +731,7 @@ __device__ __forceinline__ void stage_tile(At at, Raw raw, const TileStage<T>& s
         int m, n;
         at(u, m, n);
 #pragma unroll
-        for (int i = 0; i < W; i++) st.s[(m - st.m0) * TS_LD + n + i - st.n0] = raw(u, i);
+        for (int i = 0; i < W; i++) st.s[(m - st.m0) * LD + n + i - st.n0] = raw(u, i);
     }
     named_sync(st.bar, st.nthr);
 }
@@ -796,22 +819,27 @@ struct GluEpi {
     __half* h;
 };
 // glu_tile puts the NU units of W values (as out_tile's) of each consumer
-// thread into the tile stage st, whose 128 columns are 64 of each
-// weight's products; then each thread takes four outputs n.. of rows 16
-// apart: silu(g(gate))·u(up) to C [M, N], or quantized to e.q.p, or in
-// fp16 to e.h.
-template <int NU, int W, typename T, typename At, typename Raw, typename Fin>
+// thread into the tile stage st, whose 2·HALF columns are HALF of each
+// weight's products (64; the GLU fill forms 88 or 112, their stage's
+// pitch LD); then each thread takes four outputs n.. of rows nthr / (HALF
+// / 4) apart: silu(g(gate))·u(up) to C [M, N], or quantized to e.q.p, or
+// in fp16 to e.h (a thread past the last whole row of a pass: none, and
+// it returns, so with HALF ≠ 64 glu_tile is a block's last barrier).
+template <int NU, int W, int HALF = 64, int LD = TS_LD, typename T, typename At, typename Raw, typename Fin>
 __device__ __forceinline__ void glu_tile(float* C, int M, int N, At at, Raw raw, const GluEpi<Fin>& e,
                                          TileStage<T> st) {
-    stage_tile<NU, W>(at, raw, st);
-    const int c = st.tid % 16 * 4, n = st.n0 + c, gc = e.upFirst ? 64 + c : c, uc = e.upFirst ? c : 64 + c;
+    stage_tile<NU, W, LD>(at, raw, st);
+    constexpr int TPR = HALF / 4;  // threads a row
+    if constexpr (HALF != 64)
+        if (st.tid >= st.nthr / TPR * TPR) return;
+    const int c = st.tid % TPR * 4, n = st.n0 + c, gc = e.upFirst ? HALF + c : c, uc = e.upFirst ? c : HALF + c;
     const bool vec = (N & 3) == 0 && n < N;
     const typename Fin::Cols gcols = e.g.cols(n, N), ucols = e.u.cols(n, N);
 #pragma unroll 2
-    for (int r = st.tid / 16; r < TS_ROWS; r += st.nthr / 16) {
+    for (int r = st.tid / TPR; r < TS_ROWS; r += st.nthr / TPR) {
         int m = st.m0 + r;
         if (m >= M) break;
-        const T* kp = st.s + r * TS_LD;
+        const T* kp = st.s + r * LD;
         float v[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) v[i] = silu_times(e.g.at(gcols, m, i, kp[gc + i]), e.u.at(ucols, m, i, kp[uc + i]));
@@ -4175,12 +4203,35 @@ WGMMA_SS(wgmma_m64n128k16, float, 64, "m64n128k16.f32.f16.f16", WG_D64, WG_ACC, 
 WGMMA_SS(wgmma_m64n128k32_s8, int, 64, "m64n128k32.s32.s8.s8", WG_D64, WG_ACC, "+r", "%64, %65", "%66", "")
 WGMMA_SS(wgmma_m64n256k16, float, 128, "m64n256k16.f32.f16.f16", WG_D128, WG_ACC128, "+f", "%128, %129", "%130", ", 1, 1, 0, 0")
 WGMMA_SS(wgmma_m64n256k32_s8, int, 128, "m64n256k32.s32.s8.s8", WG_D128, WG_ACC128, "+r", "%128, %129", "%130", "")
+// The 88 and 112 accumulators of an int8 wgmma m64n176 and m64n224 (the
+// GLU fill forms: 88 or 112 rows of each of gate and up a block).
+#define WG_D88 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87}"
+#define WG_ACC88(C) WG_ACC8(C, 0), WG_ACC8(C, 8), WG_ACC8(C, 16), WG_ACC8(C, 24), WG_ACC8(C, 32), WG_ACC8(C, 40), WG_ACC8(C, 48), WG_ACC8(C, 56), WG_ACC8(C, 64), WG_ACC8(C, 72), WG_ACC8(C, 80)
+#define WG_D112 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111}"
+#define WG_ACC112(C) WG_ACC8(C, 0), WG_ACC8(C, 8), WG_ACC8(C, 16), WG_ACC8(C, 24), WG_ACC8(C, 32), WG_ACC8(C, 40), WG_ACC8(C, 48), WG_ACC8(C, 56), WG_ACC8(C, 64), WG_ACC8(C, 72), WG_ACC8(C, 80), WG_ACC8(C, 88), WG_ACC8(C, 96), WG_ACC8(C, 104)
+WGMMA_SS(wgmma_m64n176k32_s8, int, 88, "m64n176k32.s32.s8.s8", WG_D88, WG_ACC88, "+r", "%88, %89", "%90", "")
+WGMMA_SS(wgmma_m64n224k32_s8, int, 112, "m64n224k32.s32.s8.s8", WG_D112, WG_ACC112, "+r", "%112, %113", "%114", "")
 // wgmma_ss: one k step of 32 bytes (16 halfs or 32 int8) with both operands
 // in shared memory, by the accumulators' type.
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k16(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k32_s8(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(float (&d)[128], uint64_t da, uint64_t db) { wgmma_m64n256k16(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[128], uint64_t da, uint64_t db) { wgmma_m64n256k32_s8(d, da, db); }
+__device__ __forceinline__ void wgmma_ss(int (&d)[88], uint64_t da, uint64_t db) { wgmma_m64n176k32_s8(d, da, db); }
+__device__ __forceinline__ void wgmma_ss(int (&d)[112], uint64_t da, uint64_t db) { wgmma_m64n224k32_s8(d, da, db); }
 // wg_pin keeps an accumulator's value where it is at this point (an empty
 // asm with the register as operand: NVVM may not move its zeroing past it)
 __device__ __forceinline__ void wg_pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
@@ -5399,6 +5450,100 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     }
 GEMM_WG_S8_GLU_ENTRY(gemm_wg_s8_glu, 1)
 GEMM_WG_S8_GLU_ENTRY(gemm_wg_s8_glu_w, 2)
+// gemm_wg_s8_glu_f88 and _f112, the GLU fill forms (runtime/cuda's
+// gluFillRows says where): gemm_wg_s8_glu with NP rows of each weight a
+// block (NP = 88 or 112, one wgmma m64n176 or m64n224 a k32 step: mapGU's
+// box NP rows of both planes, plane 0's then plane 1's), so that a launch
+// of one activation tile fills a wave where 128-row blocks leave
+// multiprocessors idle (11 008 / 88 = 126 blocks, 14 336 / 112 = 128,
+// against 86 and 112). The same sums, fin and SwiGLU as gemm_wg_s8_glu's,
+// through a stage of 2·NP columns (pitch 2·NP + 8, in the ring once the
+// products are done). Arguments as gemm_wg_s8_glu's; grid (ceil(M/128),
+// ceil(N/NP)), block 384, dynamic shared memory as runtime/cuda's
+// gluFillSmem says (GLF_STAGES stages of glf_stage_bytes, their barriers).
+template <int NP>
+__host__ __device__ constexpr int glf_stage_bytes() {
+    return (128 * 128 + 2 * NP * 128 + 1023) & ~1023;
+}
+#define GLF_STAGES 5
+template <int NP>
+__device__ __forceinline__ void gemm_wg_s8_glu_fill_body(float* y, const TmaMap* mapA, const TmaMap* mapGU, int M,
+                                                         int N, int nk, const GluEpi<W8A8Fin>& epi) {
+    constexpr int NW = 2 * NP, SB = glf_stage_bytes<NP>(), GWS = GLF_STAGES, LD = NW + 8;
+    static_assert(TS_ROWS * LD * 4 <= GWS * SB, "the result tile fits in the ring");
+    extern __shared__ __align__(1024) unsigned char gw_raw[];
+    uint32_t raw = smem_u32(gw_raw), base = (raw + 1023) & ~1023u;
+    uint32_t bars = base + GWS * SB;
+    auto full = [&](int s) { return bars + 8 * s; };
+    auto empty = [&](int s) { return bars + 8 * (GWS + s); };
+    auto tileA = [&](int s) { return base + s * SB; };
+    auto tileW = [&](int s) { return base + s * SB + 128 * 128; };
+    const int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128, n0 = blockIdx.y * NP;
+    if (tid == 0) {
+        for (int s = 0; s < GWS; s++) {
+            mbar_init(full(s), 1);   // the copy engine's bytes
+            mbar_init(empty(s), 8);  // the 8 consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 0) {  // one thread copies the A and W tiles of every K step
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+        if (tid != 0) return;
+        for (int i = 0; i < nk; i++) {
+            int s = i % GWS;
+            if (i >= GWS) mbar_wait(empty(s), (i / GWS - 1) & 1);
+            mbar_expect_tx(full(s), 128 * 128 + NW * 128);  // rows past M or N: zeros, their bytes counted
+            tma_load_2d(tileA(s), mapA, i * 128, m0, full(s));
+            tma_load_3d(tileW(s), mapGU, i * 128, n0, 0, full(s));
+        }
+        return;
+    }
+    const int c = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31;
+    int d[NP];  // 64 activation rows of warpgroup c by the 2·NP weight rows
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+#pragma unroll
+    for (int e = 0; e < NP; e++) d[e] = 0;
+#pragma unroll
+    for (int e = 0; e < NP; e++) wg_pin(d[e]);  // zeros before the first fence
+    for (int i = 0; i < nk; i++) {
+        int s = i % GWS;
+        mbar_wait(full(s), (i / GWS) & 1);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        uint64_t da = wg_desc(tileA(s) + c * 64 * 128), dw = wg_desc(tileW(s));
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) wgmma_ss(d, da + 2 * kk, dw + 2 * kk);  // +32 bytes a k step
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // step i − 1 is done with its stage
+        if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % GWS));
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    // accumulator e of n8 chunk j: activation row 16·warp + lane/4 (+8 for
+    // e ≥ 2), stage column 8j + 2·(lane % 4) (+1 for odd e): plane 0's
+    // rows n0.. in columns 0..NP − 1, plane 1's in NP..2·NP − 1
+    const int r = m0 + c * 64 + warp * 16 + (lane >> 2);
+    auto at = [&](int u, int& m, int& n) {
+        m = r + 8 * (u & 1);
+        n = n0 + (u >> 1) * 8 + 2 * (lane & 3);
+    };
+    auto rawv = [&](int u, int e) { return d[4 * (u >> 1) + 2 * (u & 1) + e]; };
+    const TileStage<int> st{reinterpret_cast<int*>(gw_raw + (base - raw)), m0, n0, 1, 256, tid - 128};
+    glu_tile<NP / 2, 2, NP, LD>(y, M, N, at, rawv, epi, st);
+}
+#define GEMM_WG_S8_GLU_FILL_ENTRY(name, NP)                                                                      \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
+        name(float* y, int8_t* yq, float qs, float qo, const __grid_constant__ TmaMap mapA,                      \
+             const __grid_constant__ TmaMap mapGU, const int* __restrict__ gqb, const float* __restrict__ gdeq,  \
+             const float* __restrict__ gbias, const int* __restrict__ uqb, const float* __restrict__ udeq,       \
+             const float* __restrict__ ubias, const float* __restrict__ tok, int M, int N, int K, int upFirst) { \
+        PDL_ENTRY();                                                                                             \
+        gemm_wg_s8_glu_fill_body<NP>(                                                                            \
+            y, &mapA, &mapGU, M, N, (K + 127) / 128,                                                             \
+            GluEpi<W8A8Fin>{W8A8Fin{gqb, gdeq, gbias, tok}, W8A8Fin{uqb, udeq, ubias, tok}, upFirst != 0,        \
+                            QOut{yq, qs, qo}, nullptr});                                                         \
+    }
+GEMM_WG_S8_GLU_FILL_ENTRY(gemm_wg_s8_glu_f88, 88)
+GEMM_WG_S8_GLU_FILL_ENTRY(gemm_wg_s8_glu_f112, 112)
 #endif
 
 // ---------------------------------------------------------------------------

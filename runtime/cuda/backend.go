@@ -100,6 +100,11 @@ type Options struct {
 	// wgmma m64n256 a step): 0 as wideWG's rule says, 1 wherever there is a _w
 	// kernel, -1 never (for comparisons, like NoDependentLaunch).
 	WGWide int
+	// GLUFill chooses the W8A8 gate/up pair's fill forms at one tile of
+	// activation rows (gemm_wg_s8_glu_f88 and _f112, blocks of 88 or 112
+	// rows of each weight): 0 as gluFillRows's rule says, -1 never (for
+	// comparisons, like NoDependentLaunch).
+	GLUFill int
 	// AttnSplit is the number of 64-key tiles a block of the prefill
 	// attention takes at most: 0 lets the launch's shape choose (attnSplit),
 	// a negative value gives every query tile one block (for comparisons,
@@ -404,7 +409,7 @@ func kernelNames() []string {
 // looked up where it is loaded.
 var hopperKernels = slices.Concat(slices.Sorted(maps.Values(hopperGEMM)), slices.Sorted(maps.Values(gluKernels)), slices.Sorted(maps.Values(wideKernels)),
 	slices.Sorted(maps.Values(segsKernels)), slices.Sorted(maps.Values(segsKVKernels)), slices.Sorted(maps.Values(tileSendKernels)),
-	[]string{"attention_f16_cl", w8a8SegsKernel})
+	[]string{"attention_f16_cl", w8a8SegsKernel}, gluFillKernels[:])
 
 // enter binds the context to the calling thread; call the result when done.
 func (b *Backend) enter() func() {

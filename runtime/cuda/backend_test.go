@@ -2155,11 +2155,11 @@ func benchCalls(bm *testing.B, b *Backend, run func()) {
 // BenchmarkGLUForms times the gate/up products with their SwiGLU
 // (NormSwiGLU: the norm, then on Hopper one GLU launch) of the 7B/8B
 // intermediate sizes at 128–512 activation rows, in the form the
-// dispatcher picks (auto) and forced wide or narrow (Options.WGWide), as
+// dispatcher picks (auto: at 128 rows W8A8's fill forms, gluFillRows) and
+// forced wide or narrow (Options.WGWide, no fill), as
 // BenchmarkGEMMSplitPlans times its launches (benchCalls). At 128 rows the
-// wide W8A8 GLU fills 86 of the H200's 132 multiprocessors (11 008 / 128);
-// this says what such a launch costs against its blocks (kernels/exp's
-// order, item 1).
+// wide W8A8 GLU fills 86 of the H200's 132 multiprocessors (11 008 / 128),
+// the fill form 126.
 func BenchmarkGLUForms(bm *testing.B) {
 	b := newTestBackend(bm)
 	if !b.HasWGMMA() {
@@ -2172,9 +2172,9 @@ func BenchmarkGLUForms(bm *testing.B) {
 	}
 	defer b.FreeVector(nw)
 	forms := []struct {
-		name string
-		wide int
-	}{{"auto", 0}, {"wide", 1}, {"narrow", -1}}
+		name       string
+		wide, fill int // Options.WGWide, Options.GLUFill
+	}{{"auto", 0, 0}, {"wide", 1, -1}, {"narrow", -1, -1}}
 	for _, format := range []string{"w8a8", "fp16"} {
 		for si, inter := range []int{11008, 14336} {
 			var gu [2]runtime.Linear
@@ -2187,12 +2187,12 @@ func BenchmarkGLUForms(bm *testing.B) {
 				x, y := b.Alloc(M, K), b.Alloc(M, inter)
 				b.FillRandom(x, 9, 1)
 				for _, f := range forms {
-					b.opt.WGWide = f.wide
+					b.opt.WGWide, b.opt.GLUFill = f.wide, f.fill
 					bm.Run(fmt.Sprintf("%s/%dx%d/M=%d/%s", format, inter, K, M, f.name), func(bm *testing.B) {
 						benchCalls(bm, b, func() { b.NormSwiGLU(y, x, nw, nil, 1e-5, gu[0], gu[1]) })
 					})
 				}
-				b.opt.WGWide = 0
+				b.opt.WGWide, b.opt.GLUFill = 0, 0
 				b.Free(x)
 				b.Free(y)
 			}

@@ -115,6 +115,11 @@ type Linear struct {
 	glu        *driver.TensorMap
 	gluWith    driver.DevicePtr
 	gluUpFirst bool
+	// gluF is glu with boxes of gluFRows rows of each plane, for the up
+	// weight at gluFWith (gluFillMap).
+	gluF     *driver.TensorMap
+	gluFRows int
+	gluFWith driver.DevicePtr
 }
 
 // Out implements runtime.Linear.
@@ -2046,6 +2051,14 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 		}
 		xq, tok := b.quantized(in, gate)
 		shm := b.actMap(wg, xq, M, K)
+		if np := b.gluFillRows(M, N); np != 0 && b.gluFillMap(wg, gate, up, np) {
+			name = gluFillKernels[np/112] // 88 → _f88, 112 → _f112
+			grid, shm = [3]uint32{1, uint32((N + np - 1) / np), 1}, gluFillSmem(np)
+			b.raiseSmem(name, shm)
+			b.launchShm(name, grid, block384, shm, append(append([]any{d.p}, q.args()...), b.tmaps[0], gate.gluF, gate.qbias, gate.deq,
+				gate.bias, up.qbias, up.deq, up.bias, tok, M, N, K, upFirst)...)
+			return true, q.p != 0
+		}
 		name, grid, shm = b.wideForm(name, grid, shm, (K+127)/128, false) // K steps of 128 int8
 		b.raiseSmem(name, shm)
 		b.launchShm(name, grid, block384, shm, append(append([]any{d.p}, q.args()...), b.tmaps[0], gate.glu, gate.qbias, gate.deq,
@@ -2066,6 +2079,65 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 	b.launchShm(name, grid, block384, shm, d.p, h, b.tmaps[0], gate.glu, sz, sz2, M, N, K, max(gate.gs, gemmHBK), gate.groups,
 		wgFlags(gate, up), upFirst)
 	return true, h != 0
+}
+
+// gluFillKernels are the W8A8 GLU forms of 88 and 112 rows of each weight
+// a block (qtool.cu's gemm_wg_s8_glu_f88, _f112), loaded with the Hopper
+// kernels.
+var gluFillKernels = [2]string{"gemm_wg_s8_glu_f88", "gemm_wg_s8_glu_f112"}
+
+// gluFillRows is the rows of each weight a block of the W8A8 GLU fill form
+// takes for a pair of N outputs at M activation rows (gluPair reaches it
+// at 128 rows, dequantGEMMMinRows, and below one activation tile's 128
+// no further): where the pair's 64-row blocks (N / 64) overflow a wave
+// of the multiprocessors, 88 where N / 88 blocks fit one, else 112 where
+// those do; 0 (the usual forms) past one activation tile, where neither
+// fits or the 64-row blocks do, or with Options.GLUFill −1. At 128 rows
+// the fill's blocks are 126 for llama2-7b's 11 008 outputs and 128 for
+// llama3-8b's 14 336, against 86 and 112 of the wide form: W8A8 prefill
+// of 128 tokens +1.3 % and +1.9–3.1 % on an H200 (sixty-sixth session).
+func (b *Backend) gluFillRows(M, N int) int {
+	if b.opt.GLUFill < 0 || M > 128 || (N+63)/64 <= b.sms {
+		return 0
+	}
+	for _, np := range []int{88, 112} {
+		if (N+np-1)/np <= b.sms {
+			return np
+		}
+	}
+	return 0
+}
+
+// gluFillSmem is the dynamic shared memory of the fill form of np rows a
+// weight (qtool.cu's glf_stage_bytes, GLF_STAGES, their barriers, the
+// alignment).
+func gluFillSmem(np int) int {
+	const stages = 5 // qtool.cu's GLF_STAGES
+	stage := (128*128 + 2*np*128 + 1023) &^ 1023
+	return stages*stage + 2*stages*8 + 1024
+}
+
+// gluFillMap makes sure gate.gluF is the map gluMap makes for gate and
+// up (the lower address plane 0, as gluUpFirst says) with boxes of np
+// rows of each plane.
+func (b *Backend) gluFillMap(wg string, gate, up *Linear, np int) bool {
+	if gate.gluF != nil && gate.gluFRows == np && gate.gluFWith == up.w {
+		return true
+	}
+	lo, hi := gate.w, up.w
+	if up.w < gate.w {
+		lo, hi = hi, lo
+	}
+	if gate.gluF == nil {
+		gate.gluF = driver.NewTensorMaps(1)[0]
+	}
+	f := weightMapFormat(wg, gate.in)
+	if err := b.drv.EncodeTensorMap3D(gate.gluF, f.dtype, lo, 2, uint64(gate.out), f.cols, f.pitch, uint64(hi-lo), 2, uint32(np), f.box, f.swizzle); err != nil {
+		gate.gluF = nil
+		return false
+	}
+	gate.gluFRows, gate.gluFWith = np, up.w
+	return true
 }
 
 // gluMap makes sure gate.glu is the 3-D tensor map of gate's and up's

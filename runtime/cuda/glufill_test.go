@@ -1,0 +1,103 @@
+package cuda
+
+import (
+	"fmt"
+	"maps"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"qtool/formats/model"
+	"qtool/runtime"
+)
+
+// TestGLUFill checks the W8A8 GLU fill forms (qtool.cu's
+// gemm_wg_s8_glu_f88 and _f112; Options.GLUFill) against the launches
+// of gemm_wg_s8_glu they stand for, bit for bit (the same integer sums,
+// fin and SwiGLU) at 128 activation rows, the one tile they take: 11 008
+// and 14 336 outputs (on 132 multiprocessors 126 blocks of 88 rows and
+// 128 of 112; gluFillRows says which here), 10 976 (a partial last block)
+// with a partial K step (4 160); static and per-token quantizers; gate
+// and up swapped (the up weight at the lower address: upFirst); the
+// SwiGLU into NormSwiGLU's output and, through MLP, quantized for a W8A8
+// down (QOut).
+func TestGLUFill(t *testing.T) {
+	b := newTestBackend(t)
+	if !b.wgmma {
+		t.Skip("no Hopper GEMMs on this device (sm_90a)")
+	}
+	defer func() { b.opt.GLUFill = 0 }()
+	r := rand.New(rand.NewPCG(95, 96))
+	const M, eps = 128, 1e-5
+	ran := map[string]bool{}
+	for _, c := range []struct {
+		N, K          int
+		dynamic, swap bool
+	}{{11008, 4096, false, false}, {14336, 4096, true, false}, {10976, 4160, false, true}} {
+		b.opt.GLUFill = 0
+		np := b.gluFillRows(M, c.N)
+		if np == 0 {
+			t.Logf("N=%d: no fill form on %d multiprocessors", c.N, b.sms)
+			continue
+		}
+		want := gluFillKernels[np/112]
+		gate := uploadW8A8(t, b, r, c.N, c.K, c.dynamic, 0.02)
+		up := uploadW8A8(t, b, r, c.N, c.K, c.dynamic, 0.02)
+		if c.swap {
+			gate, up = up, gate
+		}
+		down := uploadW8A8(t, b, r, c.K, c.N, false, 0.02)
+		nw, err := b.UploadVector("norm", model.FromFloat32([]int{c.K}, randVec(r, c.K, 1)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		xv := randVec(r, M*c.K, 1)
+		for _, step := range []struct {
+			name string
+			cols int
+			run  func(y, x runtime.Buf)
+		}{
+			{"NormSwiGLU", c.N, func(y, x runtime.Buf) { b.NormSwiGLU(y, x, nw, nil, eps, gate, up) }},
+			{"MLP", c.K, func(y, _ runtime.Buf) { b.MLP(y, nw, nil, eps, gate, up, down) }}, // y: the residual, x's copy
+		} {
+			t.Run(fmt.Sprintf("N=%d/K=%d/dynamic=%v/swap=%v/%s", c.N, c.K, c.dynamic, c.swap, step.name), func(t *testing.T) {
+				var got [2][]float32
+				var launched [2]map[string]bool
+				for i, fill := range []int{-1, 0} {
+					b.opt.GLUFill = fill
+					x := upload(b, M, c.K, xv)
+					y := poisoned(b, M, step.cols)
+					if step.cols == c.K {
+						b.Upload(y, xv)
+					}
+					launched[i] = launchedBy(b, func() { step.run(y, x) })
+					got[i] = download(b, y)
+					b.Free(x)
+					b.Free(y)
+				}
+				if !launched[1][want] || launched[0][want] {
+					t.Fatalf("launched %v without the fill, %v with it; want %s with it alone",
+						slices.Sorted(maps.Keys(launched[0])), slices.Sorted(maps.Keys(launched[1])), want)
+				}
+				ran[want] = true
+				for i := range got[0] {
+					if math.Float32bits(got[0][i]) != math.Float32bits(got[1][i]) {
+						t.Fatalf("output %d (row %d, column %d): %g with the fill, %g without", i, i/step.cols, i%step.cols, got[1][i], got[0][i])
+					}
+				}
+			})
+		}
+		for _, w := range []runtime.Linear{gate, up, down} {
+			b.FreeLinear(w)
+		}
+		b.FreeVector(nw)
+	}
+	if b.sms == 132 {
+		for _, k := range gluFillKernels {
+			if !ran[k] && !t.Failed() {
+				t.Errorf("no case runs %s", k)
+			}
+		}
+	}
+}
