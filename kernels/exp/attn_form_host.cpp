@@ -1,34 +1,17 @@
 // attn_form_host.cpp times the forms of attn_form.cu (see there): 20 launches
 // to warm up, then 200 back to back between two events, twice, a line each.
 // The split of the keys is runtime/cuda's attnSplit on 132 multiprocessors.
-#include <cuda.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#define CK(x)                                      \
-    do {                                           \
-        CUresult r_ = (x);                         \
-        if (r_) {                                  \
-            const char* m;                         \
-            cuGetErrorString(r_, &m);              \
-            printf("%s: %s\n", #x, m);             \
-            return 1;                              \
-        }                                          \
-    } while (0)
+
+#include "cu_host.h"
 int main(int argc, char** argv) {
     if (argc < 2) {
         printf("usage: %s attn_form.ptx\n", argv[0]);
         return 2;
     }
-    CK(cuInit(0));
-    CUdevice dv;
-    CK(cuDeviceGet(&dv, 0));
-    CUcontext cx;
-    CK(cuDevicePrimaryCtxRetain(&cx, dv));
-    CK(cuCtxSetCurrent(cx));
     CUmodule mod;
-    CK(cuModuleLoad(&mod, argv[1]));
+    CK(load_module(argv[1], &mod));
     const char* names[] = {"attn_tc_f16_h", "attn_tc_f16_q", "at_mul", "at_cast", "attn_tc_f16_q"};
     const char* label[] = {"f16_h", "f16_q", "q_mul", "i8cast", "f16_q qs1e-3"};
     CUfunction fn[5], ff, fh;

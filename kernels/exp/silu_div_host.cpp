@@ -1,33 +1,17 @@
 // silu_div_host.cpp runs silu_div.cu's check (see there) for u = 1 and 3;
-// its exit status is the number of u with a mismatch.
-#include <cuda.h>
-
-#include <cstdio>
+// its exit status is the number of u with a mismatch (100: a driver call
+// failed).
 #include <cstring>
 #include <initializer_list>
-#define CK(x)                                      \
-    do {                                           \
-        CUresult r_ = (x);                         \
-        if (r_) {                                  \
-            const char* m;                         \
-            cuGetErrorString(r_, &m);              \
-            printf("%s: %s\n", #x, m);             \
-            return 100;                            \
-        }                                          \
-    } while (0)
+#define CK_FAIL 100
+#include "cu_host.h"
 int main(int argc, char** argv) {
     if (argc < 2) {
         printf("usage: %s silu_div.cubin\n", argv[0]);
         return 100;
     }
-    CK(cuInit(0));
-    CUdevice dv;
-    CK(cuDeviceGet(&dv, 0));
-    CUcontext cx;
-    CK(cuDevicePrimaryCtxRetain(&cx, dv));
-    CK(cuCtxSetCurrent(cx));
     CUmodule mod;
-    CK(cuModuleLoad(&mod, argv[1]));
+    CK(load_module(argv[1], &mod));
     CUfunction fn;
     CK(cuModuleGetFunction(&fn, mod, "silu_check"));
     CUdeviceptr bad, first;

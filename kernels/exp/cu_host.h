@@ -1,0 +1,31 @@
+// cu_host.h: what the experiments' driver-API hosts share (attn_form_host.cpp,
+// silu_div_host.cpp): CK, which prints a failed driver call and returns
+// CK_FAIL from the function (1 unless defined before), and load_module,
+// which makes device 0's primary context current and loads a PTX or
+// cubin file into it.
+#pragma once
+#include <cuda.h>
+
+#include <cstdio>
+#ifndef CK_FAIL
+#define CK_FAIL 1
+#endif
+#define CK(x)                                      \
+    do {                                           \
+        CUresult r_ = (x);                         \
+        if (r_) {                                  \
+            const char* m;                         \
+            cuGetErrorString(r_, &m);              \
+            printf("%s: %s\n", #x, m);             \
+            return CK_FAIL;                        \
+        }                                          \
+    } while (0)
+static CUresult load_module(const char* path, CUmodule* mod) {
+    CUdevice dv;
+    CUcontext cx;
+    CUresult r;
+    if ((r = cuInit(0)) || (r = cuDeviceGet(&dv, 0)) || (r = cuDevicePrimaryCtxRetain(&cx, dv)) ||
+        (r = cuCtxSetCurrent(cx)))
+        return r;
+    return cuModuleLoad(mod, path);
+}
