@@ -587,7 +587,9 @@ extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restri
 // where the path fails: g itself for g = +inf (d = 1) and ±0 (the path's
 // last sum would give +0 for -0), the signed zero g·0 for d = +inf
 // (g < -88.7), NaN from -inf or NaN. Checked against g / d over all
-// 2^32 values of g on an H200 (kernels/exp/silu_div.cu). The division's
+// 2^32 values of g on an H200 (kernels/exp/silu_div.cu) with build.sh's
+// flags: under -ftz or -prec-div=false (fast math) the division itself
+// is another (and a subnormal g would pass as g here). The division's
 // range check and call of its slow path made each value's chain a
 // region of its own that the compiler would not interleave with the
 // next value's: the W8A8 GLU epilogue of 128 × 128 outputs took 8.6 µs of
@@ -1742,18 +1744,19 @@ __device__ __forceinline__ void at_put2(const Out& dst, size_t i, float a, float
 #define AT_SMEM ((2 * AT_K * AT_LD + 2 * 128 * AT_VLD) * 2)
 static_assert(4 * AT_K * AT_LD * 2 <= AT_SMEM, "attn_tc_h_body's two K and two V tiles exceed AT_SMEM");
 // at_store_codes is the store of AtState::store and at_finish for the
-// int8 codes (QOut: attn_tc_f16_q, head size 128): RN(o/l) of this
-// thread's values (quot_rn) into a stage of the block's 64 rows in shared
-// memory (the key and value buffers, free once every warp is past its
-// last tile), then the codes of four values a thread a step (quant_fast,
-// QOut's put4) from the stage, a row's 128 in one warp's 128 contiguous
-// bytes, in a loop of few instructions. Stored as at_put2 stores them,
-// all 64 values of a thread unrolled (~3 400 instructions, each run once
-// a warp), the launch's epilogue missed the instruction cache: half its
-// stall samples were "no instruction", and attn_tc_f16_q took 19.5 µs
-// against attn_tc_f16_h's 12.8 at 128 tokens, 32 heads, on an H200; with
-// the stage, W8A8 prefill of 128 tokens ran 3 % faster (sixty-sixth
-// session). The same codes: the same quot_rn and quant_fast.
+// int8 codes (QOut: attn_tc_f16_q, whose head size 128 it assumes
+// unchecked): RN(o/l) of this thread's values (quot_rn) into a stage of
+// the block's 64 rows in shared memory (the key and value buffers, free
+// once every warp is past its last tile), then the codes of four values
+// a thread a step (quant_fast, QOut's put4) from the stage, a row's 128
+// in one warp's 128 contiguous bytes, in a loop of few instructions.
+// Stored as at_put2 stores them, all 64 values of a thread unrolled
+// (~3 400 instructions, each run once a warp), the launch's epilogue
+// missed the instruction cache: half its stall samples were "no
+// instruction", and attn_tc_f16_q took 19.5 µs against attn_tc_f16_h's
+// 12.8 at 128 tokens, 32 heads, on an H200; with the stage, W8A8 prefill
+// of 128 tokens ran 3 % faster (sixty-sixth session). The same codes: the
+// same quot_rn and quant_fast.
 #define AT_SLD 136  // floats a row of the codes' stage: float2 stores of 4 rows a half warp on 32 banks
 static_assert(AT_Q * AT_SLD * 4 <= AT_SMEM, "at_store_codes' stage exceeds AT_SMEM");
 __device__ __forceinline__ void at_store_codes(const QOut& dst, const float (&o)[16][4], int tlo, int T, int heads,
@@ -1931,7 +1934,7 @@ struct AtState {
     __device__ __forceinline__ void store(const Out& dst, int tlo, int T, int heads, int hd, int h) {
         int tq = threadIdx.x & 3, thi = tlo + 8;
         sum_l();
-        if constexpr (std::is_same_v<Out, QOut>) {
+        if constexpr (std::is_same_v<Out, QOut>) {  // attn_tc_f16_q alone: head size 128
             at_store_codes(dst, o, tlo, T, heads, h, l0, l1);
             return;
         }
@@ -2047,7 +2050,7 @@ __device__ __forceinline__ void at_finish(AtState& st, const AtUnit& u, const At
             }
         }
     }
-    if constexpr (std::is_same_v<Out, QOut>) {
+    if constexpr (std::is_same_v<Out, QOut>) {  // attn_tc_f16_q alone: head size 128
         at_store_codes(dst, o, tlo, T, heads, h, L0, L1);
         return;
     }
