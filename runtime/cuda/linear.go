@@ -109,17 +109,10 @@ type Linear struct {
 	// wmap is w's tensor map for its Hopper GEMM, encoded at the first
 	// launch (prepareWG).
 	wmap *driver.TensorMap
-	// glu is the 3-D tensor map of this gate weight and the up weight at
-	// gluWith as two planes for a gemm_wg_*_glu kernel, the up weight
-	// first where gluUpFirst (gluPair, gluMap).
-	glu        *driver.TensorMap
-	gluWith    driver.DevicePtr
-	gluUpFirst bool
-	// gluF is glu with boxes of gluFRows rows of each plane, for the up
-	// weight at gluFWith (gluFillMap).
-	gluF     *driver.TensorMap
-	gluFRows int
-	gluFWith driver.DevicePtr
+	// glu and gluF map this gate weight and an up weight as two planes
+	// for a gemm_wg_*_glu kernel (gluPair): glu in boxes of 64 rows of
+	// each, gluF of the W8A8 fill forms' 88 or 112 (gluFillRows).
+	glu, gluF gluPlanes
 }
 
 // Out implements runtime.Linear.
@@ -2037,12 +2030,12 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 		wg = b.unwidenedWG(gate, M)
 	}
 	name := gluKernels[wg]
-	if name == "" || !b.gluMap(wg, gate, up) {
+	if name == "" || !b.gluMap(&gate.glu, wg, gate, up, 64) {
 		return false, false
 	}
 	grid := [3]uint32{uint32((M + 127) / 128), uint32((N + 63) / 64), 1}
 	upFirst := 0
-	if gate.gluUpFirst {
+	if up.w < gate.w { // plane 0 the weight at the lower address
 		upFirst = 1
 	}
 	if gate.kind == kindW8A8 {
@@ -2050,18 +2043,15 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 			q = inputForm{}
 		}
 		xq, tok := b.quantized(in, gate)
-		shm := b.actMap(wg, xq, M, K)
-		if np := b.gluFillRows(M, N); np != 0 && b.gluFillMap(wg, gate, up, np) {
+		shm, planes := b.actMap(wg, xq, M, K), gate.glu.m
+		if np := b.gluFillRows(M, N); np != 0 && b.gluMap(&gate.gluF, wg, gate, up, np) {
 			name = gluFillKernels[np/112] // 88 → _f88, 112 → _f112
-			grid, shm = [3]uint32{1, uint32((N + np - 1) / np), 1}, gluFillSmem(np)
-			b.raiseSmem(name, shm)
-			b.launchShm(name, grid, block384, shm, append(append([]any{d.p}, q.args()...), b.tmaps[0], gate.gluF, gate.qbias, gate.deq,
-				gate.bias, up.qbias, up.deq, up.bias, tok, M, N, K, upFirst)...)
-			return true, q.p != 0
+			grid, shm, planes = [3]uint32{1, uint32((N + np - 1) / np), 1}, gluFillSmem(np), gate.gluF.m
+		} else {
+			name, grid, shm = b.wideForm(name, grid, shm, (K+127)/128, false) // K steps of 128 int8
 		}
-		name, grid, shm = b.wideForm(name, grid, shm, (K+127)/128, false) // K steps of 128 int8
 		b.raiseSmem(name, shm)
-		b.launchShm(name, grid, block384, shm, append(append([]any{d.p}, q.args()...), b.tmaps[0], gate.glu, gate.qbias, gate.deq,
+		b.launchShm(name, grid, block384, shm, append(append([]any{d.p}, q.args()...), b.tmaps[0], planes, gate.qbias, gate.deq,
 			gate.bias, up.qbias, up.deq, up.bias, tok, M, N, K, upFirst)...)
 		return true, q.p != 0
 	}
@@ -2073,10 +2063,10 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 	name, grid, shm = b.wideForm(name, grid, shm, (K+gemmHBK-1)/gemmHBK, false)
 	b.raiseSmem(name, shm)
 	sz, sz2 := gate.sz, up.sz // in plane order
-	if gate.gluUpFirst {
+	if upFirst == 1 {
 		sz, sz2 = sz2, sz
 	}
-	b.launchShm(name, grid, block384, shm, d.p, h, b.tmaps[0], gate.glu, sz, sz2, M, N, K, max(gate.gs, gemmHBK), gate.groups,
+	b.launchShm(name, grid, block384, shm, d.p, h, b.tmaps[0], gate.glu.m, sz, sz2, M, N, K, max(gate.gs, gemmHBK), gate.groups,
 		wgFlags(gate, up), upFirst)
 	return true, h != 0
 }
@@ -2117,50 +2107,32 @@ func gluFillSmem(np int) int {
 	return stages*stage + 2*stages*8 + 1024
 }
 
-// gluFillMap makes sure gate.gluF is the map gluMap makes for gate and
-// up (the lower address plane 0, as gluUpFirst says) with boxes of np
-// rows of each plane.
-func (b *Backend) gluFillMap(wg string, gate, up *Linear, np int) bool {
-	if gate.gluF != nil && gate.gluFRows == np && gate.gluFWith == up.w {
-		return true
-	}
-	lo, hi := gate.w, up.w
-	if up.w < gate.w {
-		lo, hi = hi, lo
-	}
-	if gate.gluF == nil {
-		gate.gluF = driver.NewTensorMaps(1)[0]
-	}
-	f := weightMapFormat(wg, gate.in)
-	if err := b.drv.EncodeTensorMap3D(gate.gluF, f.dtype, lo, 2, uint64(gate.out), f.cols, f.pitch, uint64(hi-lo), 2, uint32(np), f.box, f.swizzle); err != nil {
-		gate.gluF = nil
-		return false
-	}
-	gate.gluFRows, gate.gluFWith = np, up.w
-	return true
+// gluPlanes is a 3-D tensor map of a gate weight and an up weight as two
+// planes (the one at the lower address plane 0), a box rows rows of each,
+// for the up weight at with.
+type gluPlanes struct {
+	m    *driver.TensorMap
+	with driver.DevicePtr
+	rows int
 }
 
-// gluMap makes sure gate.glu is the 3-D tensor map of gate's and up's
-// weights as two planes for Hopper GEMM wg's pair kernel (the one at the
-// lower address first: gluUpFirst), a block's W tile 64 rows of each,
-// encoded once; it reports false where the driver refuses it.
-func (b *Backend) gluMap(wg string, gate, up *Linear) bool {
-	if gate.glu != nil && gate.gluWith == up.w {
+// gluMap makes sure p maps gate's and up's weights for Hopper GEMM wg's
+// pair kernels in boxes of rows rows of each plane, encoded once; it
+// reports false where the driver refuses it.
+func (b *Backend) gluMap(p *gluPlanes, wg string, gate, up *Linear, rows int) bool {
+	if p.m != nil && p.with == up.w && p.rows == rows {
 		return true
 	}
-	lo, hi, upFirst := gate.w, up.w, up.w < gate.w
-	if upFirst {
-		lo, hi = hi, lo
-	}
-	if gate.glu == nil {
-		gate.glu = driver.NewTensorMaps(1)[0]
+	lo, hi := min(gate.w, up.w), max(gate.w, up.w)
+	if p.m == nil {
+		p.m = driver.NewTensorMaps(1)[0]
 	}
 	f := weightMapFormat(wg, gate.in)
-	if err := b.drv.EncodeTensorMap3D(gate.glu, f.dtype, lo, 2, uint64(gate.out), f.cols, f.pitch, uint64(hi-lo), 2, 64, f.box, f.swizzle); err != nil {
-		gate.glu = nil
+	if err := b.drv.EncodeTensorMap3D(p.m, f.dtype, lo, 2, uint64(gate.out), f.cols, f.pitch, uint64(hi-lo), 2, uint32(rows), f.box, f.swizzle); err != nil {
+		p.m = nil
 		return false
 	}
-	gate.gluWith, gate.gluUpFirst = up.w, upFirst
+	p.with, p.rows = up.w, rows
 	return true
 }
 
