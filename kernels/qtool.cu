@@ -1699,14 +1699,13 @@ extern "C" __global__ void __launch_bounds__(128) attention_i8(ATTENTION_ARGS(in
                   KVQuant{ks, ko, vs, vo}, AttNew{kn, vn, rtab, layout});
 }
 // at_put2 stores a/l and b/l, a row's normalised outputs, through dst;
-// rl is at_rcp(dst, l), taken once a row. Where at_quot<Out> (the int8
-// codes, QOut; fp16, AtF16) rl is RN(1/l) and the stores take RN(a/l)
-// from quot_rn (l in [1, keys], |a| below l·65504; an a below 2^-60, taken
-// as ±0, is ±0 in fp16 too); the fp32 output divides.
+// rl is at_rcp(dst, l), taken once a row. Where at_quot<Out> (fp16, AtF16)
+// rl is RN(1/l) and the stores take RN(a/l) from quot_rn (l in [1, keys],
+// |a| below l·65504; an a below 2^-60, taken as ±0, is ±0 in fp16 too);
+// the fp32 output divides. (The int8 codes, QOut, take RN(a/l) so too, in
+// at_store_codes.)
 template <typename Out>
 constexpr bool at_quot = false;
-template <>
-constexpr bool at_quot<QOut> = true;
 template <typename Out>
 __device__ __forceinline__ float at_rcp(const Out&, float l) {
     if constexpr (at_quot<Out>)
@@ -1743,7 +1742,7 @@ __device__ __forceinline__ void at_put2(const Out& dst, size_t i, float a, float
 #define AT_VLD 72  // halfs per row of Vt (64 keys + 8)
 #define AT_SMEM ((2 * AT_K * AT_LD + 2 * 128 * AT_VLD) * 2)
 static_assert(4 * AT_K * AT_LD * 2 <= AT_SMEM, "attn_tc_h_body's two K and two V tiles exceed AT_SMEM");
-// at_store_codes is the store of AtState::store and at_finish for the
+// at_store_codes is at_store for the
 // int8 codes (QOut: attn_tc_f16_q, whose head size 128 it assumes
 // unchecked): RN(o/l) of this thread's values (quot_rn) into a stage of
 // the block's 64 rows in shared memory (the key and value buffers, free
@@ -1781,6 +1780,27 @@ __device__ __forceinline__ void at_store_codes(const QOut& dst, const float (&o)
         const int rr = e >> 5, c = (e & 31) * 4;
         dst.put4((size_t)(t0 + rr) * heads * 128 + (size_t)h * 128 + c,
                  *reinterpret_cast<const float4*>(stage + rr * AT_SLD + c));
+    }
+}
+// at_store stores o/l of this thread's rows tlo and tlo + 8 below T (sums
+// l0 and l1) of head h: at_store_codes for the int8 codes (attn_tc_f16_q,
+// head size 128), else at_put2 a pair of columns at a time.
+template <typename Out>
+__device__ __forceinline__ void at_store(const Out& dst, const float (&o)[16][4], int tlo, int T, int heads, int hd,
+                                         int h, float l0, float l1) {
+    if constexpr (std::is_same_v<Out, QOut>) {
+        at_store_codes(dst, o, tlo, T, heads, h, l0, l1);
+    } else {
+        const int tq = threadIdx.x & 3, thi = tlo + 8;
+        const float rl0 = at_rcp(dst, l0), rl1 = at_rcp(dst, l1);
+#pragma unroll
+        for (int nt = 0; nt < 16; nt++) {
+            if (nt < (hd >> 3)) {
+                int d = nt * 8 + 2 * tq;
+                if (tlo < T) at_put2(dst, (size_t)tlo * heads * hd + (size_t)h * hd + d, o[nt][0], o[nt][1], l0, rl0);
+                if (thi < T) at_put2(dst, (size_t)thi * heads * hd + (size_t)h * hd + d, o[nt][2], o[nt][3], l1, rl1);
+            }
+        }
     }
 }
 __device__ __forceinline__ uint2 split_h4(float a, float b, float c, float d, uint2& lo) {
@@ -1932,21 +1952,8 @@ struct AtState {
     // store writes o/l for the rows tlo and tlo + 8 below T of head h.
     template <typename Out>
     __device__ __forceinline__ void store(const Out& dst, int tlo, int T, int heads, int hd, int h) {
-        int tq = threadIdx.x & 3, thi = tlo + 8;
         sum_l();
-        if constexpr (std::is_same_v<Out, QOut>) {  // attn_tc_f16_q alone: head size 128
-            at_store_codes(dst, o, tlo, T, heads, h, l0, l1);
-            return;
-        }
-        const float rl0 = at_rcp(dst, l0), rl1 = at_rcp(dst, l1);
-#pragma unroll
-        for (int nt = 0; nt < 16; nt++) {
-            if (nt < (hd >> 3)) {
-                int d = nt * 8 + 2 * tq;
-                if (tlo < T) at_put2(dst, (size_t)tlo * heads * hd + (size_t)h * hd + d, o[nt][0], o[nt][1], l0, rl0);
-                if (thi < T) at_put2(dst, (size_t)thi * heads * hd + (size_t)h * hd + d, o[nt][2], o[nt][3], l1, rl1);
-            }
-        }
+        at_store(dst, o, tlo, T, heads, hd, h, l0, l1);
     }
 };
 // The prefill attention splits the keys of its long query tiles: causal
@@ -2050,20 +2057,7 @@ __device__ __forceinline__ void at_finish(AtState& st, const AtUnit& u, const At
             }
         }
     }
-    if constexpr (std::is_same_v<Out, QOut>) {  // attn_tc_f16_q alone: head size 128
-        at_store_codes(dst, o, tlo, T, heads, h, L0, L1);
-        return;
-    }
-    int thi = tlo + 8;
-    const float rl0 = at_rcp(dst, L0), rl1 = at_rcp(dst, L1);
-#pragma unroll
-    for (int nt = 0; nt < 16; nt++) {
-        if (nt < nnt) {
-            int d = nt * 8 + 2 * tq;
-            if (tlo < T) at_put2(dst, (size_t)tlo * heads * hd + (size_t)h * hd + d, o[nt][0], o[nt][1], L0, rl0);
-            if (thi < T) at_put2(dst, (size_t)thi * heads * hd + (size_t)h * hd + d, o[nt][2], o[nt][3], L1, rl1);
-        }
-    }
+    at_store(dst, o, tlo, T, heads, hd, h, L0, L1);
 }
 template <typename KV>
 __device__ __forceinline__ void attn_tc_body(AtF32 dst, const float* __restrict__ q,
@@ -4282,6 +4276,29 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[128], uint64_t da, uint64_t 
 __device__ __forceinline__ void wgmma_ss(int (&d)[128], uint64_t da, uint64_t db) { wgmma_m64n256k32_s8(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[88], uint64_t da, uint64_t db) { wgmma_m64n176k32_s8(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[112], uint64_t da, uint64_t db) { wgmma_m64n224k32_s8(d, da, db); }
+// gw_ss_steps is the K loop of a consumer warpgroup c of a Hopper GEMM
+// with both operands in shared memory (fp16, int8; GWS stages): step i
+// waits for stage i % GWS to land (full), multiplies the stage's 64
+// activation rows of c (tileA) by its weight tile (tileW) in four k steps
+// of 32 bytes into d, and frees the stage of step i − 1 (empty: lane 0 of
+// each warp) once that step's products are done; it returns with every
+// product in d.
+template <int GWS, typename D, typename Full, typename Empty, typename TileA, typename TileW>
+__device__ __forceinline__ void gw_ss_steps(D& d, int nk, int c, int lane, Full full, Empty empty, TileA tileA,
+                                            TileW tileW) {
+    for (int i = 0; i < nk; i++) {
+        int s = i % GWS;
+        mbar_wait(full(s), (i / GWS) & 1);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        uint64_t da = wg_desc(tileA(s) + c * 64 * 128), dw = wg_desc(tileW(s));
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) wgmma_ss(d, da + 2 * kk, dw + 2 * kk);  // +32 bytes a k step
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // step i − 1 is done with its stage
+        if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % GWS));
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
 // wg_pin keeps an accumulator's value where it is at this point (an empty
 // asm with the register as operand: NVVM may not move its zeroing past it)
 __device__ __forceinline__ void wg_pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
@@ -4658,18 +4675,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
 #pragma unroll
             for (int e = 0; e < 64 * AH; e++) wg_pin(d[e]);  // zeros before the first fence
         }
-        for (int i = 0; i < nk; i++) {
-            int s = i % GWS;
-            mbar_wait(full(s), (i / GWS) & 1);
-            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-            uint64_t da = wg_desc(tileA(s) + c * 64 * 128), dw = wg_desc(tileW(s));
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) wgmma_ss(d, da + 2 * kk, dw + 2 * kk);  // +32 bytes a k step
-            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // step i − 1 is done with its stage
-            if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % GWS));
-        }
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        gw_ss_steps<GWS>(d, nk, c, lane, full, empty, tileA, tileW);
         static_assert(64 * AH * 4 * 256 <= GWS * SB, "the merge's area fits in the ring");
         if constexpr (MERGES && AH == 1) {
             if (ncl == 2) {  // each block finishes the half of the tile its warpgroup blockIdx.z holds
@@ -5556,18 +5562,7 @@ __device__ __forceinline__ void gemm_wg_s8_glu_fill_body(float* y, const TmaMap*
     for (int e = 0; e < NP; e++) d[e] = 0;
 #pragma unroll
     for (int e = 0; e < NP; e++) wg_pin(d[e]);  // zeros before the first fence
-    for (int i = 0; i < nk; i++) {
-        int s = i % GWS;
-        mbar_wait(full(s), (i / GWS) & 1);
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-        uint64_t da = wg_desc(tileA(s) + c * 64 * 128), dw = wg_desc(tileW(s));
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) wgmma_ss(d, da + 2 * kk, dw + 2 * kk);  // +32 bytes a k step
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // step i − 1 is done with its stage
-        if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % GWS));
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    gw_ss_steps<GWS>(d, nk, c, lane, full, empty, tileA, tileW);
     // accumulator e of n8 chunk j: activation row 16·warp + lane/4 (+8 for
     // e ≥ 2), stage column 8j + 2·(lane % 4) (+1 for odd e): plane 0's
     // rows n0.. in columns 0..NP − 1, plane 1's in NP..2·NP − 1
