@@ -4202,16 +4202,34 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaMap* map, int
 __device__ __forceinline__ uint64_t wg_desc(uint32_t a) {
     return (uint64_t)((a & 0x3ffff) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
 }
-// The 64 accumulator operands of a wgmma m64n128 (%0..%63) and their
-// constraints: C is "+f" for fp32 accumulators, "+r" for int32.
-#define WG_D64                                                                          \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+// The accumulator operands of an inline wgmma in runs (WG_R0_63 …), and
+// those of an m64n128, m64n176, m64n224 and m64n256 (WG_D64, WG_D88,
+// WG_D112, WG_D128: %0..%63, %87, %111, %127) with their constraints
+// (WG_ACC, WG_ACC88, WG_ACC112, WG_ACC128: C is "+f" for fp32
+// accumulators, "+r" for int32).
+#define WG_R0_63 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_R64_87 \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87"
+#define WG_R88_111 \
+    "%88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, " \
+    "%104, %105, %106, %107, %108, %109, %110, %111"
+#define WG_R112_127 \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define WG_D64 "{" WG_R0_63 "}"
 #define WG_ACC8(C, i) C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
 #define WG_ACC(C) \
     WG_ACC8(C, 0), WG_ACC8(C, 8), WG_ACC8(C, 16), WG_ACC8(C, 24), WG_ACC8(C, 32), WG_ACC8(C, 40), WG_ACC8(C, 48), WG_ACC8(C, 56)
+#define WG_D88 "{" WG_R0_63 ", " WG_R64_87 "}"
+#define WG_ACC88(C) WG_ACC(C), WG_ACC8(C, 64), WG_ACC8(C, 72), WG_ACC8(C, 80)
+#define WG_D112 "{" WG_R0_63 ", " WG_R64_87 ", " WG_R88_111 "}"
+#define WG_ACC112(C) WG_ACC88(C), WG_ACC8(C, 88), WG_ACC8(C, 96), WG_ACC8(C, 104)
+#define WG_D128 "{" WG_R0_63 ", " WG_R64_87 ", " WG_R88_111 ", " WG_R112_127 "}"
+#define WG_ACC128(C) WG_ACC112(C), WG_ACC8(C, 112), WG_ACC8(C, 120)
 // WGMMA_SS(name, T, NA, SHAPE, DS, ACCS, C, AB, P, TAIL) defines
 // name(d, da, db): one wgmma of instruction shape and types SHAPE with both
 // operands in shared memory (descriptors da, db) into the NA accumulators
@@ -4226,20 +4244,6 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t a) {
                      : ACCS(C)                                                                   \
                      : "l"(da), "l"(db), "r"(1));                                                \
     }
-// The 128 of a wgmma m64n256 (%0..%127).
-#define WG_D128 \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
-    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
-    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
-#define WG_ACC128(C)                                                                                      \
-    WG_ACC8(C, 0), WG_ACC8(C, 8), WG_ACC8(C, 16), WG_ACC8(C, 24), WG_ACC8(C, 32), WG_ACC8(C, 40), WG_ACC8(C, 48), \
-        WG_ACC8(C, 56), WG_ACC8(C, 64), WG_ACC8(C, 72), WG_ACC8(C, 80), WG_ACC8(C, 88), WG_ACC8(C, 96),       \
-        WG_ACC8(C, 104), WG_ACC8(C, 112), WG_ACC8(C, 120)
 // D[64 × 128] += A[64 × 16] · B[128 × 16]ᵀ; in int8 A[64 × 32] · B[128 ×
 // 32]ᵀ with int32 accumulators; the m64n256 forms D[64 × 256], A read once
 // for 256 columns (half the shared-memory reads of two m64n128 products).
@@ -4247,25 +4251,8 @@ WGMMA_SS(wgmma_m64n128k16, float, 64, "m64n128k16.f32.f16.f16", WG_D64, WG_ACC, 
 WGMMA_SS(wgmma_m64n128k32_s8, int, 64, "m64n128k32.s32.s8.s8", WG_D64, WG_ACC, "+r", "%64, %65", "%66", "")
 WGMMA_SS(wgmma_m64n256k16, float, 128, "m64n256k16.f32.f16.f16", WG_D128, WG_ACC128, "+f", "%128, %129", "%130", ", 1, 1, 0, 0")
 WGMMA_SS(wgmma_m64n256k32_s8, int, 128, "m64n256k32.s32.s8.s8", WG_D128, WG_ACC128, "+r", "%128, %129", "%130", "")
-// The 88 and 112 accumulators of an int8 wgmma m64n176 and m64n224 (the
-// GLU fill forms: 88 or 112 rows of each of gate and up a block).
-#define WG_D88 \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-    "%80, %81, %82, %83, %84, %85, %86, %87}"
-#define WG_ACC88(C) WG_ACC8(C, 0), WG_ACC8(C, 8), WG_ACC8(C, 16), WG_ACC8(C, 24), WG_ACC8(C, 32), WG_ACC8(C, 40), WG_ACC8(C, 48), WG_ACC8(C, 56), WG_ACC8(C, 64), WG_ACC8(C, 72), WG_ACC8(C, 80)
-#define WG_D112 \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
-    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111}"
-#define WG_ACC112(C) WG_ACC8(C, 0), WG_ACC8(C, 8), WG_ACC8(C, 16), WG_ACC8(C, 24), WG_ACC8(C, 32), WG_ACC8(C, 40), WG_ACC8(C, 48), WG_ACC8(C, 56), WG_ACC8(C, 64), WG_ACC8(C, 72), WG_ACC8(C, 80), WG_ACC8(C, 88), WG_ACC8(C, 96), WG_ACC8(C, 104)
+// The int8 m64n176 and m64n224 forms (the GLU fill forms: 88 or 112 rows
+// of each of gate and up a block).
 WGMMA_SS(wgmma_m64n176k32_s8, int, 88, "m64n176k32.s32.s8.s8", WG_D88, WG_ACC88, "+r", "%88, %89", "%90", "")
 WGMMA_SS(wgmma_m64n224k32_s8, int, 112, "m64n224k32.s32.s8.s8", WG_D112, WG_ACC112, "+r", "%112, %113", "%114", "")
 // wgmma_ss: one k step of 32 bytes (16 halfs or 32 int8) with both operands
@@ -5483,6 +5470,15 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                         W8A8Seg{y0, nullptr, qb1, dq1, bs1, N1}, W8A8Seg{y0, nullptr, qb2, dq2, bs2, N2},
                         QKVSink{kc, vc, tab, pos0, hd, layout, 0});
 }
+// The W8A8 gate/up entries' parameters (gemm_wg_s8_glu's and its fill
+// forms') and the GluEpi they make of them.
+#define S8_GLU_PARAMS                                                                                     \
+    float *y, int8_t *yq, float qs, float qo, const __grid_constant__ TmaMap mapA,                        \
+        const __grid_constant__ TmaMap mapGU, const int *__restrict__ gqb, const float *__restrict__ gdeq, \
+        const float *__restrict__ gbias, const int *__restrict__ uqb, const float *__restrict__ udeq,     \
+        const float *__restrict__ ubias, const float *__restrict__ tok, int M, int N, int K, int upFirst
+#define S8_GLU_EPI \
+    GluEpi<W8A8Fin>{W8A8Fin{gqb, gdeq, gbias, tok}, W8A8Fin{uqb, udeq, ubias, tok}, upFirst != 0, QOut{yq, qs, qo}, nullptr}
 // gemm_wg_s8_glu(y, yq, qs, qo, mapA, mapGU, gate and up {qbias, deq, bias},
 // tok, M, N, K, upFirst): the W8A8 gate and up products of one int8 input
 // [M, K] (mapA) and their SwiGLU silu(gate)·up in one launch, with no gate
@@ -5494,15 +5490,11 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 // quantized to yq (QOut). No K split.
 #define GEMM_WG_S8_GLU_ENTRY(name, AH)                                                                           \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
-        name(float* y, int8_t* yq, float qs, float qo, const __grid_constant__ TmaMap mapA,                      \
-             const __grid_constant__ TmaMap mapGU, const int* __restrict__ gqb, const float* __restrict__ gdeq,  \
-             const float* __restrict__ gbias, const int* __restrict__ uqb, const float* __restrict__ udeq,       \
-             const float* __restrict__ ubias, const float* __restrict__ tok, int M, int N, int K, int upFirst) { \
+        name(S8_GLU_PARAMS) {                                                                                    \
         PDL_ENTRY();                                                                                             \
         gemm_wg_body<GH_S8, true, false, 1, AH>(                                                                 \
             y, &mapA, &mapGU, nullptr, nullptr, M, N, 128, 0, 0, (K + 127) / 128, OUT_STORE,                     \
-            GluEpi<W8A8Fin>{W8A8Fin{gqb, gdeq, gbias, tok}, W8A8Fin{uqb, udeq, ubias, tok}, upFirst != 0,        \
-                            QOut{yq, qs, qo}, nullptr});                                                         \
+            S8_GLU_EPI);                                                                                         \
     }
 GEMM_WG_S8_GLU_ENTRY(gemm_wg_s8_glu, 1)
 GEMM_WG_S8_GLU_ENTRY(gemm_wg_s8_glu_w, 2)
@@ -5577,15 +5569,11 @@ __device__ __forceinline__ void gemm_wg_s8_glu_fill_body(float* y, const TmaMap*
 }
 #define GEMM_WG_S8_GLU_FILL_ENTRY(name, NP)                                                                      \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
-        name(float* y, int8_t* yq, float qs, float qo, const __grid_constant__ TmaMap mapA,                      \
-             const __grid_constant__ TmaMap mapGU, const int* __restrict__ gqb, const float* __restrict__ gdeq,  \
-             const float* __restrict__ gbias, const int* __restrict__ uqb, const float* __restrict__ udeq,       \
-             const float* __restrict__ ubias, const float* __restrict__ tok, int M, int N, int K, int upFirst) { \
+        name(S8_GLU_PARAMS) {                                                                                    \
         PDL_ENTRY();                                                                                             \
         gemm_wg_s8_glu_fill_body<NP>(                                                                            \
             y, &mapA, &mapGU, M, N, (K + 127) / 128,                                                             \
-            GluEpi<W8A8Fin>{W8A8Fin{gqb, gdeq, gbias, tok}, W8A8Fin{uqb, udeq, ubias, tok}, upFirst != 0,        \
-                            QOut{yq, qs, qo}, nullptr});                                                         \
+            S8_GLU_EPI);                                                                                         \
     }
 GEMM_WG_S8_GLU_FILL_ENTRY(gemm_wg_s8_glu_f88, 88)
 GEMM_WG_S8_GLU_FILL_ENTRY(gemm_wg_s8_glu_f112, 112)
