@@ -738,13 +738,14 @@ __device__ __forceinline__ void stage_tile(At at, Raw raw, const TileStage<T>& s
     named_sync(st.bar, st.nthr);
 }
 // NoMirror is out_tile_staged's mir where the values go to C alone. A mir
-// whose takes is true (QKVSink) stores a thread's four values of a row
-// itself instead (take4), the tile then a whole number of warps a row
-// (the host's checks: N a multiple of 4 and of 128, out OUT_STORE).
+// whose takes is true (QKVSink) is bound to a thread's columns once
+// (bind), loads what a row needs for the batch (pre) and stores a
+// thread's four values of a row itself instead (take4), the tile then a
+// whole number of warps a row (the host's checks: N a multiple of 4 and
+// of 128, out OUT_STORE).
 struct NoMirror {
     static constexpr bool takes = false;
     struct Pre {};
-    __device__ __forceinline__ Pre pre(int, int) const { return {}; }
     __device__ __forceinline__ void put4(size_t, float4) const {}
     __device__ __forceinline__ void put1(size_t, float) const {}
 };
@@ -755,6 +756,7 @@ __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out,
     const int items = st.r1 * TS_COLS / 4, c = st.tid % (TS_COLS / 4) * 4, n = st.n0 + c;
     const bool vec = (N & 3) == 0 && n < N;  // this thread's four columns as one float4 (the same in every row)
     const typename Fin::Cols fc = fin.cols(n, N);
+    if constexpr (Mir::takes) mir.bind(n);
 #pragma unroll 1
     for (int e0 = st.r0 * TS_COLS / 4 + st.tid; e0 < items; e0 += OTS_BATCH * st.nthr) {
         float4 g[OTS_BATCH];
@@ -764,7 +766,7 @@ __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out,
 #pragma unroll
                 for (int j = 0; j < OTS_BATCH; j++) {
                     int m = st.m0 + (e0 + j * st.nthr) / (TS_COLS / 4);
-                    if (e0 + j * st.nthr < items && m < M) pre[j] = mir.pre(m, n);
+                    if (e0 + j * st.nthr < items && m < M) pre[j] = mir.pre(m);
                 }
             }
         if (vec && out != OUT_STORE) {
@@ -1178,25 +1180,34 @@ struct QKVSink {
     __half *kc, *vc;
     const float2* __restrict__ tab;
     int pos0, hd, layout, role;
-    // Pre is the (sin, cos) of a thread's four values' pairs in a row
+    // The thread's columns n.. as bind fixed them (the same in every row of
+    // out_tile_staged's loop): the table's pair offset within a position
+    // and whether they are the low half of their head (layout 0). Taken
+    // once a thread, not a division by hd a row.
+    int tcol = 0;
+    bool low = false;
+    __device__ __forceinline__ void bind(int n) {
+        const int h2 = hd / 2, i = n % hd;
+        tcol = layout ? i / 2 : i < h2 ? i : i - h2;
+        low = i < h2;
+    }
+    // Pre is the (sin, cos) of a thread's four values' pairs in row m
     // (layout 1: two pairs, in a), loaded by pre before the batch's values.
     struct Pre {
         float4 a, b;
     };
-    __device__ __forceinline__ Pre pre(int m, int n) const {
+    __device__ __forceinline__ Pre pre(int m) const {
         Pre p{};
         if (role == 2) return p;
-        const int h2 = hd / 2, i = n % hd;
-        const float4* t = reinterpret_cast<const float4*>(
-            tab + (size_t)(pos0 + m) * h2 + (layout ? i / 2 : i < h2 ? i : i - h2));
+        const float4* t = reinterpret_cast<const float4*>(tab + (size_t)(pos0 + m) * (hd / 2) + tcol);
         p.a = t[0];
         if (!layout) p.b = t[1];
         return p;
     }
+    // take4 stores the four values v of row m, columns n.. (bind's).
     __device__ __forceinline__ void take4(float* cp, int m, int N, int n, float4 v, const Pre& pr) const {
         const int pos = pos0 + m;
         if (role != 2) {
-            const int h2 = hd / 2, i = n % hd;
             float x[4] = {v.x, v.y, v.z, v.w};
             if (layout) {
                 const float2 o0 = rope_rotate(RopePair{0, 0, pr.a.x, pr.a.y}, x[0], x[1]);
@@ -1205,8 +1216,7 @@ struct QKVSink {
             } else {
                 float p[4];
 #pragma unroll
-                for (int e = 0; e < 4; e++) p[e] = __shfl_xor_sync(FULL, x[e], h2 / 4);
-                const bool low = i < h2;
+                for (int e = 0; e < 4; e++) p[e] = __shfl_xor_sync(FULL, x[e], hd / 8);
                 const float4 a = pr.a, b = pr.b;
                 const float sn[4] = {a.x, a.z, b.x, b.z}, cs[4] = {a.y, a.w, b.y, b.w};
 #pragma unroll
@@ -2465,7 +2475,6 @@ __device__ __forceinline__ void ar_meet(char* area, long long sync_off, int rank
 struct PeerMirror {
     static constexpr bool takes = false;
     struct Pre {};
-    __device__ __forceinline__ Pre pre(int, int) const { return {}; }
     float* d[AR_MAX_RANKS - 1];
     int n;
     __device__ __forceinline__ void put4(size_t i, float4 v) const {
