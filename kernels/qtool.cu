@@ -4272,6 +4272,18 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[128], uint64_t da, uint64_t 
 __device__ __forceinline__ void wgmma_ss(int (&d)[128], uint64_t da, uint64_t db) { wgmma_m64n256k32_s8(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[88], uint64_t da, uint64_t db) { wgmma_m64n176k32_s8(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[112], uint64_t da, uint64_t db) { wgmma_m64n224k32_s8(d, da, db); }
+// gw_ring_init sets up the GWS stages' barriers of a Hopper GEMM's ring
+// (thread 0, before the block's first barrier): full counts fullArrivals
+// (the copy engine's bytes, and for the quantized kinds the scales'
+// copies), empty the 8 consumer warps.
+template <int GWS, typename Full, typename Empty>
+__device__ __forceinline__ void gw_ring_init(Full full, Empty empty, int fullArrivals) {
+    for (int s = 0; s < GWS; s++) {
+        mbar_init(full(s), fullArrivals);
+        mbar_init(empty(s), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
 // gw_ss_steps is the K loop of a consumer warpgroup c of a Hopper GEMM
 // with both operands in shared memory (fp16, int8; GWS stages): step i
 // waits for stage i % GWS to land (full), multiplies the stage's 64
@@ -4400,12 +4412,16 @@ __device__ __forceinline__ void gw_frags(uint32_t (&f)[16], const unsigned char*
         }
     }
 }
+// gw_unit is the 16-byte unit of four sums a Hopper GEMM's cluster merge
+// moves: float4 of fp32 sums, int4 of int32.
+template <typename T>
+using gw_unit = typename std::conditional<std::is_same<T, float>::value, float4, int4>::type;
 // gw_add_units adds to a thread's sums d the 16-byte units another block
 // stored into this block's area for it: unit e / 4 at (e / 4 · stride +
 // slot) · 16 (gw_merge_splits: 256 slots, gw_pair_scatter: 128).
 template <int N, typename T>
 __device__ __forceinline__ void gw_add_units(T (&d)[N], const unsigned char* area, int stride, int slot) {
-    using V = typename std::conditional<std::is_same<T, float>::value, float4, int4>::type;
+    using V = gw_unit<T>;
 #pragma unroll
     for (int e = 0; e < N; e += 4) {
         V v = reinterpret_cast<const V*>(area)[(e / 4) * stride + slot];
@@ -4504,7 +4520,7 @@ template <int N, typename T>
 __device__ __forceinline__ void gw_trio_scatter(T (&d)[N], unsigned char* area, int ct) {
     static_assert(N % 4 == 0, "four sums a unit");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    using V = typename std::conditional<std::is_same<T, float>::value, float4, int4>::type;
+    using V = gw_unit<T>;
     cluster_wait();  // the first arrival: every block has set up
     const int rank = (int)blockIdx.z, q = ct >> 6;
     const int to = q < 2 ? 0 : q - 1;  // the block that finishes this thread's rows
@@ -4599,13 +4615,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128 * AHA, nk = kt1 - kt0;
     constexpr int NH = PAIR ? 64 : 128;  // outputs of a weight half
     int n0 = (ny < 0 ? (int)blockIdx.y : ny) * NH * AHW;
-    if (tid == 0) {
-        for (int s = 0; s < GWS; s++) {
-            mbar_init(full(s), QUANT ? 1 + 128 : 1);  // the copy engine's bytes; the scales' copies
-            mbar_init(empty(s), 8);                   // the 8 consumer warps
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (tid == 0) gw_ring_init<GWS>(full, empty, QUANT ? 1 + 128 : 1);  // the scales' 128 copies too
     __syncthreads();
     // a K split launched as one cluster (gw_pair_scatter, gw_trio_scatter,
     // gw_merge_splits): every thread's first arrival, which the merge's
@@ -5433,7 +5443,8 @@ GEMM_WG_S8_ENTRY(gemm_wg_s8_w, 2)
 // split otherwise would store each split's sums as the result. One launch
 // pays the fill, merge and epilogue of a short K split once for the three
 // products.
-#define W8A8_OUT(i) float *y##i, const int *qb##i, const float *dq##i, const float *bs##i, int N##i
+#define W8A8_FIN(i) const int *qb##i, const float *dq##i, const float *bs##i, int N##i
+#define W8A8_OUT(i) float *y##i, W8A8_FIN(i)
 // gemm_wg_s8_segs_run is the body of gemm_wg_s8_segs and its _kv form:
 // the weights s0..s2, mir the staged epilogue's (QKVSink: its role set to
 // the block's weight).
@@ -5468,7 +5479,6 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 // weight i {qbias, deq, bias, N_i}, y0, kc, vc, tab, pos0, hd, layout):
 // gemm_wg_s8_segs of q, k and v (N2 = N1) stored with RoPE and the KV
 // store fused as gemm_wg_f16_segs_kv's (QKVSink).
-#define W8A8_FIN(i) const int *qb##i, const float *dq##i, const float *bs##i, int N##i
 extern "C" __global__ void __launch_bounds__(384, 1)
     gemm_wg_s8_segs_kv(const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW0,
                        const __grid_constant__ TmaMap mapW1, const __grid_constant__ TmaMap mapW2,
@@ -5536,13 +5546,7 @@ __device__ __forceinline__ void gemm_wg_s8_glu_fill_body(float* y, const TmaMap*
     auto tileA = [&](int s) { return base + s * SB; };
     auto tileW = [&](int s) { return base + s * SB + 128 * 128; };
     const int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128, n0 = blockIdx.y * NP;
-    if (tid == 0) {
-        for (int s = 0; s < GWS; s++) {
-            mbar_init(full(s), 1);   // the copy engine's bytes
-            mbar_init(empty(s), 8);  // the 8 consumer warps
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (tid == 0) gw_ring_init<GWS>(full, empty, 1);
     __syncthreads();
     if (wg == 0) {  // one thread copies the A and W tiles of every K step
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
