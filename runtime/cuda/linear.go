@@ -1318,7 +1318,8 @@ func wideCost(name string) float64 {
 const wgSplitSteps = 28
 
 // wgClusterRoundSteps is what one round of a cluster's merge of K splits
-// costs (splitPlan; log2 of the splits rounds, rounded up), in block steps
+// costs (splitPlan; log2 of the splits rounds, rounded up, but one for a
+// narrow three), in block steps
 // as wgSplitSteps, for a narrow block's 64 KB of sums (a wide block's 128
 // KB: twice): sent from block to block of the cluster, no second launch.
 // On an H200 (fifty-fifth session, a first form of the merge) the int8
@@ -1330,10 +1331,12 @@ const wgSplitSteps = 28
 // each way at once, each block finishing half the rows) is cheaper, 1.9 µs
 // against the tree's 2.8 (4096 × 4096 int8 at 128 rows), but priced the
 // same: the dispatcher's choices were measured at this price. A narrow
-// three merges in one round too since the sixty-fifth session
-// (gw_trio_scatter) and is still priced at two: priced at one, o's
-// 4096 × 4096 int8 at 128 rows moved from pairs to threes with no gain
-// (W8A8 prefill within ±1 % on both 7B/8B models).
+// three merges in one round too (gw_trio_scatter, sixty-fifth session),
+// and is priced so since its blocks finish 48, 48 and 32 rows (sixty-
+// eighth session): o's 4096 × 4096 int8 at 128 rows moved from pairs to
+// threes, W8A8 prefill at 128 tokens +0.9 % on llama2-7b and +0.7 % on
+// llama3-8b over three rounds (with 64, 32 and 32 rows it moved with no
+// gain).
 const wgClusterRoundSteps = 6
 
 // wgEstimate is a Hopper GEMM launch's time in block steps: tiles blocks
@@ -1622,7 +1625,8 @@ func (b *Backend) measureClusterFit() bool {
 // (wgSplitSteps); or, where the kind merges in clusters
 // (mergesInCluster), each tile's splits as one cluster along z merging in
 // shared memory (cluster set; wgClusterRoundSteps a round, twice for a
-// wide block's sums): the number of splits, of those whose clusters the
+// wide block's sums; log2 of the splits rounds, one for a narrow three):
+// the number of splits, of those whose clusters the
 // device runs all at once (clusterFit, which counts each GPC's
 // multiprocessors; at most 8, a portable cluster), that takes least,
 // where that is less than the global merge. b.forceClusterSplit (tests)
@@ -1645,7 +1649,11 @@ func (b *Backend) splitPlan(name string, tiles, steps, resident int) (S int, clu
 		if tiles > b.clusterFit[s] {
 			continue
 		}
-		m := float64(bits.Len(uint(s-1)) * halves * wgClusterRoundSteps)
+		rounds := bits.Len(uint(s - 1)) // gw_merge_splits's tree
+		if halves == 1 && s == 3 {
+			rounds = 1 // a narrow three: gw_trio_scatter
+		}
+		m := float64(rounds * halves * wgClusterRoundSteps)
 		if b.forceClusterSplit {
 			return s, true, m
 		}
