@@ -1207,11 +1207,13 @@ const attnTCSmem = (2*64*136 + 2*128*72) * 2
 // ⌊(pos0 + min(T, 64(i+1)) − 1)/64⌋ + 1 key tiles, and a launch lasts as
 // long as its longest block where the blocks do not fill the device. The
 // splits pay only while every block still has a multiprocessor of its own
-// (a second block on one runs both at about half speed, and a split adds
-// the partials' writes and their merge): ct is the least number of tiles
-// for which heads · units blocks fit the multiprocessors, no split where
-// the unsplit launch already exceeds them (H100, 512 tokens: 8 heads split
-// in blocks of 3 tiles, 16 and 32 heads unsplit; BenchmarkPrefillAttention).
+// (a second block on one runs both at about half speed) and the longest
+// block saves more than a split's merge costs (attnSplitMergeTiles): ct
+// is the least number of tiles for which heads · units blocks fit the
+// multiprocessors where that is attnSplitMergeTiles tiles or more below
+// the longest tile's, else no split (H100, 512 tokens: 8 heads split in
+// blocks of 3 tiles, 16 and 32 heads unsplit, BenchmarkPrefillAttention;
+// H200, 32 heads: 128 and 192 tokens unsplit).
 func (b *Backend) attnSplit(T, pos0, heads int) (ct, units int) {
 	nq := (T + 63) / 64
 	tiles := func(i int) int { return (pos0+min(T, 64*(i+1))-1)/64 + 1 }
@@ -1230,9 +1232,23 @@ func (b *Backend) attnSplit(T, pos0, heads int) (ct, units int) {
 		for c := longest - 1; c >= 1 && heads*count(c) <= b.sms; c-- {
 			ct = c
 		}
+		if ct+attnSplitMergeTiles > longest {
+			ct = longest
+		}
 	}
 	return ct, count(ct)
 }
+
+// attnSplitMergeTiles is what merging a split query tile costs, in key
+// tiles of one block (attnSplit): its units write their unnormalised rows
+// and softmax state, and the last of them reads them back and finishes
+// the rows. Sixty-eighth session (one H200, `bench --synthetic`, 32
+// heads): splitting the query tiles' keys one tile a block (128 tokens:
+// 96 blocks against 64; 192: 128 against 96) lost against no split —
+// W8A8 prefill 2.4–5.4 % at 128 tokens and 1.8–2.2 % at 192 on llama2-7b
+// and llama3-8b, fp16 1.5–3.4 % and 0.5–1.1 %. A merge costs more than
+// the one tile it saves the longest block.
+const attnSplitMergeTiles = 2
 
 // Attention implements runtime.Backend.
 func (b *Backend) Attention(dst, q runtime.Buf, c runtime.KVCache, layer, pos0, heads, kvHeads, headDim int) {

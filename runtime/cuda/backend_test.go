@@ -355,6 +355,31 @@ func TestOneTileNarrow(t *testing.T) {
 	}
 }
 
+// TestAttnSplit checks the prefill attention's key splits (attnSplit) on
+// 132 multiprocessors: the least tiles a block whose blocks fit, where
+// that saves the longest block attnSplitMergeTiles tiles or more, else
+// none; and the forced splits of Options.AttnSplit.
+func TestAttnSplit(t *testing.T) {
+	for _, c := range []struct {
+		T, pos0, heads, force int
+		ct, units             int
+	}{
+		{128, 0, 32, 0, 2, 2},   // one tile would save the second query tile one: unsplit
+		{192, 0, 32, 0, 3, 3},   // two a block: 128 blocks, one tile saved: unsplit
+		{512, 0, 32, 0, 8, 8},   // no split fits: 7 a block is 288 blocks
+		{512, 0, 8, 0, 3, 15},   // 3 a block: 120 blocks, five tiles saved
+		{128, 512, 32, 0, 5, 4}, // after 512 cached keys: 9 and 10 tiles, 5 a block
+		{128, 0, 32, -1, 2, 2},  // forced: every tile in one block
+		{128, 0, 32, 1, 1, 3},   // forced: one tile a block
+	} {
+		b := &Backend{sms: 132, opt: Options{AttnSplit: c.force}}
+		if ct, units := b.attnSplit(c.T, c.pos0, c.heads); ct != c.ct || units != c.units {
+			t.Errorf("attnSplit(T %d, pos0 %d, %d heads; AttnSplit %d) = %d, %d, want %d, %d",
+				c.T, c.pos0, c.heads, c.force, ct, units, c.ct, c.units)
+		}
+	}
+}
+
 // TestWideWG checks wideWG's choice of the Hopper GEMMs' blocks of two
 // halves on 132 multiprocessors against what bench's kernel table measured
 // on an H200 at 512 rows (kernels/NOTES.md, fifty-second session): wide
