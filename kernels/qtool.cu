@@ -4512,14 +4512,13 @@ __device__ __forceinline__ void gw_pair_scatter(T (&d)[N], unsigned char* area, 
 // warp ct / 32: warps 0–2, 3–5, 6–7), so that no block receives or
 // finishes more than 48 rows (sixty-eighth session, against 64, 32 and
 // 32: W8A8 prefill at 128 tokens +1.6–2.2 % on llama2-7b, within ±0.5 %
-// on llama3-8b). Every thread
-// whose rows another block finishes stores its sums there, into the slot
-// of its rank among that block's two senders (nt = 96 threads' units a
-// slot at blocks 0 and 1, 64 at block 2; a thread's 16-byte unit e / 4 at
-// (slot · N / 4 + e / 4) · nt + t, t its place among the nt); the
-// finishing threads add the parts in the tree's order, (p0 + p1) + p2,
-// all in one round where gw_merge_splits takes two. 48 KB of area at
-// blocks 0 and 1.
+// on llama3-8b). Every thread whose rows another block finishes stores
+// its sums there, into the slot of its rank among that block's two
+// senders (nt = 96 threads' units a slot at blocks 0 and 1, 64 at block
+// 2; a thread's 16-byte unit e / 4 at (slot · N / 4 + e / 4) · nt + t, t
+// its place among the nt); the finishing threads add the parts in the
+// tree's order, (p0 + p1) + p2, all in one round where gw_merge_splits
+// takes two. 48 KB of area at blocks 0 and 1.
 template <int N, typename T>
 __device__ __forceinline__ void gw_trio_scatter(T (&d)[N], unsigned char* area, int ct) {
     static_assert(N % 4 == 0, "four sums a unit");

@@ -1319,9 +1319,9 @@ const wgSplitSteps = 28
 
 // wgClusterRoundSteps is what one round of a cluster's merge of K splits
 // costs (splitPlan; log2 of the splits rounds, rounded up, but one for a
-// narrow three), in block steps
-// as wgSplitSteps, for a narrow block's 64 KB of sums (a wide block's 128
-// KB: twice): sent from block to block of the cluster, no second launch.
+// narrow three), in block steps as wgSplitSteps, for a narrow block's 64
+// KB of sums (a wide block's 128 KB: twice): sent from block to block of
+// the cluster, no second launch.
 // On an H200 (fifty-fifth session, a first form of the merge) the int8
 // GEMM of 4096 × 4096 at 256 rows took 17.8 µs in narrow blocks
 // split in two so (27.5 merged through memory), 27.7 in wide blocks split
@@ -1626,11 +1626,11 @@ func (b *Backend) measureClusterFit() bool {
 // (mergesInCluster), each tile's splits as one cluster along z merging in
 // shared memory (cluster set; wgClusterRoundSteps a round, twice for a
 // wide block's sums; log2 of the splits rounds, one for a narrow three):
-// the number of splits, of those whose clusters the
-// device runs all at once (clusterFit, which counts each GPC's
-// multiprocessors; at most 8, a portable cluster), that takes least,
-// where that is less than the global merge. b.forceClusterSplit (tests)
-// takes the most splits that fit, whatever they cost.
+// the number of splits, of those whose clusters the device runs all at
+// once (clusterFit, which counts each GPC's multiprocessors; at most 8, a
+// portable cluster), that takes least, where that is less than the global
+// merge. b.forceClusterSplit (tests) takes the most splits that fit,
+// whatever they cost.
 func (b *Backend) splitPlan(name string, tiles, steps, resident int) (S int, cluster bool, merge float64) {
 	S = b.splits(tiles, steps, resident)
 	if S == 1 {
