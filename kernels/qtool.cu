@@ -623,8 +623,7 @@ __device__ __forceinline__ float out_val(const float* C, float v, int out) {
 // its products are done), shared by the nthr threads (this one: tid) that
 // meet at named barrier bar; nthr is a multiple of TS_COLS / 4. The tile's
 // rows r0..r1 − 1 are the ones out_tile_staged finishes (a cluster pair's
-// block: its half, gw_pair_scatter; a cluster of three's: its part,
-// gw_trio_scatter).
+// block: its half; a cluster of three's: its part; gw_scatter).
 #define TS_ROWS 128
 #define TS_COLS 128
 #define TS_LD (TS_COLS + 8)  // the fragments' float2 writes hit 32 banks a half warp
@@ -1337,7 +1336,7 @@ __device__ __forceinline__ unsigned cluster_blocks() {
 // GEMM launch whose splits merge through memory (its partial sums to the
 // output + z·M·N, for sum_splits or w8a8_sum_splits): a launch split along
 // z and not run as one cluster a tile (those merge in shared memory,
-// gw_pair_scatter, gw_trio_scatter or gw_merge_splits).
+// gw_scatter or gw_merge_splits).
 __device__ __forceinline__ bool split_to_memory() { return gridDim.z > 1 && cluster_blocks() == 1; }
 #define ATT_MAX_SPLITS 256  // the grid's splits at most (attnMaxSplits)
 #define ATT_MERGE_U 8      // partial sums a thread of the merge loads at once
@@ -4418,7 +4417,7 @@ template <typename T>
 using gw_unit = typename std::conditional<std::is_same<T, float>::value, float4, int4>::type;
 // gw_add_units adds to a thread's sums d the 16-byte units another block
 // stored into this block's area for it: unit e / 4 at (e / 4 · stride +
-// slot) · 16 (gw_merge_splits: 256 slots, gw_pair_scatter: 128).
+// slot) · 16 (gw_merge_splits: 256 slots).
 template <int N, typename T>
 __device__ __forceinline__ void gw_add_units(T (&d)[N], const unsigned char* area, int stride, int slot) {
     using V = gw_unit<T>;
@@ -4444,8 +4443,7 @@ __device__ __forceinline__ void gw_add_units(T (&d)[N], const unsigned char* are
 // epilogue: rank 0, its consumers past a barrier after their loads (the
 // epilogue's stage may reuse the area); a sender returns false once its
 // sums are sent. gemm_wg_body merges a narrow block's pair with
-// gw_pair_scatter instead and its three with gw_trio_scatter, and more
-// splits or a wide block's so.
+// gw_scatter instead, and more splits or a wide block's so.
 template <int N, typename T>
 __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, int ncl, int ct) {
     static_assert(N % 4 == 0, "four sums a unit");
@@ -4472,67 +4470,45 @@ __device__ __forceinline__ bool gw_merge_splits(T (&d)[N], unsigned char* area, 
 #endif
     return true;
 }
-// gw_pair_scatter merges the sums d (N a thread, thread ct of the 256
-// consumers, of warpgroup c = ct / 128) of an fp16 or int8 Hopper GEMM
-// block whose launch runs the two K splits of a tile as one cluster of
-// two (gw_trio_scatter for three, gw_merge_splits's tree for more): each
-// block finishes half the tile, block r (its rank) the 64 rows of its
-// warpgroup r. Warpgroup 1 − r stores its sums into the other block's
-// shared memory at area (the ring's start, free once the products are
-// done; 32 KB, a thread's 16-byte unit e / 4 at (e / 4 · 128 + ct % 128)
-// · 16), and warpgroup r adds what the other block's warpgroup r stored
-// there: both blocks send at once, half
-// a tile each, where the tree sends a whole tile one way, and each
-// epilogue finishes half the rows (the tile stage's r0, r1). The sums are
-// p0 + p1 as the tree's. The consumers of both blocks meet at a cluster
-// barrier before the stores (the areas free; a thread that exited counts
-// as arrived) and after them (release, acquire).
-template <int N, typename T>
-__device__ __forceinline__ void gw_pair_scatter(T (&d)[N], unsigned char* area, int ct) {
+// gw_scatter merges the sums d (N a thread, thread ct of the 256
+// consumers) of an fp16 or int8 Hopper GEMM block whose launch runs the
+// NCL = 2 or 3 K splits of a narrow tile as one cluster
+// (gw_merge_splits's tree for more or for a wide block) in one round:
+// each block finishes the rows of its warps (warp ct / 32 holds rows
+// 16·(ct / 32) on): a pair's block r the 64 of warpgroup r (warps 4r to
+// 4r + 3); a three's block 0 rows 0–47, block 1 48–95, block 2 96–127
+// (warps 0–2, 3–5, 6–7), so that no block receives or finishes more than
+// 48 rows (sixty-eighth session, against 64, 32 and 32: W8A8 prefill at
+// 128 tokens +1.6–2.2 % on llama2-7b, within ±0.5 % on llama3-8b).
+// Every thread whose rows another block finishes stores its sums into
+// that block's shared memory at area (the ring's start, free once the
+// products are done), in the slot of its rank among that block's senders
+// (nt threads' units a slot: those whose rows the block finishes; a
+// thread's 16-byte unit e / 4 at (slot · N / 4 + e / 4) · nt + t, t its
+// place among the nt); the finishing threads add the parts in the tree's
+// order, p0 + p1 or (p0 + p1) + p2: all blocks send at once, each a part
+// of the tile, where the tree sends a whole tile one way a round. The
+// consumers of the cluster's blocks meet at a cluster barrier before the
+// stores (the areas free; a thread that exited counts as arrived) and
+// after them (release, acquire). Sets r0, r1 to the rows this block
+// finishes (the tile stage's). Area: 32 KB a pair's block, 48 KB at a
+// three's blocks 0 and 1.
+template <int NCL, int N, typename T>
+__device__ __forceinline__ void gw_scatter(T (&d)[N], unsigned char* area, int ct, int& r0, int& r1) {
     static_assert(N % 4 == 0, "four sums a unit");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    cluster_wait();  // the first arrival: both blocks have set up
-    const int rank = (int)blockIdx.z, c = ct >> 7, t = ct & 127;
-    cluster_arrive();
-    cluster_wait();  // both areas are free
-    if (c != rank) {
-        unsigned to = dsmem_addr(area, rank ^ 1);
-#pragma unroll
-        for (int e = 0; e < N; e += 4) st_dsmem4(to + ((e / 4) * 128 + t) * 16, d[e], d[e + 1], d[e + 2], d[e + 3]);
-    }
-    cluster_arrive();
-    cluster_wait();  // the halves landed
-    if (c == rank) gw_add_units(d, area, 128, t);
-    named_sync(1, 256);
-#endif
-}
-// gw_trio_scatter is gw_pair_scatter for a cluster of three (the K
-// splits of a narrow block's tile): block 0 finishes rows 0–47, block 1
-// rows 48–95, block 2 rows 96–127 (a thread's rows are the 16 of its
-// warp ct / 32: warps 0–2, 3–5, 6–7), so that no block receives or
-// finishes more than 48 rows (sixty-eighth session, against 64, 32 and
-// 32: W8A8 prefill at 128 tokens +1.6–2.2 % on llama2-7b, within ±0.5 %
-// on llama3-8b). Every thread whose rows another block finishes stores
-// its sums there, into the slot of its rank among that block's two
-// senders (nt = 96 threads' units a slot at blocks 0 and 1, 64 at block
-// 2; a thread's 16-byte unit e / 4 at (slot · N / 4 + e / 4) · nt + t, t
-// its place among the nt); the finishing threads add the parts in the
-// tree's order, (p0 + p1) + p2, all in one round where gw_merge_splits
-// takes two. 48 KB of area at blocks 0 and 1.
-template <int N, typename T>
-__device__ __forceinline__ void gw_trio_scatter(T (&d)[N], unsigned char* area, int ct) {
-    static_assert(N % 4 == 0, "four sums a unit");
+    static_assert(NCL == 2 || NCL == 3, "a pair or a three");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using V = gw_unit<T>;
+    // block b finishes warps first(b) .. first(b) + warps(b) − 1
+    auto first = [](int b) { return NCL == 2 ? 4 * b : 3 * b; };
+    auto warps = [](int b) { return NCL == 2 ? 4 : b == 2 ? 2 : 3; };
     cluster_wait();  // the first arrival: every block has set up
     const int rank = (int)blockIdx.z, q = ct >> 5;
-    const int to = q < 3 ? 0 : q < 6 ? 1 : 2;  // the block that finishes this thread's rows
-    auto nts = [](int b) { return b == 2 ? 64 : 96; };  // the threads whose rows block b finishes
-    auto first = [](int b) { return 96 * b; };         // the first of them
+    const int to = NCL == 2 ? q >> 2 : q < 3 ? 0 : q < 6 ? 1 : 2;  // the block that finishes this thread's rows
     cluster_arrive();
     cluster_wait();  // the areas are free
     if (to != rank) {
-        const int nt = nts(to), t = ct - first(to);
+        const int nt = 32 * warps(to), t = ct - 32 * first(to);
         const int slot = rank < to ? rank : rank - 1;  // among to's senders, by rank
         unsigned a = dsmem_addr(area, to);
 #pragma unroll
@@ -4542,18 +4518,24 @@ __device__ __forceinline__ void gw_trio_scatter(T (&d)[N], unsigned char* area, 
     cluster_arrive();
     cluster_wait();  // the parts landed
     if (to == rank) {
-        const int nt = nts(rank), t = ct - first(rank);
+        const int nt = 32 * warps(rank), t = ct - 32 * first(rank);
         const V* in = reinterpret_cast<const V*>(area);
 #pragma unroll
         for (int e = 0; e < N; e += 4) {
-            const V u0 = in[(e / 4) * nt + t], u1 = in[(N / 4 + e / 4) * nt + t];  // the senders, lower rank first
-            const V o = V{d[e], d[e + 1], d[e + 2], d[e + 3]};
-            const V p0 = rank == 0 ? o : u0, p1 = rank == 1 ? o : rank == 0 ? u0 : u1, p2 = rank == 2 ? o : u1;
-            d[e] = (p0.x + p1.x) + p2.x, d[e + 1] = (p0.y + p1.y) + p2.y;
-            d[e + 2] = (p0.z + p1.z) + p2.z, d[e + 3] = (p0.w + p1.w) + p2.w;
+            const V u0 = in[(e / 4) * nt + t];  // the senders, lower rank first
+            if constexpr (NCL == 2) {
+                d[e] += u0.x, d[e + 1] += u0.y, d[e + 2] += u0.z, d[e + 3] += u0.w;
+            } else {
+                const V u1 = in[(N / 4 + e / 4) * nt + t];
+                const V o = V{d[e], d[e + 1], d[e + 2], d[e + 3]};
+                const V p0 = rank == 0 ? o : u0, p1 = rank == 1 ? o : rank == 0 ? u0 : u1, p2 = rank == 2 ? o : u1;
+                d[e] = (p0.x + p1.x) + p2.x, d[e + 1] = (p0.y + p1.y) + p2.y;
+                d[e + 2] = (p0.z + p1.z) + p2.z, d[e + 3] = (p0.w + p1.w) + p2.w;
+            }
         }
     }
     named_sync(1, 256);
+    r0 = 16 * first(rank), r1 = 16 * (first(rank) + warps(rank));
 #endif
 }
 // gw_put puts a Hopper GEMM tile's sums (at, raw as out_tile_staged takes
@@ -4622,8 +4604,7 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
     int n0 = (ny < 0 ? (int)blockIdx.y : ny) * NH * AHW;
     if (tid == 0) gw_ring_init<GWS>(full, empty, QUANT ? 1 + 128 : 1);  // the scales' 128 copies too
     __syncthreads();
-    // a K split launched as one cluster (gw_pair_scatter, gw_trio_scatter,
-    // gw_merge_splits): every thread's first arrival, which the merge's
+    // a K split launched as one cluster (gw_scatter, gw_merge_splits): every thread's first arrival, which the merge's
     // first wait takes as all started
     // (the plain fp16 and int8 GEMMs, which can; the dispatcher launches
     // so the int8 ones only, runtime/cuda's mergeKernels, and tests the
@@ -4688,15 +4669,9 @@ __device__ __forceinline__ void gemm_wg_body(float* __restrict__ C, const TmaMap
         }
         gw_ss_steps<GWS>(d, nk, c, lane, full, empty, tileA, tileW);
         static_assert(64 * AH * 4 * 256 <= GWS * SB, "the merge's area fits in the ring");
-        if constexpr (MERGES && AH == 1) {
-            if (ncl == 2) {  // each block finishes the half of the tile its warpgroup blockIdx.z holds
-                gw_pair_scatter(d, at(base), tid - 128);
-                st.r0 = 64 * (int)blockIdx.z, st.r1 = st.r0 + 64;
-            }
-            if (ncl == 3) {  // block 0 rows 0–47, block 1 48–95, block 2 96–127
-                gw_trio_scatter(d, at(base), tid - 128);
-                st.r0 = 48 * (int)blockIdx.z, st.r1 = min(st.r0 + 48, 128);
-            }
+        if constexpr (MERGES && AH == 1) {  // each block finishes its part of the tile's rows
+            if (ncl == 2) gw_scatter<2>(d, at(base), tid - 128, st.r0, st.r1);
+            if (ncl == 3) gw_scatter<3>(d, at(base), tid - 128, st.r0, st.r1);
         }
         if constexpr (MERGES)
             if (ncl > 3 || (AH == 2 && ncl >= 2))
@@ -4866,8 +4841,8 @@ __device__ __forceinline__ void gemm_wg_run(int flags, float* C, const TmaMap* m
 // (gemm_wg_f16_w: 256 weight rows). K split along z: split z writes its
 // partial product to C + z·M·N for sum_splits (as SPLIT_OUT), except where
 // the splits run as one cluster, which applies out to C itself: a narrow
-// pair's blocks each to their half of the tile's rows (gw_pair_scatter),
-// a narrow three's each to its part (gw_trio_scatter), else the tree's
+// pair's blocks each to their half of the tile's rows, a narrow three's
+// each to its part (gw_scatter), else the tree's
 // rank 0 (gw_merge_splits).
 #define GEMM_WG_ENTRY(name, WK, AH)                                                                              \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
@@ -5414,9 +5389,9 @@ extern "C" __global__ void w8a8_sum_splits(float* __restrict__ y, const int* __r
 // the Hopper GEMM (gemm_wg_body, GH_S8): mapA over the int8 activations xq
 // [M, K], mapW over the int8 weight [N, K]; split z of gridDim.z > 1 writes
 // its integer sums to the int32 array y + z·M·N for w8a8_sum_splits, except
-// where the splits run as one cluster a tile (gw_pair_scatter: each block
-// of a narrow pair its half of the rows; gw_trio_scatter: of a narrow
-// three its part; gw_merge_splits: the tree's rank 0), which applies
+// where the splits run as one cluster a tile (gw_scatter: each block of a
+// narrow pair its half of the rows, of a narrow three its part;
+// gw_merge_splits: the tree's rank 0), which applies
 // w8a8_out into y by out as an unsplit launch does. Dynamic shared memory
 // as gemm_wg_f16's.
 // gemm_wg_s8_w: the same with 256 weight rows a block (AH = 2: one wgmma
@@ -5444,7 +5419,7 @@ GEMM_WG_S8_ENTRY(gemm_wg_s8_w, 2)
 // (q, k and v) in one launch: grid.y walks the weight tiles of weight 0,
 // then 1, then 2 (N2 = 0: two weights), each tile's w8a8_out put into its
 // weight's y_i [M, N_i] by out. K splits along z only as clusters of a
-// tile (gw_pair_scatter, gw_trio_scatter, gw_merge_splits): a launch
+// tile (gw_scatter, gw_merge_splits): a launch
 // split otherwise would store each split's sums as the result. One launch
 // pays the fill, merge and epilogue of a short K split once for the three
 // products.

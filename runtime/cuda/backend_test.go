@@ -425,7 +425,7 @@ func TestWideWG(t *testing.T) {
 	}
 	// where the int8 kind's splits merge in a cluster (splitPlan:
 	// wgClusterRoundSteps a round, twice for a wide block; a narrow three
-	// one round, gw_trio_scatter), in as many
+	// one round, gw_scatter), in as many
 	// splits as take least of those whose clusters the device runs all at
 	// once (clusterFit: an H200's). The µs: the fifty-fifth session's
 	// kernel tables (kernels/NOTES.md, its stop section).
@@ -1033,13 +1033,13 @@ func TestSumSplits(t *testing.T) {
 }
 
 // TestClusterSplit checks the K splits of the fp16 and int8 Hopper GEMMs
-// merged in their cluster's shared memory (qtool.cu's gw_pair_scatter for
-// a narrow pair, gw_trio_scatter for a narrow three, gw_merge_splits's tree
-// of rounds otherwise) against the same launches merged through global
-// memory (Options.NoClusterSplit): int8 equal bit for bit (integer sums;
-// TestW8A8 checks both against integer arithmetic), fp16 equal at two
-// splits (one sum either way) and at three narrow ones ((p0 + p1) + p2
-// either way), within tolerance of float64 at any; at 2, 3 (a narrow
+// merged in their cluster's shared memory (qtool.cu's gw_scatter for a
+// narrow pair or three, gw_merge_splits's tree of rounds otherwise)
+// against the same launches merged through global memory
+// (Options.NoClusterSplit): int8 equal bit for bit (integer sums; TestW8A8
+// checks both against integer arithmetic), fp16 equal at two splits (one
+// sum either way) and at three narrow ones ((p0 + p1) + p2 either way),
+// within tolerance of float64 at any; at 2, 3 (a narrow
 // block's three in one round, a wide block's tree a round where the last
 // block has no partner), 4 and 8 splits (b.maxSplits), narrow and wide
 // blocks, each in clusters wherever they fit (b.forceClusterSplit: also

@@ -1327,11 +1327,11 @@ const wgSplitSteps = 28
 // split in two so (27.5 merged through memory), 27.7 in wide blocks split
 // in three; 4096 × 11008 at 512 rows 64.2 µs in wide blocks split in two
 // (74.2 through memory) against 57.2 narrow and unsplit. A narrow pair's
-// round (qtool.cu's gw_pair_scatter since the sixty-fourth session: 32 KB
+// round (qtool.cu's gw_scatter since the sixty-fourth session: 32 KB
 // each way at once, each block finishing half the rows) is cheaper, 1.9 µs
 // against the tree's 2.8 (4096 × 4096 int8 at 128 rows), but priced the
 // same: the dispatcher's choices were measured at this price. A narrow
-// three merges in one round too (gw_trio_scatter, sixty-fifth session),
+// three merges in one round too (gw_scatter, sixty-fifth session),
 // and is priced so since its blocks finish 48, 48 and 32 rows (sixty-
 // eighth session): o's 4096 × 4096 int8 at 128 rows moved from pairs to
 // threes, W8A8 prefill at 128 tokens +0.9 % on llama2-7b and +0.7 % on
@@ -1564,8 +1564,8 @@ func (b *Backend) launchSplit(name string, grid, block [3]uint32, shm, resident,
 
 // launchMerged launches Hopper GEMM name on grid (z ignored) with K
 // split S ways along z, a tile's splits one cluster that merges them in
-// its blocks' shared memory (gw_pair_scatter, gw_trio_scatter,
-// gw_merge_splits); S = 1: a plain launch.
+// its blocks' shared memory (gw_scatter, gw_merge_splits); S = 1: a
+// plain launch.
 func (b *Backend) launchMerged(name string, grid, block [3]uint32, shm, S int, args ...any) {
 	if S == 1 {
 		grid[2] = 1
@@ -1577,11 +1577,10 @@ func (b *Backend) launchMerged(name string, grid, block [3]uint32, shm, S int, a
 }
 
 // mergeKernels are the Hopper GEMMs whose K splits can merge in
-// distributed shared memory (qtool.cu's gw_pair_scatter, gw_trio_scatter
-// and gw_merge_splits: the fp16 and int8 kinds, whose accumulators are the 64
-// or 128 values a consumer thread the merge sends), each with whether the
-// dispatcher picks that merge. It does
-// for int8 only: on an H200 (fifty-sixth session) the fp16 kernels merged
+// distributed shared memory (qtool.cu's gw_scatter and gw_merge_splits:
+// the fp16 and int8 kinds, whose accumulators are the 64 or 128 values a
+// consumer thread the merge sends), each with whether the dispatcher
+// picks that merge. It does for int8 only: on an H200 (fifty-sixth session) the fp16 kernels merged
 // in clusters were faster alone (4096 × 4096 at 256 rows 22.7 µs against
 // 28.6) but fp16 prefill of 128 tokens lost 4–5 % on llama3-8b (its
 // kernels' summed times fell, the forward pass's time rose) and gained 3 %
@@ -1651,7 +1650,7 @@ func (b *Backend) splitPlan(name string, tiles, steps, resident int) (S int, clu
 		}
 		rounds := bits.Len(uint(s - 1)) // gw_merge_splits's tree
 		if halves == 1 && s == 3 {
-			rounds = 1 // a narrow three: gw_trio_scatter
+			rounds = 1 // a narrow three: gw_scatter
 		}
 		m := float64(rounds * halves * wgClusterRoundSteps)
 		if b.forceClusterSplit {
