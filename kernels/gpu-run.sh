@@ -184,6 +184,7 @@ for n, t in one:
 print('  %d kernels, %.2f ms:' % (len(one), sum(t for _, t in one) / 1e6),
       ', '.join('%s %.0f us' % (n, t / 1e3) for n, t in sorted(by.items(), key=lambda kv: -kv[1])))
 print('  first layer:', ', '.join('%s %.1f' % (n, t / 1e3) for n, t in one[1:15]))
+print('  last:', ', '.join('%s %.1f' % (n, t / 1e3) for n, t in one[-4:]))
 PY
 }
 # ncu_gemv KERNEL[:SKIP] OUTFILE NCU-FLAGS...: Nsight Compute on the first launch of KERNEL (after
@@ -223,13 +224,22 @@ if has ncusrc; then # the same launches' warp stall samples a SASS instruction (
     echo "ncusrc $k rc=$? $(grep -c . "$f" 2>/dev/null) lines (logs.tgz)"
   done
 fi
-if has ncuprefill; then # every kernel of a window of the synthetic 7B bench (a prefill of 512 tokens and more), durations as CSV
+if has ncuprefill; then # every kernel of a window of the synthetic bench's prefill, durations as CSV
+  # (NCU_MODELS: bench --synthetic's models, default llama2-7b; NCU_PROMPTS: prompt lengths, default
+  # bench's own; the CSVs stay in $OUT's logs.tgz but for one model and prompt, which come back whole)
+  for m in ${NCU_MODELS:-llama2-7b}; do
+  for p in ${NCU_PROMPTS:-0}; do
   for f in ${NCU_FORMATS:-fp16 w8a8}; do
+    csv="$OUT/ncu-prefill-$m-$p-$f.csv"
+    [ "${NCU_MODELS:-llama2-7b} ${NCU_PROMPTS:-0}" = "llama2-7b 0" ] && csv="$FINAL/ncu-prefill-$f.csv"
+    parg=""; [ "$p" = 0 ] || parg="--prompt $p"
     timeout "$(left)" "$NCU" --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
       --launch-skip ${NCU_SKIP:-700} --launch-count ${NCU_COUNT:-800} \
-      bin/qtool bench --synthetic llama2-7b --format "$f" --kernels=false --decode 2 > "$FINAL/ncu-prefill-$f.csv" 2> "$OUT/ncu-prefill-$f.err"
-    echo "ncu prefill $f rc=$? $(grep -c gpu__time_duration "$FINAL/ncu-prefill-$f.csv") kernels"
-    ncu_prefill_sum "$FINAL/ncu-prefill-$f.csv"
+      bin/qtool bench --synthetic "$m" --format "$f" --kernels=false $parg --decode 2 > "$csv" 2> "$OUT/ncu-prefill-$m-$p-$f.err"
+    echo "ncu prefill $m $p $f rc=$? $(grep -c gpu__time_duration "$csv") kernels"
+    ncu_prefill_sum "$csv"
+  done
+  done
   done
 fi
 if has 7b || has 7b-sq || has 7b-gptq || has 7b-awq || has 7b-c8; then
