@@ -100,11 +100,11 @@ type Options struct {
 	// wgmma m64n256 a step): 0 as wideWG's rule says, 1 wherever there is a _w
 	// kernel, -1 never (for comparisons, like NoDependentLaunch).
 	WGWide int
-	// GLUFill chooses the W8A8 gate/up pair's fill forms at one tile of
-	// activation rows (gemm_wg_s8_glu_f88 and _f112, blocks of 88 or 112
-	// rows of each weight): 0 as gluFillRows's rule says, -1 never (for
-	// comparisons, like NoDependentLaunch); no value forces them (above 0:
-	// as 0).
+	// GLUFill chooses the W8A8 gate/up pair's fill forms
+	// (gemm_wg_s8_glu_f88 and _f112, blocks of 88 or 112 rows of each
+	// weight): 0 as gluFillRows's rule says, -1 never (for comparisons,
+	// like NoDependentLaunch), above 0 as the rule says past its
+	// gluFillMaxRows activation rows too (for measuring there).
 	GLUFill int
 	// AttnSplit is the number of 64-key tiles a block of the prefill
 	// attention takes at most: 0 lets the launch's shape choose (attnSplit),

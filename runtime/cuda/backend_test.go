@@ -380,6 +380,28 @@ func TestAttnSplit(t *testing.T) {
 	}
 }
 
+// TestGLUFillRows checks gluFillRows's choice on 132 multiprocessors: the
+// cases its comment names, the narrow form where its blocks fit a wave, a
+// tie left narrow, the cap on activation rows and Options.GLUFill.
+func TestGLUFillRows(t *testing.T) {
+	for _, c := range []struct {
+		M, N, force, want int
+	}{
+		{128, 11008, 0, 88}, {256, 11008, 0, 88}, {512, 11008, 0, 112}, // 126, 252, 396 blocks
+		{128, 14336, 0, 112}, {256, 14336, 0, 112}, {512, 14336, 0, 88}, // 128, 256, 652 (112: 512, tied)
+		{64, 8192, 0, 0},      // 128 narrow blocks, one wave
+		{1024, 11008, 0, 0},   // past gluFillMaxRows
+		{1024, 11008, 1, 112}, // lifted: 792 blocks (narrow 1 376)
+		{256, 14336, -1, 0},   // off
+		{200, 10976, 0, 88},   // 250 blocks of 88 (narrow 344, 112: 196)
+	} {
+		b := &Backend{sms: 132, opt: Options{GLUFill: c.force}}
+		if got := b.gluFillRows(c.M, c.N); got != c.want {
+			t.Errorf("gluFillRows(M %d, N %d; GLUFill %d) = %d, want %d", c.M, c.N, c.force, got, c.want)
+		}
+	}
+}
+
 // TestWideWG checks wideWG's choice of the Hopper GEMMs' blocks of two
 // halves on 132 multiprocessors against what bench's kernel table measured
 // on an H200 at 512 rows (kernels/NOTES.md, fifty-second session): wide

@@ -14,11 +14,12 @@ import (
 
 // TestGLUFill checks the W8A8 GLU fill forms (qtool.cu's
 // gemm_wg_s8_glu_f88 and _f112; Options.GLUFill) against the launches
-// of gemm_wg_s8_glu they stand for, bit for bit (the same integer sums,
-// fin and SwiGLU) at 128 activation rows, the one tile they take: 11 008
-// and 14 336 outputs (on 132 multiprocessors 126 blocks of 88 rows and
-// 128 of 112; gluFillRows says which here), 10 976 (a partial last block)
-// with a partial K step (4 160); static and per-token quantizers; gate
+// of gemm_wg_s8_glu (or its wide form) they stand for, bit for bit (the
+// same integer sums, fin and SwiGLU) at 128 activation rows: 11 008 and
+// 14 336 outputs (on 132 multiprocessors 126 blocks of 88 rows and 128 of
+// 112; gluFillRows says which here), 10 976 (a partial last block) with a
+// partial K step (4 160); at 256 and 512 rows (two and four tiles of
+// activation rows) and 200 (a partial last tile); static and per-token quantizers; gate
 // and up swapped (the up weight at the lower address: upFirst); the
 // SwiGLU into NormSwiGLU's output and, through MLP, quantized for a W8A8
 // down (QOut).
@@ -29,12 +30,15 @@ func TestGLUFill(t *testing.T) {
 	}
 	defer func() { b.opt.GLUFill = 0 }()
 	r := rand.New(rand.NewPCG(95, 96))
-	const M, eps = 128, 1e-5
+	const eps = 1e-5
 	ran := map[string]bool{}
 	for _, c := range []struct {
-		N, K          int
+		M, N, K       int
 		dynamic, swap bool
-	}{{11008, 4096, false, false}, {14336, 4096, true, false}, {10976, 4160, false, true}} {
+	}{{128, 11008, 4096, false, false}, {128, 14336, 4096, true, false}, {128, 10976, 4160, false, true},
+		{256, 11008, 4096, false, false}, {256, 14336, 4096, true, false}, {200, 10976, 4160, false, true},
+		{512, 11008, 4096, true, false}} {
+		M := c.M
 		b.opt.GLUFill = 0
 		np := b.gluFillRows(M, c.N)
 		if np == 0 {
@@ -61,7 +65,7 @@ func TestGLUFill(t *testing.T) {
 			{"NormSwiGLU", c.N, func(y, x runtime.Buf) { b.NormSwiGLU(y, x, nw, nil, eps, gate, up) }},
 			{"MLP", c.K, func(y, _ runtime.Buf) { b.MLP(y, nw, nil, eps, gate, up, down) }}, // y: the residual, x's copy
 		} {
-			t.Run(fmt.Sprintf("N=%d/K=%d/dynamic=%v/swap=%v/%s", c.N, c.K, c.dynamic, c.swap, step.name), func(t *testing.T) {
+			t.Run(fmt.Sprintf("M=%d/N=%d/K=%d/dynamic=%v/swap=%v/%s", M, c.N, c.K, c.dynamic, c.swap, step.name), func(t *testing.T) {
 				var got [2][]float32
 				var launched [2]map[string]bool
 				for i, fill := range []int{-1, 0} {

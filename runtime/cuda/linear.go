@@ -2053,7 +2053,7 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 		shm, planes := b.actMap(wg, xq, M, K), gate.glu.m
 		if np := b.gluFillRows(M, N); np != 0 && b.gluMap(&gate.gluF, wg, gate, up, np) {
 			name = gluFillKernels[np/112] // 88 → _f88, 112 → _f112
-			grid, shm, planes = [3]uint32{1, uint32((N + np - 1) / np), 1}, gluFillSmem(np), gate.gluF.m
+			grid, shm, planes = [3]uint32{uint32((M + 127) / 128), uint32((N + np - 1) / np), 1}, gluFillSmem(np), gate.gluF.m
 		} else {
 			name, grid, shm = b.wideForm(name, grid, shm, (K+127)/128, false) // K steps of 128 int8
 		}
@@ -2084,26 +2084,41 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 var gluFillKernels = [2]string{"gemm_wg_s8_glu_f88", "gemm_wg_s8_glu_f112"}
 
 // gluFillRows is the rows of each weight a block of the W8A8 GLU fill form
-// takes for a pair of N outputs at M activation rows (gluPair reaches it
-// at 128 rows, dequantGEMMMinRows, and below one activation tile's 128
-// no further): where the pair's 64-row blocks (N / 64) overflow a wave
-// of the multiprocessors, 88 where N / 88 blocks fit one, else 112 where
-// those do; 0 (the usual forms) past one activation tile, where neither
-// fits or the 64-row blocks do, or with Options.GLUFill −1. At 128 rows
-// the fill's blocks are 126 for llama2-7b's 11 008 outputs and 128 for
-// llama3-8b's 14 336, against 86 and 112 of the wide form: W8A8 prefill
-// of 128 tokens +1.3 % and +1.9–3.1 % on an H200 (sixty-sixth session).
+// takes for a pair of N outputs at M activation rows, or 0 for the usual
+// forms (gluPair reaches it from dequantGEMMMinRows on). It counts a
+// form's cost in block-waves: its blocks (one tile of 128 activation rows
+// by np rows of each weight) over the multiprocessors, rounded up to whole
+// waves, times np; the narrow form's np is 64. The fill form of 88 or 112
+// rows wins where it costs less than the narrow one (the cheaper of the
+// two; the narrow one on a tie), up to gluFillMaxRows activation rows; 0
+// with Options.GLUFill −1 (above 0 past gluFillMaxRows too). On 132
+// multiprocessors llama2-7b's 11 008 outputs take 88 rows at 128 and 256
+// activation rows (126 and 252 blocks against the narrow form's 172 and
+// 344) and 112 at 512 (396 against 688); llama3-8b's 14 336 take 112 at
+// 128 and 256 (128 and 256 against 224 and 448) and 88 at 512 (652
+// against 896). At 128 rows W8A8 prefill ran +1.3 % and +1.9–3.1 % with
+// it (sixty-sixth session); at 256 and 512, against the narrow and wide
+// forms, +3.4–4.6 % and +2.2–2.3 % (sixty-ninth).
 func (b *Backend) gluFillRows(M, N int) int {
-	if b.opt.GLUFill < 0 || M > 128 || (N+63)/64 <= b.sms {
+	if b.opt.GLUFill < 0 || M > gluFillMaxRows && b.opt.GLUFill == 0 {
 		return 0
 	}
+	tiles := (M + 127) / 128
+	cost := func(np int) int { return (tiles*((N+np-1)/np) + b.sms - 1) / b.sms * np }
+	best, least := 0, cost(64)
 	for _, np := range []int{88, 112} {
-		if (N+np-1)/np <= b.sms {
-			return np
+		if c := cost(np); c < least {
+			best, least = np, c
 		}
 	}
-	return 0
+	return best
 }
+
+// gluFillMaxRows is the most activation rows gluFillRows gives a fill form:
+// past it the wide form's blocks may cost less than the rule counts them
+// (at 1 024 rows the fill forms ran W8A8 prefill +2.7 % on llama2-7b and
+// −3.0 % on llama3-8b, at 2 048 ±0 and −3.0 %; sixty-ninth session).
+const gluFillMaxRows = 512
 
 // gluFillSmem is the dynamic shared memory of the fill form of np rows a
 // weight (qtool.cu's glf_stage_bytes, GLF_STAGES, their barriers, the
