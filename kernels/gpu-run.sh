@@ -226,12 +226,11 @@ if has ncusrc; then # the same launches' warp stall samples a SASS instruction (
 fi
 if has ncuprefill; then # every kernel of a window of the synthetic bench's prefill, durations as CSV
   # (NCU_MODELS: bench --synthetic's models, default llama2-7b; NCU_PROMPTS: prompt lengths, default
-  # bench's own; the CSVs stay in $OUT's logs.tgz but for one model and prompt, which come back whole)
+  # bench's own; the CSVs come back in logs.tgz)
   for m in ${NCU_MODELS:-llama2-7b}; do
   for p in ${NCU_PROMPTS:-0}; do
   for f in ${NCU_FORMATS:-fp16 w8a8}; do
     csv="$OUT/ncu-prefill-$m-$p-$f.csv"
-    [ "${NCU_MODELS:-llama2-7b} ${NCU_PROMPTS:-0}" = "llama2-7b 0" ] && csv="$FINAL/ncu-prefill-$f.csv"
     parg=""; [ "$p" = 0 ] || parg="--prompt $p"
     timeout "$(left)" "$NCU" --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
       --launch-skip ${NCU_SKIP:-700} --launch-count ${NCU_COUNT:-800} \

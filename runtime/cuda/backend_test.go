@@ -2203,7 +2203,7 @@ func benchCalls(bm *testing.B, b *Backend, run func()) {
 // BenchmarkGLUForms times the gate/up products with their SwiGLU
 // (NormSwiGLU: the norm, then on Hopper one GLU launch) of the 7B/8B
 // intermediate sizes at 128–512 activation rows, in the form the
-// dispatcher picks (auto: at 128 rows W8A8's fill forms, gluFillRows) and
+// dispatcher picks (auto: up to 512 rows W8A8's fill forms, gluFillRows) and
 // forced wide or narrow (Options.WGWide, no fill), as
 // BenchmarkGEMMSplitPlans times its launches (benchCalls). At 128 rows the
 // wide W8A8 GLU fills 86 of the H200's 132 multiprocessors (11 008 / 128),

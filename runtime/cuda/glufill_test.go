@@ -19,10 +19,11 @@ import (
 // 14 336 outputs (on 132 multiprocessors 126 blocks of 88 rows and 128 of
 // 112; gluFillRows says which here), 10 976 (a partial last block) with a
 // partial K step (4 160); at 256 and 512 rows (two and four tiles of
-// activation rows) and 200 (a partial last tile); static and per-token quantizers; gate
-// and up swapped (the up weight at the lower address: upFirst); the
-// SwiGLU into NormSwiGLU's output and, through MLP, quantized for a W8A8
-// down (QOut).
+// activation rows) and 200 (a partial last tile); static and per-token
+// quantizers; gate and up swapped (the up weight at the lower address:
+// upFirst); the SwiGLU into NormSwiGLU's output and, through MLP,
+// quantized for a W8A8 down (QOut); and one pair of weights through both
+// fill forms in turn (each its own tensor map, gluF).
 func TestGLUFill(t *testing.T) {
 	b := newTestBackend(t)
 	if !b.wgmma {
@@ -33,19 +34,12 @@ func TestGLUFill(t *testing.T) {
 	const eps = 1e-5
 	ran := map[string]bool{}
 	for _, c := range []struct {
-		M, N, K       int
+		Ms            []int // activation rows, one weight pair through each in turn
+		N, K          int
 		dynamic, swap bool
-	}{{128, 11008, 4096, false, false}, {128, 14336, 4096, true, false}, {128, 10976, 4160, false, true},
-		{256, 11008, 4096, false, false}, {256, 14336, 4096, true, false}, {200, 10976, 4160, false, true},
-		{512, 11008, 4096, true, false}} {
-		M := c.M
-		b.opt.GLUFill = 0
-		np := b.gluFillRows(M, c.N)
-		if np == 0 {
-			t.Logf("N=%d: no fill form on %d multiprocessors", c.N, b.sms)
-			continue
-		}
-		want := gluFillKernels[np/112]
+	}{{[]int{128}, 11008, 4096, false, false}, {[]int{128}, 14336, 4096, true, false}, {[]int{128}, 10976, 4160, false, true},
+		{[]int{256}, 11008, 4096, false, false}, {[]int{256}, 14336, 4096, true, false}, {[]int{200}, 10976, 4160, false, true},
+		{[]int{512, 256}, 11008, 4096, true, false}} { // 112 rows, then 88
 		gate := uploadW8A8(t, b, r, c.N, c.K, c.dynamic, 0.02)
 		up := uploadW8A8(t, b, r, c.N, c.K, c.dynamic, 0.02)
 		if c.swap {
@@ -56,41 +50,50 @@ func TestGLUFill(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		xv := randVec(r, M*c.K, 1)
-		for _, step := range []struct {
-			name string
-			cols int
-			run  func(y, x runtime.Buf)
-		}{
-			{"NormSwiGLU", c.N, func(y, x runtime.Buf) { b.NormSwiGLU(y, x, nw, nil, eps, gate, up) }},
-			{"MLP", c.K, func(y, _ runtime.Buf) { b.MLP(y, nw, nil, eps, gate, up, down) }}, // y: the residual, x's copy
-		} {
-			t.Run(fmt.Sprintf("M=%d/N=%d/K=%d/dynamic=%v/swap=%v/%s", M, c.N, c.K, c.dynamic, c.swap, step.name), func(t *testing.T) {
-				var got [2][]float32
-				var launched [2]map[string]bool
-				for i, fill := range []int{-1, 0} {
-					b.opt.GLUFill = fill
-					x := upload(b, M, c.K, xv)
-					y := poisoned(b, M, step.cols)
-					if step.cols == c.K {
-						b.Upload(y, xv)
+		for _, M := range c.Ms {
+			b.opt.GLUFill = 0
+			np := b.gluFillRows(M, c.N)
+			if np == 0 {
+				t.Logf("M=%d, N=%d: no fill form on %d multiprocessors", M, c.N, b.sms)
+				continue
+			}
+			want := gluFillKernels[np/112]
+			xv := randVec(r, M*c.K, 1)
+			for _, step := range []struct {
+				name string
+				cols int
+				run  func(y, x runtime.Buf)
+			}{
+				{"NormSwiGLU", c.N, func(y, x runtime.Buf) { b.NormSwiGLU(y, x, nw, nil, eps, gate, up) }},
+				{"MLP", c.K, func(y, _ runtime.Buf) { b.MLP(y, nw, nil, eps, gate, up, down) }}, // y: the residual, x's copy
+			} {
+				t.Run(fmt.Sprintf("M=%d/N=%d/K=%d/dynamic=%v/swap=%v/%s", M, c.N, c.K, c.dynamic, c.swap, step.name), func(t *testing.T) {
+					var got [2][]float32
+					var launched [2]map[string]bool
+					for i, fill := range []int{-1, 0} {
+						b.opt.GLUFill = fill
+						x := upload(b, M, c.K, xv)
+						y := poisoned(b, M, step.cols)
+						if step.cols == c.K {
+							b.Upload(y, xv)
+						}
+						launched[i] = launchedBy(b, func() { step.run(y, x) })
+						got[i] = download(b, y)
+						b.Free(x)
+						b.Free(y)
 					}
-					launched[i] = launchedBy(b, func() { step.run(y, x) })
-					got[i] = download(b, y)
-					b.Free(x)
-					b.Free(y)
-				}
-				if !launched[1][want] || launched[0][want] {
-					t.Fatalf("launched %v without the fill, %v with it; want %s with it alone",
-						slices.Sorted(maps.Keys(launched[0])), slices.Sorted(maps.Keys(launched[1])), want)
-				}
-				ran[want] = true
-				for i := range got[0] {
-					if math.Float32bits(got[0][i]) != math.Float32bits(got[1][i]) {
-						t.Fatalf("output %d (row %d, column %d): %g with the fill, %g without", i, i/step.cols, i%step.cols, got[1][i], got[0][i])
+					if !launched[1][want] || launched[0][want] {
+						t.Fatalf("launched %v without the fill, %v with it; want %s with it alone",
+							slices.Sorted(maps.Keys(launched[0])), slices.Sorted(maps.Keys(launched[1])), want)
 					}
-				}
-			})
+					ran[want] = true
+					for i := range got[0] {
+						if math.Float32bits(got[0][i]) != math.Float32bits(got[1][i]) {
+							t.Fatalf("output %d (row %d, column %d): %g with the fill, %g without", i, i/step.cols, i%step.cols, got[1][i], got[0][i])
+						}
+					}
+				})
+			}
 		}
 		for _, w := range []runtime.Linear{gate, up, down} {
 			b.FreeLinear(w)

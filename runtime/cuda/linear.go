@@ -111,8 +111,10 @@ type Linear struct {
 	wmap *driver.TensorMap
 	// glu and gluF map this gate weight and an up weight as two planes
 	// for a gemm_wg_*_glu kernel (gluPair): glu in boxes of 64 rows of
-	// each, gluF of the W8A8 fill forms' 88 or 112 (gluFillRows).
-	glu, gluF gluPlanes
+	// each, gluF[np/112] of the W8A8 fill forms' np = 88 or 112
+	// (gluFillRows; both may serve one weight, at different row counts).
+	glu  gluPlanes
+	gluF [2]gluPlanes
 }
 
 // Out implements runtime.Linear.
@@ -2051,9 +2053,9 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 		}
 		xq, tok := b.quantized(in, gate)
 		shm, planes := b.actMap(wg, xq, M, K), gate.glu.m
-		if np := b.gluFillRows(M, N); np != 0 && b.gluMap(&gate.gluF, wg, gate, up, np) {
+		if np := b.gluFillRows(M, N); np != 0 && b.gluMap(&gate.gluF[np/112], wg, gate, up, np) {
 			name = gluFillKernels[np/112] // 88 → _f88, 112 → _f112
-			grid, shm, planes = [3]uint32{uint32((M + 127) / 128), uint32((N + np - 1) / np), 1}, gluFillSmem(np), gate.gluF.m
+			grid, shm, planes = [3]uint32{uint32((M + 127) / 128), uint32((N + np - 1) / np), 1}, gluFillSmem(np), gate.gluF[np/112].m
 		} else {
 			name, grid, shm = b.wideForm(name, grid, shm, (K+127)/128, false) // K steps of 128 int8
 		}
