@@ -717,13 +717,17 @@ struct AsIs {
 // item: the epilogue runs after the products, with nothing else to hide
 // it). mir gets every value stored into C as well (PeerMirror: the
 // tensor-parallel peers' stages; NoMirror: nothing), or, where it takes
-// them (QKVSink), stores them itself instead of C.
+// them (QKVSink), stores them itself instead of C. COLS: the tile's
+// columns, TS_COLS but for the int8 fill form's 112 (the stage's pitch
+// COLS + 8; the threads past the last whole row of COLS / 4 have no
+// columns and return once the tile is staged, so that with COLS ≠ TS_COLS
+// out_tile_staged is a block's last barrier).
 #define OTS_BATCH 4
 // stage_tile puts a thread's NU units of W values (as out_tile's) into the
 // tile stage st once every thread of st is done with the stages, and
 // returns when all of st's threads have.
-// (LD: the stage's row pitch in values, TS_LD but for the GLU fill forms'
-// wider tiles.)
+// (LD: the stage's row pitch in values, TS_LD but for the fill forms'
+// tiles.)
 template <int NU, int W, int LD = TS_LD, typename T, typename At, typename Raw>
 __device__ __forceinline__ void stage_tile(At at, Raw raw, const TileStage<T>& st) {
     named_sync(st.bar, st.nthr);  // every thread is done with the stages
@@ -748,38 +752,43 @@ struct NoMirror {
     __device__ __forceinline__ void put4(size_t, float4) const {}
     __device__ __forceinline__ void put1(size_t, float) const {}
 };
-template <int NU, int W, typename T, typename At, typename Raw, typename Fin, typename Mir = NoMirror>
+template <int NU, int W, typename T, int COLS = TS_COLS, typename At, typename Raw, typename Fin,
+          typename Mir = NoMirror>
 __device__ __forceinline__ void out_tile_staged(float* C, int M, int N, int out, At at, Raw raw, Fin fin,
                                                 TileStage<T> st, Mir mir = Mir{}) {
-    stage_tile<NU, W>(at, raw, st);
-    const int items = st.r1 * TS_COLS / 4, c = st.tid % (TS_COLS / 4) * 4, n = st.n0 + c;
+    constexpr int TPR = COLS / 4, LD = COLS + 8;  // threads a row, the stage's pitch
+    stage_tile<NU, W, LD>(at, raw, st);
+    const int nthr = st.nthr / TPR * TPR;  // all of them where COLS = TS_COLS
+    if constexpr (COLS != TS_COLS)
+        if (st.tid >= nthr) return;
+    const int items = st.r1 * TPR, c = st.tid % TPR * 4, n = st.n0 + c;
     const bool vec = (N & 3) == 0 && n < N;  // this thread's four columns as one float4 (the same in every row)
     const typename Fin::Cols fc = fin.cols(n, N);
     if constexpr (Mir::takes) mir.bind(n);
 #pragma unroll 1
-    for (int e0 = st.r0 * TS_COLS / 4 + st.tid; e0 < items; e0 += OTS_BATCH * st.nthr) {
+    for (int e0 = st.r0 * TPR + st.tid; e0 < items; e0 += OTS_BATCH * nthr) {
         float4 g[OTS_BATCH];
         typename Mir::Pre pre[OTS_BATCH];  // what take4 loads, issued for the batch at once
         if constexpr (Mir::takes)
             if (vec) {
 #pragma unroll
                 for (int j = 0; j < OTS_BATCH; j++) {
-                    int m = st.m0 + (e0 + j * st.nthr) / (TS_COLS / 4);
-                    if (e0 + j * st.nthr < items && m < M) pre[j] = mir.pre(m);
+                    int m = st.m0 + (e0 + j * nthr) / TPR;
+                    if (e0 + j * nthr < items && m < M) pre[j] = mir.pre(m);
                 }
             }
         if (vec && out != OUT_STORE) {
 #pragma unroll
             for (int j = 0; j < OTS_BATCH; j++) {
-                int m = st.m0 + (e0 + j * st.nthr) / (TS_COLS / 4);
-                if (e0 + j * st.nthr < items && m < M) g[j] = *reinterpret_cast<const float4*>(C + (size_t)m * N + n);
+                int m = st.m0 + (e0 + j * nthr) / TPR;
+                if (e0 + j * nthr < items && m < M) g[j] = *reinterpret_cast<const float4*>(C + (size_t)m * N + n);
             }
         }
 #pragma unroll
         for (int j = 0; j < OTS_BATCH; j++) {
-            int e = e0 + j * st.nthr, r = e / (TS_COLS / 4), m = st.m0 + r;
+            int e = e0 + j * nthr, r = e / TPR, m = st.m0 + r;
             if (e >= items || m >= M) break;
-            const T* kp = st.s + r * TS_LD + c;
+            const T* kp = st.s + r * LD + c;
             float* cp = C + (size_t)m * N + n;
             if (vec) {
                 float4 v = make_float4(fin.at(fc, m, 0, kp[0]), fin.at(fc, m, 1, kp[1]), fin.at(fc, m, 2, kp[2]),
@@ -4211,10 +4220,10 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t a) {
     return (uint64_t)((a & 0x3ffff) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
 }
 // The accumulator operands of an inline wgmma in runs (WG_R0_63 …), and
-// those of an m64n128, m64n176, m64n224 and m64n256 (WG_D64, WG_D88,
-// WG_D112, WG_D128: %0..%63, %87, %111, %127) with their constraints
-// (WG_ACC, WG_ACC88, WG_ACC112, WG_ACC128: C is "+f" for fp32
-// accumulators, "+r" for int32).
+// those of an m64n112, m64n128, m64n176, m64n224 and m64n256 (WG_D56,
+// WG_D64, WG_D88, WG_D112, WG_D128: %0..%55, %63, %87, %111, %127) with
+// their constraints (WG_ACC56, WG_ACC, WG_ACC88, WG_ACC112, WG_ACC128: C
+// is "+f" for fp32 accumulators, "+r" for int32).
 #define WG_R0_63 \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
@@ -4228,10 +4237,18 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t a) {
     "%104, %105, %106, %107, %108, %109, %110, %111"
 #define WG_R112_127 \
     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define WG_R0_55 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55"
+#define WG_D56 "{" WG_R0_55 "}"
 #define WG_D64 "{" WG_R0_63 "}"
 #define WG_ACC8(C, i) C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
 #define WG_ACC(C) \
     WG_ACC8(C, 0), WG_ACC8(C, 8), WG_ACC8(C, 16), WG_ACC8(C, 24), WG_ACC8(C, 32), WG_ACC8(C, 40), WG_ACC8(C, 48), WG_ACC8(C, 56)
+#define WG_ACC56(C) \
+    WG_ACC8(C, 0), WG_ACC8(C, 8), WG_ACC8(C, 16), WG_ACC8(C, 24), WG_ACC8(C, 32), WG_ACC8(C, 40), WG_ACC8(C, 48)
 #define WG_D88 "{" WG_R0_63 ", " WG_R64_87 "}"
 #define WG_ACC88(C) WG_ACC(C), WG_ACC8(C, 64), WG_ACC8(C, 72), WG_ACC8(C, 80)
 #define WG_D112 "{" WG_R0_63 ", " WG_R64_87 ", " WG_R88_111 "}"
@@ -4259,8 +4276,9 @@ WGMMA_SS(wgmma_m64n128k16, float, 64, "m64n128k16.f32.f16.f16", WG_D64, WG_ACC, 
 WGMMA_SS(wgmma_m64n128k32_s8, int, 64, "m64n128k32.s32.s8.s8", WG_D64, WG_ACC, "+r", "%64, %65", "%66", "")
 WGMMA_SS(wgmma_m64n256k16, float, 128, "m64n256k16.f32.f16.f16", WG_D128, WG_ACC128, "+f", "%128, %129", "%130", ", 1, 1, 0, 0")
 WGMMA_SS(wgmma_m64n256k32_s8, int, 128, "m64n256k32.s32.s8.s8", WG_D128, WG_ACC128, "+r", "%128, %129", "%130", "")
-// The int8 m64n176 and m64n224 forms (the GLU fill forms: 88 or 112 rows
-// of each of gate and up a block).
+// The int8 m64n112, m64n176 and m64n224 forms (the fill forms: 112 rows
+// of one weight, or 88 or 112 rows of each of gate and up a block).
+WGMMA_SS(wgmma_m64n112k32_s8, int, 56, "m64n112k32.s32.s8.s8", WG_D56, WG_ACC56, "+r", "%56, %57", "%58", "")
 WGMMA_SS(wgmma_m64n176k32_s8, int, 88, "m64n176k32.s32.s8.s8", WG_D88, WG_ACC88, "+r", "%88, %89", "%90", "")
 WGMMA_SS(wgmma_m64n224k32_s8, int, 112, "m64n224k32.s32.s8.s8", WG_D112, WG_ACC112, "+r", "%112, %113", "%114", "")
 // wgmma_ss: one k step of 32 bytes (16 halfs or 32 int8) with both operands
@@ -4269,6 +4287,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t d
 __device__ __forceinline__ void wgmma_ss(int (&d)[64], uint64_t da, uint64_t db) { wgmma_m64n128k32_s8(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(float (&d)[128], uint64_t da, uint64_t db) { wgmma_m64n256k16(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[128], uint64_t da, uint64_t db) { wgmma_m64n256k32_s8(d, da, db); }
+__device__ __forceinline__ void wgmma_ss(int (&d)[56], uint64_t da, uint64_t db) { wgmma_m64n112k32_s8(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[88], uint64_t da, uint64_t db) { wgmma_m64n176k32_s8(d, da, db); }
 __device__ __forceinline__ void wgmma_ss(int (&d)[112], uint64_t da, uint64_t db) { wgmma_m64n224k32_s8(d, da, db); }
 // gw_ring_init sets up the GWS stages' barriers of a Hopper GEMM's ring
@@ -5126,8 +5145,8 @@ struct W8A8Fin {
 // w8a8_tile is the epilogue of a W8A8 GEMM tile (units as out_tile's, two
 // integer sums each): split K, the sums stored to part; else w8a8_out put
 // into y by out, the SwiGLU quantized to q where q.p is set (STAGED:
-// through out_tile_staged, st and mir, q unset).
-template <int NU, bool STAGED = false, typename At, typename Raw, typename Mir = NoMirror>
+// through out_tile_staged, st and mir, q unset, a tile of COLS columns).
+template <int NU, bool STAGED = false, int COLS = TS_COLS, typename At, typename Raw, typename Mir = NoMirror>
 __device__ __forceinline__ void w8a8_tile(float* y, int* part, int M, int N, int out, At at, Raw raw,
                                           const int* __restrict__ qbias, const float* __restrict__ deq,
                                           const float* __restrict__ bias, const float* __restrict__ tok,
@@ -5145,7 +5164,7 @@ __device__ __forceinline__ void w8a8_tile(float* y, int* part, int M, int N, int
     }
     W8A8Fin fin{qbias, deq, bias, tok};
     if constexpr (STAGED)
-        out_tile_staged<NU, 2, int>(y, M, N, out, at, raw, fin, st, mir);
+        out_tile_staged<NU, 2, int, COLS>(y, M, N, out, at, raw, fin, st, mir);
     else
         out_tile<NU, 2, int>(y, M, N, out, at, raw, fin, q);
 }
@@ -5497,27 +5516,32 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     }
 GEMM_WG_S8_GLU_ENTRY(gemm_wg_s8_glu, 1)
 GEMM_WG_S8_GLU_ENTRY(gemm_wg_s8_glu_w, 2)
-// gemm_wg_s8_glu_f88 and _f112, the GLU fill forms (runtime/cuda's
-// gluFillRows says where): gemm_wg_s8_glu with NP rows of each weight a
-// block (NP = 88 or 112, one wgmma m64n176 or m64n224 a k32 step: mapGU's
-// box NP rows of both planes, plane 0's then plane 1's), so that a launch
-// of one activation tile fills a wave where 128-row blocks leave
-// multiprocessors idle (11 008 / 88 = 126 blocks, 14 336 / 112 = 128,
-// against 86 and 112). The same sums, fin and SwiGLU as gemm_wg_s8_glu's,
-// through a stage of 2·NP columns (pitch 2·NP + 8, in the ring once the
-// products are done). Arguments as gemm_wg_s8_glu's; grid (ceil(M/128),
-// ceil(N/NP)), block 384, dynamic shared memory as runtime/cuda's
-// gluFillSmem says (GLF_STAGES stages of glf_stage_bytes, their barriers).
-template <int NP>
-__host__ __device__ constexpr int glf_stage_bytes() {
-    return (128 * 128 + 2 * NP * 128 + 1023) & ~1023;
+// gemm_wg_s8_fill_body is the block of an int8 Hopper GEMM's fill forms:
+// NW weight rows a block (one wgmma m64nNW k32 a k32 step: the W box NW
+// rows of mapW; PAIR: of a 3-D map over two weights as planes, NW / 2
+// rows of each, plane 0's then plane 1's), so that a launch of one
+// activation tile fills a wave where 128-row blocks leave multiprocessors
+// idle. Its K steps kt0..kt1 − 1 of activation tile m0 by the weight rows
+// from n0 go through S8F_STAGES stages of s8f_stage_bytes (the products
+// as gw_ss_steps's); a plain block launched as one cluster of the K
+// splits of its tile (2 or 3 along z) merges them with gw_scatter. Then
+// put(at, raw, st) gets the block's sums as gemm_wg_body's epilogue does
+// (units of two sums: NW / 4 a consumer thread; stage column 8j + 2·(lane
+// % 4) of unit 2j (+1)), st the ring as a stage of NW columns (pitch NW +
+// 8), its rows those this block finishes. Dynamic shared memory as
+// runtime/cuda's s8FillSmem says (the stages, their barriers, the
+// alignment).
+template <int NW>
+__host__ __device__ constexpr int s8f_stage_bytes() {
+    return (128 * 128 + NW * 128 + 1023) & ~1023;
 }
-#define GLF_STAGES 5
-template <int NP>
-__device__ __forceinline__ void gemm_wg_s8_glu_fill_body(float* y, const TmaMap* mapA, const TmaMap* mapGU, int M,
-                                                         int N, int nk, const GluEpi<W8A8Fin>& epi) {
-    constexpr int NW = 2 * NP, SB = glf_stage_bytes<NP>(), GWS = GLF_STAGES, LD = NW + 8;
-    static_assert(TS_ROWS * LD * 4 <= GWS * SB, "the result tile fits in the ring");
+#define S8F_STAGES 5
+template <int NW, bool PAIR, typename Put>
+__device__ __forceinline__ void gemm_wg_s8_fill_body(const TmaMap* mapA, const TmaMap* mapW, int m0, int n0, int kt0,
+                                                     int kt1, Put put) {
+    constexpr int SB = s8f_stage_bytes<NW>(), GWS = S8F_STAGES, NV = NW / 2;
+    static_assert(TS_ROWS * (NW + 8) * 4 <= GWS * SB, "the result tile fits in the ring");
+    static_assert(2 * NV * 96 * 4 <= GWS * SB, "gw_scatter's parts fit in the ring");
     extern __shared__ __align__(1024) unsigned char gw_raw[];
     uint32_t raw = smem_u32(gw_raw), base = (raw + 1023) & ~1023u;
     uint32_t bars = base + GWS * SB;
@@ -5525,48 +5549,89 @@ __device__ __forceinline__ void gemm_wg_s8_glu_fill_body(float* y, const TmaMap*
     auto empty = [&](int s) { return bars + 8 * (GWS + s); };
     auto tileA = [&](int s) { return base + s * SB; };
     auto tileW = [&](int s) { return base + s * SB + 128 * 128; };
-    const int tid = threadIdx.x, wg = tid >> 7, m0 = blockIdx.x * 128, n0 = blockIdx.y * NP;
+    const int tid = threadIdx.x, wg = tid >> 7, nk = kt1 - kt0;
     if (tid == 0) gw_ring_init<GWS>(full, empty, 1);
     __syncthreads();
+    const int ncl = PAIR ? 1 : (int)cluster_blocks();
+    if (ncl > 1) cluster_arrive();  // gw_scatter's first wait takes every thread's as all started
     if (wg == 0) {  // one thread copies the A and W tiles of every K step
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
         if (tid != 0) return;
         for (int i = 0; i < nk; i++) {
-            int s = i % GWS;
+            int s = i % GWS, k = (kt0 + i) * 128;
             if (i >= GWS) mbar_wait(empty(s), (i / GWS - 1) & 1);
             mbar_expect_tx(full(s), 128 * 128 + NW * 128);  // rows past M or N: zeros, their bytes counted
-            tma_load_2d(tileA(s), mapA, i * 128, m0, full(s));
-            tma_load_3d(tileW(s), mapGU, i * 128, n0, 0, full(s));
+            tma_load_2d(tileA(s), mapA, k, m0, full(s));
+            if constexpr (PAIR)
+                tma_load_3d(tileW(s), mapW, k, n0, 0, full(s));
+            else
+                tma_load_2d(tileW(s), mapW, k, n0, full(s));
         }
         return;
     }
     const int c = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31;
-    int d[NP];  // 64 activation rows of warpgroup c by the 2·NP weight rows
+    int d[NV];  // 64 activation rows of warpgroup c by the NW weight rows
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
 #pragma unroll
-    for (int e = 0; e < NP; e++) d[e] = 0;
+    for (int e = 0; e < NV; e++) d[e] = 0;
 #pragma unroll
-    for (int e = 0; e < NP; e++) wg_pin(d[e]);  // zeros before the first fence
+    for (int e = 0; e < NV; e++) wg_pin(d[e]);  // zeros before the first fence
     gw_ss_steps<GWS>(d, nk, c, lane, full, empty, tileA, tileW);
+    TileStage<int> st{reinterpret_cast<int*>(gw_raw + (base - raw)), m0, n0, 1, 256, tid - 128};
+    if constexpr (!PAIR) {
+        if (ncl == 2) gw_scatter<2>(d, gw_raw + (base - raw), tid - 128, st.r0, st.r1);
+        if (ncl == 3) gw_scatter<3>(d, gw_raw + (base - raw), tid - 128, st.r0, st.r1);
+    }
     // accumulator e of n8 chunk j: activation row 16·warp + lane/4 (+8 for
-    // e ≥ 2), stage column 8j + 2·(lane % 4) (+1 for odd e): plane 0's
-    // rows n0.. in columns 0..NP − 1, plane 1's in NP..2·NP − 1
+    // e ≥ 2), stage column 8j + 2·(lane % 4) (+1 for odd e)
     const int r = m0 + c * 64 + warp * 16 + (lane >> 2);
     auto at = [&](int u, int& m, int& n) {
         m = r + 8 * (u & 1);
         n = n0 + (u >> 1) * 8 + 2 * (lane & 3);
     };
     auto rawv = [&](int u, int e) { return d[4 * (u >> 1) + 2 * (u & 1) + e]; };
-    const TileStage<int> st{reinterpret_cast<int*>(gw_raw + (base - raw)), m0, n0, 1, 256, tid - 128};
-    glu_tile<NP / 2, 2, NP, LD>(y, M, N, at, rawv, epi, st);
+    put(at, rawv, st);
 }
+// gemm_wg_s8_f112, the plain int8 GEMM's fill form (runtime/cuda's
+// s8FillRows says where): gemm_wg_s8 with 112 weight rows a block
+// (gemm_wg_s8_fill_body), so that 4 096 outputs at one activation tile
+// make 37 tiles, 111 blocks in threes, where gemm_wg_s8's 32 make 96. K
+// splits along z only as clusters of 2 or 3 (gw_scatter); the same sums
+// and w8a8_out as gemm_wg_s8's, through a stage of 112 columns. Arguments
+// as gemm_wg_s8's (mapW's box 112 rows); grid (ceil(M/128), ceil(N/112),
+// splits), block 384.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    gemm_wg_s8_f112(float* y, const __grid_constant__ TmaMap mapA, const __grid_constant__ TmaMap mapW,
+                    const int* __restrict__ qbias, const float* __restrict__ deq, const float* __restrict__ bias,
+                    const float* __restrict__ tok, int M, int N, int K, int out) {
+    PDL_ENTRY();
+    if (split_to_memory() || cluster_blocks() > 3) __trap();  // a host error: no merge for these splits
+    KSplit ks = k_split((K + 127) / 128);
+    gemm_wg_s8_fill_body<112, false>(&mapA, &mapW, blockIdx.x * 128, blockIdx.y * 112, ks.kt0, ks.kt1,
+                                     [&](auto at, auto raw, TileStage<int> st) {
+                                         w8a8_tile<28, true, 112>(y, nullptr, M, N, out, at, raw, qbias, deq, bias,
+                                                                  tok, QOut{}, st);
+                                     });
+}
+// gemm_wg_s8_glu_f88 and _f112, the GLU fill forms (runtime/cuda's
+// gluFillRows says where): gemm_wg_s8_glu with NP rows of each weight a
+// block (NP = 88 or 112: gemm_wg_s8_fill_body's pair of 2·NP rows, mapGU's
+// box NP rows of both planes), so that a launch of one activation tile
+// fills a wave where 128-row blocks leave multiprocessors idle (11 008 /
+// 88 = 126 blocks, 14 336 / 112 = 128, against 86 and 112). The same
+// sums, fin and SwiGLU as gemm_wg_s8_glu's, through a stage of 2·NP
+// columns. Arguments as gemm_wg_s8_glu's; grid (ceil(M/128),
+// ceil(N/NP)), block 384, dynamic shared memory as runtime/cuda's
+// s8FillSmem(2·NP) says.
 #define GEMM_WG_S8_GLU_FILL_ENTRY(name, NP)                                                                      \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                         \
         name(S8_GLU_PARAMS) {                                                                                    \
         PDL_ENTRY();                                                                                             \
-        gemm_wg_s8_glu_fill_body<NP>(                                                                            \
-            y, &mapA, &mapGU, M, N, (K + 127) / 128,                                                             \
-            S8_GLU_EPI);                                                                                         \
+        const GluEpi<W8A8Fin> epi = S8_GLU_EPI;                                                                  \
+        gemm_wg_s8_fill_body<2 * NP, true>(&mapA, &mapGU, blockIdx.x * 128, blockIdx.y * NP, 0, (K + 127) / 128, \
+                                           [&](auto at, auto raw, TileStage<int> st) {                           \
+                                               glu_tile<NP / 2, 2, NP, 2 * NP + 8>(y, M, N, at, raw, epi, st);   \
+                                           });                                                                   \
     }
 GEMM_WG_S8_GLU_FILL_ENTRY(gemm_wg_s8_glu_f88, 88)
 GEMM_WG_S8_GLU_FILL_ENTRY(gemm_wg_s8_glu_f112, 112)

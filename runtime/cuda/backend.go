@@ -106,6 +106,11 @@ type Options struct {
 	// like NoDependentLaunch), above 0 as the rule says past its
 	// gluFillMaxRows activation rows too (for measuring there).
 	GLUFill int
+	// S8Fill chooses the plain int8 GEMM's fill form (gemm_wg_s8_f112,
+	// blocks of 112 weight rows): 0 as s8Fill's rule says, -1 never (for
+	// comparisons, like NoDependentLaunch), above 0 wherever its K splits
+	// allow (tests).
+	S8Fill int
 	// AttnSplit is the number of 64-key tiles a block of the prefill
 	// attention takes at most: 0 lets the launch's shape choose (attnSplit),
 	// a negative value gives every query tile one block (for comparisons,
@@ -405,12 +410,12 @@ func kernelNames() []string {
 }
 
 // hopperKernels are the kernels only the sm_90a PTX holds (wgmma: the
-// values of hopperGEMM, gluKernels, segsKernels, segsKVKernels and tileSendKernels, and
-// w8a8SegsKernel; clusters: the decode attention's attention_f16_cl),
+// values of hopperGEMM, gluKernels, segsKernels, segsKVKernels and tileSendKernels,
+// w8a8SegsKernel and the int8 fill forms; clusters: the decode attention's attention_f16_cl),
 // looked up where it is loaded.
 var hopperKernels = slices.Concat(slices.Sorted(maps.Values(hopperGEMM)), slices.Sorted(maps.Values(gluKernels)), slices.Sorted(maps.Values(wideKernels)),
 	slices.Sorted(maps.Values(segsKernels)), slices.Sorted(maps.Values(segsKVKernels)), slices.Sorted(maps.Values(tileSendKernels)),
-	[]string{"attention_f16_cl", w8a8SegsKernel}, gluFillKernels[:])
+	[]string{"attention_f16_cl", w8a8SegsKernel, s8FillKernel}, gluFillKernels[:])
 
 // enter binds the context to the calling thread; call the result when done.
 func (b *Backend) enter() func() {

@@ -402,6 +402,38 @@ func TestGLUFillRows(t *testing.T) {
 	}
 }
 
+// TestS8Fill checks s8Fill's choice of the int8 GEMM's fill form on 132
+// multiprocessors with an H200's clusters: the cases its comment names,
+// three tiles of activation rows (111 blocks unsplit against 96), a K split
+// of four narrowed to three, a split the device cannot run in clusters,
+// and Options.S8Fill.
+func TestS8Fill(t *testing.T) {
+	fit := [9]int{2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
+	for _, c := range []struct {
+		M, N, steps, force int
+		noCluster, want    bool
+	}{
+		{128, 4096, 32, 0, false, true},   // o: 37 tiles in threes (9.6 + 6 against 11 + 6)
+		{128, 4096, 86, 0, false, true},   // llama2-7b's down: 25.4 + 6 against 29 + 6
+		{128, 4096, 112, 0, false, true},  // llama3-8b's down
+		{256, 4096, 32, 0, false, false},  // 74 tiles unsplit (28) against 64 in pairs (16 + 6)
+		{384, 4096, 32, 0, false, true},   // 111 blocks unsplit (28) against 96 (32)
+		{512, 4096, 32, 0, false, false},  // two waves of fill blocks
+		{128, 14336, 32, 0, false, true},  // one wave either way: 128 fill blocks (28) against 112 (32)
+		{128, 16384, 32, 0, false, false}, // 147 fill tiles, two waves (56) against 128 (32)
+		{128, 4096, 32, -1, false, false}, // off
+		{128, 4096, 32, 0, true, false},   // K would split through memory: not this form
+		{256, 4096, 32, 1, false, true},   // forced: unsplit
+		{64, 1024, 32, 1, false, true},    // forced: 10 tiles, eight splits narrowed to three
+	} {
+		b := &Backend{sms: 132, clusterSplits: true, clusterFit: fit, opt: Options{S8Fill: c.force, NoClusterSplit: c.noCluster}}
+		if got := b.s8Fill(c.M, c.N, c.steps); got != c.want {
+			t.Errorf("s8Fill(M %d, N %d, %d steps; S8Fill %d, NoClusterSplit %v) = %v, want %v",
+				c.M, c.N, c.steps, c.force, c.noCluster, got, c.want)
+		}
+	}
+}
+
 // TestWideWG checks wideWG's choice of the Hopper GEMMs' blocks of two
 // halves on 132 multiprocessors against what bench's kernel table measured
 // on an H200 at 512 rows (kernels/NOTES.md, fifty-second session): wide

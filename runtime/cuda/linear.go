@@ -107,8 +107,9 @@ type Linear struct {
 	// FreeLinear leaves alone.
 	borrowed bool
 	// wmap is w's tensor map for its Hopper GEMM, encoded at the first
-	// launch (prepareWG).
-	wmap *driver.TensorMap
+	// launch (prepareWG); wmapF, of a W8A8 weight, the map in boxes of
+	// s8FillRows rows for the int8 GEMM's fill form (s8Fill).
+	wmap, wmapF *driver.TensorMap
 	// glu and gluF map this gate weight and an up weight as two planes
 	// for a gemm_wg_*_glu kernel (gluPair): glu in boxes of 64 rows of
 	// each, gluF[np/112] of the W8A8 fill forms' np = 88 or 112
@@ -1004,6 +1005,14 @@ func (b *Backend) w8a8(d *Buf, in *gemmIn, l *Linear, forceGEMM bool, out int, q
 		grid, shm, wmap := b.prepareWG(wg, xq, l.w, l, M)
 		steps := (K + 127) / 128
 		wg, grid, shm = b.wideForm(wg, grid, shm, steps, true)
+		if wg == "gemm_wg_s8" && b.s8Fill(M, N, steps) {
+			if l.wmapF == nil {
+				l.wmapF = driver.NewTensorMaps(1)[0]
+				b.encodeWeightMap(l.wmapF, wg, l.w, N, K, s8FillRows)
+			}
+			wg, grid[1], shm, wmap = s8FillKernel, uint32((N+s8FillRows-1)/s8FillRows), s8FillSmem(s8FillRows), l.wmapF
+			b.raiseSmem(wg, shm)
+		}
 		b.launchSplit(wg, grid, block384, shm, b.sms, steps, d, out, []any{b.tmaps[0], wmap, l.qbias, l.deq, l.bias, tok, M, N, K}, sum(inputForm{}))
 		return false
 	}
@@ -1452,11 +1461,11 @@ func (b *Backend) prepareWG(name string, a, w driver.DevicePtr, l *Linear, M int
 func (b *Backend) weightMap(name string, w driver.DevicePtr, l *Linear) *driver.TensorMap {
 	switch {
 	case w != l.w:
-		b.encodeWeightMap(b.tmaps[1], name, w, l.out, l.in)
+		b.encodeWeightMap(b.tmaps[1], name, w, l.out, l.in, 128)
 		return b.tmaps[1]
 	case l.wmap == nil:
 		l.wmap = driver.NewTensorMaps(1)[0]
-		b.encodeWeightMap(l.wmap, name, w, l.out, l.in)
+		b.encodeWeightMap(l.wmap, name, w, l.out, l.in, 128)
 	}
 	return l.wmap
 }
@@ -1490,10 +1499,10 @@ func (b *Backend) actMap(name string, a driver.DevicePtr, M, K int) (shm int) {
 }
 
 // encodeWeightMap encodes into m the tensor map of weight w [N, K] as
-// Hopper GEMM name reads it (weightMapFormat), 128 rows a box.
-func (b *Backend) encodeWeightMap(m *driver.TensorMap, name string, w driver.DevicePtr, N, K int) {
+// Hopper GEMM name reads it (weightMapFormat), rows rows a box.
+func (b *Backend) encodeWeightMap(m *driver.TensorMap, name string, w driver.DevicePtr, N, K, rows int) {
 	f := weightMapFormat(name, K)
-	b.must(b.drv.EncodeTensorMap2D(m, f.dtype, w, uint64(N), f.cols, f.pitch, 128, f.box, f.swizzle))
+	b.must(b.drv.EncodeTensorMap2D(m, f.dtype, w, uint64(N), f.cols, f.pitch, uint32(rows), f.box, f.swizzle))
 }
 
 // mapFormat is how a Hopper GEMM's tensor map reads a weight's rows:
@@ -1589,7 +1598,7 @@ func (b *Backend) launchMerged(name string, grid, block [3]uint32, shm, S int, a
 // at 256; W8A8 prefill gained 15–18 % (llama3-8b) and 31–34 % (llama2-7b)
 // at 128 and 256 tokens.
 var mergeKernels = map[string]bool{"gemm_wg_f16": false, "gemm_wg_f16_w": false, "gemm_wg_s8": true, "gemm_wg_s8_w": true,
-	w8a8SegsKernel: true}
+	w8a8SegsKernel: true, s8FillKernel: true}
 
 // mergesInCluster reports whether Hopper GEMM name may merge its K splits
 // in its blocks' shared memory (splitPlan): a kind the dispatcher merges
@@ -1631,9 +1640,13 @@ func (b *Backend) measureClusterFit() bool {
 // once (clusterFit, which counts each GPC's multiprocessors; at most 8, a
 // portable cluster), that takes least, where that is less than the global
 // merge. b.forceClusterSplit (tests) takes the most splits that fit,
-// whatever they cost.
+// whatever they cost. The int8 fill form (s8FillKernel) splits at most in
+// threes, the clusters gw_scatter merges.
 func (b *Backend) splitPlan(name string, tiles, steps, resident int) (S int, cluster bool, merge float64) {
 	S = b.splits(tiles, steps, resident)
+	if name == s8FillKernel {
+		S = min(S, 3)
+	}
 	if S == 1 {
 		return 1, false, 0
 	}
@@ -2055,7 +2068,7 @@ func (b *Backend) gluPair(d *Buf, in *gemmIn, gate, up *Linear, q inputForm) (ra
 		shm, planes := b.actMap(wg, xq, M, K), gate.glu.m
 		if np := b.gluFillRows(M, N); np != 0 && b.gluMap(&gate.gluF[np/112], wg, gate, up, np) {
 			name = gluFillKernels[np/112] // 88 → _f88, 112 → _f112
-			grid, shm, planes = [3]uint32{uint32((M + 127) / 128), uint32((N + np - 1) / np), 1}, gluFillSmem(np), gate.gluF[np/112].m
+			grid, shm, planes = [3]uint32{uint32((M + 127) / 128), uint32((N + np - 1) / np), 1}, s8FillSmem(2*np), gate.gluF[np/112].m
 		} else {
 			name, grid, shm = b.wideForm(name, grid, shm, (K+127)/128, false) // K steps of 128 int8
 		}
@@ -2122,13 +2135,45 @@ func (b *Backend) gluFillRows(M, N int) int {
 // −3.0 % on llama3-8b, at 2 048 ±0 and −3.0 %; sixty-ninth session).
 const gluFillMaxRows = 512
 
-// gluFillSmem is the dynamic shared memory of the fill form of np rows a
-// weight (qtool.cu's glf_stage_bytes, GLF_STAGES, their barriers, the
-// alignment).
-func gluFillSmem(np int) int {
-	const stages = 5 // qtool.cu's GLF_STAGES
-	stage := (128*128 + 2*np*128 + 1023) &^ 1023
+// s8FillSmem is the dynamic shared memory of an int8 fill form of nw weight
+// rows a block (a GLU fill form's 2·np; qtool.cu's s8f_stage_bytes,
+// S8F_STAGES, their barriers, the alignment).
+func s8FillSmem(nw int) int {
+	const stages = 5 // qtool.cu's S8F_STAGES
+	stage := (128*128 + nw*128 + 1023) &^ 1023
 	return stages*stage + 2*stages*8 + 1024
+}
+
+// s8FillKernel is the plain int8 GEMM's fill form (qtool.cu's
+// gemm_wg_s8_f112: s8FillRows weight rows a block), loaded with the Hopper
+// kernels.
+const s8FillKernel = "gemm_wg_s8_f112"
+
+// s8FillRows is the weight rows of a gemm_wg_s8_f112 block.
+const s8FillRows = 112
+
+// s8Fill reports whether w8a8's int8 GEMM of N outputs at M activation
+// rows through steps K steps, where gemm_wg_s8's narrow blocks would run,
+// takes the fill form instead: where wgEstimate says its launch takes less
+// (a block's step at 112 / 128 of a narrow one's), its K unsplit or split
+// in clusters (splitPlan: 2 or 3 for this kernel, gw_scatter's merge, the
+// only one it has). Options.S8Fill −1: never; above 0: wherever its K
+// splits allow (tests). On 132 multiprocessors the 4 096 outputs of o and
+// down at 128 activation rows make 37 fill tiles, 111 blocks in threes
+// (11 steps of 32 at 0.875 against 96 narrow blocks of 11; llama2-7b's
+// down 29 of 86), and at 256 rows none (74 tiles, unsplit, against 64
+// narrow ones in pairs).
+func (b *Backend) s8Fill(M, N, steps int) bool {
+	if b.opt.S8Fill < 0 {
+		return false
+	}
+	tiles := (M + 127) / 128
+	fill := tiles * ((N + s8FillRows - 1) / s8FillRows)
+	if S, cluster, _ := b.splitPlan(s8FillKernel, fill, steps, b.sms); S > 1 && !cluster {
+		return false
+	}
+	return b.opt.S8Fill > 0 ||
+		b.wgEstimate(s8FillKernel, fill, steps, s8FillRows/128.0, true) < b.wgEstimate("gemm_wg_s8", tiles*((N+127)/128), steps, 1, true)
 }
 
 // gluPlanes is a 3-D tensor map of a gate weight and an up weight as two

@@ -108,3 +108,85 @@ func TestGLUFill(t *testing.T) {
 		}
 	}
 }
+
+// TestS8FillGEMM checks the plain int8 GEMM's fill form (qtool.cu's
+// gemm_wg_s8_f112; Options.S8Fill) against gemm_wg_s8, bit for bit (the
+// same integer sums and w8a8_out), stored (MatMul) and added (MatMulAdd):
+// where s8Fill's rule picks it (o's and down's 4 096 outputs at 128
+// activation rows, K split in threes; 384 rows, unsplit) and forced
+// elsewhere: 4 000 outputs (a partial last weight tile) with a partial K
+// step (4 160) at 128 rows (in threes) and 200 (a partial last activation
+// tile, unsplit), and 5 600 outputs (K split in pairs); static and
+// per-token quantizers.
+func TestS8FillGEMM(t *testing.T) {
+	b := newTestBackend(t)
+	if !b.wgmma {
+		t.Skip("no Hopper GEMMs on this device (sm_90a)")
+	}
+	defer func() { b.opt.S8Fill = 0 }()
+	r := rand.New(rand.NewPCG(97, 98))
+	splits := map[int]bool{}
+	for _, c := range []struct {
+		M, N, K int
+		dynamic bool
+		fill    int // Options.S8Fill of the fill's run: 0 the rule, 1 forced
+	}{
+		{128, 4096, 4096, false, 0}, {128, 4096, 11008, true, 0}, {384, 4096, 4096, true, 0},
+		{128, 4000, 4160, false, 1}, {200, 4000, 4160, true, 1}, {128, 5600, 2048, true, 1},
+	} {
+		w := uploadW8A8(t, b, r, c.N, c.K, c.dynamic, 0.02)
+		xv, rv := randVec(r, c.M*c.K, 1), randVec(r, c.M*c.N, 1)
+		steps := (c.K + 127) / 128
+		b.opt.S8Fill = c.fill
+		if !b.s8Fill(c.M, c.N, steps) {
+			b.FreeLinear(w)
+			if c.fill > 0 || b.sms == 132 {
+				t.Errorf("M=%d, N=%d, K=%d: s8Fill declines on %d multiprocessors", c.M, c.N, c.K, b.sms)
+			}
+			continue
+		}
+		S, _, _ := b.splitPlan(s8FillKernel, (c.M+127)/128*((c.N+s8FillRows-1)/s8FillRows), steps, b.sms)
+		splits[S] = true
+		for _, op := range []struct {
+			name string
+			run  func(y, x runtime.Buf)
+		}{
+			{"MatMul", func(y, x runtime.Buf) { b.MatMul(y, x, w) }},
+			{"MatMulAdd", func(y, x runtime.Buf) { b.MatMulAdd(y, x, w) }},
+		} {
+			t.Run(fmt.Sprintf("M=%d/N=%d/K=%d/dynamic=%v/splits=%d/%s", c.M, c.N, c.K, c.dynamic, S, op.name), func(t *testing.T) {
+				var got [2][]float32
+				var launched [2]map[string]bool
+				for i, fill := range []int{-1, c.fill} {
+					b.opt.S8Fill = fill
+					x := upload(b, c.M, c.K, xv)
+					y := poisoned(b, c.M, c.N)
+					if op.name == "MatMulAdd" {
+						b.Upload(y, rv)
+					}
+					launched[i] = launchedBy(b, func() { op.run(y, x) })
+					got[i] = download(b, y)
+					b.Free(x)
+					b.Free(y)
+				}
+				if !launched[1][s8FillKernel] || launched[0][s8FillKernel] || !launched[0]["gemm_wg_s8"] {
+					t.Fatalf("launched %v without the fill, %v with it; want gemm_wg_s8, then %s",
+						slices.Sorted(maps.Keys(launched[0])), slices.Sorted(maps.Keys(launched[1])), s8FillKernel)
+				}
+				for i := range got[0] {
+					if math.Float32bits(got[0][i]) != math.Float32bits(got[1][i]) {
+						t.Fatalf("output %d (row %d, column %d): %g with the fill, %g without", i, i/c.N, i%c.N, got[1][i], got[0][i])
+					}
+				}
+			})
+		}
+		b.FreeLinear(w)
+	}
+	if b.sms == 132 && !t.Failed() {
+		for _, S := range []int{1, 2, 3} {
+			if !splits[S] {
+				t.Errorf("no case runs the fill form in %d splits", S)
+			}
+		}
+	}
+}
