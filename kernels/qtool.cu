@@ -5593,7 +5593,7 @@ __device__ __forceinline__ void gemm_wg_s8_fill_body(const TmaMap* mapA, const T
     put(at, rawv, st);
 }
 // gemm_wg_s8_f112, the plain int8 GEMM's fill form (runtime/cuda's
-// s8FillRows says where): gemm_wg_s8 with 112 weight rows a block
+// s8Fill says where): gemm_wg_s8 with 112 weight rows a block
 // (gemm_wg_s8_fill_body), so that 4 096 outputs at one activation tile
 // make 37 tiles, 111 blocks in threes, where gemm_wg_s8's 32 make 96. K
 // splits along z only as clusters of 2 or 3 (gw_scatter); the same sums
