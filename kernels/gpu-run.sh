@@ -163,28 +163,35 @@ if has ncu; then # one launch of the prefill attention (512 tokens, 32 heads) un
   fi
 fi
 # ncu_prefill_sum CSV: the kernels of one forward pass in an ncu CSV (from one embed_* launch to
-# the next), device time by kernel and the first layer's sequence
+# the next), device time by kernel and the first layer's sequence, and each other metric
+# (NCU_METRICS) of the first layer's launches
 ncu_prefill_sum() {
   python3 - "$1" <<'PY'
 import csv, collections, sys
-hdr, seq = None, []
+hdr, seq, extra = None, [], collections.defaultdict(dict)
 for r in csv.reader(open(sys.argv[1])):
     if r and r[0] == 'ID':
         hdr = r
     elif hdr and len(r) == len(hdr):
         d = dict(zip(hdr, r))
-        seq.append((d['Kernel Name'].split('(')[0], float(d['Metric Value'].replace(',', ''))))
-idx = [i for i, (n, _) in enumerate(seq) if n.startswith('embed')]
+        v = float(d['Metric Value'].replace(',', '') or 'nan')
+        if d['Metric Name'] == 'gpu__time_duration.sum':
+            seq.append((d['Kernel Name'].split('(')[0], v, d['ID']))
+        else:
+            extra[d['ID']][d['Metric Name']] = v
+idx = [i for i, (n, _, _) in enumerate(seq) if n.startswith('embed')]
 if len(idx) < 2:
     sys.exit('  fewer than two embed launches in the window: widen NCU_SKIP/NCU_COUNT')
 one = seq[idx[0]:idx[1]]
 by = collections.defaultdict(float)
-for n, t in one:
+for n, t, _ in one:
     by[n] += t
-print('  %d kernels, %.2f ms:' % (len(one), sum(t for _, t in one) / 1e6),
+print('  %d kernels, %.2f ms:' % (len(one), sum(t for _, t, _ in one) / 1e6),
       ', '.join('%s %.0f us' % (n, t / 1e3) for n, t in sorted(by.items(), key=lambda kv: -kv[1])))
-print('  first layer:', ', '.join('%s %.1f' % (n, t / 1e3) for n, t in one[1:15]))
-print('  last:', ', '.join('%s %.1f' % (n, t / 1e3) for n, t in one[-4:]))
+print('  first layer:', ', '.join('%s %.1f' % (n, t / 1e3) for n, t, _ in one[1:15]))
+print('  last:', ', '.join('%s %.1f' % (n, t / 1e3) for n, t, _ in one[-4:]))
+for m in sorted({m for e in extra.values() for m in e}):
+    print('  %s:' % m, ', '.join('%s %.4g' % (n, extra[i].get(m, float('nan'))) for n, _, i in one[1:8]))
 PY
 }
 # ncu_gemv KERNEL[:SKIP] OUTFILE NCU-FLAGS...: Nsight Compute on the first launch of KERNEL (after
@@ -226,13 +233,15 @@ if has ncusrc; then # the same launches' warp stall samples a SASS instruction (
 fi
 if has ncuprefill; then # every kernel of a window of the synthetic bench's prefill, durations as CSV
   # (NCU_MODELS: bench --synthetic's models, default llama2-7b; NCU_PROMPTS: prompt lengths, default
-  # bench's own; the CSVs come back in logs.tgz)
+  # bench's own; NCU_METRICS: more metrics, comma-separated, printed for the first layer's first
+  # seven launches, e.g. lts__t_bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed for
+  # L2's share; the CSVs come back in logs.tgz)
   for m in ${NCU_MODELS:-llama2-7b}; do
   for p in ${NCU_PROMPTS:-0}; do
   for f in ${NCU_FORMATS:-fp16 w8a8}; do
     csv="$OUT/ncu-prefill-$m-$p-$f.csv"
     parg=""; [ "$p" = 0 ] || parg="--prompt $p"
-    timeout "$(left)" "$NCU" --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \
+    timeout "$(left)" "$NCU" --csv --metrics gpu__time_duration.sum${NCU_METRICS:+,$NCU_METRICS} --cache-control none --clock-control none \
       --launch-skip ${NCU_SKIP:-700} --launch-count ${NCU_COUNT:-800} \
       bin/qtool bench --synthetic "$m" --format "$f" --kernels=false $parg --decode 2 > "$csv" 2> "$OUT/ncu-prefill-$m-$p-$f.err"
     echo "ncu prefill $m $p $f rc=$? $(grep -c gpu__time_duration "$csv") kernels"
