@@ -108,8 +108,7 @@ type Options struct {
 	GLUFill int
 	// S8Fill chooses the plain int8 GEMM's fill form (gemm_wg_s8_f112,
 	// blocks of 112 weight rows): 0 as s8Fill's rule says, -1 never (for
-	// comparisons, like NoDependentLaunch), above 0 wherever its K splits
-	// allow (tests).
+	// comparisons, like NoDependentLaunch), above 0 always (tests).
 	S8Fill int
 	// AttnSplit is the number of 64-key tiles a block of the prefill
 	// attention takes at most: 0 lets the launch's shape choose (attnSplit),

@@ -405,8 +405,10 @@ func TestGLUFillRows(t *testing.T) {
 // TestS8Fill checks s8Fill's choice of the int8 GEMM's fill form on 132
 // multiprocessors with an H200's clusters: the cases its comment names,
 // three tiles of activation rows (111 blocks unsplit against 96), a K split
-// of four narrowed to three, a split the device cannot run in clusters,
-// and Options.S8Fill.
+// of four narrowed to three, splits the device cannot merge in clusters
+// (the fill form then unsplit), and Options.S8Fill; and splitPlan's
+// splits of the fill form (scatterOnlyKernels: threes at most, in
+// clusters or not at all).
 func TestS8Fill(t *testing.T) {
 	fit := [9]int{2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
 	for _, c := range []struct {
@@ -422,7 +424,8 @@ func TestS8Fill(t *testing.T) {
 		{128, 14336, 32, 0, false, true},  // one wave either way: 128 fill blocks (28) against 112 (32)
 		{128, 16384, 32, 0, false, false}, // 147 fill tiles, two waves (56) against 128 (32)
 		{128, 4096, 32, -1, false, false}, // off
-		{128, 4096, 32, 0, true, false},   // K would split through memory: not this form
+		{128, 4096, 32, 0, true, true},    // no cluster merges: the fill unsplit (28) against four splits through memory (8 + 28)
+		{128, 4096, 86, 0, true, false},   // the same for down: 75.25 unsplit against 22 + 28
 		{256, 4096, 32, 1, false, true},   // forced: unsplit
 		{64, 1024, 32, 1, false, true},    // forced: 10 tiles, eight splits narrowed to three
 	} {
@@ -430,6 +433,24 @@ func TestS8Fill(t *testing.T) {
 		if got := b.s8Fill(c.M, c.N, c.steps); got != c.want {
 			t.Errorf("s8Fill(M %d, N %d, %d steps; S8Fill %d, NoClusterSplit %v) = %v, want %v",
 				c.M, c.N, c.steps, c.force, c.noCluster, got, c.want)
+		}
+	}
+	for _, c := range []struct {
+		tiles, steps int
+		noCluster    bool
+		S            int
+		cluster      bool
+	}{
+		{37, 32, false, 3, true},   // o at 128 rows: threes
+		{10, 32, false, 3, true},   // eight splits would fit a wave: three
+		{60, 32, false, 2, true},   // pairs
+		{37, 32, true, 1, false},   // no cluster merges: unsplit, never through memory
+		{140, 32, false, 1, false}, // a wave of tiles
+	} {
+		b := &Backend{sms: 132, clusterSplits: true, clusterFit: fit, opt: Options{NoClusterSplit: c.noCluster}}
+		if S, cl, _ := b.splitPlan(s8FillKernel, c.tiles, c.steps, b.sms); S != c.S || cl != c.cluster {
+			t.Errorf("splitPlan(%s, %d tiles, %d steps; NoClusterSplit %v) = %d, %v, want %d, %v",
+				s8FillKernel, c.tiles, c.steps, c.noCluster, S, cl, c.S, c.cluster)
 		}
 	}
 }

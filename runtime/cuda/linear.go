@@ -1600,6 +1600,12 @@ func (b *Backend) launchMerged(name string, grid, block [3]uint32, shm, S int, a
 var mergeKernels = map[string]bool{"gemm_wg_f16": false, "gemm_wg_f16_w": false, "gemm_wg_s8": true, "gemm_wg_s8_w": true,
 	w8a8SegsKernel: true, s8FillKernel: true}
 
+// scatterOnlyKernels are the Hopper GEMMs whose K splits merge only in a
+// cluster of two or three blocks (qtool.cu's gw_scatter), neither through
+// memory nor in gw_merge_splits's tree: the int8 fill form, which traps
+// on any other split.
+var scatterOnlyKernels = map[string]bool{s8FillKernel: true}
+
 // mergesInCluster reports whether Hopper GEMM name may merge its K splits
 // in its blocks' shared memory (splitPlan): a kind the dispatcher merges
 // so (mergeKernels), or any kind that can where b.forceClusterSplit
@@ -1640,18 +1646,26 @@ func (b *Backend) measureClusterFit() bool {
 // once (clusterFit, which counts each GPC's multiprocessors; at most 8, a
 // portable cluster), that takes least, where that is less than the global
 // merge. b.forceClusterSplit (tests) takes the most splits that fit,
-// whatever they cost. The int8 fill form (s8FillKernel) splits at most in
-// threes, the clusters gw_scatter merges.
+// whatever they cost. A kernel that merges only in clusters of two or
+// three (scatterOnlyKernels) splits at most in threes and only in
+// clusters: where none fits, not at all.
 func (b *Backend) splitPlan(name string, tiles, steps, resident int) (S int, cluster bool, merge float64) {
 	S = b.splits(tiles, steps, resident)
-	if name == s8FillKernel {
+	scatterOnly := scatterOnlyKernels[name]
+	if scatterOnly {
 		S = min(S, 3)
+	}
+	global := func() (int, bool, float64) { // the merge through memory, where the kernel has it
+		if scatterOnly {
+			return 1, false, 0
+		}
+		return S, false, wgSplitSteps
 	}
 	if S == 1 {
 		return 1, false, 0
 	}
 	if !b.mergesInCluster(name) {
-		return S, false, wgSplitSteps
+		return global()
 	}
 	halves, stepCost := 1, 1.0
 	if strings.HasSuffix(name, "_w") {
@@ -1676,7 +1690,7 @@ func (b *Backend) splitPlan(name string, tiles, steps, resident int) (S int, clu
 		}
 	}
 	if bestS == 0 {
-		return S, false, wgSplitSteps
+		return global()
 	}
 	return bestS, true, best - time(bestS)
 }
@@ -2155,10 +2169,9 @@ const s8FillRows = 112
 // s8Fill reports whether w8a8's int8 GEMM of N outputs at M activation
 // rows through steps K steps, where gemm_wg_s8's narrow blocks would run,
 // takes the fill form instead: where wgEstimate says its launch takes less
-// (a block's step at 112 / 128 of a narrow one's), its K unsplit or split
-// in clusters (splitPlan: 2 or 3 for this kernel, gw_scatter's merge, the
-// only one it has). Options.S8Fill −1: never; above 0: wherever its K
-// splits allow (tests). On 132 multiprocessors the 4 096 outputs of o and
+// (a block's step at 112 / 128 of a narrow one's; splitPlan splits it only
+// in clusters of 2 or 3, scatterOnlyKernels). Options.S8Fill −1: never;
+// above 0: always (tests). On 132 multiprocessors the 4 096 outputs of o and
 // down at 128 activation rows make 37 fill tiles, 111 blocks in threes
 // (11 steps of 32 at 0.875 against 96 narrow blocks of 11; llama2-7b's
 // down 29 of 86), and at 256 rows none (74 tiles, unsplit, against 64
@@ -2173,9 +2186,6 @@ func (b *Backend) s8Fill(M, N, steps int) bool {
 	}
 	tiles := (M + 127) / 128
 	fill := tiles * ((N + s8FillRows - 1) / s8FillRows)
-	if S, cluster, _ := b.splitPlan(s8FillKernel, fill, steps, b.sms); S > 1 && !cluster {
-		return false
-	}
 	return b.opt.S8Fill > 0 ||
 		b.wgEstimate(s8FillKernel, fill, steps, s8FillRows/128.0, true) < b.wgEstimate("gemm_wg_s8", tiles*((N+127)/128), steps, 1, true)
 }
