@@ -1129,9 +1129,11 @@ func TestClusterSplit(t *testing.T) {
 		t.Skip("no Hopper GEMMs or no cluster launches on this device")
 	}
 	defer func() {
-		b.maxSplits, b.opt.NoClusterSplit, b.opt.WGWide, b.forceClusterSplit = 0, false, 0, false
+		b.maxSplits, b.opt.NoClusterSplit, b.opt.WGWide, b.forceClusterSplit, b.opt.S8Fill = 0, false, 0, false, 0
 	}()
-	b.forceClusterSplit = true
+	// gemm_wg_s8's merges, not the fill form's (TestS8FillGEMM), which
+	// s8Fill picks unsplit under NoClusterSplit at these shapes
+	b.forceClusterSplit, b.opt.S8Fill = true, -1
 	r := rand.New(rand.NewPCG(71, 72))
 	const M, N, K = 200, 136, 4096 // 2 × 2 narrow tiles, 32 K steps: 8 splits
 	x := randVec(r, M*K, 1)
