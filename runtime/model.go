@@ -563,10 +563,18 @@ func (m *Model) Logits(x Buf) Buf {
 // pos0.. and returns the residual stream before the final norm.
 func (m *Model) Hidden(ids []int, pos0 int, cache KVCache) Buf {
 	x := m.Embed(ids)
+	m.Layers(x, pos0, cache)
+	return x
+}
+
+// Layers runs every decoder layer on the residual stream x (rows at
+// positions pos0..) in place: Hidden after the embedding, for a caller
+// that embeds the rows itself (bench's prefill captured as a CUDA graph,
+// which the embedding's upload of the ids would leave).
+func (m *Model) Layers(x Buf, pos0 int, cache KVCache) {
 	for l := 0; l < m.cfg.Layers; l++ {
 		m.Layer(l, x, pos0, cache, nil)
 	}
-	return x
 }
 
 // Forward runs ids (at positions pos0..) through the whole model and returns

@@ -619,9 +619,7 @@ func prefillGraphTokS(b *cuda.Backend, rm *runtime.Model, ids []int, cache runti
 	defer b.Free(x)
 	sec, err := b.TimeCaptured(1, func() {
 		runtime.CopyRows(b, x, 0, x0, 0, len(ids))
-		for l := 0; l < cfg.Layers; l++ {
-			rm.Layer(l, x, 0, cache, nil)
-		}
+		rm.Layers(x, 0, cache)
 		b.Free(rm.Logits(x))
 	})
 	if err != nil {

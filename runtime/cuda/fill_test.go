@@ -87,11 +87,7 @@ func TestGLUFill(t *testing.T) {
 							slices.Sorted(maps.Keys(launched[0])), slices.Sorted(maps.Keys(launched[1])), want)
 					}
 					ran[want] = true
-					for i := range got[0] {
-						if math.Float32bits(got[0][i]) != math.Float32bits(got[1][i]) {
-							t.Fatalf("output %d (row %d, column %d): %g with the fill, %g without", i, i/step.cols, i%step.cols, got[1][i], got[0][i])
-						}
-					}
+					sameBits(t, got[1], got[0], step.cols)
 				})
 			}
 		}
@@ -173,11 +169,7 @@ func TestS8FillGEMM(t *testing.T) {
 					t.Fatalf("launched %v without the fill, %v with it; want gemm_wg_s8, then %s",
 						slices.Sorted(maps.Keys(launched[0])), slices.Sorted(maps.Keys(launched[1])), s8FillKernel)
 				}
-				for i := range got[0] {
-					if math.Float32bits(got[0][i]) != math.Float32bits(got[1][i]) {
-						t.Fatalf("output %d (row %d, column %d): %g with the fill, %g without", i, i/c.N, i%c.N, got[1][i], got[0][i])
-					}
-				}
+				sameBits(t, got[1], got[0], c.N)
 			})
 		}
 		b.FreeLinear(w)
@@ -187,6 +179,17 @@ func TestS8FillGEMM(t *testing.T) {
 			if !splits[S] {
 				t.Errorf("no case runs the fill form in %d splits", S)
 			}
+		}
+	}
+}
+
+// sameBits fails t at the first output of the fill form (got, rows of cols
+// values) whose bits differ from the form it stands for (want).
+func sameBits(t *testing.T, got, want []float32, cols int) {
+	t.Helper()
+	for i := range want {
+		if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+			t.Fatalf("output %d (row %d, column %d): %g with the fill, %g without", i, i/cols, i%cols, got[i], want[i])
 		}
 	}
 }
