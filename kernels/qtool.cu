@@ -1766,7 +1766,9 @@ static_assert(4 * AT_K * AT_LD * 2 <= AT_SMEM, "attn_tc_h_body's two K and two V
 // the block's 64 rows in shared memory (the key and value buffers, free
 // once every warp is past its last tile), then the codes of four values
 // a thread a step (quant_fast, QOut's put4) from the stage, a row's 128
-// in one warp's 128 contiguous bytes, in a loop of few instructions.
+// in one warp's 128 contiguous bytes, in a loop of few instructions (all
+// the block's threads; in a block of two key groups, attn_tc_h_body's G =
+// 2, only group 0's hold rows: holds).
 // Stored as at_put2 stores them, all 64 values of a thread unrolled
 // (~3 400 instructions, each run once a warp), the launch's epilogue
 // missed the instruction cache: half its stall samples were "no
@@ -1777,20 +1779,21 @@ static_assert(4 * AT_K * AT_LD * 2 <= AT_SMEM, "attn_tc_h_body's two K and two V
 #define AT_SLD 136  // floats a row of the codes' stage: float2 stores of 4 rows a half warp on 32 banks
 static_assert(AT_Q * AT_SLD * 4 <= AT_SMEM, "at_store_codes' stage exceeds AT_SMEM");
 __device__ __forceinline__ void at_store_codes(const QOut& dst, const float (&o)[16][4], int tlo, int T, int heads,
-                                               int h, float l0, float l1) {
+                                               int h, float l0, float l1, bool holds = true) {
     extern __shared__ __align__(16) unsigned char at_smem[];
     float* stage = reinterpret_cast<float*>(at_smem);
-    const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) * 16 + (lane >> 2), tq = lane & 3, t0 = tlo - r;
+    const int lane = threadIdx.x & 31, r = ((threadIdx.x >> 5) & 3) * 16 + (lane >> 2), tq = lane & 3, t0 = tlo - r;
     const float rl0 = __frcp_rn(l0), rl1 = __frcp_rn(l1);
     __syncthreads();  // every warp done with the key and value tiles
+    if (holds)
 #pragma unroll
-    for (int nt = 0; nt < 16; nt++) {
-        const int d = nt * 8 + 2 * tq;
-        *reinterpret_cast<float2*>(stage + r * AT_SLD + d) =
-            make_float2(quot_rn(o[nt][0], l0, rl0), quot_rn(o[nt][1], l0, rl0));
-        *reinterpret_cast<float2*>(stage + (r + 8) * AT_SLD + d) =
-            make_float2(quot_rn(o[nt][2], l1, rl1), quot_rn(o[nt][3], l1, rl1));
-    }
+        for (int nt = 0; nt < 16; nt++) {
+            const int d = nt * 8 + 2 * tq;
+            *reinterpret_cast<float2*>(stage + r * AT_SLD + d) =
+                make_float2(quot_rn(o[nt][0], l0, rl0), quot_rn(o[nt][1], l0, rl0));
+            *reinterpret_cast<float2*>(stage + (r + 8) * AT_SLD + d) =
+                make_float2(quot_rn(o[nt][2], l1, rl1), quot_rn(o[nt][3], l1, rl1));
+        }
     __syncthreads();
     const int rows = min(AT_Q, T - t0);
 #pragma unroll 2
@@ -1832,11 +1835,15 @@ typedef __half AtRow[AT_LD];
 // scale·log2 e, zeros from row T on) in Qh and Ql as fp16 hi and lo parts
 // and reads the warp's 16 rows from qr back as A fragments (k16 step ks in
 // qa[ks], ql[ks]). It ends with a barrier: Qh and Ql may then be reused.
+// NT is the block's threads, a constant: the staging loop unrolled, its
+// loads issued together (a stride of blockDim.x made the prefill
+// attention's block ~2 µs slower, seventy-second session).
+template <int NT = 128>
 __device__ __forceinline__ void at_q_frags(uint32_t (&qa)[8][4], uint32_t (&ql)[8][4], AtRow* Qh, AtRow* Ql,
                                            const float* __restrict__ q, int t0, int T, int heads, int hd, int h,
                                            float sl2, int qr) {
     int tid = threadIdx.x, lane = tid & 31, gid = lane >> 2, tq = lane & 3, c4 = hd >> 2;
-    for (int i = tid; i < AT_Q * c4; i += 128) {
+    for (int i = tid; i < AT_Q * c4; i += NT) {
         int r = i / c4, c = (i % c4) * 4;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (t0 + r < T) v = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * heads * hd + (size_t)h * hd + c);
@@ -2193,28 +2200,42 @@ __device__ __forceinline__ void attn_tc_body(AtF32 dst, const float* __restrict_
 // (zeros past the block's last key, so masked probabilities meet zeros,
 // not stale values); Q staged in the second buffers before the first tile.
 // HD, when not 0, is the head size hd known at compile time (128: the
-// fragment loops without predicates and their addresses folded).
-template <int HD, typename Out>
+// fragment loops without predicates and their addresses folded). G = 2:
+// a block of two key groups of four warps (attn_tc_f16_g, _q_g, _h_g), each
+// the block's 64 query rows over every other key tile of the unit with
+// buffers of its own (AT_SMEM2), group 1's state merged into group 0's in
+// shared memory with at_finish's arithmetic for two units (group 0's
+// first); only for units that are whole query tiles (the host's choice; a
+// split tile traps). The longest block of a 128-token prefill then runs
+// one key tile a warp where it ran two, and the int8 codes' epilogue
+// (at_store_codes) runs on twice the threads.
+#define AT_SMEM2 (8 * AT_K * AT_LD * 2)
+#define AT_MLD 132  // floats a row of G = 2's merge area
+static_assert(AT_Q * AT_MLD * 4 + AT_Q * 2 * 4 <= AT_SMEM2 && AT_Q * AT_SLD * 4 <= AT_SMEM2, "G = 2's merge exceeds AT_SMEM2");
+template <int HD, typename Out, int G = 1>
 __device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict__ q,
                                                const __half* __restrict__ kc, const __half* __restrict__ vc, int T,
                                                int heads, int kvHeads, int hd_, int pos0, float scale, AtSplit sp) {
     const int hd = HD ? HD : hd_;
     extern __shared__ __align__(16) unsigned char at_smem[];
-    AtRow* Ks = reinterpret_cast<AtRow*>(at_smem);  // [2][AT_K], then V likewise
+    int tid = threadIdx.x, lane = tid & 31, warp = G > 1 ? (tid >> 5) & 3 : tid >> 5, gid = lane >> 2;
+    const int g = G > 1 ? tid >> 7 : 0, gt = G > 1 ? tid & 127 : tid;  // key group, thread within it
+    AtRow* Ks = reinterpret_cast<AtRow*>(at_smem) + g * 4 * AT_K;  // group g's [2][AT_K], then V likewise
     AtRow* Vs = Ks + 2 * AT_K;
     AtUnit u = at_unit(blockIdx.y, T, pos0, sp.ct);
+    if (G > 1 && u.ns != 1) __trap();  // a host error: G = 2 merges no split tile
     int h = blockIdx.x, t0 = u.qt * AT_Q;
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2;
     int kvDim = kvHeads * hd, kvh = h / (heads / kvHeads);
     int nks = hd >> 4, nnt = hd >> 3, c8 = hd >> 3;
     int last = pos0 + min(T, t0 + AT_Q) - 1;  // the block's last key
     int jt0 = u.s * sp.ct, tiles = min(last / AT_K + 1, jt0 + sp.ct);  // this unit's key tiles jt0..tiles − 1
-    // tile jt in buffers (jt − jt0) & 1: the first in buffers 0, as Q is
-    // staged in buffers 1
-    auto load = [&](int jt) {
-        AtRow *K = Ks + ((jt - jt0) & 1) * AT_K, *V = Vs + ((jt - jt0) & 1) * AT_K;
-        for (int i = tid; i < AT_K * c8; i += 128) {
-            int r = i / c8, c = (i % c8) * 8, j = jt * AT_K + r;
+    // the group's i-th tile, jt0 + g + G·i, in buffers i & 1: the first in
+    // buffers 0, as Q is staged in group 0's buffers 1
+    auto load = [&](int i) {
+        const int jt = jt0 + g + G * i;
+        AtRow *K = Ks + (i & 1) * AT_K, *V = Vs + (i & 1) * AT_K;
+        for (int e = gt; e < AT_K * c8; e += 128) {
+            int r = e / c8, c = (e % c8) * 8, j = jt * AT_K + r;
             bool v = j <= last;
             size_t off = (size_t)(v ? j : 0) * kvDim + (size_t)kvh * hd + c;
             cp_async16_zfill(&K[r][c], kc + off, v);
@@ -2222,23 +2243,34 @@ __device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict_
         }
         cp_async_commit();
     };
-    load(jt0);
+    const int n = (tiles - jt0 - g + G - 1) / G;  // the group's tiles
+    if (n > 0) load(0);
     int qr = warp * 16;
     uint32_t qa[8][4], ql[8][4];
-    at_q_frags(qa, ql, Ks + AT_K, Vs + AT_K, q, t0, T, heads, hd, h, scale * 1.4426950408889634f, qr);
+    {
+        AtRow* K0 = reinterpret_cast<AtRow*>(at_smem);
+        at_q_frags<128 * G>(qa, ql, K0 + AT_K, K0 + 3 * AT_K, q, t0, T, heads, hd, h, scale * 1.4426950408889634f, qr);
+    }
     AtState st;
     int plo = pos0 + t0 + qr + gid, phi = plo + 8;  // this thread's two rows
     int wlast = pos0 + t0 + qr + 15;                // the warp's last row
-    for (int jt = jt0; jt < tiles; jt++) {
-        if (jt + 1 < tiles) {
-            load(jt + 1);
+    // a group's barrier: the whole block where G = 1
+    auto gsync = [&]() {
+        if constexpr (G > 1)
+            named_sync(1 + g, 128);
+        else
+            __syncthreads();
+    };
+    for (int i = 0; i < n; i++) {
+        if (i + 1 < n) {
+            load(i + 1);
             asm volatile("cp.async.wait_group 1;\n" ::: "memory");
         } else {
             asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         }
-        __syncthreads();  // tile jt landed for every thread's copies
-        int j0 = jt * AT_K;
-        const AtRow *K = Ks + ((jt - jt0) & 1) * AT_K, *V = Vs + ((jt - jt0) & 1) * AT_K;
+        gsync();  // tile i landed for every thread's copies
+        int j0 = (jt0 + g + G * i) * AT_K;
+        const AtRow *K = Ks + (i & 1) * AT_K, *V = Vs + (i & 1) * AT_K;
         if (j0 <= wlast)  // else every key of the tile is after this warp's rows
             st.tile(
                 j0, plo, phi,
@@ -2286,9 +2318,66 @@ __device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict_
                             mma16816(o[2 * i + 1], pa, b[i][2], b[i][3]);
                         }
                 });
-        __syncthreads();  // tile jt consumed before its buffers take tile jt + 2
+        gsync();  // tile i consumed before its buffers take tile i + 2
     }
-    at_finish(st, u, sp, dst, t0 + qr + gid, T, heads, hd, h);
+    if constexpr (G == 1) {
+        at_finish(st, u, sp, dst, t0 + qr + gid, T, heads, hd, h);
+    } else {
+        // group 1's rows (o, and m and l summed over the row's lanes) into
+        // the merge area, then group 0's as at_finish's merge of two units
+        float* mo = reinterpret_cast<float*>(at_smem);
+        float* mml = mo + AT_Q * AT_MLD;
+        const int r = qr + gid, tq = lane & 3;
+        st.sum_l();
+        __syncthreads();  // every group past its last tile: the buffers free
+        if (g == 1) {
+#pragma unroll
+            for (int nt = 0; nt < 16; nt++) {
+                if (nt < nnt) {
+                    int d = nt * 8 + 2 * tq;
+                    *reinterpret_cast<float2*>(mo + r * AT_MLD + d) = make_float2(st.o[nt][0], st.o[nt][1]);
+                    *reinterpret_cast<float2*>(mo + (r + 8) * AT_MLD + d) = make_float2(st.o[nt][2], st.o[nt][3]);
+                }
+            }
+            if (tq == 0) {
+                *reinterpret_cast<float2*>(mml + 2 * r) = make_float2(st.m0, st.l0);
+                *reinterpret_cast<float2*>(mml + 2 * (r + 8)) = make_float2(st.m1, st.l1);
+            }
+        }
+        __syncthreads();
+        float L0 = 0.f, L1 = 0.f;
+        float o[16][4];
+        if (g == 0) {
+            // group 0 holds key 0, which every row sees: M is finite
+            const float2 a = *reinterpret_cast<const float2*>(mml + 2 * r);
+            const float2 b = *reinterpret_cast<const float2*>(mml + 2 * (r + 8));
+            const float M0 = fmaxf(st.m0, a.x), M1 = fmaxf(st.m1, b.x);
+            const float u0 = st.m0 == -INFINITY ? 0.f : exp2f(st.m0 - M0), u1 = st.m1 == -INFINITY ? 0.f : exp2f(st.m1 - M1);
+            const float w0 = a.x == -INFINITY ? 0.f : exp2f(a.x - M0), w1 = b.x == -INFINITY ? 0.f : exp2f(b.x - M1);
+            L0 += st.l0 * u0;
+            L1 += st.l1 * u1;
+            L0 += a.y * w0;
+            L1 += b.y * w1;
+#pragma unroll
+            for (int nt = 0; nt < 16; nt++) {
+                o[nt][0] = 0.f; o[nt][1] = 0.f; o[nt][2] = 0.f; o[nt][3] = 0.f;
+                if (nt < nnt) {
+                    int d = nt * 8 + 2 * tq;
+                    const float2 v0 = *reinterpret_cast<const float2*>(mo + r * AT_MLD + d);
+                    const float2 v1 = *reinterpret_cast<const float2*>(mo + (r + 8) * AT_MLD + d);
+                    o[nt][0] += st.o[nt][0] * u0; o[nt][1] += st.o[nt][1] * u0;
+                    o[nt][2] += st.o[nt][2] * u1; o[nt][3] += st.o[nt][3] * u1;
+                    o[nt][0] += v0.x * w0; o[nt][1] += v0.y * w0;
+                    o[nt][2] += v1.x * w1; o[nt][3] += v1.y * w1;
+                }
+            }
+        }
+        if constexpr (std::is_same_v<Out, QOut>) {
+            at_store_codes(dst, o, t0 + r, T, heads, h, L0, L1, g == 0);  // its first barrier: the merge area read
+        } else if (g == 0) {
+            at_store(dst, o, t0 + r, T, heads, hd, h, L0, L1);
+        }
+    }
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const float* q, const float* kc, const float* vc,
                                                           int T, int heads, int kvHeads, int hd, int pos0, float scale,
@@ -2327,6 +2416,36 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc_f16_h(__half* dh, cons
     PDL_ENTRY();
     attn_tc_h_body<128>(AtF16{dh}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,
                         AtSplit{ct, units, part_o, part_ml, cnt});
+}
+// attn_tc_f16_g, attn_tc_f16_q_g and attn_tc_f16_h_g are attn_tc_f16, _q
+// and _h in blocks of two key groups (attn_tc_h_body's G = 2; 256
+// threads, AT_SMEM2), for launches whose units are whole query tiles.
+extern "C" __global__ void __launch_bounds__(256) attn_tc_f16_g(float* dst, const float* q, const __half* kc,
+                                                                const __half* vc, int T, int heads, int kvHeads, int hd,
+                                                                int pos0, float scale, int ct, int units, float* part_o,
+                                                                float* part_ml, int* cnt) {
+    PDL_ENTRY();
+    AtSplit sp{ct, units, part_o, part_ml, cnt};
+    if (hd == 128)
+        attn_tc_h_body<128, AtF32, 2>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
+    else
+        attn_tc_h_body<0, AtF32, 2>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
+}
+extern "C" __global__ void __launch_bounds__(256) attn_tc_f16_q_g(int8_t* dq, float qs, float qo, const float* q,
+                                                                 const __half* kc, const __half* vc, int T, int heads,
+                                                                 int kvHeads, int pos0, float scale, int ct, int units,
+                                                                 float* part_o, float* part_ml, int* cnt) {
+    PDL_ENTRY();
+    attn_tc_h_body<128, QOut, 2>(QOut{dq, qs, qo}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,
+                                 AtSplit{ct, units, part_o, part_ml, cnt});
+}
+extern "C" __global__ void __launch_bounds__(256) attn_tc_f16_h_g(__half* dh, const float* q, const __half* kc,
+                                                                 const __half* vc, int T, int heads, int kvHeads,
+                                                                 int pos0, float scale, int ct, int units,
+                                                                 float* part_o, float* part_ml, int* cnt) {
+    PDL_ENTRY();
+    attn_tc_h_body<128, AtF16, 2>(AtF16{dh}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,
+                                  AtSplit{ct, units, part_o, part_ml, cnt});
 }
 extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const float* q, const int8_t* kc, const int8_t* vc,
                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale,

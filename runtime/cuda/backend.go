@@ -88,6 +88,9 @@ type Options struct {
 	// blocks merged through global memory (attention*), not as one cluster
 	// (attention_f16_cl, sm_90a; for comparisons, like NoDependentLaunch).
 	NoClusterAttention bool
+	// NoAttnGroups runs the prefill attention of an fp16 cache in blocks
+	// of one key group only (attnGroups; for comparisons).
+	NoAttnGroups bool
 	// NoClusterSplit merges the K splits of the int8 Hopper GEMMs through
 	// global memory (w8a8_sum_splits) rather than in the splits' shared
 	// memory, launched as one cluster a tile (splitPlan; the fp16 ones
@@ -398,7 +401,7 @@ func kernelNames() []string {
 	names := []string{
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_heads", "add_bias", "add_inplace",
 		"silu_mul", "rope", "rope_table", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8",
-		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_f16_h", "attn_tc_i8",
+		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_f16_h", "attn_tc_f16_g", "attn_tc_f16_q_g", "attn_tc_f16_h_g", "attn_tc_i8",
 		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8",
 		"gemm_h_f16_s", "gemm_h_bf16_s", "gemm_h_q4_s", "gemm_h_q8_s", "dequant_h_q4", "dequant_h_q8",
 		"gather_cols", "gather_half", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_glu", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "sample", "fill_random",
@@ -1243,6 +1246,29 @@ func (b *Backend) attnSplit(T, pos0, heads int) (ct, units int) {
 	return ct, count(ct)
 }
 
+// attnTC2Smem is the dynamic shared memory of attn_tc_f16_g, _q_g and
+// _h_g (AT_SMEM2: two key groups' two key and two value tiles of 64 × 136
+// halfs).
+const attnTC2Smem = 8 * 64 * 136 * 2
+
+// attnGroups reports whether a prefill attention of an fp16 cache, T rows
+// of heads heads in units units a head, runs in blocks of two key groups
+// (attn_tc_f16_g, _q_g, _h_g: each group every other key tile of the
+// block's query tile, merged in shared memory): where no query tile is
+// split over blocks (attnSplit), some tile has two key tiles or more, and
+// the one-group launch is at most a wave (two of its blocks a
+// multiprocessor: its registers), whose blocks the groups shorten. On an
+// H200 (seventy-second session, `bench --synthetic`, 32 heads, W8A8 and
+// fp16 in one run) the groups gained at 128 tokens (64 blocks: W8A8
+// prefill +1.1…+3.1 %, fp16 −0.2…+1.6 %) and 512 (256 blocks: W8A8
+// +0.7…+3.6 %, fp16 within its spread of 36 400–41 200 tok/s), and lost
+// 0.4–1.9 % at 2 048 (1 024 blocks), where every multiprocessor already
+// runs two.
+func (b *Backend) attnGroups(T, heads, units int) bool {
+	nq := (T + 63) / 64
+	return !b.opt.NoAttnGroups && units == nq && nq >= 2 && heads*units <= 2*b.sms
+}
+
 // attnSplitMergeTiles is what merging a split query tile costs, in key
 // tiles of one block (attnSplit): its units write their unnormalised rows
 // and softmax state, and the last of them reads them back and finishes
@@ -1329,8 +1355,12 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 			name = "attn_tc_f16_q"
 			args = append(f.args(), qb.p, kc.k+off, kc.v+off, T, heads, kvHeads, pos0, scale, ct, units, po, pml, cnt)
 		}
-		b.raiseSmem(name, attnTCSmem)
-		b.launchShm(name, [3]uint32{uint32(heads), uint32(units), 1}, [3]uint32{128, 1, 1}, attnTCSmem, args...)
+		threads, smem := uint32(128), attnTCSmem
+		if kc.half && kc.quant == 0 && b.attnGroups(T, heads, units) {
+			name, threads, smem = name+"_g", 256, attnTC2Smem
+		}
+		b.raiseSmem(name, smem)
+		b.launchShm(name, [3]uint32{uint32(heads), uint32(units), 1}, [3]uint32{threads, 1, 1}, smem, args...)
 		return
 	}
 	if f.p != 0 {

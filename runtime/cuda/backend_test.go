@@ -1498,7 +1498,9 @@ func TestAttention(t *testing.T) {
 		// 64-query blocks, partial ones, after a filled prefix), its query
 		// tiles' keys split as the shape chooses (0), not at all (−1) and
 		// 1–3 key tiles a block (after a prefix of 150, a block's first
-		// keys may come after some of its rows)
+		// keys may come after some of its rows; unsplit over two query
+		// tiles or more, an fp16 cache's blocks run two key groups,
+		// attn_tc_f16_g)
 		// Decode rows (T < attnTCMinRows) also with the grid split as for
 		// a cache of 352 keys (attnKeys: 11 splits, the later ones without
 		// keys at early positions, as in a captured step).
@@ -1517,9 +1519,27 @@ func TestAttention(t *testing.T) {
 				for _, sp := range splits {
 					b.opt.AttnSplit = sp
 					d := poisoned(b, tc.T, heads*hd)
+					before := b.KernelLaunches()["attn_tc_f16_g"]
 					b.Attention(d, qb, c, 1, tc.pos0, heads, kvHeads, hd)
 					got := download(b, d)
 					checkClose(t, fmt.Sprintf("attention, split %d", sp), got, want, 1e-5)
+					if tc.T >= attnTCMinRows {
+						_, units := b.attnSplit(tc.T, tc.pos0, heads)
+						wantG := cfg.half && b.attnGroups(tc.T, heads, units) // at least unsplit (−1) over two query tiles
+						if grouped := b.KernelLaunches()["attn_tc_f16_g"] > before; grouped != wantG || sp == -1 && tc.T > 64 && cfg.half && !grouped {
+							t.Errorf("split %d: attn_tc_f16_g launched %v, want %v", sp, grouped, wantG)
+						}
+						if wantG { // the same launch in blocks of one key group
+							b.opt.NoAttnGroups = true
+							before := b.KernelLaunches()["attn_tc_f16_g"]
+							b.Attention(d, qb, c, 1, tc.pos0, heads, kvHeads, hd)
+							b.opt.NoAttnGroups = false
+							checkClose(t, fmt.Sprintf("attention, split %d, one key group", sp), download(b, d), want, 1e-5)
+							if b.KernelLaunches()["attn_tc_f16_g"] != before {
+								t.Errorf("split %d: attn_tc_f16_g launched under NoAttnGroups", sp)
+							}
+						}
+					}
 					if _, ok := b.fn["attention_f16_cl"]; ok && tc.T < attnTCMinRows {
 						// the splits merged in a cluster: the same operations
 						b.opt.NoClusterAttention = true

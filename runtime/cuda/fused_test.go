@@ -821,7 +821,8 @@ func TestMLPDownInput(t *testing.T) {
 // sequence it stands for: the residual equal bit for bit, with one launch
 // fewer where the prefill attention writes o's input in the form o's
 // product takes (an fp16 cache, head size 128, at least attnTCMinRows rows;
-// its query tiles split or not, after a prefix): int8 codes for a W8A8 o
+// its query tiles split or not — unsplit in blocks of two key groups,
+// attn_tc_f16_q_g and _h_g —, after a prefix): int8 codes for a W8A8 o
 // with a static quantizer (attn_tc_f16_q: no quant_act), fp16 for an o
 // whose GEMM takes fp16 (attn_tc_f16_h: no to_half), and the same launches
 // where it does not (a per-token quantizer, a static one whose codes need
@@ -850,7 +851,7 @@ func TestAttentionAdd(t *testing.T) {
 				}},
 			} {
 				o := oc.upload()
-				for _, tc := range []struct{ T, pos0, split int }{{5, 0, 0}, {130, 0, 0}, {130, 0, 1}, {200, 150, 0}, {200, 150, 2}} {
+				for _, tc := range []struct{ T, pos0, split int }{{5, 0, 0}, {130, 0, 0}, {130, 0, 1}, {130, 0, -1}, {200, 150, 0}, {200, 150, 2}} {
 					name := fmt.Sprintf("hd=%d/half=%v/o=%s/T=%d/pos0=%d/split=%d", hd, half, oc.name, tc.T, tc.pos0, tc.split)
 					t.Run(name, func(t *testing.T) {
 						b.opt.AttnSplit = tc.split

@@ -531,9 +531,9 @@ func TestMLPAllReduce(t *testing.T) {
 // then allreduce_peer with sent set) against Attention, o's product and
 // AllReducePeer, bit for bit, on two ranks of one GPU: o of fp16 and of
 // AutoAWQ 4-bit weights, whose input the attention writes in fp16
-// (attn_tc_f16_h), after a prefix and with its query tiles split. Every
-// rank's block is queued and finished before any all-reduce, as in
-// TestMatMulAllReduceTiles.
+// (attn_tc_f16_h, or _h_g in two key groups), after a prefix and with its
+// query tiles split. Every rank's block is queued and finished before any
+// all-reduce, as in TestMatMulAllReduceTiles.
 func TestAttentionAllReduce(t *testing.T) {
 	const (
 		world          = 2
@@ -595,9 +595,10 @@ func TestAttentionAllReduce(t *testing.T) {
 						t.Fatalf("rank %d: attentionSend declined (tileSender, attnFormOut)", q)
 					}
 					after := b.KernelLaunches()
-					if after["attn_tc_f16_h"] == before["attn_tc_f16_h"] || after["to_half"] != before["to_half"] {
-						t.Errorf("rank %d: attentionSend did not write o's input in fp16 (attn_tc_f16_h %d, to_half %d launches)", q,
-							after["attn_tc_f16_h"]-before["attn_tc_f16_h"], after["to_half"]-before["to_half"])
+					h := after["attn_tc_f16_h"] + after["attn_tc_f16_h_g"] - before["attn_tc_f16_h"] - before["attn_tc_f16_h_g"]
+					if h == 0 || after["to_half"] != before["to_half"] {
+						t.Errorf("rank %d: attentionSend did not write o's input in fp16 (attn_tc_f16_h and _h_g %d, to_half %d launches)", q,
+							h, after["to_half"]-before["to_half"])
 					}
 				})
 			})
