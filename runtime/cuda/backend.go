@@ -1262,7 +1262,7 @@ const attnTC2Smem = 8 * 64 * 136 * 2
 // fp16 in one run) the groups gained at 128 tokens (64 blocks: W8A8
 // prefill +1.1…+3.1 %, fp16 −0.2…+1.6 %) and 512 (256 blocks: W8A8
 // +0.7…+3.6 %, fp16 within its spread of 36 400–41 200 tok/s), and lost
-// 0.4–1.9 % at 2 048 (1 024 blocks), where every multiprocessor already
+// 0.3–1.9 % at 2 048 (1 024 blocks), where every multiprocessor already
 // runs two.
 func (b *Backend) attnGroups(T, heads, units int) bool {
 	nq := (T + 63) / 64
