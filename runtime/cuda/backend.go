@@ -348,6 +348,9 @@ func NewWithOptions(opt Options) (b *Backend, err error) {
 		return nil, fmt.Errorf("cuda: loading %s kernels: %w", arch, err)
 	}
 	for _, k := range kernelNames() {
+		if attnGroupKernels[k] && attnTC2Smem > b.smemOptin {
+			continue // never selected here (attnGroups): not loaded, so that no test must launch it
+		}
 		if b.fn[k], err = drv.Function(b.mod, k); err != nil {
 			return nil, err
 		}
@@ -1246,6 +1249,10 @@ func (b *Backend) attnSplit(T, pos0, heads int) (ct, units int) {
 	return ct, count(ct)
 }
 
+// attnGroupKernels are the prefill attention's forms in blocks of two key
+// groups (attnGroups).
+var attnGroupKernels = map[string]bool{"attn_tc_f16_g": true, "attn_tc_f16_q_g": true, "attn_tc_f16_h_g": true}
+
 // attnTC2Smem is the dynamic shared memory of attn_tc_f16_g, _q_g and
 // _h_g (AT_SMEM2: two key groups' two key and two value tiles of 64 × 136
 // halfs).
@@ -1255,9 +1262,10 @@ const attnTC2Smem = 8 * 64 * 136 * 2
 // of heads heads in units units a head, runs in blocks of two key groups
 // (attn_tc_f16_g, _q_g, _h_g: each group every other key tile of the
 // block's query tile, merged in shared memory): where no query tile is
-// split over blocks (attnSplit), some tile has two key tiles or more, and
+// split over blocks (attnSplit), some tile has two key tiles or more,
 // the one-group launch is at most a wave (two of its blocks a
-// multiprocessor: its registers), whose blocks the groups shorten. On an
+// multiprocessor: its registers), whose blocks the groups shorten, and a
+// block may have attnTC2Smem (not on sm_86 and sm_89 GPUs: 99 KiB). On an
 // H200 (seventy-second session, `bench --synthetic`, 32 heads, W8A8 and
 // fp16 in one run) the groups gained at 128 tokens (64 blocks: W8A8
 // prefill +1.1…+3.1 %, fp16 −0.2…+1.6 %) and 512 (256 blocks: W8A8
@@ -1266,7 +1274,7 @@ const attnTC2Smem = 8 * 64 * 136 * 2
 // runs two.
 func (b *Backend) attnGroups(T, heads, units int) bool {
 	nq := (T + 63) / 64
-	return !b.opt.NoAttnGroups && units == nq && nq >= 2 && heads*units <= 2*b.sms
+	return !b.opt.NoAttnGroups && units == nq && nq >= 2 && heads*units <= 2*b.sms && attnTC2Smem <= b.smemOptin
 }
 
 // attnSplitMergeTiles is what merging a split query tile costs, in key
