@@ -1533,9 +1533,11 @@ func TestAttention(t *testing.T) {
 						if wantG { // the same launch in blocks of one key group
 							b.opt.NoAttnGroups = true
 							before := b.KernelLaunches()["attn_tc_f16_g"]
-							b.Attention(d, qb, c, 1, tc.pos0, heads, kvHeads, hd)
+							d1 := poisoned(b, tc.T, heads*hd)
+							b.Attention(d1, qb, c, 1, tc.pos0, heads, kvHeads, hd)
 							b.opt.NoAttnGroups = false
-							checkClose(t, fmt.Sprintf("attention, split %d, one key group", sp), download(b, d), want, 1e-5)
+							checkClose(t, fmt.Sprintf("attention, split %d, one key group", sp), download(b, d1), want, 1e-5)
+							b.Free(d1)
 							if b.KernelLaunches()["attn_tc_f16_g"] != before {
 								t.Errorf("split %d: attn_tc_f16_g launched under NoAttnGroups", sp)
 							}
