@@ -2385,68 +2385,45 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const floa
     PDL_ENTRY();
     attn_tc_body(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, AtSplit{ct, units, part_o, part_ml, cnt}, KVQuant{});
 }
-extern "C" __global__ void __launch_bounds__(128) attn_tc_f16(float* dst, const float* q, const __half* kc, const __half* vc,
-                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale,
-                                                              int ct, int units, float* part_o, float* part_ml, int* cnt) {
-    PDL_ENTRY();
-    AtSplit sp{ct, units, part_o, part_ml, cnt};
-    if (hd == 128)
-        attn_tc_h_body<128>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
-    else
-        attn_tc_h_body<0>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
-}
-// attn_tc_f16_q is attn_tc_f16 for head size 128 with its output written as
-// the int8 input of a W8A8 o projection with a static quantizer (QOut{dq,
-// qs, qo}): no fp32 output, no quant_act (runtime.Fused's AttentionAdd).
-extern "C" __global__ void __launch_bounds__(128) attn_tc_f16_q(int8_t* dq, float qs, float qo, const float* q,
-                                                                const __half* kc, const __half* vc, int T, int heads,
-                                                                int kvHeads, int pos0, float scale, int ct, int units,
-                                                                float* part_o, float* part_ml, int* cnt) {
-    PDL_ENTRY();
-    attn_tc_h_body<128>(QOut{dq, qs, qo}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,
-                        AtSplit{ct, units, part_o, part_ml, cnt});
-}
-// attn_tc_f16_h is attn_tc_f16 for head size 128 with its output written in
-// fp16 (AtF16), the input of an o whose GEMM takes fp16: no fp32 output, no
-// to_half (runtime.Fused's AttentionAdd).
-extern "C" __global__ void __launch_bounds__(128) attn_tc_f16_h(__half* dh, const float* q, const __half* kc,
-                                                                const __half* vc, int T, int heads, int kvHeads,
-                                                                int pos0, float scale, int ct, int units,
-                                                                float* part_o, float* part_ml, int* cnt) {
-    PDL_ENTRY();
-    attn_tc_h_body<128>(AtF16{dh}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,
-                        AtSplit{ct, units, part_o, part_ml, cnt});
-}
-// attn_tc_f16_g, attn_tc_f16_q_g and attn_tc_f16_h_g are attn_tc_f16, _q
-// and _h in blocks of two key groups (attn_tc_h_body's G = 2; 256
-// threads, AT_SMEM2), for launches whose units are whole query tiles.
-extern "C" __global__ void __launch_bounds__(256) attn_tc_f16_g(float* dst, const float* q, const __half* kc,
-                                                                const __half* vc, int T, int heads, int kvHeads, int hd,
-                                                                int pos0, float scale, int ct, int units, float* part_o,
-                                                                float* part_ml, int* cnt) {
-    PDL_ENTRY();
-    AtSplit sp{ct, units, part_o, part_ml, cnt};
-    if (hd == 128)
-        attn_tc_h_body<128, AtF32, 2>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
-    else
-        attn_tc_h_body<0, AtF32, 2>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);
-}
-extern "C" __global__ void __launch_bounds__(256) attn_tc_f16_q_g(int8_t* dq, float qs, float qo, const float* q,
-                                                                 const __half* kc, const __half* vc, int T, int heads,
-                                                                 int kvHeads, int pos0, float scale, int ct, int units,
-                                                                 float* part_o, float* part_ml, int* cnt) {
-    PDL_ENTRY();
-    attn_tc_h_body<128, QOut, 2>(QOut{dq, qs, qo}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,
-                                 AtSplit{ct, units, part_o, part_ml, cnt});
-}
-extern "C" __global__ void __launch_bounds__(256) attn_tc_f16_h_g(__half* dh, const float* q, const __half* kc,
-                                                                 const __half* vc, int T, int heads, int kvHeads,
-                                                                 int pos0, float scale, int ct, int units,
-                                                                 float* part_o, float* part_ml, int* cnt) {
-    PDL_ENTRY();
-    attn_tc_h_body<128, AtF16, 2>(AtF16{dh}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,
-                                  AtSplit{ct, units, part_o, part_ml, cnt});
-}
+// attn_tc_f16 is attn_tc for an fp16 cache (attn_tc_h_body). attn_tc_f16_q
+// is it for head size 128 with its output written as the int8 input of a
+// W8A8 o projection with a static quantizer (QOut{dq, qs, qo}): no fp32
+// output, no quant_act (runtime.Fused's AttentionAdd). attn_tc_f16_h is it
+// for head size 128 with its output written in fp16 (AtF16), the input of
+// an o whose GEMM takes fp16: no fp32 output, no to_half (AttentionAdd).
+// The three with the suffix _g run blocks of two key groups
+// (attn_tc_h_body's G = 2; 256 threads, AT_SMEM2), for launches whose
+// units are whole query tiles.
+#define ATTN_TC_F16_ENTRIES(SUF, G)                                                                               \
+    extern "C" __global__ void __launch_bounds__(128 * G)                                                         \
+        attn_tc_f16##SUF(float* dst, const float* q, const __half* kc, const __half* vc, int T, int heads,        \
+                         int kvHeads, int hd, int pos0, float scale, int ct, int units, float* part_o,            \
+                         float* part_ml, int* cnt) {                                                              \
+        PDL_ENTRY();                                                                                              \
+        AtSplit sp{ct, units, part_o, part_ml, cnt};                                                              \
+        if (hd == 128)                                                                                            \
+            attn_tc_h_body<128, AtF32, G>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);         \
+        else                                                                                                      \
+            attn_tc_h_body<0, AtF32, G>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);           \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(128 * G)                                                         \
+        attn_tc_f16_q##SUF(int8_t* dq, float qs, float qo, const float* q, const __half* kc, const __half* vc,    \
+                           int T, int heads, int kvHeads, int pos0, float scale, int ct, int units, float* part_o, \
+                           float* part_ml, int* cnt) {                                                            \
+        PDL_ENTRY();                                                                                              \
+        attn_tc_h_body<128, QOut, G>(QOut{dq, qs, qo}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,            \
+                                     AtSplit{ct, units, part_o, part_ml, cnt});                                   \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(128 * G)                                                         \
+        attn_tc_f16_h##SUF(__half* dh, const float* q, const __half* kc, const __half* vc, int T, int heads,      \
+                           int kvHeads, int pos0, float scale, int ct, int units, float* part_o, float* part_ml,  \
+                           int* cnt) {                                                                            \
+        PDL_ENTRY();                                                                                              \
+        attn_tc_h_body<128, AtF16, G>(AtF16{dh}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,                  \
+                                      AtSplit{ct, units, part_o, part_ml, cnt});                                  \
+    }
+ATTN_TC_F16_ENTRIES(, 1)
+ATTN_TC_F16_ENTRIES(_g, 2)
 extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const float* q, const int8_t* kc, const int8_t* vc,
                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale,
                                                              int ct, int units, float* part_o, float* part_ml, int* cnt,
