@@ -2013,6 +2013,11 @@ __device__ __forceinline__ AtUnit at_unit(int y, int T, int pos0, int ct) {
         y0 += ns;
     }
 }
+// at_unit_scale is the factor that scales a unit's sums of a row, whose
+// largest score is m, to the row's largest over all units, M: 0 for a
+// unit that saw no key of the row (m −∞; M is finite, as unit 0 holds key
+// 0). at_finish's merge and a two-key-group block's (attn_tc_h_body) share it.
+__device__ __forceinline__ float at_unit_scale(float m, float M) { return m == -INFINITY ? 0.f : exp2f(m - M); }
 // at_finish ends unit u of head h: rows tlo and tlo + 8 of the warp's
 // state st (query rows from t0 = 64·u.qt; r = tlo − t0 in the tile).
 template <typename Out>
@@ -2068,7 +2073,7 @@ __device__ __forceinline__ void at_finish(AtState& st, const AtUnit& u, const At
         const float* ps = part_o + (slot0 + s) * AT_Q * hd;
         float2 a = __ldcg(reinterpret_cast<const float2*>(pm + 2 * r));
         float2 b = __ldcg(reinterpret_cast<const float2*>(pm + 2 * (r + 8)));
-        float w0 = a.x == -INFINITY ? 0.f : exp2f(a.x - M0), w1 = b.x == -INFINITY ? 0.f : exp2f(b.x - M1);
+        float w0 = at_unit_scale(a.x, M0), w1 = at_unit_scale(b.x, M1);
         L0 += a.y * w0;
         L1 += b.y * w1;
 #pragma unroll
@@ -2352,8 +2357,8 @@ __device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict_
             const float2 a = *reinterpret_cast<const float2*>(mml + 2 * r);
             const float2 b = *reinterpret_cast<const float2*>(mml + 2 * (r + 8));
             const float M0 = fmaxf(st.m0, a.x), M1 = fmaxf(st.m1, b.x);
-            const float u0 = st.m0 == -INFINITY ? 0.f : exp2f(st.m0 - M0), u1 = st.m1 == -INFINITY ? 0.f : exp2f(st.m1 - M1);
-            const float w0 = a.x == -INFINITY ? 0.f : exp2f(a.x - M0), w1 = b.x == -INFINITY ? 0.f : exp2f(b.x - M1);
+            const float u0 = at_unit_scale(st.m0, M0), u1 = at_unit_scale(st.m1, M1);
+            const float w0 = at_unit_scale(a.x, M0), w1 = at_unit_scale(b.x, M1);
             L0 += st.l0 * u0;
             L1 += st.l1 * u1;
             L0 += a.y * w0;
