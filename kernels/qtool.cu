@@ -1779,11 +1779,15 @@ static_assert(4 * AT_K * AT_LD * 2 <= AT_SMEM, "attn_tc_h_body's two K and two V
 // same quot_rn and quant_fast.
 #define AT_SLD 136  // floats a row of the codes' stage: float2 stores of 4 rows a half warp on 32 banks
 static_assert(AT_Q * AT_SLD * 4 <= AT_SMEM, "at_store_codes' stage exceeds AT_SMEM");
+// QR: the block's query rows (AT_Q, or 32 for attn_tc_h_body's blocks of
+// 32 rows: QR / 16 warps a key group).
+template <int QR = AT_Q>
 __device__ __forceinline__ void at_store_codes(const QOut& dst, const float (&o)[16][4], int tlo, int T, int heads,
                                                int h, float l0, float l1, bool holds = true) {
     extern __shared__ __align__(16) unsigned char at_smem[];
     float* stage = reinterpret_cast<float*>(at_smem);
-    const int lane = threadIdx.x & 31, r = ((threadIdx.x >> 5) & 3) * 16 + (lane >> 2), tq = lane & 3, t0 = tlo - r;
+    const int lane = threadIdx.x & 31, r = ((threadIdx.x >> 5) & (QR / 16 - 1)) * 16 + (lane >> 2), tq = lane & 3,
+              t0 = tlo - r;
     const float rl0 = __frcp_rn(l0), rl1 = __frcp_rn(l1);
     __syncthreads();  // every warp done with the key and value tiles
     if (holds)
@@ -1796,7 +1800,7 @@ __device__ __forceinline__ void at_store_codes(const QOut& dst, const float (&o)
                 make_float2(quot_rn(o[nt][2], l1, rl1), quot_rn(o[nt][3], l1, rl1));
         }
     __syncthreads();
-    const int rows = min(AT_Q, T - t0);
+    const int rows = min(QR, T - t0);
 #pragma unroll 2
     for (int e = threadIdx.x; e < rows * 32; e += blockDim.x) {  // 32 float4s a row
         const int rr = e >> 5, c = (e & 31) * 4;
@@ -1832,19 +1836,19 @@ __device__ __forceinline__ uint2 split_h4(float a, float b, float c, float d, ui
     return make_uint2(*reinterpret_cast<uint32_t*>(&h0), *reinterpret_cast<uint32_t*>(&h1));
 }
 typedef __half AtRow[AT_LD];
-// at_q_frags stages the block's 64 query rows from t0 (head h, times
+// at_q_frags stages the block's QR query rows from t0 (head h, times
 // scale·log2 e, zeros from row T on) in Qh and Ql as fp16 hi and lo parts
 // and reads the warp's 16 rows from qr back as A fragments (k16 step ks in
 // qa[ks], ql[ks]). It ends with a barrier: Qh and Ql may then be reused.
 // NT is the block's threads, a constant: the staging loop unrolled, its
 // loads issued together (a stride of blockDim.x made the prefill
 // attention's block ~2 µs slower, seventy-second session).
-template <int NT = 128>
+template <int NT = 128, int QR = AT_Q>
 __device__ __forceinline__ void at_q_frags(uint32_t (&qa)[8][4], uint32_t (&ql)[8][4], AtRow* Qh, AtRow* Ql,
                                            const float* __restrict__ q, int t0, int T, int heads, int hd, int h,
                                            float sl2, int qr) {
     int tid = threadIdx.x, lane = tid & 31, gid = lane >> 2, tq = lane & 3, c4 = hd >> 2;
-    for (int i = tid; i < AT_Q * c4; i += NT) {
+    for (int i = tid; i < QR * c4; i += NT) {
         int r = i / c4, c = (i % c4) * 4;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (t0 + r < T) v = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * heads * hd + (size_t)h * hd + c);
@@ -2005,10 +2009,11 @@ struct AtSplit {
     float *part_o, *part_ml;
     int* cnt;
 };
+template <int QR = AT_Q>
 __device__ __forceinline__ AtUnit at_unit(int y, int T, int pos0, int ct) {
     int y0 = 0;
-    for (int qt = (T + AT_Q - 1) / AT_Q - 1;; qt--) {
-        int last = pos0 + min(T, (qt + 1) * AT_Q) - 1;
+    for (int qt = (T + QR - 1) / QR - 1;; qt--) {
+        int last = pos0 + min(T, (qt + 1) * QR) - 1;
         int ns = (last / AT_K + ct) / ct;
         if (y < y0 + ns || qt == 0) return AtUnit{qt, y - y0, ns, y0};
         y0 += ns;
@@ -2218,29 +2223,31 @@ __device__ __forceinline__ void attn_tc_body(AtF32 dst, const float* __restrict_
 #define AT_SMEM2 (8 * AT_K * AT_LD * 2)
 #define AT_MLD 132  // floats a row of G = 2's merge area
 static_assert(AT_Q * AT_MLD * 4 + AT_Q * 2 * 4 <= AT_SMEM2 && AT_Q * AT_SLD * 4 <= AT_SMEM2, "G = 2's merge exceeds AT_SMEM2");
-template <int HD, typename Out, int G = 1>
+template <int HD, typename Out, int G = 1, int QR = AT_Q>
 __device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict__ q,
                                                const __half* __restrict__ kc, const __half* __restrict__ vc, int T,
                                                int heads, int kvHeads, int hd_, int pos0, float scale, AtSplit sp) {
+    static_assert(QR == AT_Q || (QR == 32 && G == 2), "attn_tc_h_body: 32-row blocks only in two key groups");
+    constexpr int GT = 2 * QR;  // a key group's threads: QR / 16 warps
     const int hd = HD ? HD : hd_;
     extern __shared__ __align__(16) unsigned char at_smem[];
-    int tid = threadIdx.x, lane = tid & 31, warp = G > 1 ? (tid >> 5) & 3 : tid >> 5, gid = lane >> 2;
-    const int g = G > 1 ? tid >> 7 : 0, gt = G > 1 ? tid & 127 : tid;  // key group, thread within it
+    int tid = threadIdx.x, lane = tid & 31, warp = G > 1 ? (tid % GT) >> 5 : tid >> 5, gid = lane >> 2;
+    const int g = G > 1 ? tid / GT : 0, gt = G > 1 ? tid % GT : tid;  // key group, thread within it
     AtRow* Ks = reinterpret_cast<AtRow*>(at_smem) + g * 4 * AT_K;  // group g's [2][AT_K], then V likewise
     AtRow* Vs = Ks + 2 * AT_K;
-    AtUnit u = at_unit(blockIdx.y, T, pos0, sp.ct);
+    AtUnit u = at_unit<QR>(blockIdx.y, T, pos0, sp.ct);
     if (G > 1 && u.ns != 1) __trap();  // a host error: G = 2 merges no split tile
-    int h = blockIdx.x, t0 = u.qt * AT_Q;
+    int h = blockIdx.x, t0 = u.qt * QR;
     int kvDim = kvHeads * hd, kvh = h / (heads / kvHeads);
     int nks = hd >> 4, nnt = hd >> 3, c8 = hd >> 3;
-    int last = pos0 + min(T, t0 + AT_Q) - 1;  // the block's last key
+    int last = pos0 + min(T, t0 + QR) - 1;  // the block's last key
     int jt0 = u.s * sp.ct, tiles = min(last / AT_K + 1, jt0 + sp.ct);  // this unit's key tiles jt0..tiles − 1
     // the group's i-th tile, jt0 + g + G·i, in buffers i & 1: the first in
     // buffers 0, as Q is staged in group 0's buffers 1
     auto load = [&](int i) {
         const int jt = jt0 + g + G * i;
         AtRow *K = Ks + (i & 1) * AT_K, *V = Vs + (i & 1) * AT_K;
-        for (int e = gt; e < AT_K * c8; e += 128) {
+        for (int e = gt; e < AT_K * c8; e += GT) {
             int r = e / c8, c = (e % c8) * 8, j = jt * AT_K + r;
             bool v = j <= last;
             size_t off = (size_t)(v ? j : 0) * kvDim + (size_t)kvh * hd + c;
@@ -2255,7 +2262,8 @@ __device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict_
     uint32_t qa[8][4], ql[8][4];
     {
         AtRow* K0 = reinterpret_cast<AtRow*>(at_smem);
-        at_q_frags<128 * G>(qa, ql, K0 + AT_K, K0 + 3 * AT_K, q, t0, T, heads, hd, h, scale * 1.4426950408889634f, qr);
+        at_q_frags<GT * G, QR>(qa, ql, K0 + AT_K, K0 + 3 * AT_K, q, t0, T, heads, hd, h,
+                               scale * 1.4426950408889634f, qr);
     }
     AtState st;
     int plo = pos0 + t0 + qr + gid, phi = plo + 8;  // this thread's two rows
@@ -2263,7 +2271,7 @@ __device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict_
     // a group's barrier: the whole block where G = 1
     auto gsync = [&]() {
         if constexpr (G > 1)
-            named_sync(1 + g, 128);
+            named_sync(1 + g, GT);
         else
             __syncthreads();
     };
@@ -2379,7 +2387,7 @@ __device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict_
             }
         }
         if constexpr (std::is_same_v<Out, QOut>) {
-            at_store_codes(dst, o, t0 + r, T, heads, h, L0, L1, g == 0);  // its first barrier: the merge area read
+            at_store_codes<QR>(dst, o, t0 + r, T, heads, h, L0, L1, g == 0);  // its first barrier: the merge area read
         } else if (g == 0) {
             at_store(dst, o, t0 + r, T, heads, hd, h, L0, L1);
         }
@@ -2399,37 +2407,40 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const floa
 // an o whose GEMM takes fp16: no fp32 output, no to_half (AttentionAdd).
 // The three with the suffix _g run blocks of two key groups
 // (attn_tc_h_body's G = 2; 256 threads, AT_SMEM2), for launches whose
-// units are whole query tiles.
-#define ATTN_TC_F16_ENTRIES(SUF, G)                                                                               \
-    extern "C" __global__ void __launch_bounds__(128 * G)                                                         \
-        attn_tc_f16##SUF(float* dst, const float* q, const __half* kc, const __half* vc, int T, int heads,        \
-                         int kvHeads, int hd, int pos0, float scale, int ct, int units, float* part_o,            \
-                         float* part_ml, int* cnt) {                                                              \
-        PDL_ENTRY();                                                                                              \
-        AtSplit sp{ct, units, part_o, part_ml, cnt};                                                              \
-        if (hd == 128)                                                                                            \
-            attn_tc_h_body<128, AtF32, G>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);         \
-        else                                                                                                      \
-            attn_tc_h_body<0, AtF32, G>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);           \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(128 * G)                                                         \
-        attn_tc_f16_q##SUF(int8_t* dq, float qs, float qo, const float* q, const __half* kc, const __half* vc,    \
+// units are whole query tiles; those with _g32 blocks of 32 query rows in
+// two key groups of two warps (QR = 32; 128 threads), for launches whose
+// 64-row blocks would leave over half the multiprocessors idle.
+#define ATTN_TC_F16_ENTRIES(SUF, G, QR)                                                                            \
+    extern "C" __global__ void __launch_bounds__(2 * QR * G)                                                       \
+        attn_tc_f16##SUF(float* dst, const float* q, const __half* kc, const __half* vc, int T, int heads,         \
+                         int kvHeads, int hd, int pos0, float scale, int ct, int units, float* part_o,             \
+                         float* part_ml, int* cnt) {                                                               \
+        PDL_ENTRY();                                                                                               \
+        AtSplit sp{ct, units, part_o, part_ml, cnt};                                                               \
+        if (hd == 128)                                                                                             \
+            attn_tc_h_body<128, AtF32, G, QR>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);      \
+        else                                                                                                       \
+            attn_tc_h_body<0, AtF32, G, QR>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);        \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(2 * QR * G)                                                       \
+        attn_tc_f16_q##SUF(int8_t* dq, float qs, float qo, const float* q, const __half* kc, const __half* vc,     \
                            int T, int heads, int kvHeads, int pos0, float scale, int ct, int units, float* part_o, \
-                           float* part_ml, int* cnt) {                                                            \
-        PDL_ENTRY();                                                                                              \
-        attn_tc_h_body<128, QOut, G>(QOut{dq, qs, qo}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,            \
-                                     AtSplit{ct, units, part_o, part_ml, cnt});                                   \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(128 * G)                                                         \
-        attn_tc_f16_h##SUF(__half* dh, const float* q, const __half* kc, const __half* vc, int T, int heads,      \
-                           int kvHeads, int pos0, float scale, int ct, int units, float* part_o, float* part_ml,  \
-                           int* cnt) {                                                                            \
-        PDL_ENTRY();                                                                                              \
-        attn_tc_h_body<128, AtF16, G>(AtF16{dh}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,                  \
-                                      AtSplit{ct, units, part_o, part_ml, cnt});                                  \
+                           float* part_ml, int* cnt) {                                                             \
+        PDL_ENTRY();                                                                                               \
+        attn_tc_h_body<128, QOut, G, QR>(QOut{dq, qs, qo}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,         \
+                                         AtSplit{ct, units, part_o, part_ml, cnt});                                \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(2 * QR * G)                                                       \
+        attn_tc_f16_h##SUF(__half* dh, const float* q, const __half* kc, const __half* vc, int T, int heads,       \
+                           int kvHeads, int pos0, float scale, int ct, int units, float* part_o, float* part_ml,   \
+                           int* cnt) {                                                                             \
+        PDL_ENTRY();                                                                                               \
+        attn_tc_h_body<128, AtF16, G, QR>(AtF16{dh}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,               \
+                                          AtSplit{ct, units, part_o, part_ml, cnt});                               \
     }
-ATTN_TC_F16_ENTRIES(, 1)
-ATTN_TC_F16_ENTRIES(_g, 2)
+ATTN_TC_F16_ENTRIES(, 1, AT_Q)
+ATTN_TC_F16_ENTRIES(_g, 2, AT_Q)
+ATTN_TC_F16_ENTRIES(_g32, 2, 32)
 extern "C" __global__ void __launch_bounds__(128) attn_tc_i8(float* dst, const float* q, const int8_t* kc, const int8_t* vc,
                                                              int T, int heads, int kvHeads, int hd, int pos0, float scale,
                                                              int ct, int units, float* part_o, float* part_ml, int* cnt,

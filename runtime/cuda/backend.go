@@ -91,6 +91,10 @@ type Options struct {
 	// NoAttnGroups runs the prefill attention of an fp16 cache in blocks
 	// of one key group only (attnGroups; for comparisons).
 	NoAttnGroups bool
+	// NoAttnRows32 runs the prefill attention's blocks of two key groups
+	// on 64 query rows a block where attnRows32 would give them 32 (for
+	// comparisons).
+	NoAttnRows32 bool
 	// NoClusterSplit merges the K splits of the int8 Hopper GEMMs through
 	// global memory (w8a8_sum_splits) rather than in the splits' shared
 	// memory, launched as one cluster a tile (splitPlan; the fp16 ones
@@ -404,7 +408,8 @@ func kernelNames() []string {
 	names := []string{
 		"embed_dense", "embed_q8", "embed_q4", "rmsnorm", "rmsnorm_heads", "add_bias", "add_inplace",
 		"silu_mul", "rope", "rope_table", "store_kv", "store_kv_f16", "store_kv_i8", "attention", "attention_f16", "attention_i8",
-		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_f16_h", "attn_tc_f16_g", "attn_tc_f16_q_g", "attn_tc_f16_h_g", "attn_tc_i8",
+		"attn_tc", "attn_tc_f16", "attn_tc_f16_q", "attn_tc_f16_h", "attn_tc_f16_g", "attn_tc_f16_q_g", "attn_tc_f16_h_g",
+		"attn_tc_f16_g32", "attn_tc_f16_q_g32", "attn_tc_f16_h_g32", "attn_tc_i8",
 		"gemm_f32", "gemm_q8", "gemm_q4", "sum_splits", "to_half", "gemm_h_f16", "gemm_h_bf16", "gemm_h_q4", "gemm_h_q8",
 		"gemm_h_f16_s", "gemm_h_bf16_s", "gemm_h_q4_s", "gemm_h_q8_s", "dequant_h_q4", "dequant_h_q8",
 		"gather_cols", "gather_half", "quant_act", "quant_act_token", "w8a8_gemm", "w8a8_glu", "w8a8_mma", "w8a8_sum_splits", "nll", "argmax", "sample", "fill_random",
@@ -1250,12 +1255,13 @@ func (b *Backend) attnSplit(T, pos0, heads int) (ct, units int) {
 }
 
 // attnGroupKernels are the prefill attention's forms in blocks of two key
-// groups (attnGroups).
-var attnGroupKernels = map[string]bool{"attn_tc_f16_g": true, "attn_tc_f16_q_g": true, "attn_tc_f16_h_g": true}
+// groups (attnGroups), of 64 query rows and of 32 (attnRows32).
+var attnGroupKernels = map[string]bool{"attn_tc_f16_g": true, "attn_tc_f16_q_g": true, "attn_tc_f16_h_g": true,
+	"attn_tc_f16_g32": true, "attn_tc_f16_q_g32": true, "attn_tc_f16_h_g32": true}
 
 // attnTC2Smem is the dynamic shared memory of attn_tc_f16_g, _q_g and
-// _h_g (AT_SMEM2: two key groups' two key and two value tiles of 64 × 136
-// halfs).
+// _h_g and of their _g32 forms (AT_SMEM2: two key groups' two key and two
+// value tiles of 64 × 136 halfs).
 const attnTC2Smem = 8 * 64 * 136 * 2
 
 // attnGroups reports whether a prefill attention of an fp16 cache, T rows
@@ -1275,6 +1281,23 @@ const attnTC2Smem = 8 * 64 * 136 * 2
 func (b *Backend) attnGroups(T, heads, units int) bool {
 	nq := (T + 63) / 64
 	return !b.opt.NoAttnGroups && units == nq && nq >= 2 && heads*units <= 2*b.sms && attnTC2Smem <= b.smemOptin
+}
+
+// attnRows32 reports whether a prefill attention in blocks of two key
+// groups (attnGroups), T rows of heads heads, runs its blocks on 32 query
+// rows (attn_tc_f16_g32, _q_g32, _h_g32: two warps a key group, 128
+// threads) rather than 64: where the 64-row blocks would take at most
+// half the multiprocessors (one a multiprocessor: their shared memory),
+// so that the 32-row ones fill at most a wave — 128 tokens of 32 heads,
+// 64 blocks against 128 on an H200's 132. A block's longest chain is
+// the same (a warp's 16 rows by its group's key tiles); each scheduler
+// runs one warp of it, not two, and the block stages and stores half the
+// rows. Seventy-fourth session (one H200, bench --synthetic, 128 tokens,
+// against this rule off in the same build; four rounds on llama2-7b,
+// three on llama3-8b): W8A8 prefill +1.8 % and +0.9 % (every round
+// ahead), fp16 +0.2 %.
+func (b *Backend) attnRows32(T, heads int) bool {
+	return !b.opt.NoAttnRows32 && heads*((T+31)/32) <= b.sms
 }
 
 // attnSplitMergeTiles is what merging a split query tile costs, in key
@@ -1338,7 +1361,9 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 	if b.attnTC(T, headDim) {
 		// prefill: 64 queries a block on the tensor cores, the keys of
 		// long query tiles split over several blocks where that fills the
-		// device (attnSplit)
+		// device (attnSplit), unsplit ones in blocks of two key groups
+		// (attnGroups), of 32 queries where 64 would idle half the device
+		// (attnRows32)
 		ct, units := b.attnSplit(T, pos0, heads)
 		var po, pml, cnt driver.DevicePtr
 		if units > (T+63)/64 { // some query tile is split: its parts, and a counter a (head, tile)
@@ -1363,12 +1388,15 @@ func (b *Backend) attention(d *Buf, f inputForm, qb *Buf, kc *KVCache, layer, po
 			name = "attn_tc_f16_q"
 			args = append(f.args(), qb.p, kc.k+off, kc.v+off, T, heads, kvHeads, pos0, scale, ct, units, po, pml, cnt)
 		}
-		threads, smem := uint32(128), attnTCSmem
+		threads, smem, blocks := uint32(128), attnTCSmem, units
 		if kc.half && kc.quant == 0 && b.attnGroups(T, heads, units) {
 			name, threads, smem = name+"_g", 256, attnTC2Smem
+			if b.attnRows32(T, heads) {
+				name, threads, blocks = name+"32", 128, (T+31)/32
+			}
 		}
 		b.raiseSmem(name, smem)
-		b.launchShm(name, [3]uint32{uint32(heads), uint32(units), 1}, [3]uint32{threads, 1, 1}, smem, args...)
+		b.launchShm(name, [3]uint32{uint32(heads), uint32(blocks), 1}, [3]uint32{threads, 1, 1}, smem, args...)
 		return
 	}
 	if f.p != 0 {

@@ -380,6 +380,29 @@ func TestAttnSplit(t *testing.T) {
 	}
 }
 
+// TestAttnRows32 checks attnRows32's choice on 132 multiprocessors: 32
+// query rows a block where those blocks fit one wave (the 64-row ones at
+// most half of it), 64 past that and under Options.NoAttnRows32.
+func TestAttnRows32(t *testing.T) {
+	for _, c := range []struct {
+		T, heads int
+		noRows32 bool
+		want     bool
+	}{
+		{128, 32, false, true},  // 128 blocks of 32 rows
+		{130, 32, false, false}, // 160: past a wave
+		{192, 32, false, false}, // 192
+		{256, 16, false, true},  // a TP=2 rank of 32 heads: 128
+		{512, 8, false, true},   // 128
+		{128, 32, true, false},
+	} {
+		b := &Backend{sms: 132, opt: Options{NoAttnRows32: c.noRows32}}
+		if got := b.attnRows32(c.T, c.heads); got != c.want {
+			t.Errorf("attnRows32(T %d, %d heads; NoAttnRows32 %v) = %v, want %v", c.T, c.heads, c.noRows32, got, c.want)
+		}
+	}
+}
+
 // TestGLUFillRows checks gluFillRows's choice on 132 multiprocessors: the
 // cases its comment names, the narrow form where its blocks fit a wave, a
 // tie left narrow, the cap on activation rows and Options.GLUFill.
@@ -1477,6 +1500,10 @@ func TestAttention(t *testing.T) {
 	r := rand.New(rand.NewPCG(13, 14))
 	const heads, kvHeads, maxSeq, layers = 8, 2, 400, 2
 	defer func() { b.opt.KVHalf, b.opt.AttnSplit = false, 0 }()
+	groupLaunches := func() int { // the launches in blocks of two key groups
+		k := b.KernelLaunches()
+		return k["attn_tc_f16_g"] + k["attn_tc_f16_g32"]
+	}
 	for _, cfg := range []struct {
 		hd   int
 		half bool // an fp16 cache: attention_f16, attn_tc_f16
@@ -1500,7 +1527,8 @@ func TestAttention(t *testing.T) {
 		// 1–3 key tiles a block (after a prefix of 150, a block's first
 		// keys may come after some of its rows; unsplit over two query
 		// tiles or more, an fp16 cache's blocks run two key groups,
-		// attn_tc_f16_g)
+		// attn_tc_f16_g, or attn_tc_f16_g32 on 32 query rows a block,
+		// which must give the 64-row blocks' bits)
 		// Decode rows (T < attnTCMinRows) also with the grid split as for
 		// a cache of 352 keys (attnKeys: 11 splits, the later ones without
 		// keys at early positions, as in a captured step).
@@ -1519,7 +1547,7 @@ func TestAttention(t *testing.T) {
 				for _, sp := range splits {
 					b.opt.AttnSplit = sp
 					d := poisoned(b, tc.T, heads*hd)
-					before := b.KernelLaunches()["attn_tc_f16_g"]
+					before, before32 := groupLaunches(), b.KernelLaunches()["attn_tc_f16_g32"]
 					b.Attention(d, qb, c, 1, tc.pos0, heads, kvHeads, hd)
 					got := download(b, d)
 					checkClose(t, fmt.Sprintf("attention, split %d", sp), got, want, 1e-5)
@@ -1527,19 +1555,33 @@ func TestAttention(t *testing.T) {
 						_, units := b.attnSplit(tc.T, tc.pos0, heads)
 						wantG := cfg.half && b.attnGroups(tc.T, heads, units) // at least unsplit (−1) over two query tiles
 						must := sp == -1 && tc.T > 64 && cfg.half && attnTC2Smem <= b.smemOptin
-						if grouped := b.KernelLaunches()["attn_tc_f16_g"] > before; grouped != wantG || must && !grouped {
-							t.Errorf("split %d: attn_tc_f16_g launched %v, want %v", sp, grouped, wantG)
+						if grouped := groupLaunches() > before; grouped != wantG || must && !grouped {
+							t.Errorf("split %d: attn_tc_f16_g or _g32 launched %v, want %v", sp, grouped, wantG)
+						}
+						rows32 := wantG && b.attnRows32(tc.T, heads)
+						if g32 := b.KernelLaunches()["attn_tc_f16_g32"] > before32; g32 != rows32 {
+							t.Errorf("split %d: attn_tc_f16_g32 launched %v, want %v", sp, g32, rows32)
+						}
+						if rows32 { // the same launch in blocks of 64 query rows: the same bits
+							b.opt.NoAttnRows32 = true
+							d1 := poisoned(b, tc.T, heads*hd)
+							b.Attention(d1, qb, c, 1, tc.pos0, heads, kvHeads, hd)
+							b.opt.NoAttnRows32 = false
+							if g := download(b, d1); !slices.Equal(g, got) {
+								t.Errorf("split %d: attention in 64-row blocks differs from the 32-row ones", sp)
+							}
+							b.Free(d1)
 						}
 						if wantG { // the same launch in blocks of one key group
 							b.opt.NoAttnGroups = true
-							before := b.KernelLaunches()["attn_tc_f16_g"]
+							before := groupLaunches()
 							d1 := poisoned(b, tc.T, heads*hd)
 							b.Attention(d1, qb, c, 1, tc.pos0, heads, kvHeads, hd)
 							b.opt.NoAttnGroups = false
 							checkClose(t, fmt.Sprintf("attention, split %d, one key group", sp), download(b, d1), want, 1e-5)
 							b.Free(d1)
-							if b.KernelLaunches()["attn_tc_f16_g"] != before {
-								t.Errorf("split %d: attn_tc_f16_g launched under NoAttnGroups", sp)
+							if groupLaunches() != before {
+								t.Errorf("split %d: attn_tc_f16_g or _g32 launched under NoAttnGroups", sp)
 							}
 						}
 					}

@@ -822,7 +822,8 @@ func TestMLPDownInput(t *testing.T) {
 // fewer where the prefill attention writes o's input in the form o's
 // product takes (an fp16 cache, head size 128, at least attnTCMinRows rows;
 // its query tiles split or not — unsplit in blocks of two key groups,
-// attn_tc_f16_q_g and _h_g —, after a prefix): int8 codes for a W8A8 o
+// attn_tc_f16_q_g and _h_g, on 32 query rows a block (_q_g32, _h_g32) and
+// on 64 (Options.NoAttnRows32) —, after a prefix): int8 codes for a W8A8 o
 // with a static quantizer (attn_tc_f16_q: no quant_act), fp16 for an o
 // whose GEMM takes fp16 (attn_tc_f16_h: no to_half), and the same launches
 // where it does not (a per-token quantizer, a static one whose codes need
@@ -851,10 +852,15 @@ func TestAttentionAdd(t *testing.T) {
 				}},
 			} {
 				o := oc.upload()
-				for _, tc := range []struct{ T, pos0, split int }{{5, 0, 0}, {130, 0, 0}, {130, 0, 1}, {130, 0, -1}, {200, 150, 0}, {200, 150, 2}} {
-					name := fmt.Sprintf("hd=%d/half=%v/o=%s/T=%d/pos0=%d/split=%d", hd, half, oc.name, tc.T, tc.pos0, tc.split)
+				for _, tc := range []struct {
+					T, pos0, split int
+					rows64         bool // Options.NoAttnRows32
+				}{{5, 0, 0, false}, {130, 0, 0, false}, {130, 0, 1, false}, {130, 0, -1, false}, {130, 0, -1, true},
+					{200, 150, 0, false}, {200, 150, 0, true}, {200, 150, 2, false}} {
+					name := fmt.Sprintf("hd=%d/half=%v/o=%s/T=%d/pos0=%d/split=%d/rows64=%v", hd, half, oc.name, tc.T, tc.pos0, tc.split, tc.rows64)
 					t.Run(name, func(t *testing.T) {
-						b.opt.AttnSplit = tc.split
+						b.opt.AttnSplit, b.opt.NoAttnRows32 = tc.split, tc.rows64
+						defer func() { b.opt.NoAttnRows32 = false }()
 						kv := upload(b, tc.T, kvHeads*hd, randVec(r, tc.T*kvHeads*hd, 1))
 						defer b.Free(kv)
 						b.StoreKV(c, 0, tc.pos0, kv, kv)

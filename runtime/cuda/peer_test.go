@@ -595,9 +595,12 @@ func TestAttentionAllReduce(t *testing.T) {
 						t.Fatalf("rank %d: attentionSend declined (tileSender, attnFormOut)", q)
 					}
 					after := b.KernelLaunches()
-					h := after["attn_tc_f16_h"] + after["attn_tc_f16_h_g"] - before["attn_tc_f16_h"] - before["attn_tc_f16_h_g"]
+					h := 0
+					for _, k := range []string{"attn_tc_f16_h", "attn_tc_f16_h_g", "attn_tc_f16_h_g32"} {
+						h += after[k] - before[k]
+					}
 					if h == 0 || after["to_half"] != before["to_half"] {
-						t.Errorf("rank %d: attentionSend did not write o's input in fp16 (attn_tc_f16_h and _h_g %d, to_half %d launches)", q,
+						t.Errorf("rank %d: attentionSend did not write o's input in fp16 (attn_tc_f16_h, _h_g and _h_g32 %d, to_half %d launches)", q,
 							h, after["to_half"]-before["to_half"])
 					}
 				})
