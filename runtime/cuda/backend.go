@@ -1286,10 +1286,10 @@ func (b *Backend) attnGroups(T, heads, units int) bool {
 // attnRows32 reports whether a prefill attention in blocks of two key
 // groups (attnGroups), T rows of heads heads, runs its blocks on 32 query
 // rows (attn_tc_f16_g32, _q_g32, _h_g32: two warps a key group, 128
-// threads) rather than 64: where the 64-row blocks would take at most
-// half the multiprocessors (one a multiprocessor: their shared memory),
-// so that the 32-row ones fill at most a wave — 128 tokens of 32 heads,
-// 64 blocks against 128 on an H200's 132. A block's longest chain is
+// threads) rather than 64: where the 32-row blocks fit one wave (one a
+// multiprocessor: their shared memory), so that the 64-row ones would
+// leave about half the multiprocessors idle — 128 tokens of 32 heads,
+// 128 blocks against 64 on an H200's 132. A block's longest chain is
 // the same (a warp's 16 rows by its group's key tiles); each scheduler
 // runs one warp of it, not two, and the block stages and stores half the
 // rows. Seventy-fourth session (one H200, bench --synthetic, 128 tokens,
