@@ -856,7 +856,7 @@ func TestAttentionAdd(t *testing.T) {
 					T, pos0, split int
 					rows64         bool // Options.NoAttnRows32
 				}{{5, 0, 0, false}, {130, 0, 0, false}, {130, 0, 1, false}, {130, 0, -1, false}, {130, 0, -1, true},
-					{200, 150, 0, false}, {200, 150, 0, true}, {200, 150, 2, false}} {
+					{200, 150, 0, false}, {200, 150, -1, false}, {200, 150, -1, true}, {200, 150, 2, false}} {
 					name := fmt.Sprintf("hd=%d/half=%v/o=%s/T=%d/pos0=%d/split=%d/rows64=%v", hd, half, oc.name, tc.T, tc.pos0, tc.split, tc.rows64)
 					t.Run(name, func(t *testing.T) {
 						b.opt.AttnSplit, b.opt.NoAttnRows32 = tc.split, tc.rows64
