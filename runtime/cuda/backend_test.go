@@ -1562,24 +1562,21 @@ func TestAttention(t *testing.T) {
 						if g32 := b.KernelLaunches()["attn_tc_f16_g32"] > before32; g32 != rows32 {
 							t.Errorf("split %d: attn_tc_f16_g32 launched %v, want %v", sp, g32, rows32)
 						}
-						if rows32 { // the same launch in blocks of 64 query rows: the same bits
-							b.opt.NoAttnRows32 = true
+						// the same launch with option off set: its output
+						with := func(off *bool) []float32 {
+							*off = true
+							defer func() { *off = false }()
 							d1 := poisoned(b, tc.T, heads*hd)
+							defer b.Free(d1)
 							b.Attention(d1, qb, c, 1, tc.pos0, heads, kvHeads, hd)
-							b.opt.NoAttnRows32 = false
-							if g := download(b, d1); !slices.Equal(g, got) {
-								t.Errorf("split %d: attention in 64-row blocks differs from the 32-row ones", sp)
-							}
-							b.Free(d1)
+							return download(b, d1)
 						}
-						if wantG { // the same launch in blocks of one key group
-							b.opt.NoAttnGroups = true
+						if rows32 && !slices.Equal(with(&b.opt.NoAttnRows32), got) { // blocks of 64 query rows: the same bits
+							t.Errorf("split %d: attention in 64-row blocks differs from the 32-row ones", sp)
+						}
+						if wantG { // blocks of one key group
 							before := groupLaunches()
-							d1 := poisoned(b, tc.T, heads*hd)
-							b.Attention(d1, qb, c, 1, tc.pos0, heads, kvHeads, hd)
-							b.opt.NoAttnGroups = false
-							checkClose(t, fmt.Sprintf("attention, split %d, one key group", sp), download(b, d1), want, 1e-5)
-							b.Free(d1)
+							checkClose(t, fmt.Sprintf("attention, split %d, one key group", sp), with(&b.opt.NoAttnGroups), want, 1e-5)
 							if groupLaunches() != before {
 								t.Errorf("split %d: attn_tc_f16_g or _g32 launched under NoAttnGroups", sp)
 							}
