@@ -1764,7 +1764,7 @@ static_assert(4 * AT_K * AT_LD * 2 <= AT_SMEM, "attn_tc_h_body's two K and two V
 // at_store_codes is at_store for the
 // int8 codes (QOut: attn_tc_f16_q, whose head size 128 it assumes
 // unchecked): RN(o/l) of this thread's values (quot_rn) into a stage of
-// the block's 64 rows in shared memory (the key and value buffers, free
+// the block's QR rows in shared memory (the key and value buffers, free
 // once every warp is past its last tile), then the codes of four values
 // a thread a step (quant_fast, QOut's put4) from the stage, a row's 128
 // in one warp's 128 contiguous bytes, in a loop of few instructions (all
@@ -1987,7 +1987,8 @@ struct AtState {
     }
 };
 // The prefill attention splits the keys of its long query tiles: causal
-// query tile qt (64 rows) sees tiles(qt) = ⌊last key / 64⌋ + 1 key tiles,
+// query tile qt (64 rows; 32 in attn_tc_h_body's 32-row blocks, whose
+// tiles are never split) sees tiles(qt) = ⌊last key / 64⌋ + 1 key tiles,
 // and without splits the block of the last query tile runs tiles(qt) steps
 // while the first runs one, so a launch lasts as long as its longest block
 // however many multiprocessors idle. A unit is at most ct consecutive key
@@ -2212,8 +2213,9 @@ __device__ __forceinline__ void attn_tc_body(AtF32 dst, const float* __restrict_
 // not stale values); Q staged in the second buffers before the first tile.
 // HD, when not 0, is the head size hd known at compile time (128: the
 // fragment loops without predicates and their addresses folded). G = 2:
-// a block of two key groups of four warps (attn_tc_f16_g, _q_g, _h_g), each
-// the block's 64 query rows over every other key tile of the unit with
+// a block of two key groups of QR / 16 warps (attn_tc_f16_g, _q_g, _h_g
+// with QR = 64; _g32 with 32: twice the blocks, one warp a scheduler), each
+// the block's QR query rows over every other key tile of the unit with
 // buffers of its own (AT_SMEM2), group 1's state merged into group 0's in
 // shared memory with at_finish's arithmetic for two units (group 0's
 // first); only for units that are whole query tiles (the host's choice; a
@@ -2228,11 +2230,12 @@ __device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict_
                                                const __half* __restrict__ kc, const __half* __restrict__ vc, int T,
                                                int heads, int kvHeads, int hd_, int pos0, float scale, AtSplit sp) {
     static_assert(QR == AT_Q || (QR == 32 && G == 2), "attn_tc_h_body: 32-row blocks only in two key groups");
-    constexpr int GT = 2 * QR;  // a key group's threads: QR / 16 warps
+    constexpr int GT = 2 * QR, GTL = QR == 32 ? 6 : 7;  // a key group's threads (QR / 16 warps), their log2
+    static_assert(GT == 1 << GTL, "attn_tc_h_body: a key group's threads a power of two");
     const int hd = HD ? HD : hd_;
     extern __shared__ __align__(16) unsigned char at_smem[];
-    int tid = threadIdx.x, lane = tid & 31, warp = G > 1 ? (tid % GT) >> 5 : tid >> 5, gid = lane >> 2;
-    const int g = G > 1 ? tid / GT : 0, gt = G > 1 ? tid % GT : tid;  // key group, thread within it
+    int tid = threadIdx.x, lane = tid & 31, warp = G > 1 ? (tid >> 5) & (QR / 16 - 1) : tid >> 5, gid = lane >> 2;
+    const int g = G > 1 ? tid >> GTL : 0, gt = G > 1 ? tid & (GT - 1) : tid;  // key group, thread within it
     AtRow* Ks = reinterpret_cast<AtRow*>(at_smem) + g * 4 * AT_K;  // group g's [2][AT_K], then V likewise
     AtRow* Vs = Ks + 2 * AT_K;
     AtUnit u = at_unit<QR>(blockIdx.y, T, pos0, sp.ct);
@@ -2257,6 +2260,11 @@ __device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict_
         cp_async_commit();
     };
     const int n = (tiles - jt0 - g + G - 1) / G;  // the group's tiles
+    // the unit's arithmetic above reads nothing an earlier kernel writes:
+    // it runs while the kernel before this one finishes (the entries below
+    // have no PDL_ENTRY)
+    pdl_wait();
+    pdl_trigger();
     if (n > 0) load(0);
     int qr = warp * 16;
     uint32_t qa[8][4], ql[8][4];
@@ -2409,13 +2417,14 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const floa
 // (attn_tc_h_body's G = 2; 256 threads, AT_SMEM2), for launches whose
 // units are whole query tiles; those with _g32 blocks of 32 query rows in
 // two key groups of two warps (QR = 32; 128 threads), for launches whose
-// 64-row blocks would leave over half the multiprocessors idle.
+// 64-row blocks would leave over half the multiprocessors idle. None waits
+// for the kernel before it at entry: attn_tc_h_body does, after its unit's
+// arithmetic and before its first copy.
 #define ATTN_TC_F16_ENTRIES(SUF, G, QR)                                                                            \
     extern "C" __global__ void __launch_bounds__(2 * QR * G)                                                       \
         attn_tc_f16##SUF(float* dst, const float* q, const __half* kc, const __half* vc, int T, int heads,         \
                          int kvHeads, int hd, int pos0, float scale, int ct, int units, float* part_o,             \
                          float* part_ml, int* cnt) {                                                               \
-        PDL_ENTRY();                                                                                               \
         AtSplit sp{ct, units, part_o, part_ml, cnt};                                                               \
         if (hd == 128)                                                                                             \
             attn_tc_h_body<128, AtF32, G, QR>(AtF32{dst}, q, kc, vc, T, heads, kvHeads, hd, pos0, scale, sp);      \
@@ -2426,7 +2435,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const floa
         attn_tc_f16_q##SUF(int8_t* dq, float qs, float qo, const float* q, const __half* kc, const __half* vc,     \
                            int T, int heads, int kvHeads, int pos0, float scale, int ct, int units, float* part_o, \
                            float* part_ml, int* cnt) {                                                             \
-        PDL_ENTRY();                                                                                               \
         attn_tc_h_body<128, QOut, G, QR>(QOut{dq, qs, qo}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,         \
                                          AtSplit{ct, units, part_o, part_ml, cnt});                                \
     }                                                                                                              \
@@ -2434,7 +2442,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_tc(float* dst, const floa
         attn_tc_f16_h##SUF(__half* dh, const float* q, const __half* kc, const __half* vc, int T, int heads,       \
                            int kvHeads, int pos0, float scale, int ct, int units, float* part_o, float* part_ml,   \
                            int* cnt) {                                                                             \
-        PDL_ENTRY();                                                                                               \
         attn_tc_h_body<128, AtF16, G, QR>(AtF16{dh}, q, kc, vc, T, heads, kvHeads, 128, pos0, scale,               \
                                           AtSplit{ct, units, part_o, part_ml, cnt});                               \
     }
