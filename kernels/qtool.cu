@@ -4339,7 +4339,7 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaMap* map, int
 // (l2_evict_first), as the GEMVs read weights, so that the weights'
 // stream leaves what the pass reads again in L2 (the activations, the KV
 // cache, the kernels' code). On an H200 (seventy-fourth session, bench
-// --synthetic, one call) W8A8 prefill ran 2.2–3.7 % faster at 128–512
+// --synthetic, one call) W8A8 prefill ran 2.0–3.7 % faster at 128–512
 // tokens on llama2-7b and llama3-8b, fp16 2–4 %, W4A16 as before.
 __device__ __forceinline__ void tma_load_2d_once(uint32_t dst, const TmaMap* map, int x, int y, uint32_t bar,
                                                  uint64_t pol) {
@@ -6131,6 +6131,11 @@ __device__ __forceinline__ void exchange_body(float* __restrict__ x, int M, int 
     const float* st1 = stage_of(rank, world > 1 ? 1 : 0);
     __half* gown = reinterpret_cast<__half*>(area + gather_off);
     __half* gpeer = reinterpret_cast<__half*>(reinterpret_cast<char*>(areas[world == 2 ? 1 - rank : rank]) + gather_off);
+    // EX_NORM's sum of squares: rmsnorm's vector form's (rn_vec_sumsq,
+    // over the row read back) where the row fits it, else the strided sum
+    // the loop below adds up as it stores the row
+    const bool vec = mode == EX_NORM && rn_vec_fits(cols, nt, (uintptr_t)x | (uintptr_t)w | (uintptr_t)bias);
+    const bool strided = mode == EX_NORM && !vec;
     for (int r = r0 + blockIdx.x; r < r1; r += gridDim.x) {
         float* xr = x + (size_t)r * cols;
         float xv[RN_REG];
@@ -6163,11 +6168,14 @@ __device__ __forceinline__ void exchange_body(float* __restrict__ x, int M, int 
 #pragma unroll
             for (int i = 0; i < RN_REG; i++) {
                 int c = c0 + t + i * nt;
-                if (c < cols) xr[c] = xv[i], ss += xv[i] * xv[i];
+                if (c < cols) {
+                    xr[c] = xv[i];
+                    if (strided) ss += xv[i] * xv[i];
+                }
             }
         }
         if (mode != EX_NORM) continue;
-        if (rn_vec_fits(cols, nt, (uintptr_t)x | (uintptr_t)w | (uintptr_t)bias)) {  // as rmsnorm sums such rows
+        if (vec) {  // as rmsnorm sums such rows
             __syncthreads();  // the row's sums, stored above by every thread of the block
             const float4* x4 = reinterpret_cast<const float4*>(xr);
             float4 xq[RN_V];
