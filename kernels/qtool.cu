@@ -1859,62 +1859,51 @@ __device__ __forceinline__ void at_q_read(uint32_t (&qa)[8][4], uint32_t (&ql)[8
     }
     __syncthreads();
 }
-// at_q_frags stages the block's QR query rows from t0 (head h, times
-// scale·log2 e, zeros from row T on) in Qh and Ql as fp16 hi and lo parts
-// and reads the warp's 16 rows from qr back as A fragments (at_q_read).
-// NT is the block's threads, a constant: the staging loop unrolled, its
-// loads issued together (a stride of blockDim.x made the prefill
-// attention's block ~2 µs slower, seventy-second session).
-template <int NT = 128, int QR = AT_Q>
-__device__ __forceinline__ void at_q_frags(uint32_t (&qa)[8][4], uint32_t (&ql)[8][4], AtRow* Qh, AtRow* Ql,
-                                           const float* __restrict__ q, int t0, int T, int heads, int hd, int h,
-                                           float sl2, int qr) {
-    int tid = threadIdx.x, c4 = hd >> 2;
-    for (int i = tid; i < QR * c4; i += NT) {
-        int r = i / c4, c = (i % c4) * 4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t0 + r < T) v = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * heads * hd + (size_t)h * hd + c);
-        uint2 lo;
-        *reinterpret_cast<uint2*>(&Qh[r][c]) = split_h4(v.x * sl2, v.y * sl2, v.z * sl2, v.w * sl2, lo);
-        *reinterpret_cast<uint2*>(&Ql[r][c]) = lo;
-    }
-    at_q_read(qa, ql, Qh, Ql, hd, qr);
-}
-// AtQ is a thread's share of the block's QR query rows at head size 128
-// (float4 unit e = tid + NT·i of the rows' 32 a row, zeros from row T
-// on), loaded into registers by at_q_load so that attn_tc_h_body issues
-// them before its first key and value tile's copies. Issued after those
+// AtQ is a thread's share of the block's QR query rows of head size hd ≤
+// 128 (float4 unit e = tid + NT·i: row e / (hd / 4), zeros from row T on),
+// loaded into registers by at_q_load, so that attn_tc_h_body issues those
+// loads before its first key and value tile's copies. Issued after them
 // (32 cp.async a thread in the 32-row blocks), q's loads waited behind
 // them: their first use held 14 % of the W8A8 attention's stall samples
 // at 128 tokens, and W8A8 prefill gained 0.6-1.7 % from the order
-// (seventy-seventh session). at_q_frags_pre is at_q_frags from them (the
-// same values, the same arithmetic).
+// (seventy-seventh session). NT is the block's threads, a constant: the
+// loads unrolled and issued together (a stride of blockDim.x made the
+// prefill attention's block ~2 µs slower, seventy-second session).
 template <int NT, int QR>
 struct AtQ {
     float4 v[QR * 32 / NT];
 };
 template <int NT, int QR>
 __device__ __forceinline__ void at_q_load(AtQ<NT, QR>& a, const float* __restrict__ q, int t0, int T, int heads,
-                                          int h) {
+                                          int hd, int h) {
+    const unsigned c4 = hd >> 2;
 #pragma unroll
     for (int i = 0; i < QR * 32 / NT; i++) {
-        const int e = threadIdx.x + NT * i, r = e >> 5, c = (e & 31) * 4;
+        const unsigned e = threadIdx.x + NT * i;
+        const int r = e / c4, c = e % c4 * 4;
         a.v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t0 + r < T) a.v[i] = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * heads * 128 + (size_t)h * 128 + c);
+        if ((hd == 128 || r < QR) && t0 + r < T)  // at head size 128 every unit's row is below QR
+            a.v[i] = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * heads * hd + (size_t)h * hd + c);
     }
 }
+// at_q_stage stages the query rows a holds (times scale·log2 e: sl2) in Qh
+// and Ql as fp16 hi and lo parts and reads the warp's 16 rows from qr back
+// as A fragments (at_q_read).
 template <int NT, int QR>
-__device__ __forceinline__ void at_q_frags_pre(uint32_t (&qa)[8][4], uint32_t (&ql)[8][4], AtRow* Qh, AtRow* Ql,
-                                               const AtQ<NT, QR>& a, float sl2, int qr) {
+__device__ __forceinline__ void at_q_stage(uint32_t (&qa)[8][4], uint32_t (&ql)[8][4], AtRow* Qh, AtRow* Ql,
+                                           const AtQ<NT, QR>& a, int hd, float sl2, int qr) {
+    const unsigned c4 = hd >> 2;
 #pragma unroll
     for (int i = 0; i < QR * 32 / NT; i++) {
-        const int e = threadIdx.x + NT * i, r = e >> 5, c = (e & 31) * 4;
+        const unsigned e = threadIdx.x + NT * i;
+        const int r = e / c4, c = e % c4 * 4;
+        if (hd != 128 && r >= QR) continue;
         const float4 v = a.v[i];
         uint2 lo;
         *reinterpret_cast<uint2*>(&Qh[r][c]) = split_h4(v.x * sl2, v.y * sl2, v.z * sl2, v.w * sl2, lo);
         *reinterpret_cast<uint2*>(&Ql[r][c]) = lo;
     }
-    at_q_read(qa, ql, Qh, Ql, 128, qr);
+    at_q_read(qa, ql, Qh, Ql, hd, qr);
 }
 // AtState is a warp's running softmax over the key tiles: this thread's
 // outputs o (n8 column chunk nt of rows lo = row gid and hi = gid + 8),
@@ -2156,7 +2145,11 @@ __device__ __forceinline__ void attn_tc_body(AtF32 dst, const float* __restrict_
     int nks = hd >> 4, nnt = hd >> 3, c4 = hd >> 2;
     int qr = warp * 16;
     uint32_t qa[8][4], ql[8][4];
-    at_q_frags(qa, ql, Ks, Kl, q, t0, T, heads, hd, h, scale * 1.4426950408889634f, qr);
+    {
+        AtQ<128, AT_Q> qv;
+        at_q_load(qv, q, t0, T, heads, hd, h);
+        at_q_stage(qa, ql, Ks, Kl, qv, hd, scale * 1.4426950408889634f, qr);
+    }
     AtState st;
     int plo = pos0 + t0 + qr + gid, phi = plo + 8;  // this thread's two rows
     int wlast = pos0 + t0 + qr + 15;                // the warp's last row
@@ -2310,16 +2303,12 @@ __device__ __forceinline__ void attn_tc_h_body(Out dst, const float* __restrict_
     pdl_trigger();
     int qr = warp * 16;
     uint32_t qa[8][4], ql[8][4];
-    AtRow* K0 = reinterpret_cast<AtRow*>(at_smem);
-    const float sl2 = scale * 1.4426950408889634f;
-    if constexpr (HD == 128) {  // q's loads first (AtQ), then the tile's copies
+    {  // q's loads first (AtQ), then the tile's copies
+        AtRow* K0 = reinterpret_cast<AtRow*>(at_smem);
         AtQ<GT * G, QR> qv;
-        at_q_load(qv, q, t0, T, heads, h);
+        at_q_load(qv, q, t0, T, heads, hd, h);
         if (n > 0) load(0);
-        at_q_frags_pre(qa, ql, K0 + AT_K, K0 + 3 * AT_K, qv, sl2, qr);
-    } else {
-        if (n > 0) load(0);
-        at_q_frags<GT * G, QR>(qa, ql, K0 + AT_K, K0 + 3 * AT_K, q, t0, T, heads, hd, h, sl2, qr);
+        at_q_stage(qa, ql, K0 + AT_K, K0 + 3 * AT_K, qv, hd, scale * 1.4426950408889634f, qr);
     }
     AtState st;
     int plo = pos0 + t0 + qr + gid, phi = plo + 8;  // this thread's two rows
