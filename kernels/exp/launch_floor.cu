@@ -27,6 +27,41 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     return v;
 }
 
+// stage_x copies x's K floats (K <= 4 096) into shared memory xs with all
+// of a thread's loads issued at once (four float4: one round trip), then
+// waits for the block.
+__device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x, int K) {
+    const int tid = threadIdx.x;
+    float4 t[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int k = tid + 256 * i;
+        t[i] = k < K / 4 ? reinterpret_cast<const float4*>(x)[k] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        if (tid + 256 * i < K / 4) reinterpret_cast<float4*>(xs)[tid + 256 * i] = t[i];
+    __syncthreads();
+}
+// store_link reduces the threads' words h over the block (256 threads) and
+// has its first 16 threads store y[16·block + t] (within K), each depending
+// on the block's words and on x.
+__device__ __forceinline__ void store_link(uint32_t h, const float* xs, float* __restrict__ y, int K) {
+    __shared__ uint32_t red[8];
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) h ^= __shfl_xor_sync(0xffffffffu, h, o);
+    if ((tid & 31) == 0) red[tid >> 5] = h;
+    __syncthreads();
+    if (tid < 16) {
+        uint32_t t = 0;
+        for (int i = 0; i < 8; i++) t ^= red[i];
+        int n = blockIdx.x * 16 + tid;
+        // (t & 1) keeps the words live; the value stays x's scale
+        if (n < K) y[n] = xs[n] * 0.5f + (float)(t & 1) * 1e-30f;
+    }
+}
+
 // link: one link of the chain (blocks of 256 threads, K <= 4 096). Each
 // thread reads U 16-byte words of w (coalesced: word i of the block's run
 // at i·blockDim + tid), before the wait (AHEAD) or after it; after the
@@ -43,7 +78,6 @@ template <int U, bool AHEAD, bool EARLY = false>
 __device__ __forceinline__ void link_body(const uint4* __restrict__ w, long nw, const float* __restrict__ x,
                                           float* __restrict__ y, int K) {
     extern __shared__ float xs[];
-    __shared__ uint32_t red[32];
     const int tid = threadIdx.x;
     const long base = (long)blockIdx.x * blockDim.x * U + tid;
     uint4 v[U];
@@ -59,32 +93,11 @@ __device__ __forceinline__ void link_body(const uint4* __restrict__ w, long nw, 
     wait_prev();
     if (!EARLY) let_next();
     if (!AHEAD) load();
-    {  // x's loads all issued at once (K ≤ 4 096: four float4 a thread), one round trip
-        float4 t[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int k = tid + 256 * i;
-            t[i] = k < K / 4 ? reinterpret_cast<const float4*>(x)[k] : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            if (tid + 256 * i < K / 4) reinterpret_cast<float4*>(xs)[tid + 256 * i] = t[i];
-    }
-    __syncthreads();
+    stage_x(xs, x, K);
     uint32_t h = 0;
 #pragma unroll
     for (int i = 0; i < U; i++) h ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) h ^= __shfl_xor_sync(0xffffffffu, h, o);
-    if ((tid & 31) == 0) red[tid >> 5] = h;
-    __syncthreads();
-    if (tid < 16) {
-        uint32_t t = 0;
-        for (int i = 0; i < (int)blockDim.x / 32; i++) t ^= red[i];
-        int n = blockIdx.x * 16 + tid;
-        // (t & 1) keeps the words live; the value stays x's scale
-        if (n < K) y[n] = xs[n] * 0.5f + (float)(t & 1) * 1e-30f;
-    }
+    store_link(h, xs, y, K);
 }
 
 #define LINK(name, U, AHEAD, EARLY)                                                                  \
@@ -118,7 +131,6 @@ __device__ __forceinline__ void bulk_body(const unsigned char* __restrict__ w, l
     float* xs = reinterpret_cast<float*>(sm);
     unsigned char* ws = sm + 16384;
     __shared__ __align__(8) uint64_t bar;
-    __shared__ uint32_t red[8];
     const int tid = threadIdx.x;
     const long off = (long)blockIdx.x * per;
     const int n = (int)max(0L, min((long)per, nbytes - off));
@@ -140,18 +152,7 @@ __device__ __forceinline__ void bulk_body(const unsigned char* __restrict__ w, l
     }
     wait_prev();
     if (!EARLY) let_next();
-    {
-        float4 t[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int k = tid + 256 * i;
-            t[i] = k < K / 4 ? reinterpret_cast<const float4*>(x)[k] : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            if (tid + 256 * i < K / 4) reinterpret_cast<float4*>(xs)[tid + 256 * i] = t[i];
-    }
-    __syncthreads();
+    stage_x(xs, x, K);
     uint32_t done = 0;
     while (!done)
         asm volatile(
@@ -164,16 +165,7 @@ __device__ __forceinline__ void bulk_body(const unsigned char* __restrict__ w, l
         uint4 v = *reinterpret_cast<const uint4*>(ws + i);
         h ^= v.x ^ v.y ^ v.z ^ v.w;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) h ^= __shfl_xor_sync(0xffffffffu, h, o);
-    if ((tid & 31) == 0) red[tid >> 5] = h;
-    __syncthreads();
-    if (tid < 16) {
-        uint32_t t = 0;
-        for (int i = 0; i < 8; i++) t ^= red[i];
-        int o = blockIdx.x * 16 + tid;
-        if (o < K) y[o] = xs[o] * 0.5f + (float)(t & 1) * 1e-30f;
-    }
+    store_link(h, xs, y, K);
 }
 extern "C" __global__ void __launch_bounds__(256) bulk_ahead(const unsigned char* w, long nbytes, const float* x,
                                                              float* y, int K, int per) {
