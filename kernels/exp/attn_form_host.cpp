@@ -6,12 +6,8 @@
 
 #include "cu_host.h"
 int main(int argc, char** argv) {
-    if (argc < 2) {
-        printf("usage: %s attn_form.ptx\n", argv[0]);
-        return 2;
-    }
     CUmodule mod;
-    CK(load_module(argv[1], &mod));
+    if (!module_arg(argc, argv, "attn_form.ptx", &mod)) return 2;
     const char* names[] = {"attn_tc_f16_h", "attn_tc_f16_q", "at_mul", "at_cast", "attn_tc_f16_q"};
     const char* label[] = {"f16_h", "f16_q", "q_mul", "i8cast", "f16_q qs1e-3"};
     CUfunction fn[5], ff, fh;

@@ -5,26 +5,17 @@
 // bytes, in several ways but without its arithmetic, comes to the copy
 // bandwidth in such a chain (what the GEMV criterion's 4 096² shapes are
 // measured against). launch_floor_host.cpp runs it (see there and
-// kernels/exp/README.md). Not qtool's code: nothing here is embedded.
-#include <stdint.h>
-
-__device__ __forceinline__ void wait_prev() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void let_next() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// kernels/exp/README.md). Not qtool's kernels, but written with its
+// helpers (pdl_wait, pdl_trigger, ldg_stream, the mbarrier ones: sm_90a);
+// nothing here is embedded.
+#include "../qtool.cu"
 
 // An empty kernel, launched with or without the PDL attribute (the host
 // chooses); PDL: waits for its predecessor, then lets its successor launch.
 extern "C" __global__ void empty_plain() {}
 extern "C" __global__ void empty_pdl() {
-    wait_prev();
-    let_next();
-}
-
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
+    pdl_wait();
+    pdl_trigger();
 }
 
 // stage_x copies x's K floats (K <= 4 096) into shared memory xs with all
@@ -85,13 +76,13 @@ __device__ __forceinline__ void link_body(const uint4* __restrict__ w, long nw, 
 #pragma unroll
         for (int i = 0; i < U; i++) {
             long j = base + (long)i * blockDim.x;
-            v[i] = j < nw ? ld_stream(w + j) : make_uint4(0, 0, 0, 0);
+            v[i] = j < nw ? ldg_stream(w + j) : make_uint4(0, 0, 0, 0);
         }
     };
-    if (EARLY) let_next();  // the successor may launch before this link's predecessor ends
+    if (EARLY) pdl_trigger();  // the successor may launch before this link's predecessor ends
     if (AHEAD) load();
-    wait_prev();
-    if (!EARLY) let_next();
+    pdl_wait();
+    if (!EARLY) pdl_trigger();
     if (!AHEAD) load();
     stage_x(xs, x, K);
     uint32_t h = 0;
@@ -123,7 +114,6 @@ LINK(link_u0_early, 1, false, true)
 // mbarrier counting the bytes), issued before the wait (and, EARLY, after
 // letting the successor launch), then x staged, then the run read back
 // from shared memory. Dynamic shared memory: 16 KB for x, then the run.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 template <bool EARLY>
 __device__ __forceinline__ void bulk_body(const unsigned char* __restrict__ w, long nbytes, const float* __restrict__ x,
                                           float* __restrict__ y, int K, int per) {
@@ -135,31 +125,25 @@ __device__ __forceinline__ void bulk_body(const unsigned char* __restrict__ w, l
     const long off = (long)blockIdx.x * per;
     const int n = (int)max(0L, min((long)per, nbytes - off));
     if (tid == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bar)));
+        mbar_init(smem_u32(&bar), 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    if (EARLY) let_next();
+    if (EARLY) pdl_trigger();
     if (tid == 0) {
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&bar)), "r"(n) : "memory");
+        mbar_expect_tx(smem_u32(&bar), n);
         constexpr int CH = 16384;
         for (int o = 0; o < n; o += CH)
             asm volatile(
                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                    smem_addr(ws + o)),
-                "l"(w + off + o), "r"(min(CH, n - o)), "r"(smem_addr(&bar))
+                    smem_u32(ws + o)),
+                "l"(w + off + o), "r"(min(CH, n - o)), "r"(smem_u32(&bar))
                 : "memory");
     }
-    wait_prev();
-    if (!EARLY) let_next();
+    pdl_wait();
+    if (!EARLY) pdl_trigger();
     stage_x(xs, x, K);
-    uint32_t done = 0;
-    while (!done)
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(smem_addr(&bar))
-            : "memory");
+    mbar_wait(smem_u32(&bar), 0);
     uint32_t h = 0;
     for (int i = tid * 16; i < n; i += 256 * 16) {
         uint4 v = *reinterpret_cast<const uint4*>(ws + i);

@@ -10,7 +10,7 @@
 // bandwidth over 16 4-bit 4096² weights' bytes. Chains whose links share
 // the copies' bytes evenly; a real GEMV's rows per block differ. On the
 // GPU machine:
-//     nvcc -cubin -O3 -arch=sm_90a -o /tmp/launch_floor.cubin kernels/exp/launch_floor.cu
+//     nvcc -cubin -O3 -std=c++17 -arch=sm_90a -o /tmp/launch_floor.cubin kernels/exp/launch_floor.cu
 //     nvcc -O2 -o /tmp/launch_floor kernels/exp/launch_floor_host.cpp -lcuda && /tmp/launch_floor /tmp/launch_floor.cubin
 #include <algorithm>
 #include <cstring>
@@ -71,12 +71,8 @@ static CUresult time_chain(CUfunction fn, int grid, bool pdl, const std::vector<
 }
 
 int main(int argc, char** argv) {
-    if (argc < 2) {
-        printf("usage: %s launch_floor.cubin\n", argv[0]);
-        return 1;
-    }
     CUmodule mod;
-    CK(load_module(argv[1], &mod));
+    if (!module_arg(argc, argv, "launch_floor.cubin", &mod)) return 1;
     CUdevice dv;
     CK(cuDeviceGet(&dv, 0));
     int l2 = 0, sms = 0;

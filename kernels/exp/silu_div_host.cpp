@@ -6,12 +6,8 @@
 #define CK_FAIL 100
 #include "cu_host.h"
 int main(int argc, char** argv) {
-    if (argc < 2) {
-        printf("usage: %s silu_div.cubin\n", argv[0]);
-        return 100;
-    }
     CUmodule mod;
-    CK(load_module(argv[1], &mod));
+    if (!module_arg(argc, argv, "silu_div.cubin", &mod)) return 100;
     CUfunction fn;
     CK(cuModuleGetFunction(&fn, mod, "silu_check"));
     CUdeviceptr bad, first;
