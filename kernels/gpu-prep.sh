@@ -18,6 +18,13 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 shared=${SHARED:-$root/../shared}
 base=${1:-HEAD}
 cd "$root"
+# an emptied kernels/qtool_sm80.ptx (SM80_OUT, below, not yet put back) would be embedded
+# in the binaries and, with SM80_OUT, overwrite the kept copy: refuse
+if [ ! -s kernels/qtool_sm80.ptx ]; then
+  echo "gpu-prep: kernels/qtool_sm80.ptx is empty (a previous SM80_OUT=1 call's): put it back first," \
+    "cp bin/qtool_sm80.ptx.keep kernels/qtool_sm80.ptx (or git checkout kernels/qtool_sm80.ptx)" >&2
+  exit 2
+fi
 rm -rf .devbin .devdata && mkdir -p .devbin .devdata bin
 rm -f bin/qtool-base
 export CGO_ENABLED=0
