@@ -7,7 +7,7 @@
 #include "cu_host.h"
 int main(int argc, char** argv) {
     CUmodule mod;
-    if (!module_arg(argc, argv, "attn_form.ptx", &mod)) return 2;
+    CK(module_arg(argc, argv, "attn_form.ptx", &mod));
     const char* names[] = {"attn_tc_f16_h", "attn_tc_f16_q", "at_mul", "at_cast", "attn_tc_f16_q"};
     const char* label[] = {"f16_h", "f16_q", "q_mul", "i8cast", "f16_q qs1e-3"};
     CUfunction fn[5], ff, fh;

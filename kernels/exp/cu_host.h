@@ -1,5 +1,5 @@
 // cu_host.h: what the experiments' driver-API hosts share (attn_form_host.cpp,
-// silu_div_host.cpp): CK, which prints a failed driver call and returns
+// silu_div_host.cpp, launch_floor_host.cpp): CK, which prints a failed driver call and returns
 // CK_FAIL from the function (1 unless defined before), load_module,
 // which makes device 0's primary context current and loads a PTX or
 // cubin file into it, and module_arg, a host's first argument so loaded.
@@ -30,18 +30,12 @@ static CUresult load_module(const char* path, CUmodule* mod) {
     return cuModuleLoad(mod, path);
 }
 // module_arg loads the module named by a host's first argument (what:
-// the file it expects, for the usage line), printing the usage where
-// there is none; false where it failed.
-static bool module_arg(int argc, char** argv, const char* what, CUmodule* mod) {
+// the file it expects, for the usage line, printed where there is none
+// and answered with CUDA_ERROR_INVALID_VALUE), for CK.
+static CUresult module_arg(int argc, char** argv, const char* what, CUmodule* mod) {
     if (argc < 2) {
         printf("usage: %s %s\n", argv[0], what);
-        return false;
+        return CUDA_ERROR_INVALID_VALUE;
     }
-    CUresult r = load_module(argv[1], mod);
-    if (r) {
-        const char* m;
-        cuGetErrorString(r, &m);
-        printf("load_module(%s): %s\n", argv[1], m);
-    }
-    return r == CUDA_SUCCESS;
+    return load_module(argv[1], mod);
 }

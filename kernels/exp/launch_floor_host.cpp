@@ -72,7 +72,7 @@ static CUresult time_chain(CUfunction fn, int grid, bool pdl, const std::vector<
 
 int main(int argc, char** argv) {
     CUmodule mod;
-    if (!module_arg(argc, argv, "launch_floor.cubin", &mod)) return 1;
+    CK(module_arg(argc, argv, "launch_floor.cubin", &mod));
     CUdevice dv;
     CK(cuDeviceGet(&dv, 0));
     int l2 = 0, sms = 0;

@@ -7,7 +7,7 @@
 #include "cu_host.h"
 int main(int argc, char** argv) {
     CUmodule mod;
-    if (!module_arg(argc, argv, "silu_div.cubin", &mod)) return 100;
+    CK(module_arg(argc, argv, "silu_div.cubin", &mod));
     CUfunction fn;
     CK(cuModuleGetFunction(&fn, mod, "silu_check"));
     CUdeviceptr bad, first;
