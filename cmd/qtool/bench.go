@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -49,11 +50,34 @@ func benchCommand() *cli.Command {
 // benchShapes are the [out, in] GEMV/GEMM shapes of the microbenchmarks.
 var benchShapes = [][2]int{{14336, 4096}, {4096, 14336}, {4096, 4096}, {11008, 4096}, {4096, 11008}}
 
-// sizeRefShapes are fp16 GEMVs of about as many weight bytes as a 4-bit
-// (4096x1024) and an 8-bit (4096x2048) 4096x4096 weight: how near copy
-// speed a kernel with next to no arithmetic comes at those sizes, the
-// ceiling the small quantized GEMVs are read against.
-var sizeRefShapes = [][2]int{{4096, 1024}, {4096, 2048}}
+// sizeRefFormats are the formats whose GEMV at each of benchShapes gets a
+// size reference: an fp16 GEMV of about as many bytes in rows of
+// sizeRefCols features (sizeRefRows), how near copy speed a one-row
+// product with next to no arithmetic comes at that size — the ceiling
+// that GEMV is read against (at 8–30 MB a launch's ramp and tail take a
+// large share of it whatever the arithmetic: 49 % of copy at 9 MB, 77 %
+// at 24 MB on an H200).
+var sizeRefFormats = map[string]bool{"w4a16": true, "w8a16": true}
+
+// sizeRefCols is the size references' row length: the 7B/8B hidden size,
+// where the fp16 GEMV reads 86–101 % of copy at its own shapes. (Of as
+// many rows as the quantized weight, their rows of 1 088 features read
+// about 50 % at 11 008 and 14 336 rows, below the 4-bit kernels
+// themselves: the short rows' costs, not the bytes'.)
+const sizeRefCols = 4096
+
+// sizeRefRows is the rows, a multiple of 64, of an fp16 weight of
+// sizeRefCols features a row and about bytes bytes.
+func sizeRefRows(bytes float64) int {
+	return max(64, int(math.Round(bytes/(2*sizeRefCols)/64))*64)
+}
+
+// sizeRef is one size reference to time: its rows and the weight whose
+// bytes it stands for.
+type sizeRef struct {
+	N  int
+	of string
+}
 
 // prefillRuns is how many timed prefills give bench's prefill rate (their
 // median).
@@ -101,6 +125,9 @@ type kernelResult struct {
 	// rows) and of one (Options.WGWide), where it has both.
 	WideSeconds   float64 `json:"wide_seconds,omitempty"`
 	NarrowSeconds float64 `json:"narrow_seconds,omitempty"`
+	// SizeOf, of a size reference (kernel "gemv-size"): the format and
+	// shape of the weight whose bytes it reads.
+	SizeOf string `json:"size_of,omitempty"`
 }
 
 type modelResult struct {
@@ -275,6 +302,7 @@ func benchKernels(b *cuda.Backend, rep *benchReport, rows []int, out io.Writer) 
 	fmt.Fprintf(out, "\n(GEMV times are device time per call from a replayed CUDA graph of 20 calls over copies of the weight\n that exceed the L2 cache together; GEMM times the median of %d turns over a GEMM's forms, 10 calls each)\n", gemmRounds)
 	fmt.Fprintf(out, "%-8s %-14s %-12s %5s %10s %12s %9s\n", "kernel", "format", "shape", "M", "time(us)", "rate", "ratio")
 	seed := uint64(1000)
+	var refs []sizeRef
 	for _, sh := range benchShapes {
 		N, K := sh[0], sh[1]
 		f16Rate := map[int]float64{} // by rows
@@ -287,6 +315,9 @@ func benchKernels(b *cuda.Backend, rep *benchReport, rows []int, out io.Writer) 
 			}
 			rep.Kernels = append(rep.Kernels, kv)
 			fmt.Fprint(out, kv.gemvLine())
+			if sizeRefFormats[f] {
+				refs = append(refs, sizeRef{sizeRefRows(kv.GBs * 1e9 * kv.Seconds), f + " " + kv.Shape})
+			}
 			for _, M := range rows {
 				seed++
 				kr := benchGEMM(b, w, f, N, K, M, seed)
@@ -301,16 +332,16 @@ func benchKernels(b *cuda.Backend, rep *benchReport, rows []int, out io.Writer) 
 			b.FreeLinear(w)
 		}
 	}
-	fmt.Fprintf(out, "(size reference: fp16 GEMVs of about the bytes of a 4-bit and an 8-bit 4096x4096 weight)\n")
-	for _, sh := range sizeRefShapes {
-		spec := cuda.Synthetic{Format: "fp16", Dims: []int{sh[0], sh[1]}, Seed: seed}
+	fmt.Fprintf(out, "(size references: fp16 GEMVs of %d features a row and about the bytes of each shape's w4a16 and w8a16\n weight, codes and scales — how near copy speed a one-row product with next to no arithmetic comes at that size)\n", sizeRefCols)
+	for _, r := range refs {
+		spec := cuda.Synthetic{Format: "fp16", Dims: []int{r.N, sizeRefCols}, Seed: seed}
 		seed++
 		w, kv, err := benchGEMV(b, spec, copyBps)
 		if err != nil {
 			return err
 		}
 		b.FreeLinear(w)
-		kv.Kernel = "gemv-size"
+		kv.Kernel, kv.SizeOf = "gemv-size", r.of
 		rep.Kernels = append(rep.Kernels, kv)
 		fmt.Fprint(out, kv.gemvLine())
 	}
@@ -397,7 +428,11 @@ func benchGEMV(b *cuda.Backend, spec cuda.Synthetic, copyBps float64) (runtime.L
 
 // gemvLine is k's row of bench's kernel table.
 func (k kernelResult) gemvLine() string {
-	return fmt.Sprintf("%-8s %-24s %-12s %5d %10.2f %8.0f GB/s %7.1f%% of copy\n", k.Kernel, k.Format, k.Shape, k.M, k.Seconds*1e6, k.GBs, k.RatioPct)
+	of := ""
+	if k.SizeOf != "" {
+		of = " (the bytes of " + k.SizeOf + ")"
+	}
+	return fmt.Sprintf("%-8s %-24s %-12s %5d %10.2f %8.0f GB/s %7.1f%% of copy%s\n", k.Kernel, k.Format, k.Shape, k.M, k.Seconds*1e6, k.GBs, k.RatioPct, of)
 }
 
 // gemmLine is k's line of the kernel table: time, rate, the ratio to our

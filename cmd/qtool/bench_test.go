@@ -37,3 +37,21 @@ func TestPrintSyntheticRatios(t *testing.T) {
 		}
 	}
 }
+
+// TestSizeRefRows checks the size references' fp16 shapes: about the bytes
+// asked for in rows of sizeRefCols, a multiple of 64 rows, never empty.
+func TestSizeRefRows(t *testing.T) {
+	for _, c := range []struct {
+		bytes float64
+		want  int
+	}{
+		{4096 * 4096 * 0.53125, 1088},  // a 4-bit 4096x4096 weight with its g128 scale words: 1 088 rows exactly
+		{4096 * 11008 * 0.53125, 2944}, // a 4-bit down of llama2-7b: 2 924 rows, to 2 944
+		{14336 * 4096 * 1.0625, 7616},  // an 8-bit gate of llama3-8b with {scale, zero} floats a group
+		{100, 64},                      // no fewer than 64
+	} {
+		if got := sizeRefRows(c.bytes); got != c.want {
+			t.Errorf("sizeRefRows(%.0f) = %d, want %d", c.bytes, got, c.want)
+		}
+	}
+}
