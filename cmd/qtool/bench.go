@@ -111,6 +111,7 @@ type kernelResult struct {
 	Kernel   string  `json:"kernel"`
 	Format   string  `json:"format"`
 	Out, In  int     `json:"-"`
+	bytes    float64 // a GEMV's bytes read a call (TimeDecodeGEMV's count)
 	Shape    string  `json:"shape"`
 	M        int     `json:"m"`
 	Seconds  float64 `json:"seconds"`
@@ -316,7 +317,7 @@ func benchKernels(b *cuda.Backend, rep *benchReport, rows []int, out io.Writer) 
 			rep.Kernels = append(rep.Kernels, kv)
 			fmt.Fprint(out, kv.gemvLine())
 			if sizeRefFormats[f] {
-				refs = append(refs, sizeRef{sizeRefRows(kv.GBs * 1e9 * kv.Seconds), f + " " + kv.Shape})
+				refs = append(refs, sizeRef{sizeRefRows(kv.bytes), f + " " + kv.Shape})
 			}
 			for _, M := range rows {
 				seed++
@@ -423,7 +424,7 @@ func benchGEMV(b *cuda.Backend, spec cuda.Synthetic, copyBps float64) (runtime.L
 	}
 	N, K := spec.Dims[0], spec.Dims[1]
 	return w, kernelResult{Kernel: "gemv", Format: spec.Format + "/" + b.GEMVKernel(w, 1), Shape: fmt.Sprintf("%dx%d", N, K),
-		M: 1, Seconds: tv, GBs: bytes / tv / 1e9, RatioPct: 100 * bytes / tv / copyBps}, nil
+		M: 1, Seconds: tv, GBs: bytes / tv / 1e9, RatioPct: 100 * bytes / tv / copyBps, bytes: bytes}, nil
 }
 
 // gemvLine is k's row of bench's kernel table.
