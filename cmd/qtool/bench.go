@@ -72,11 +72,24 @@ func sizeRefRows(bytes float64) int {
 	return max(64, int(math.Round(bytes/(2*sizeRefCols)/64))*64)
 }
 
-// sizeRef is one size reference to time: its rows and the weight whose
+// sizeRef is one size reference to time: its rows and the weights whose
 // bytes it stands for.
 type sizeRef struct {
 	N  int
-	of string
+	of []string
+}
+
+// addSizeRef is refs with a reference of n rows for weight of: added to
+// the one of n rows where refs has it (a shape and its transpose have the
+// same bytes, so one timing serves both), else appended.
+func addSizeRef(refs []sizeRef, n int, of string) []sizeRef {
+	for i := range refs {
+		if refs[i].N == n {
+			refs[i].of = append(refs[i].of, of)
+			return refs
+		}
+	}
+	return append(refs, sizeRef{n, []string{of}})
 }
 
 // prefillRuns is how many timed prefills give bench's prefill rate (their
@@ -127,7 +140,7 @@ type kernelResult struct {
 	WideSeconds   float64 `json:"wide_seconds,omitempty"`
 	NarrowSeconds float64 `json:"narrow_seconds,omitempty"`
 	// SizeOf, of a size reference (kernel "gemv-size"): the format and
-	// shape of the weight whose bytes it reads.
+	// shape of each weight whose bytes it reads, comma-separated.
 	SizeOf string `json:"size_of,omitempty"`
 }
 
@@ -317,7 +330,7 @@ func benchKernels(b *cuda.Backend, rep *benchReport, rows []int, out io.Writer) 
 			rep.Kernels = append(rep.Kernels, kv)
 			fmt.Fprint(out, kv.gemvLine())
 			if sizeRefFormats[f] {
-				refs = append(refs, sizeRef{sizeRefRows(kv.bytes), f + " " + kv.Shape})
+				refs = addSizeRef(refs, sizeRefRows(kv.bytes), f+" "+kv.Shape)
 			}
 			for _, M := range rows {
 				seed++
@@ -342,7 +355,7 @@ func benchKernels(b *cuda.Backend, rep *benchReport, rows []int, out io.Writer) 
 			return err
 		}
 		b.FreeLinear(w)
-		kv.Kernel, kv.SizeOf = "gemv-size", r.of
+		kv.Kernel, kv.SizeOf = "gemv-size", strings.Join(r.of, ", ")
 		rep.Kernels = append(rep.Kernels, kv)
 		fmt.Fprint(out, kv.gemvLine())
 	}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -53,5 +54,21 @@ func TestSizeRefRows(t *testing.T) {
 		if got := sizeRefRows(c.bytes); got != c.want {
 			t.Errorf("sizeRefRows(%.0f) = %d, want %d", c.bytes, got, c.want)
 		}
+	}
+}
+
+// TestAddSizeRef checks that weights of the same reference rows share one
+// reference, in the order they came, and that other rows get their own.
+func TestAddSizeRef(t *testing.T) {
+	var refs []sizeRef
+	for _, c := range []struct {
+		n  int
+		of string
+	}{{3840, "w4a16 14336x4096"}, {7616, "w8a16 14336x4096"}, {3840, "w4a16 4096x14336"}, {1088, "w4a16 4096x4096"}} {
+		refs = addSizeRef(refs, c.n, c.of)
+	}
+	want := []sizeRef{{3840, []string{"w4a16 14336x4096", "w4a16 4096x14336"}}, {7616, []string{"w8a16 14336x4096"}}, {1088, []string{"w4a16 4096x4096"}}}
+	if !reflect.DeepEqual(refs, want) {
+		t.Errorf("addSizeRef gave %v, want %v", refs, want)
 	}
 }
